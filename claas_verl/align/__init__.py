@@ -1,0 +1,45 @@
+"""Alignment terms of continual MOPD (SPEC B.3-B.5): step regions, q/k/v capture, pooled rows, losses."""
+
+from claas_verl.align.capture import AttentionCapture, CapturedQKV, apply_rope, attention_modules
+from claas_verl.align.hidden_term import hidden_alignment_loss, window_states
+from claas_verl.align.pooled_attention import PooledRows, naive_pooled_attention_rows, pooled_attention_rows
+from claas_verl.align.regions import (
+    DEFAULT_WINDOW,
+    StepRegions,
+    response_window_mask,
+    separator_token_ids,
+    step_regions,
+)
+from claas_verl.align.sats import PAPER_SATS_LAYERS, default_sats_layers, pooled_rows_loss, sats_loss, sats_rows
+from claas_verl.align.signals import AlignmentSignals, alignment_losses, alignment_signals
+from claas_verl.align.targets import TermValue, to_bf16_target
+from claas_verl.align.value_relation import value_relation_loss, value_relation_rows
+
+__all__ = [
+    "DEFAULT_WINDOW",
+    "PAPER_SATS_LAYERS",
+    "AlignmentSignals",
+    "AttentionCapture",
+    "CapturedQKV",
+    "PooledRows",
+    "StepRegions",
+    "TermValue",
+    "alignment_losses",
+    "alignment_signals",
+    "apply_rope",
+    "attention_modules",
+    "default_sats_layers",
+    "hidden_alignment_loss",
+    "naive_pooled_attention_rows",
+    "pooled_attention_rows",
+    "pooled_rows_loss",
+    "response_window_mask",
+    "sats_loss",
+    "sats_rows",
+    "separator_token_ids",
+    "step_regions",
+    "to_bf16_target",
+    "value_relation_loss",
+    "value_relation_rows",
+    "window_states",
+]

@@ -1,0 +1,128 @@
+"""One model forward -> every alignment signal (SPEC B.3-B.5), the same code for student and teacher.
+
+Student: call under autograd; the returned rows/states stay in the graph of the same forward whose
+logits feed the token loss. Teacher: call under ``torch.no_grad()`` and keep ``.as_targets()``
+(detached, bf16), which is what the teacher sends to the actor.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from claas_verl.align.capture import AttentionCapture, attention_modules
+from claas_verl.align.hidden_term import hidden_alignment_loss, window_states
+from claas_verl.align.pooled_attention import DEFAULT_CHUNK, PooledRows, pooled_attention_rows
+from claas_verl.align.regions import StepRegions
+from claas_verl.align.sats import default_sats_layers, pooled_rows_loss
+from claas_verl.align.targets import TermValue, to_bf16_target
+
+TERMS = ("sats", "vr", "hidden")
+
+
+@dataclass
+class AlignmentSignals:
+    """Per layer: SATS rows ``[B,H,R,Tk]``, VR rows ``[B,G,R,Tk]``, window hidden states ``[N_W, D]``."""
+
+    sats: dict[int, PooledRows] = field(default_factory=dict)
+    vr: dict[int, PooledRows] = field(default_factory=dict)
+    hidden: dict[int, torch.Tensor] = field(default_factory=dict)
+
+    def as_targets(self) -> AlignmentSignals:
+        """Detached bf16 copy: the teacher's targets (SPEC B.1 precision)."""
+        return AlignmentSignals(
+            sats={k: PooledRows(to_bf16_target(v.rows), v.key_start) for k, v in self.sats.items()},
+            vr={k: PooledRows(to_bf16_target(v.rows), v.key_start) for k, v in self.vr.items()},
+            hidden={k: to_bf16_target(v) for k, v in self.hidden.items()},
+        )
+
+
+def alignment_signals(
+    model: nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    regions: StepRegions,
+    *,
+    position_ids: torch.Tensor | None = None,
+    terms: Iterable[str] = TERMS,
+    pooled_layers: Iterable[int] | None = None,
+    hidden_layers: Iterable[int] | None = None,
+    chunk_size: int = DEFAULT_CHUNK,
+    **model_kwargs,
+):
+    """Run ``model`` once and compute the requested signals.
+
+    Args:
+        input_ids, attention_mask: ``[B, T]`` prompt+response (left-padded prompt, right-padded response).
+        regions: :class:`StepRegions` in sequence coordinates (``step_regions(...).pad_left(prompt_len)``).
+        position_ids: ``[B, T]``; pass the same ones as the rollout (verl: cumsum of the mask − 1).
+        terms: subset of ``("sats", "vr", "hidden")``.
+        pooled_layers: 0-based layers ``L`` for SATS/VR; default :func:`default_sats_layers`.
+        hidden_layers: 0-based layers ``L_h``; default all (HF ``hidden_states[l+1]``).
+
+    Returns:
+        ``(model_output, AlignmentSignals)``.
+    """
+    terms = set(terms)
+    if not terms <= set(TERMS):
+        raise ValueError(f"terms={sorted(terms)} must be a subset of {TERMS}")
+    if regions.region_ids.shape != input_ids.shape:
+        raise ValueError(
+            f"regions are {tuple(regions.region_ids.shape)} but input_ids {tuple(input_ids.shape)}; "
+            "use StepRegions.pad_left(prompt_length)"
+        )
+    n_layers = len(attention_modules(model))
+    pooled = sorted(set(default_sats_layers(n_layers) if pooled_layers is None else pooled_layers))
+    hidden = sorted(set(range(n_layers) if hidden_layers is None else hidden_layers))
+    want_pooled = bool(terms & {"sats", "vr"})
+    cap = AttentionCapture(model, pooled if want_pooled else [])
+    with cap:
+        out = model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            output_hidden_states="hidden" in terms,
+            **model_kwargs,
+        )
+    sig = AlignmentSignals()
+    if want_pooled:
+        qkv = cap.result()
+        rid, num = regions.region_ids, regions.num_regions
+        for layer in pooled:
+            if "sats" in terms:
+                sig.sats[layer] = pooled_attention_rows(
+                    qkv.queries[layer], qkv.keys[layer], attention_mask, rid, num, chunk_size=chunk_size
+                )
+            if "vr" in terms:
+                v = qkv.values[layer]
+                sig.vr[layer] = pooled_attention_rows(v, v, attention_mask, rid, num, chunk_size=chunk_size)
+    if "hidden" in terms:
+        if any(not 0 <= layer < n_layers for layer in hidden):
+            raise ValueError(f"hidden_layers {hidden} out of range for {n_layers} layers")
+        for layer in hidden:
+            sig.hidden[layer] = window_states(out.hidden_states[layer + 1], regions.window_mask)
+    return out, sig
+
+
+def alignment_losses(
+    student: AlignmentSignals, teacher: AlignmentSignals, regions: StepRegions
+) -> dict[str, TermValue]:
+    """ℓ_SATS, ℓ_VR, ℓ_hid of one micro-batch for every term present in ``student`` (SPEC B.3-B.5, B.7)."""
+    out = {}
+    for name in ("sats", "vr"):
+        s, t = getattr(student, name), getattr(teacher, name)
+        if s:
+            if set(s) != set(t):
+                raise ValueError(f"{name}: student layers {sorted(s)} != teacher layers {sorted(t)}")
+            out[name] = pooled_rows_loss([s[k] for k in sorted(s)], [t[k] for k in sorted(s)], regions.num_regions)
+    if student.hidden:
+        if set(student.hidden) != set(teacher.hidden):
+            raise ValueError(f"hidden: student layers {sorted(student.hidden)} != teacher {sorted(teacher.hidden)}")
+        keys = sorted(student.hidden)
+        out["hidden"] = hidden_alignment_loss(
+            [student.hidden[k] for k in keys], [teacher.hidden[k] for k in keys], regions.window_mask
+        )
+    return out

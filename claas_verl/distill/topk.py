@@ -1,0 +1,439 @@
+"""Token channel of continual MOPD: student top-k rewards, per-domain advantages, loss (SPEC §B.2, 003 eqs. 4-5).
+
+Shapes used throughout: ``B`` responses, ``T`` response positions, ``V`` vocabulary, ``K`` = κ candidates
+(κ = 16 in 003). ``mask`` is the ``[B, T]`` response mask of SPEC §0 (1 on generated tokens incl. EOS).
+
+Memory contract: logits arrive as one ``[B, T, V]`` tensor (the model output, any float dtype). Every function
+here works on row chunks of ``chunk_size`` positions, so at most one ``[chunk_size, V]`` fp32 temporary exists at
+a time; the loss wraps each chunk in ``torch.utils.checkpoint`` so the backward recomputes the chunk's
+log-normaliser instead of keeping every chunk's ``[chunk_size, V]`` log-softmax alive.
+Flattening ``[B, T, V]`` to ``[B·T, V]`` is a view for contiguous logits; a non-contiguous slice (e.g.
+``logits[:, P-1:-1]`` of a prompt+response forward) is copied once in its own dtype, so slice before upcasting.
+
+All math is fp32 (SPEC §0). Log-probabilities are full-vocabulary values of ``log_softmax(logits / τ)``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch.utils.checkpoint import checkpoint
+
+from claas_verl.utils.masked import agg_loss, masked_mean
+
+DEFAULT_CHUNK_SIZE = 1024
+# SPEC B.2.2 [CHOICE]: a domain with fewer than 2 values or σ_d below this uses σ := 1 (A = r).
+MIN_DOMAIN_STD = 1e-8
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# validation helpers
+
+
+def _check_logits(logits: torch.Tensor, name: str) -> None:
+    if logits.dim() != 3 or not logits.is_floating_point():
+        raise ValueError(
+            f"{name} must be a float tensor [B, T, V]; got dtype {logits.dtype}, shape {tuple(logits.shape)}"
+        )
+
+
+def _check_chunk(chunk_size: int | None) -> int | None:
+    if chunk_size is not None and (not isinstance(chunk_size, int) or chunk_size < 1):
+        raise ValueError(f"chunk_size must be a positive int or None (no chunking); got {chunk_size!r}")
+    return chunk_size
+
+
+def _check_temperature(temperature: float) -> float:
+    if not temperature > 0:
+        raise ValueError(f"temperature must be > 0 (the rollout temperature τ of SPEC §0); got {temperature!r}")
+    return float(temperature)
+
+
+def _check_topk_pair(ids: torch.Tensor, logits: torch.Tensor, ids_name: str, logits_name: str) -> None:
+    if ids.dim() != 3 or ids.shape[:2] != logits.shape[:2]:
+        raise ValueError(
+            f"{ids_name} must be [B, T, K] with the same B, T as {logits_name} {tuple(logits.shape)}; "
+            f"got {tuple(ids.shape)}"
+        )
+    if ids.dtype not in (torch.int64, torch.int32):
+        raise ValueError(f"{ids_name} must hold integer token ids (int64/int32); got {ids.dtype}")
+    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= logits.shape[-1]):
+        raise ValueError(
+            f"{ids_name} holds ids outside [0, {logits.shape[-1]}) of {logits_name}'s vocabulary; student and "
+            "teacher must share the tokenizer (pad the smaller vocabulary's logits to the larger one's size)"
+        )
+
+
+def _check_mask(mask: torch.Tensor, like: torch.Tensor, name: str = "mask") -> None:
+    if mask.shape != like.shape[:2]:
+        raise ValueError(f"{name} must be [B, T] = {tuple(like.shape[:2])}; got {tuple(mask.shape)}")
+
+
+def _row_chunks(n: int, chunk_size: int | None):
+    step = n if chunk_size is None else chunk_size
+    for start in range(0, n, max(step, 1)):
+        yield start, min(start + step, n)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# B.2.1 pre-update quantities (no gradient: they are constants of the update)
+
+
+@torch.no_grad()
+def student_topk(
+    logits: torch.Tensor, k: int = 16, *, temperature: float = 1.0, chunk_size: int | None = DEFAULT_CHUNK_SIZE
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Student candidates ``V_t`` and their full-vocabulary log-probs ``S`` (SPEC B.2.1).
+
+    Args:
+        logits: ``[B, T, V]`` student logits from the training model *before* the update, aligned with the
+            response positions (logits[:, t] predicts response token t).
+        k: κ, the number of candidates (16 in 003).
+        temperature: τ; log-probs are ``log_softmax(logits / τ)``.
+        chunk_size: positions per chunk (``None``: all at once).
+
+    Returns:
+        ``ids [B, T, k]`` (int64) and ``logp [B, T, k]`` (fp32), sorted by decreasing log-prob. Padding positions
+        get values too; every consumer masks them.
+    """
+    _check_logits(logits, "logits")
+    tau = _check_temperature(temperature)
+    _check_chunk(chunk_size)
+    B, T, V = logits.shape
+    if not isinstance(k, int) or not 1 <= k <= V:
+        raise ValueError(f"k must be an int in [1, V={V}]; got {k!r}")
+    flat = logits.reshape(B * T, V)
+    ids = torch.empty(B * T, k, dtype=torch.long, device=logits.device)
+    logp = torch.empty(B * T, k, dtype=torch.float32, device=logits.device)
+    for s, e in _row_chunks(B * T, chunk_size):
+        z = flat[s:e].float() / tau  # the one [chunk, V] fp32 temporary
+        # top-k of z/τ = top-k of log_softmax; computing z[ids] − logsumexp exactly as _gathered_logp does makes
+        # S bit-identical to teacher_logprobs_at/topk_logprobs on the same logits (so q = p gives r = 0 exactly).
+        top_z, ids[s:e] = torch.topk(z, k, dim=-1)
+        logp[s:e] = top_z - torch.logsumexp(z, dim=-1, keepdim=True)
+        del z
+    return ids.view(B, T, k), logp.view(B, T, k)
+
+
+@torch.no_grad()
+def teacher_logprobs_at(
+    logits: torch.Tensor, ids: torch.Tensor, *, temperature: float = 1.0, chunk_size: int | None = DEFAULT_CHUNK_SIZE
+) -> torch.Tensor:
+    """Teacher full-vocabulary log-probs ``Q`` at the student's candidates (SPEC B.2.1).
+
+    ``Q[b,t,j] = log_softmax(teacher_logits[b,t] / τ)[ids[b,t,j]]``; the values are **not** renormalised over
+    the k candidates, so ``Σ_j exp Q[b,t,j] ≤ 1``.
+
+    Args:
+        logits: ``[B, T, V]`` teacher logits on the same ``(x, y)`` and positions as the student.
+        ids: ``[B, T, K]`` student candidate ids from :func:`student_topk`.
+
+    Returns:
+        ``[B, T, K]`` fp32.
+    """
+    _check_logits(logits, "teacher logits")
+    tau = _check_temperature(temperature)
+    _check_chunk(chunk_size)
+    _check_topk_pair(ids, logits, "ids", "teacher logits")
+    return _gather_logp_chunked(logits, ids.long(), tau, chunk_size)
+
+
+def _gather_logp_chunked(logits: torch.Tensor, ids: torch.Tensor, tau: float, chunk_size: int | None) -> torch.Tensor:
+    B, T, V = logits.shape
+    K = ids.shape[-1]
+    flat, flat_ids = logits.reshape(B * T, V), ids.reshape(B * T, K)
+    out = torch.empty(B * T, K, dtype=torch.float32, device=logits.device)
+    for s, e in _row_chunks(B * T, chunk_size):
+        out[s:e] = _gathered_logp(flat[s:e], flat_ids[s:e], tau)
+    return out.view(B, T, K)
+
+
+def _gathered_logp(logits_chunk: torch.Tensor, ids_chunk: torch.Tensor, tau: float) -> torch.Tensor:
+    """``log_softmax(z/τ)[ids]`` = ``z[ids]/τ − logsumexp(z/τ)`` for one ``[c, V]`` chunk, fp32, ``[c, K]``."""
+    z = logits_chunk.float() / tau  # the one [c, V] fp32 temporary of this chunk
+    return torch.gather(z, -1, ids_chunk) - torch.logsumexp(z, dim=-1, keepdim=True)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# eq. (4): rewards
+
+
+def topk_rewards(student_logp_topk: torch.Tensor, teacher_logp_topk: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """``r[t,v] = w[t,v]·(Q[t,v] − S[t,v])`` with ``w = softmax_κ(S)`` (SPEC B.2.1, 003 eq. 4).
+
+    ``w = p_v / P_t`` is the student's distribution renormalised over its own top-k; Q and S stay full-vocabulary
+    values. ``Σ_v −r`` is the student-weighted log-ratio (see :func:`topk_weighted_kl`).
+
+    Args:
+        student_logp_topk: ``S [B, T, K]`` from :func:`student_topk` (θ_old, no gradient).
+        teacher_logp_topk: ``Q [B, T, K]`` from :func:`teacher_logprobs_at`.
+        mask: ``[B, T]`` response mask.
+
+    Returns:
+        ``r [B, T, K]`` fp32, exactly 0 on padding.
+    """
+    S, Q = student_logp_topk, teacher_logp_topk
+    if S.dim() != 3 or S.shape != Q.shape:
+        raise ValueError(
+            f"student_logp_topk and teacher_logp_topk must both be [B, T, K] of equal shape; got {tuple(S.shape)} "
+            f"and {tuple(Q.shape)}"
+        )
+    _check_mask(mask, S)
+    S, Q = S.detach().float(), Q.detach().float()
+    valid = mask.bool().unsqueeze(-1).expand_as(S)
+    if not (torch.isfinite(S[valid]).all() and torch.isfinite(Q[valid]).all()):
+        raise ValueError(
+            "non-finite log-probs at valid positions of student_logp_topk/teacher_logp_topk: a teacher logit of -inf "
+            "at a student candidate (e.g. a vocabulary mask) makes r infinite; mask such logits with a large finite "
+            "negative value instead"
+        )
+    w = torch.softmax(S, dim=-1)
+    r = w * (Q - S)
+    return torch.where(valid, r, torch.zeros_like(r))
+
+
+def topk_weighted_kl(
+    student_logp_topk: torch.Tensor, teacher_logp_topk: torch.Tensor, mask: torch.Tensor
+) -> torch.Tensor:
+    """Logging: token-mean of ``Σ_v w[t,v]·(S[t,v] − Q[t,v])`` over valid positions (= mean of ``−Σ_v r``).
+
+    The student-weighted KL to the teacher restricted to the student's top-k (SPEC B.2.1, last line). Returns a
+    0-d fp32 tensor (0 for an empty mask).
+    """
+    r = topk_rewards(student_logp_topk, teacher_logp_topk, mask)
+    return masked_mean(-r.sum(dim=-1), mask)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# B.2.2 per-domain normalised advantages
+
+
+def _dist_ready(sync: bool | None) -> bool:
+    available = torch.distributed.is_available() and torch.distributed.is_initialized()
+    if sync and not available:
+        raise ValueError("sync=True needs an initialised torch.distributed process group; use sync=None or False")
+    return available if sync is None else bool(sync)
+
+
+def _domain_index(domain_ids, B: int, device) -> torch.Tensor:
+    if domain_ids is None:
+        return torch.zeros(B, dtype=torch.long, device=device)
+    d = torch.as_tensor(domain_ids, device=device)
+    if d.shape != (B,) or d.is_floating_point() or d.dtype == torch.bool:
+        raise ValueError(
+            f"domain_ids must be an integer tensor [B={B}] (one domain per response); got {tuple(d.shape)}"
+        )
+    if B and int(d.min()) < 0:
+        raise ValueError("domain_ids must be non-negative integers (e.g. 0..4 for logic, math, code, safety, IF)")
+    return d.long()
+
+
+def domain_moments(
+    r: torch.Tensor, mask: torch.Tensor, domain_ids=None, *, num_domains: int | None = None
+) -> torch.Tensor:
+    """Local sufficient statistics per domain: ``[num_domains, 3]`` fp64 rows ``(count, Σr, Σr²)``.
+
+    Counted over every candidate of every valid position (SPEC B.2.2). Summing these rows across ranks (or
+    micro-batches) and then calling :func:`stds_from_moments` gives the global σ_d.
+    """
+    if r.dim() != 3:
+        raise ValueError(f"r must be [B, T, K]; got {tuple(r.shape)}")
+    _check_mask(mask, r)
+    B, _, K = r.shape
+    d = _domain_index(domain_ids, B, r.device)
+    n_dom = (int(d.max()) + 1 if B else 1) if num_domains is None else int(num_domains)
+    if B and int(d.max()) >= n_dom:
+        raise ValueError(f"domain_ids hold {int(d.max())} but num_domains={n_dom}")
+    m = mask.to(torch.float64)
+    x = torch.where(mask.bool().unsqueeze(-1), r.detach().to(torch.float64), torch.zeros((), dtype=torch.float64))
+    per_resp = torch.stack([m.sum(-1) * K, x.sum((1, 2)), (x * x).sum((1, 2))], dim=-1)  # [B, 3]
+    out = torch.zeros(n_dom, 3, dtype=torch.float64, device=r.device)
+    return out.index_add_(0, d, per_resp)
+
+
+def stds_from_moments(moments: torch.Tensor) -> torch.Tensor:
+    """σ_d (sample std, ddof=1) from ``(count, Σr, Σr²)`` rows; NaN where count < 2. ``[num_domains]`` fp64."""
+    n, s, ss = moments.unbind(-1)
+    var = (ss - s * s / n.clamp(min=1)) / (n - 1).clamp(min=1)
+    return torch.where(n >= 2, var.clamp(min=0).sqrt(), torch.full_like(n, float("nan")))
+
+
+def domain_stds(
+    r: torch.Tensor, mask: torch.Tensor, domain_ids=None, *, sync: bool | None = None, group=None
+) -> dict[int, dict[str, float]]:
+    """Logging: per present domain, ``{"count", "std", "scale"}`` where ``scale`` is the σ actually divided by.
+
+    ``std`` is NaN for fewer than 2 values; ``scale`` applies the SPEC B.2.2 fallbacks (σ := 1).
+    """
+    moments, sigma = _global_sigma(r, mask, domain_ids, sync, group)
+    out = {}
+    for dom in range(moments.shape[0]):
+        count = float(moments[dom, 0])
+        if count > 0:
+            out[dom] = {
+                "count": count,
+                "std": float(stds_from_moments(moments[dom : dom + 1])[0]),
+                "scale": float(sigma[dom]),
+            }
+    return out
+
+
+def _global_sigma(r, mask, domain_ids, sync, group):
+    do_sync = _dist_ready(sync)
+    B = r.shape[0] if r.dim() == 3 else 0
+    d = _domain_index(domain_ids, B, r.device)
+    n_dom = int(d.max()) + 1 if B else 1
+    if do_sync:
+        # ranks may hold different domain sets: agree on the table size first, then sum the moments
+        size = torch.tensor([n_dom], dtype=torch.long, device=r.device)
+        torch.distributed.all_reduce(size, op=torch.distributed.ReduceOp.MAX, group=group)
+        n_dom = int(size)
+    moments = domain_moments(r, mask, d, num_domains=n_dom)
+    if do_sync:
+        torch.distributed.all_reduce(moments, op=torch.distributed.ReduceOp.SUM, group=group)
+    sigma = stds_from_moments(moments)
+    # SPEC B.2.2 [CHOICE]: count < 2 (σ is NaN) or σ_d < 1e-8 -> σ := 1, i.e. A = r; otherwise no epsilon.
+    use_one = torch.isnan(sigma) | (sigma < MIN_DOMAIN_STD)
+    return moments, torch.where(use_one, torch.ones_like(sigma), sigma)
+
+
+def domain_normalized_advantages(
+    r: torch.Tensor,
+    mask: torch.Tensor,
+    domain_ids=None,
+    *,
+    sync: bool | None = None,
+    group=None,
+) -> torch.Tensor:
+    """``A[b,t,v] = r[b,t,v] / σ_{d(b)}`` with no mean subtracted (SPEC B.2.2).
+
+    σ_d is the sample standard deviation (ddof = 1) of r over all K candidates of all valid positions of the
+    responses of domain d; the mean enters only inside the std. Fallback ``[CHOICE]``: fewer than 2 values or
+    σ_d < 1e-8 gives σ := 1. Subtracting a mean would break the gradient identity of B.2.4.
+
+    Args:
+        r: ``[B, T, K]`` rewards of :func:`topk_rewards`.
+        mask: ``[B, T]`` response mask.
+        domain_ids: ``[B]`` non-negative ints, one domain per response; ``None`` = one domain.
+        sync: all-reduce the per-domain (count, Σr, Σr²) over ``group`` so σ_d covers the whole step batch
+            (all ranks). ``None``: iff ``torch.distributed`` is initialised. Every rank of ``group`` must call this.
+        group: process group for the reduction (default: world).
+
+    Returns:
+        ``A [B, T, K]`` fp32, exactly 0 on padding.
+    """
+    if r.dim() != 3:
+        raise ValueError(f"r must be [B, T, K]; got {tuple(r.shape)}")
+    _check_mask(mask, r)
+    _, sigma = _global_sigma(r, mask, domain_ids, sync, group)
+    d = _domain_index(domain_ids, r.shape[0], r.device)
+    scale = sigma[d].to(torch.float32).view(-1, 1, 1)
+    A = r.detach().float() / scale
+    return torch.where(mask.bool().unsqueeze(-1), A, torch.zeros_like(A))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# eq. (5): the loss
+
+
+def topk_logprobs(
+    logits: torch.Tensor, ids: torch.Tensor, *, temperature: float = 1.0, chunk_size: int | None = DEFAULT_CHUNK_SIZE
+) -> torch.Tensor:
+    """Differentiable ``log π_θ(v | ·)`` at the stored ids, ``[B, T, K]`` fp32 (full-vocabulary log_softmax).
+
+    Each chunk runs under ``torch.utils.checkpoint`` when ``logits`` needs a gradient: the forward keeps only the
+    ``[chunk, K]`` result, and the backward recomputes the chunk's logsumexp. This is what a verl actor produces as
+    the 3-D ``log_prob`` for :mod:`claas_verl.verl_ext.distill_losses`.
+    """
+    _check_logits(logits, "logits")
+    tau = _check_temperature(temperature)
+    _check_chunk(chunk_size)
+    _check_topk_pair(ids, logits, "ids", "logits")
+    B, T, V = logits.shape
+    K = ids.shape[-1]
+    flat, flat_ids = logits.reshape(B * T, V), ids.long().reshape(B * T, K)
+    fn: Callable = _gathered_logp
+    parts = []
+    for s, e in _row_chunks(B * T, chunk_size):
+        if logits.requires_grad and torch.is_grad_enabled():
+            parts.append(checkpoint(fn, flat[s:e], flat_ids[s:e], tau, use_reentrant=False))
+        else:
+            parts.append(fn(flat[s:e], flat_ids[s:e], tau))
+    return torch.cat(parts, dim=0).view(B, T, K)
+
+
+def topk_distill_loss_from_logprobs(
+    logp_topk: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    loss_agg_mode: str = "token-mean",
+    global_tokens=None,
+    global_seqs=None,
+    dp_size: int = 1,
+    horizon: int | None = None,
+) -> torch.Tensor:
+    """eq. (5) given ``log π_θ`` at the ids: per position ``−Σ_k A·logp``, then :func:`agg_loss` (SPEC B.2.3).
+
+    Args:
+        logp_topk: ``[B, T, K]`` differentiable log-probs at the stored ids.
+        advantages: ``[B, T, K]`` fixed advantages (detached here).
+        mask: ``[B, T]`` response mask.
+        loss_agg_mode, global_tokens, global_seqs, dp_size, horizon: passed to
+            :func:`claas_verl.utils.masked.agg_loss`; 003 uses ``token-mean`` (N_mb = valid positions).
+    """
+    if logp_topk.dim() != 3 or advantages.shape != logp_topk.shape:
+        raise ValueError(
+            f"log-probs and advantages must both be [B, T, K] of equal shape; got {tuple(logp_topk.shape)} and "
+            f"{tuple(advantages.shape)}"
+        )
+    _check_mask(mask, logp_topk)
+    A = advantages.detach().float()
+    valid = mask.bool().unsqueeze(-1)
+    # NaN·0 would leak through a plain product: zero both factors outside the mask first.
+    A = torch.where(valid, A, torch.zeros_like(A))
+    logp = torch.where(valid, logp_topk.float(), torch.zeros_like(logp_topk, dtype=torch.float32))
+    loss_mat = -(A * logp).sum(dim=-1)  # [B, T]:  −Σ_{v∈V_t} A[t,v]·log π_θ(v | x, y_<t)
+    return agg_loss(
+        loss_mat,
+        mask,
+        loss_agg_mode,
+        global_tokens=global_tokens,
+        global_seqs=global_seqs,
+        dp_size=dp_size,
+        horizon=horizon,
+    )
+
+
+def topk_distill_loss(
+    logits: torch.Tensor,
+    ids: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    temperature: float = 1.0,
+    chunk_size: int | None = DEFAULT_CHUNK_SIZE,
+    loss_agg_mode: str = "token-mean",
+    global_tokens=None,
+    dp_size: int = 1,
+) -> torch.Tensor:
+    """``ℓ_tok = −(1/N) Σ_{t: m=1} Σ_{v∈V_t} A[t,v]·log π_θ(v | x, y_<t)`` (SPEC B.2.3, 003 eq. 5).
+
+    Args:
+        logits: ``[B, T, V]`` current (differentiable) student logits at the response positions.
+        ids: ``[B, T, K]`` candidate ids stored at θ_old (:func:`student_topk`).
+        advantages: ``[B, T, K]`` from :func:`domain_normalized_advantages` (held fixed).
+        mask: ``[B, T]`` response mask.
+        temperature: τ of the rollout.
+        chunk_size: positions per checkpointed chunk (``None``: one chunk).
+        global_tokens, dp_size: token-mean normaliser over the whole global batch and the data-parallel size
+            (see :func:`claas_verl.utils.masked.agg_loss`); default: this micro-batch's Σm, 1.
+
+    Returns:
+        0-d fp32 loss. Its gradient at θ_old is ``(1/N) Σ_t ∇D_t / (σ_d P_t)`` (B.2.4).
+    """
+    logp = topk_logprobs(logits, ids, temperature=temperature, chunk_size=chunk_size)
+    return topk_distill_loss_from_logprobs(
+        logp, advantages, mask, loss_agg_mode=loss_agg_mode, global_tokens=global_tokens, dp_size=dp_size
+    )

@@ -1,0 +1,87 @@
+"""Scenario stream and its K contiguous splits (SPEC A.1.6 split protocol, 001 §4).
+
+001 §4: N = 100 scenarios sampled with a fixed seed, "partitioned into K = 5
+contiguous splits of 20 scenarios each". Here the pool is shuffled once with
+``random.Random(seed)`` (a per-instance generator, so the order depends only on
+the seed and the ids, never on global RNG state), optionally truncated to
+``K · split_size`` scenarios, and cut into K contiguous splits. Different seeds
+are the "data shuffles" of the 9 trials (3 shuffles × 3 runs).
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterator, Sequence
+
+from claas_verl.envs.base import Scenario
+
+
+class ScenarioStream:
+    """Shuffled scenario stream with K splits.
+
+    Args:
+        scenarios: the pool (order matters only through the seed's permutation).
+        seed: shuffle seed; the same pool and seed always give the same stream.
+        num_splits: K ≥ 1.
+        split_size: scenarios per split. None uses the whole pool, which must then
+            divide evenly by K (pass ``split_size`` to take the first K·split_size
+            of the shuffled pool instead of dropping a remainder silently).
+    """
+
+    def __init__(self, scenarios: Sequence[Scenario], seed: int, num_splits: int, split_size: int | None = None):
+        if not isinstance(num_splits, int) or num_splits < 1:
+            raise ValueError(f"num_splits must be an int >= 1, got {num_splits!r}")
+        n = len(scenarios)
+        if split_size is None:
+            if n % num_splits:
+                raise ValueError(
+                    f"{n} scenarios do not divide into num_splits={num_splits} equal splits; pass "
+                    f"split_size (e.g. {n // num_splits}) to use the first num_splits*split_size after shuffling"
+                )
+            split_size = n // num_splits
+        if not isinstance(split_size, int) or split_size < 1:
+            raise ValueError(f"split_size must be an int >= 1, got {split_size!r}")
+        if num_splits * split_size > n:
+            raise ValueError(
+                f"num_splits*split_size = {num_splits}*{split_size} = {num_splits * split_size} exceeds the "
+                f"{n} scenarios available; lower split_size or num_splits"
+            )
+        order = list(range(n))
+        random.Random(seed).shuffle(order)
+        chosen = [scenarios[i] for i in order[: num_splits * split_size]]
+        self.seed = seed
+        self.num_splits = num_splits
+        self.split_size = split_size
+        self._splits = tuple(tuple(chosen[j * split_size:(j + 1) * split_size]) for j in range(num_splits))
+
+    def split(self, j: int) -> tuple[Scenario, ...]:
+        """Scenarios of split ``j`` (0-based; SPEC writes j = 1..K)."""
+        if not 0 <= j < self.num_splits:
+            raise ValueError(f"split index must be in [0, {self.num_splits}), got {j}")
+        return self._splits[j]
+
+    def splits(self) -> tuple[tuple[Scenario, ...], ...]:
+        return self._splits
+
+    def __iter__(self) -> Iterator[Scenario]:
+        for s in self._splits:
+            yield from s
+
+    def __len__(self) -> int:
+        return self.num_splits * self.split_size
+
+    def ids(self) -> list[list[str]]:
+        """Scenario ids per split (what a run records to make its splits reproducible)."""
+        return [[s.scenario_id for s in split] for split in self._splits]
+
+    def max_entries_per_split(self, entry_unit: str = "step") -> list[int]:
+        """Upper bound on buffer entries each split can add (SPEC A.1.5/A.1.8).
+
+        ``"step"``: Σ turns over the split's scenarios; ``"scenario"``: its scenario
+        count. The trainer warns when ``B_min`` exceeds this (SPEC A.1.8 flag).
+        """
+        if entry_unit == "step":
+            return [sum(s.num_turns for s in split) for split in self._splits]
+        if entry_unit == "scenario":
+            return [len(split) for split in self._splits]
+        raise ValueError(f"entry_unit must be 'step' or 'scenario', got {entry_unit!r}")

@@ -1,0 +1,57 @@
+"""Entry point of the CLaaS replay trainer: ``python -m claas_verl.main_claas --config-name claas/<recipe> [overrides]``.
+
+Recipes live in the repository's ``recipes/`` directory (``recipes/claas/*.yaml``); they compose verl's
+``ppo_trainer`` and, for the tiny CPU variants, the ``cpu`` preset. Like verl-recipe's ``main_dapo``: Hydra
+config -> verl's ``run_ppo`` with a task runner that registers the ``claas`` trainer in its Ray process and
+skips verl's agent loop (CLaaS rollouts come from its own scenario producers).
+
+Example (CPU, a few minutes on 2 cores)::
+
+    python -m claas_verl.tiny make /tmp/claas_verl_tiny
+    python -m claas_verl.main_claas --config-name claas/tiny_reinforce_pp
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import hydra
+import ray
+from verl.trainer.main_ppo import TaskRunnerV1, run_ppo
+
+RECIPES_DIR = os.environ.get("CLAAS_RECIPES_DIR", str(Path(__file__).resolve().parents[1] / "recipes"))
+
+
+class _ClaasTaskRunner(TaskRunnerV1.__ray_actor_class__):
+    """verl's v1 task runner, minus the agent loop, plus the ``claas`` trainer registration."""
+
+    def init_agent_loop_manager(self):
+        # Rollouts come from claas_verl.trainer.claas.producer, not from verl's dataset-driven agent loop;
+        # skipping it saves its worker actors (and their start-up time).
+        self.agent_loop_manager = None
+
+    def run(self, config):
+        import claas_verl.trainer.claas.trainer  # noqa: F401  registers trainer.v1.trainer_mode=claas here
+
+        return super().run(config)
+
+
+ClaasTaskRunner = ray.remote(_ClaasTaskRunner)
+
+
+@hydra.main(config_path=RECIPES_DIR, config_name=None, version_base=None)
+def main(config) -> None:
+    from verl.trainer.ppo.utils import need_critic, need_reference_policy
+    from verl.utils.config import validate_config
+    from verl.utils.device import auto_set_device
+
+    if not os.path.isdir(RECIPES_DIR):
+        raise FileNotFoundError(f"recipes directory {RECIPES_DIR} not found; set CLAAS_RECIPES_DIR to the repo's recipes/")
+    auto_set_device(config)
+    validate_config(config=config, use_reference_policy=need_reference_policy(config), use_critic=need_critic(config))
+    run_ppo(config, task_runner_class=ClaasTaskRunner)
+
+
+if __name__ == "__main__":
+    main()

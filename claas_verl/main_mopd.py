@@ -1,0 +1,113 @@
+"""Run a continual MOPD recipe on verl: ``python -m claas_verl.main_mopd --config-name mopd/<recipe> [key=value ...]``.
+
+The config is the recipe that ``python -m claas_verl.plan --config-name mopd/<recipe>`` shows, plus a verl
+runtime group (``recipes/mopd/verl/{cpu,gpu}.yaml``: verl's ``ppo_trainer``, the CPU preset on CPU, and the
+``mopd.train`` values mapped onto verl keys), chosen automatically (CUDA present -> ``gpu``) unless the
+command line names one (``+verl@_global_=cpu``). Then verl's own ``run_ppo`` starts Ray and its v1
+``TaskRunner``, which builds the trainer registered as ``trainer.v1.trainer_mode=mopd``
+(:class:`claas_verl.trainer.mopd.MOPDTrainer`).
+
+Examples::
+
+    python -m claas_verl.tiny make /tmp/claas_verl_tiny          # once, offline
+    python -m claas_verl.main_mopd --config-name mopd/tiny_seq   # 3 tiny stages on CPU
+    python -m claas_verl.main_mopd --config-name mopd/tiny_replay_kl trainer.experiment_name=rkl mopd.train.lr=1e-4
+
+Filled in here (not in YAML, because they are derived): ``data.train_files``/``val_files`` (every domain's
+prompt file), ``trainer.total_training_steps`` (the plan length, unless set lower to stop early),
+``actor_rollout_ref.rollout.max_model_len`` and a repository-relative reward path made absolute.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import hydra
+from omegaconf import DictConfig, OmegaConf, open_dict
+
+from claas_verl.schedule import plan_from_config, recipes_dir
+
+RUNTIME_GROUP = "verl@_global_"  # relative to the recipe folder: recipes/mopd/verl/
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _has_cuda() -> bool:
+    try:
+        import torch
+
+        return torch.cuda.is_available()
+    except Exception:  # pragma: no cover - torch is a dependency
+        return False
+
+
+def runtime_args(argv: list[str]) -> list[str]:
+    """Extra Hydra arguments: verl's config search path and the runtime group (unless the user chose one)."""
+    extra = []
+    if not any(a.startswith("hydra.searchpath") for a in argv):
+        # verl's configs (ppo_trainer), and recipes/mopd itself so that Hydra accepts the runtime group
+        # `verl` (an appended group of a recipe is resolved relative to the recipe's folder, mopd/verl/...,
+        # but validated as a top-level group name)
+        extra.append(f"hydra.searchpath=[pkg://verl.trainer.config,file://{recipes_dir() / 'mopd'}]")
+    if not any(a.lstrip("+").startswith(("verl@", "verl=")) for a in argv):
+        extra.append(f"+{RUNTIME_GROUP}={'gpu' if _has_cuda() else 'cpu'}")
+    return extra
+
+
+def finalize_config(cfg: DictConfig) -> DictConfig:
+    """Fill the derived verl keys and check the recipe before Ray starts (clear errors, no half-started jobs)."""
+    plan = plan_from_config(cfg)  # ValueError naming the bad mopd.* key
+    mopd = cfg.mopd
+    with open_dict(cfg):
+        files = []
+        for d in plan.order:
+            p = mopd.domains[d].get("prompts")
+            if p in (None, "???") or not os.path.exists(str(p)):
+                raise ValueError(f"mopd.domains.{d}.prompts: prompt file {p!r} does not exist")
+            files.append(str(p))
+        # verl's own dataloaders must exist but are unused: every block comes from its domain's file
+        cfg.data.train_files = files[:1]
+        cfg.data.val_files = files[:1]
+        steps = cfg.trainer.get("total_training_steps")
+        if steps is None:
+            cfg.trainer.total_training_steps = len(plan)
+        elif not 1 <= int(steps) <= len(plan):
+            raise ValueError(f"trainer.total_training_steps={steps} must be in [1, {len(plan)}] (the plan length)")
+        rollout = cfg.actor_rollout_ref.rollout
+        if rollout.get("max_model_len") is None:
+            rollout.max_model_len = int(mopd.train.max_prompt_length) + int(mopd.train.max_response_length)
+        reward = cfg.reward.custom_reward_function
+        if reward.get("path") and not os.path.isabs(reward.path) and (REPO / reward.path).exists():
+            reward.path = str(REPO / reward.path)
+    student = str(mopd.student)
+    if not os.path.exists(os.path.join(student, "config.json")) and student.startswith(("/", ".")):
+        raise ValueError(
+            f"mopd.student: no Hugging Face model at {student}; for tiny recipes run "
+            "`python -m claas_verl.tiny make /tmp/claas_verl_tiny` first"
+        )
+    return cfg
+
+
+def _run(cfg: DictConfig) -> None:
+    from verl.trainer.main_ppo import run_ppo
+    from verl.utils.config import validate_config
+
+    from claas_verl.trainer.mopd.verl_couplings import mopd_task_runner_class
+
+    try:
+        cfg = finalize_config(cfg)
+    except ValueError as e:
+        print(f"claas_verl.main_mopd: error: {e}", file=sys.stderr)
+        sys.exit(2)
+    validate_config(config=cfg, use_reference_policy=False, use_critic=False)
+    run_ppo(cfg, task_runner_class=mopd_task_runner_class())
+
+
+def main() -> None:
+    sys.argv += runtime_args(sys.argv[1:])
+    hydra.main(config_path=str(recipes_dir()), config_name=None, version_base=None)(_run)()
+
+
+if __name__ == "__main__":
+    main()

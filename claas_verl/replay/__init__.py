@@ -1,0 +1,42 @@
+"""CLaaS asynchronous replay buffer (SPEC A.1).
+
+``ReplayEntry``/``ScenarioEntry`` (entries), ``ReplayBuffer`` (plain class, no Ray) and, imported lazily so that
+``import claas_verl.replay`` never pulls in Ray, ``AsyncReplayBuffer`` (the asyncio actor body) and
+``ReplayBufferActor``/``make_replay_actor`` (the Ray actor).
+"""
+
+from claas_verl.replay.buffer import ReplayBuffer, expected_entries_per_split, validate_replay_sizes
+from claas_verl.replay.entry import (
+    ENTRY_UNITS,
+    SCENARIO_REWARD_AGGS,
+    ReplayEntry,
+    ScenarioEntry,
+    aggregate_scenario_reward,
+)
+from claas_verl.replay.snapshot import load_snapshot, save_snapshot
+
+_LAZY_RAY = ("AsyncReplayBuffer", "ReplayBufferActor", "make_replay_actor")
+
+__all__ = [
+    "AsyncReplayBuffer",
+    "ENTRY_UNITS",
+    "SCENARIO_REWARD_AGGS",
+    "ReplayBuffer",
+    "ReplayBufferActor",
+    "ReplayEntry",
+    "ScenarioEntry",
+    "aggregate_scenario_reward",
+    "expected_entries_per_split",
+    "load_snapshot",
+    "make_replay_actor",
+    "save_snapshot",
+    "validate_replay_sizes",
+]
+
+
+def __getattr__(name):
+    if name in _LAZY_RAY:
+        from claas_verl.replay import actor
+
+        return getattr(actor, name)
+    raise AttributeError(f"module 'claas_verl.replay' has no attribute {name!r}")

@@ -1,0 +1,322 @@
+"""Typed, validated MOPD schedule configuration (the ``mopd`` section of a recipe).
+
+Built from a plain mapping or an OmegaConf node; every invalid value raises ``ValueError`` naming the
+full key (``mopd.replay.m`` ...) and what is allowed. Only the keys that decide *which block of which
+domain is trained when, under which teacher* live here (SPEC §B.8); the loss/signal/optimizer keys of
+the same section (``mopd.signal.*``, ``mopd.train.*``) belong to the trainer and are not read.
+
+Block counts: ``mopd.domains.<d>.num_blocks`` if given, otherwise the rows of the prompt file
+(``.parquet`` or ``.jsonl``) divided by ``mopd.block_size`` and rounded DOWN: a partial last block is
+dropped, because every step of 003 trains exactly one full block (B.1: 32 prompts per block, and the
+micro-batch weights of B.7 assume it). The summary of a plan does not hide this: see ``count_blocks``.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+BUDGETS = ("seq", "shared", "fixed")
+RECOVERY_TEACHERS = ("snapshots", "experts")
+SETTINGS = ("S1", "S2", "S3")
+MISSING = "???"
+
+
+@dataclass(frozen=True)
+class DomainSpec:
+    name: str
+    num_blocks: int
+    prompts: str | None  # None when the recipe leaves it required (``???``) and gives num_blocks
+    expert: str | None
+
+
+@dataclass(frozen=True)
+class ReplayConfig:
+    m: int = 3  # shared budget: one replay step after every m new-domain steps
+    b: int = 7  # fixed share: replay steps per earlier domain and stage
+    fixed_from_stage: int = 3  # stages 2..f-1 use the shared budget (003 reuses the shared stage 2)
+
+
+@dataclass(frozen=True)
+class RecoveryConfig:
+    enabled: bool = False
+    teachers: str = "snapshots"
+    blocks_per_domain: int = 7
+
+
+@dataclass(frozen=True)
+class JointConfig:
+    enabled: bool = False
+    passes: int = 1
+    order: tuple[str, ...] | None = None  # None: mopd.order
+
+
+@dataclass(frozen=True)
+class ScheduleConfig:
+    order: tuple[str, ...]
+    domains: dict[str, DomainSpec]  # exactly the domains of ``order``
+    budget: str = "seq"
+    block_size: int = 32
+    replay: ReplayConfig = ReplayConfig()
+    recovery: RecoveryConfig = RecoveryConfig()
+    joint: JointConfig = JointConfig()
+    segment_size: int | None = None
+    setting: str = "S1"
+
+    @property
+    def num_blocks(self) -> dict[str, int]:
+        return {d: self.domains[d].num_blocks for d in self.order}
+
+    @property
+    def joint_order(self) -> tuple[str, ...]:
+        return self.joint.order if self.joint.order is not None else self.order
+
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    def from_omegaconf(cls, mopd_node: Any) -> ScheduleConfig:
+        """Build from the ``mopd`` node of a composed config (interpolations resolved, ``???`` kept)."""
+        from omegaconf import OmegaConf  # local: the pure schedule math must not need omegaconf
+
+        if mopd_node is None:
+            raise ValueError("mopd: the config has no `mopd` section; compose a recipe under recipes/mopd/")
+        data = OmegaConf.to_container(mopd_node, resolve=True, throw_on_missing=False)
+        return cls.from_dict(data)
+
+    @classmethod
+    def from_dict(cls, mopd: Mapping[str, Any], base_dir: str | Path | None = None) -> ScheduleConfig:
+        """Build from a plain mapping shaped like the ``mopd`` section; see the module docstring."""
+        if not isinstance(mopd, Mapping):
+            raise ValueError(f"mopd: expected a mapping, got {type(mopd).__name__}")
+        block_size = _int(mopd, "block_size", "mopd.block_size", default=32, minimum=1)
+        order = _name_list(mopd.get("order", MISSING), "mopd.order")
+        raw_domains = mopd.get("domains")
+        if not isinstance(raw_domains, Mapping) or not raw_domains:
+            raise ValueError("mopd.domains: required mapping `<name>: {prompts, expert, num_blocks}`")
+        for d in order:
+            if d not in raw_domains:
+                raise ValueError(
+                    f"mopd.order: unknown domain {d!r}; mopd.domains defines {sorted(raw_domains)}"
+                )
+        domains = {d: _domain(d, raw_domains[d], block_size, base_dir) for d in order}
+
+        budget = _choice(mopd, "budget", "mopd.budget", BUDGETS, default="seq")
+        rep = _section(mopd, "replay")
+        replay = ReplayConfig(
+            m=_int(rep, "m", "mopd.replay.m", default=3, minimum=1),
+            b=_int(rep, "b", "mopd.replay.b", default=7, minimum=0),
+            fixed_from_stage=_int(rep, "fixed_from_stage", "mopd.replay.fixed_from_stage", default=3, minimum=2),
+        )
+        rec = _section(mopd, "recovery")
+        recovery = RecoveryConfig(
+            enabled=_bool(rec, "enabled", "mopd.recovery.enabled", default=False),
+            teachers=_choice(rec, "teachers", "mopd.recovery.teachers", RECOVERY_TEACHERS, default="snapshots"),
+            blocks_per_domain=_int(rec, "blocks_per_domain", "mopd.recovery.blocks_per_domain", default=7, minimum=1),
+        )
+        if recovery.enabled:
+            for d in order:
+                if recovery.blocks_per_domain > domains[d].num_blocks:
+                    raise ValueError(
+                        f"mopd.recovery.blocks_per_domain={recovery.blocks_per_domain} is larger than the "
+                        f"{domains[d].num_blocks} blocks of domain {d!r}; lower it to at most "
+                        f"{min(s.num_blocks for s in domains.values())}"
+                    )
+        jnt = _section(mopd, "joint")
+        joint_order = jnt.get("order")
+        if joint_order is not None:
+            joint_order = _name_list(joint_order, "mopd.joint.order")
+            if sorted(joint_order) != sorted(order):
+                raise ValueError(
+                    f"mopd.joint.order={list(joint_order)} must be a permutation of mopd.order={list(order)} "
+                    "(or null for the sequence order)"
+                )
+        joint = JointConfig(
+            enabled=_bool(jnt, "enabled", "mopd.joint.enabled", default=False),
+            passes=_int(jnt, "passes", "mopd.joint.passes", default=1, minimum=1),
+            order=joint_order,
+        )
+        seg = _section(mopd, "segments")
+        segment_size = None
+        if seg.get("size") is not None:
+            segment_size = _int(seg, "size", "mopd.segments.size", default=None, minimum=1)
+        setting = _choice(mopd, "setting", "mopd.setting", SETTINGS, default="S1")
+        cfg = cls(
+            order=order,
+            domains=domains,
+            budget=budget,
+            block_size=block_size,
+            replay=replay,
+            recovery=recovery,
+            joint=joint,
+            segment_size=segment_size,
+            setting=setting,
+        )
+        cfg.check_setting()
+        return cfg
+
+    # ------------------------------------------------------------------ setting (what may be kept)
+    def check_setting(self) -> None:
+        """Refuse configurations that need models the declared ``mopd.setting`` does not keep (003 §3.1)."""
+        s = self.setting
+        if self.joint.enabled:
+            if s != "S2":
+                raise ValueError(
+                    f"mopd.joint.enabled=true under mopd.setting={s}: joint MOPD needs every expert at the same "
+                    "time, which only S2 keeps. Set mopd.setting=S2 or mopd.joint.enabled=false."
+                )
+            if self.budget != "seq" or self.recovery.enabled or self.segment_size is not None:
+                raise ValueError(
+                    "mopd.joint.enabled=true replaces the whole sequence (it starts from pi_0 and trains every "
+                    "domain at once), so it takes no replay budget, recovery or segments: set mopd.budget=seq, "
+                    "mopd.recovery.enabled=false and mopd.segments.size=null."
+                )
+        if s == "S1":
+            if self.recovery.enabled:
+                raise ValueError(
+                    "mopd.recovery.enabled=true under mopd.setting=S1: a recovery stage needs every stage "
+                    "snapshot M_1..M_K (or every expert) kept until the end, but S1 keeps only E_k and M_{k-1}. "
+                    "Set mopd.setting=S2 to keep them, or mopd.recovery.enabled=false."
+                )
+            if self.segment_size is not None:
+                raise ValueError(
+                    "mopd.segments.size is set under mopd.setting=S1: segment-wise consolidation keeps the "
+                    "snapshots of a segment (scenario S3). Set mopd.setting=S3 or mopd.segments.size=null."
+                )
+        elif s == "S2":
+            if self.segment_size is not None:
+                raise ValueError(
+                    "mopd.segments.size is set under mopd.setting=S2: segments are scenario S3 (S2 inside a "
+                    "segment, S1 between segments). Set mopd.setting=S3 or mopd.segments.size=null."
+                )
+        elif s == "S3":
+            if self.segment_size is None:
+                raise ValueError(
+                    "mopd.setting=S3 needs mopd.segments.size (stages per segment, e.g. 5 for 15 stages in 3 "
+                    "segments); or use mopd.setting=S2 for one final recovery."
+                )
+            if not self.recovery.enabled:
+                raise ValueError(
+                    "mopd.setting=S3 ends every segment with a recovery stage: set mopd.recovery.enabled=true "
+                    "(mopd.recovery.teachers and .blocks_per_domain choose how)."
+                )
+
+
+# ---------------------------------------------------------------------- block counting
+def count_blocks(path: str | Path, block_size: int, key: str = "prompts") -> int:
+    """Full blocks of ``block_size`` prompts in a ``.parquet`` or ``.jsonl`` file (floor; see module doc)."""
+    p = Path(path)
+    if not p.is_file():
+        raise ValueError(f"{key}: prompt file {str(p)!r} does not exist; fix the path or set num_blocks")
+    suffix = p.suffix.lower()
+    if suffix == ".parquet":
+        try:
+            import pyarrow.parquet as pq
+        except ImportError as e:  # pragma: no cover - pyarrow ships with the venv
+            raise ValueError(f"{key}: reading {p.name} needs pyarrow; install it or set num_blocks") from e
+        rows = pq.ParquetFile(p).metadata.num_rows
+    elif suffix in (".jsonl", ".json"):
+        with p.open() as f:
+            if suffix == ".json":
+                data = json.load(f)
+                if not isinstance(data, list):
+                    raise ValueError(f"{key}: {p.name} must hold a JSON list of prompts")
+                rows = len(data)
+            else:
+                rows = sum(1 for line in f if line.strip())
+    else:
+        raise ValueError(f"{key}: cannot count prompts in {p.name!r} (use .parquet or .jsonl, or set num_blocks)")
+    return rows // block_size
+
+
+# ---------------------------------------------------------------------- field helpers
+def _is_missing(v: Any) -> bool:
+    return v is None or v == MISSING
+
+
+def _section(parent: Mapping[str, Any], name: str) -> Mapping[str, Any]:
+    v = parent.get(name)
+    if v is None:
+        return {}
+    if not isinstance(v, Mapping):
+        raise ValueError(f"mopd.{name}: expected a mapping, got {v!r}")
+    return v
+
+
+def _int(sec: Mapping[str, Any], name: str, key: str, default: int | None, minimum: int) -> int:
+    v = sec.get(name, default)
+    if _is_missing(v):
+        if default is None:
+            raise ValueError(f"{key}: required integer >= {minimum}")
+        v = default
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise ValueError(f"{key}: expected an integer >= {minimum}, got {v!r}")
+    if v < minimum:
+        raise ValueError(f"{key}: must be >= {minimum}, got {v}")
+    return v
+
+
+def _bool(sec: Mapping[str, Any], name: str, key: str, default: bool) -> bool:
+    v = sec.get(name, default)
+    if v is None:
+        v = default
+    if not isinstance(v, bool):
+        raise ValueError(f"{key}: expected true or false, got {v!r}")
+    return v
+
+
+def _choice(sec: Mapping[str, Any], name: str, key: str, allowed: tuple[str, ...], default: str) -> str:
+    v = sec.get(name, default)
+    if v is None:
+        v = default
+    if v not in allowed:
+        raise ValueError(f"{key}: must be one of {list(allowed)}, got {v!r}")
+    return v
+
+
+def _name_list(v: Any, key: str) -> tuple[str, ...]:
+    if _is_missing(v):
+        raise ValueError(f"{key}: required list of domain names")
+    if isinstance(v, str) or not isinstance(v, (list, tuple)):
+        raise ValueError(f"{key}: expected a list of domain names, got {v!r}")
+    names = tuple(v)
+    if not names:
+        raise ValueError(f"{key}: must name at least one domain")
+    for n in names:
+        if not isinstance(n, str) or not n or ":" in n:
+            raise ValueError(f"{key}: domain names must be non-empty strings without ':', got {n!r}")
+    if len(set(names)) != len(names):
+        raise ValueError(f"{key}: repeated domain in {list(names)}")
+    return names
+
+
+def _domain(name: str, raw: Any, block_size: int, base_dir: str | Path | None) -> DomainSpec:
+    key = f"mopd.domains.{name}"
+    if not isinstance(raw, Mapping):
+        raise ValueError(f"{key}: expected a mapping with prompts, expert and optional num_blocks, got {raw!r}")
+    prompts = raw.get("prompts")
+    prompts = None if _is_missing(prompts) else str(prompts)
+    expert = raw.get("expert")
+    expert = None if _is_missing(expert) else str(expert)
+    nb = raw.get("num_blocks")
+    if _is_missing(nb):
+        if prompts is None:
+            raise ValueError(
+                f"{key}.num_blocks: not set and {key}.prompts is required (???) to count blocks; "
+                "set one of them"
+            )
+        path = Path(prompts)
+        if base_dir is not None and not path.is_absolute():
+            path = Path(base_dir) / path
+        nb = count_blocks(path, block_size, key=f"{key}.prompts")
+        if nb < 1:
+            raise ValueError(
+                f"{key}.prompts: {prompts!r} holds fewer than mopd.block_size={block_size} prompts, "
+                "so the domain has no block"
+            )
+    if isinstance(nb, bool) or not isinstance(nb, int):
+        raise ValueError(f"{key}.num_blocks: expected an integer >= 1, got {nb!r}")
+    if nb < 1:
+        raise ValueError(f"{key}.num_blocks: the domain is empty ({nb} blocks); a domain needs >= 1 block")
+    return DomainSpec(name=name, num_blocks=nb, prompts=prompts, expert=expert)

@@ -1,0 +1,46 @@
+"""CLI: ``python -m claas_verl.tiny make OUT_DIR [--seed N] [--force]`` and ``... info [OUT_DIR]``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+from claas_verl.tiny.build import default_dir, make_tiny, read_manifest
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m claas_verl.tiny", description=__doc__)
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    mk = sub.add_parser("make", help="build the tiny student, experts, tokenizer and data (no network)")
+    mk.add_argument("out_dir", help="output directory (created; replaced only with --force)")
+    mk.add_argument("--seed", type=int, default=0, help="build seed (weights, task vectors, data); default 0")
+    mk.add_argument("--force", action="store_true", help="rebuild even if OUT_DIR already holds a bundle")
+    info = sub.add_parser("info", help="print the manifest of a built bundle")
+    info.add_argument("out_dir", nargs="?", default=None, help="default: $CLAAS_TINY_DIR or /tmp/claas_verl_tiny")
+    args = parser.parse_args(argv)
+
+    if args.cmd == "make":
+        t0 = time.time()
+        try:
+            paths = make_tiny(args.out_dir, seed=args.seed, force=args.force)
+        except FileExistsError as err:
+            print(f"error: {err}", file=sys.stderr)
+            return 2
+        m = read_manifest(paths.root)
+        print(f"tiny bundle v{m['version']} (seed {m['seed']}) ready at {paths.root} in {time.time() - t0:.1f}s")
+        print(f"  student: {paths.student}  ({m['sizes']['num_parameters']} params, vocab {m['sizes']['vocab_size']})")
+        print(f"  experts: {', '.join(m['domains'])}  under {paths.root / 'experts'}")
+        print(f"  data:    {', '.join(m['data_domains'])}  under {paths.root / 'data'}")
+        return 0
+    m = read_manifest(args.out_dir or default_dir())
+    if m is None:
+        print(f"error: no manifest.json in {args.out_dir or default_dir()}; run `make` first", file=sys.stderr)
+        return 1
+    print(json.dumps(m, indent=2, sort_keys=True))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

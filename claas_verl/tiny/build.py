@@ -1,0 +1,207 @@
+"""Build (``make_tiny``) and reuse (``ensure_tiny``) the offline tiny bundle.
+
+Layout of OUT_DIR (a contract used by tests, recipes and demos)::
+
+    manifest.json                       version, seed, domains, paths (relative), sizes
+    student/                            HF model + tokenizer + generation_config.json
+    experts/<domain>/                   same architecture and tokenizer, student + task vector
+    data/<domain>/{train,test}.parquet  logic, math, code, safety, if, arith
+
+The bundle is built in a sibling temporary directory and renamed into place, and builds
+are serialised by a file lock, so concurrent pytest workers or Ray processes never see a
+half-written bundle nor build it twice.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from claas_verl.tiny.data import ALL_DATA_DOMAINS, ARITH_DOMAIN, MOPD_DOMAINS, corpus_texts, make_split, write_parquet
+
+# Bump whenever the bundle's content changes (architecture, tokenizer, data, experts):
+# ensure_tiny() then rebuilds stale bundles instead of serving them.
+TINY_VERSION = "1"
+DEFAULT_DIR = "/tmp/claas_verl_tiny"
+ENV_DIR = "CLAAS_TINY_DIR"
+VOCAB_SIZE = 1024
+N_TRAIN = 128
+N_TEST = 32
+EXPERT_REL_NORM = 0.1
+MARKER_LOGIT_BOOST = 2.0
+REWARDS_MODULE = Path(__file__).with_name("rewards.py")
+
+
+@dataclass(frozen=True)
+class TinyPaths:
+    """Absolute paths of a built bundle. ``str(p)`` them for Hydra overrides."""
+
+    root: Path
+    manifest: Path
+    student: Path
+    experts: dict[str, Path] = field(default_factory=dict)
+    train: dict[str, Path] = field(default_factory=dict)  # domain (incl. "arith") -> train.parquet
+    test: dict[str, Path] = field(default_factory=dict)
+    rewards: Path = REWARDS_MODULE  # custom_reward_function.path for the claas_tiny/* domains
+
+    @classmethod
+    def under(cls, root: str | os.PathLike) -> "TinyPaths":
+        root = Path(root).resolve()
+        return cls(
+            root=root,
+            manifest=root / "manifest.json",
+            student=root / "student",
+            experts={d: root / "experts" / d for d in MOPD_DOMAINS},
+            train={d: root / "data" / d / "train.parquet" for d in ALL_DATA_DOMAINS},
+            test={d: root / "data" / d / "test.parquet" for d in ALL_DATA_DOMAINS},
+        )
+
+
+def default_dir() -> Path:
+    return Path(os.environ.get(ENV_DIR) or DEFAULT_DIR)
+
+
+def read_manifest(out_dir: str | os.PathLike) -> dict | None:
+    """The bundle's manifest, or None when missing or unreadable."""
+    try:
+        return json.loads((Path(out_dir) / "manifest.json").read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def is_current(out_dir: str | os.PathLike, seed: int = 0) -> bool:
+    """True when OUT_DIR holds a complete bundle of this version and seed."""
+    m = read_manifest(out_dir)
+    if not m or m.get("version") != TINY_VERSION or m.get("seed") != seed:
+        return False
+    paths = TinyPaths.under(out_dir)
+    needed = [paths.student / "model.safetensors", *(p / "model.safetensors" for p in paths.experts.values()),
+              *paths.train.values(), *paths.test.values()]
+    return all(p.exists() for p in needed)
+
+
+def _lock(out_dir: Path):
+    from filelock import FileLock
+
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    return FileLock(str(out_dir) + ".lock", timeout=600)
+
+
+def make_tiny(out_dir: str | os.PathLike, seed: int = 0, force: bool = False) -> TinyPaths:
+    """Build the bundle into ``out_dir`` (no network).
+
+    An existing current bundle (same version and seed) is kept unless ``force``; an existing
+    directory that is not a current bundle is replaced only with ``force=True``, so a typo in
+    OUT_DIR cannot wipe unrelated files.
+    """
+    out_dir = Path(out_dir).resolve()
+    with _lock(out_dir):
+        if out_dir.exists() and not force:
+            if is_current(out_dir, seed):
+                return TinyPaths.under(out_dir)
+            if any(out_dir.iterdir()):
+                raise FileExistsError(
+                    f"{out_dir} exists and is not a current tiny bundle (version {TINY_VERSION}, seed {seed}); "
+                    "pass force=True (CLI: --force) to replace it, or choose another OUT_DIR"
+                )
+        return _build_locked(out_dir, seed)
+
+
+def ensure_tiny(out_dir: str | os.PathLike | None = None, seed: int = 0) -> TinyPaths:
+    """Return the bundle at ``out_dir`` (default ``$CLAAS_TINY_DIR`` or /tmp/claas_verl_tiny),
+    building it first if it is missing, incomplete, of another version or of another seed.
+
+    Idempotent and safe to call from many processes at once: the check runs again under the
+    file lock, so only one process builds.
+    """
+    out_dir = Path(out_dir if out_dir is not None else default_dir()).resolve()
+    if is_current(out_dir, seed):
+        return TinyPaths.under(out_dir)
+    with _lock(out_dir):
+        if is_current(out_dir, seed):  # another process built it while we waited
+            return TinyPaths.under(out_dir)
+        return _build_locked(out_dir, seed)
+
+
+def _build_locked(out_dir: Path, seed: int) -> TinyPaths:
+    tmp = out_dir.with_name(f".{out_dir.name}.build-{os.getpid()}")
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    try:
+        _build_into(tmp, seed)
+        if out_dir.exists():
+            old = out_dir.with_name(f".{out_dir.name}.old-{os.getpid()}")
+            os.replace(out_dir, old)
+            os.replace(tmp, out_dir)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, out_dir)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return TinyPaths.under(out_dir)
+
+
+def _build_into(root: Path, seed: int) -> None:
+    import torch
+
+    from claas_verl.tiny.model import build_student, make_expert, marker_token_ids, save_model
+    from claas_verl.tiny.tokenizer import EOT_TOKEN, IM_END, special_token_ids, train_tokenizer
+
+    root.mkdir(parents=True)
+    paths = TinyPaths.under(root)
+
+    # Data first: the tokenizer is trained on it.
+    splits = {d: make_split(d, N_TRAIN, N_TEST, seed) for d in ALL_DATA_DOMAINS}
+    for d, (train, test) in splits.items():
+        write_parquet(train, paths.train[d])
+        write_parquet(test, paths.test[d])
+
+    tokenizer = train_tokenizer(corpus_texts(seed), vocab_size=VOCAB_SIZE)
+    ids = special_token_ids(tokenizer)
+    eos_ids = [ids[IM_END], ids[EOT_TOKEN]]  # chat EOS first (config.eos_token_id), then document end
+
+    # The model's own threads would fight the other processes on a small shared machine,
+    # and one thread keeps the float reductions reproducible.
+    n_threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        student = build_student(len(tokenizer), eos_ids, ids[EOT_TOKEN], seed)
+        save_model(student, tokenizer, paths.student)
+        markers = {}
+        for d in MOPD_DOMAINS:
+            prompts = [tokenizer.apply_chat_template(r["prompt"], add_generation_prompt=True, tokenize=False)
+                       for r in splits[d][0][:16]]
+            prompt_ids = [tokenizer.encode(p, add_special_tokens=False) for p in prompts]
+            markers[d] = marker_token_ids(tokenizer, d)
+            expert = make_expert(student, d, seed, EXPERT_REL_NORM, markers[d], prompt_ids, MARKER_LOGIT_BOOST)
+            save_model(expert, tokenizer, paths.experts[d])
+    finally:
+        torch.set_num_threads(n_threads)
+
+    rel = lambda p: str(p.relative_to(root))  # noqa: E731 - manifest paths are relative to OUT_DIR
+    manifest = {
+        "version": TINY_VERSION,
+        "seed": seed,
+        "domains": list(MOPD_DOMAINS),
+        "data_domains": list(ALL_DATA_DOMAINS),
+        "rl_smoke_domain": ARITH_DOMAIN,
+        "paths": {
+            "student": rel(paths.student),
+            "experts": {d: rel(p) for d, p in paths.experts.items()},
+            "data": {d: {"train": rel(paths.train[d]), "test": rel(paths.test[d])} for d in ALL_DATA_DOMAINS},
+            "rewards_module": "claas_verl/tiny/rewards.py",
+        },
+        "sizes": {
+            "vocab_size": len(tokenizer),
+            "num_parameters": sum(p.numel() for p in student.parameters()),
+            "train_rows": N_TRAIN,
+            "test_rows": N_TEST,
+        },
+        "tokens": {"eos_token_ids": eos_ids, "pad_token_id": ids[EOT_TOKEN], "special": ids},
+        "experts": {"rel_norm": EXPERT_REL_NORM, "marker_logit_boost": MARKER_LOGIT_BOOST, "marker_ids": markers},
+    }
+    # Written last: its presence (with the right version) is what marks the bundle complete.
+    (root / "manifest.json").write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")

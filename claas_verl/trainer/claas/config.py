@@ -1,0 +1,168 @@
+"""The ``claas:`` block of a CLaaS recipe, as a validated dataclass (no Ray, no verl).
+
+Every field maps to one YAML key under ``claas``; unknown keys raise. Sizes follow SPEC A.1.6/A.1.8
+(``1 <= M <= B_min <= B_max``; the paper settings are M = 8, B_max = 1000, A_max 25/25/50).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+ALGORITHMS = ("reinforce_pp", "ppo", "sdpo", "icl")
+
+
+def _plain(value: Any) -> Any:
+    """OmegaConf node -> plain Python (dict/list), anything else unchanged."""
+    try:
+        from omegaconf import DictConfig, ListConfig, OmegaConf
+
+        if isinstance(value, (DictConfig, ListConfig)):
+            return OmegaConf.to_container(value, resolve=True)
+    except ImportError:  # pragma: no cover - omegaconf ships with hydra
+        pass
+    return value
+
+
+def _build(cls, raw: Any, where: str):
+    raw = _plain(raw) or {}
+    if not isinstance(raw, dict):
+        raise ValueError(f"{where} must be a mapping, got {type(raw).__name__}")
+    names = {f.name for f in fields(cls)}
+    unknown = sorted(set(raw) - names)
+    if unknown:
+        raise ValueError(f"{where}: unknown key(s) {unknown}; allowed: {sorted(names)}")
+    return cls(**raw)
+
+
+@dataclass
+class EnvConfig:
+    """Scenario environment: ``name`` for ``claas_verl.envs.make_environment`` plus its ``kwargs``."""
+
+    name: str = "rule_following"
+    kwargs: dict = field(default_factory=dict)
+
+
+@dataclass
+class StreamConfig:
+    """K contiguous splits of a shuffled stream (SPEC A.1.6; 001 §4: 100 scenarios, K = 5 splits of 20)."""
+
+    seed: int = 0
+    num_splits: int = 5
+    split_size: int | None = 20
+
+    def __post_init__(self):
+        if not isinstance(self.num_splits, int) or self.num_splits < 1:
+            raise ValueError(f"claas.stream.num_splits must be an int >= 1, got {self.num_splits!r}")
+
+
+@dataclass
+class ProducerConfig:
+    """Rollout producers: how many scenarios run at once and the per-turn token budget."""
+
+    max_concurrent_scenarios: int = 4
+    max_new_tokens: int = 256
+
+    def __post_init__(self):
+        if self.max_concurrent_scenarios < 1:
+            raise ValueError(f"claas.producer.max_concurrent_scenarios must be >= 1, got {self.max_concurrent_scenarios}")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"claas.producer.max_new_tokens must be >= 1, got {self.max_new_tokens}")
+
+
+@dataclass
+class EvalConfig:
+    """Evaluation of each split checkpoint on every split (M[j, k], SPEC A.4).
+
+    ``temperature`` 1.0 evaluates the sampled policy (what the defender serves); 0 is greedy.
+    ``n_samples`` rollouts per scenario; the cell is the mean pass rate over graded steps.
+    """
+
+    enabled: bool = True
+    n_samples: int = 1
+    temperature: float = 1.0
+    max_new_tokens: int | None = None
+
+    def __post_init__(self):
+        if self.n_samples < 1:
+            raise ValueError(f"claas.eval.n_samples must be >= 1, got {self.n_samples}")
+        if self.temperature < 0:
+            raise ValueError(f"claas.eval.temperature must be >= 0, got {self.temperature}")
+
+
+@dataclass
+class RppConfig:
+    """EMA reward statistics of REINFORCE++ (SPEC A.3.1 ``ema``)."""
+
+    beta: float = 0.9
+    b0: float = 0.5
+    v0: float = 0.25
+    v_min: float = 0.01
+
+
+@dataclass
+class IclConfig:
+    """ICL baseline (001 App. A.4): feedback log in the system prompt, FIFO at a token budget."""
+
+    token_budget: int = 20_000
+    max_quote_chars: int = 500
+
+
+@dataclass
+class ClaasConfig:
+    """Validated ``claas:`` recipe block.
+
+    ``algorithm``: ``reinforce_pp`` | ``ppo`` | ``sdpo`` | ``icl`` (``icl`` never updates parameters).
+    ``m``/``b_min``/``b_max``/``a_max``: SPEC A.1 sizes. ``entry_unit``: only ``"step"`` is produced
+    by this trainer (SPEC A.1.5 default). ``max_updates``: optional cap on optimizer steps (None: run
+    the whole split protocol). ``trace``: write ``claas_trace.jsonl`` (one line per update) next to
+    the checkpoints. ``probe_served_policy``: after each weight push, read back a fingerprint of the
+    weights the rollout server serves (CPU ``hf`` rollout only; used by tests).
+    """
+
+    algorithm: str = "reinforce_pp"
+    m: int = 8
+    b_min: int = 16
+    b_max: int = 1000
+    a_max: int = 25
+    entry_unit: str = "step"
+    seed: int = 0
+    max_updates: int | None = None
+    trace: bool = True
+    probe_served_policy: bool = False
+    env: EnvConfig = field(default_factory=EnvConfig)
+    stream: StreamConfig = field(default_factory=StreamConfig)
+    producer: ProducerConfig = field(default_factory=ProducerConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    rpp: RppConfig = field(default_factory=RppConfig)
+    icl: IclConfig = field(default_factory=IclConfig)
+
+    def __post_init__(self):
+        if self.algorithm not in ALGORITHMS:
+            raise ValueError(f"claas.algorithm must be one of {ALGORITHMS}, got {self.algorithm!r}")
+        if self.entry_unit != "step":
+            raise ValueError(
+                f"claas.entry_unit={self.entry_unit!r}: this trainer produces per-step entries only "
+                "(SPEC A.1.5 default); use entry_unit=step"
+            )
+        if self.a_max < 0:
+            raise ValueError(f"claas.a_max must be >= 0, got {self.a_max}")
+        if self.max_updates is not None and self.max_updates < 1:
+            raise ValueError(f"claas.max_updates must be null or >= 1, got {self.max_updates}")
+        from claas_verl.replay.buffer import validate_replay_sizes
+
+        validate_replay_sizes(self.m, self.b_min, self.b_max)
+
+    @property
+    def trains(self) -> bool:
+        """False for the ICL baseline (no parameter updates)."""
+        return self.algorithm != "icl"
+
+    @classmethod
+    def from_config(cls, raw: Any) -> "ClaasConfig":
+        raw = dict(_plain(raw) or {})
+        subs = {"env": EnvConfig, "stream": StreamConfig, "producer": ProducerConfig, "eval": EvalConfig,
+                "rpp": RppConfig, "icl": IclConfig}
+        for key, sub_cls in subs.items():
+            raw[key] = _build(sub_cls, raw.get(key), f"claas.{key}")
+        return _build(cls, raw, "claas")

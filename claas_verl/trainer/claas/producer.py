@@ -1,0 +1,268 @@
+"""Rollout producers: run scenarios on the rollout servers, grade them, feed the replay-buffer actor.
+
+One :class:`RolloutProducer` drives a stream of scenarios (SPEC A.1.3, A.1.5 ``entry_unit="step"``):
+for every scenario, turn by turn (at most T), it renders the chat context, asks the rollout servers
+for a reply with the *currently served* policy, grades the reply with the scenario's verifier and
+turns the step into a :class:`~claas_verl.replay.ReplayEntry` with
+
+* ``behaviour_logprob`` = Σ of the served per-token log-probs of the sampled reply (SPEC A.1.1);
+* ``P`` = the policy version the server reported for that request (``extra_fields["global_steps"]``,
+  the update count of the weights that served it; the trainer pushes weights with its step count);
+* ``reward`` from the verifier; ``None`` (grader crash/timeout) is counted and never sent (SPEC A.1.4).
+
+Requests that feed training always sample with τ = 1, top-p = 1, top-k off (SPEC §0): the behaviour
+log-prob must be that of the distribution actually sampled.
+
+Everything runs on one asyncio loop in a background thread of the trainer process
+(:class:`BackgroundLoop`), so rollouts continue while the trainer thread blocks in a training step;
+the only shared state with the trainer is the EMA reward statistics, guarded by a lock.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import math
+import threading
+import time
+import uuid
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from claas_verl.envs.base import Grade, Scenario
+from claas_verl.replay.entry import ReplayEntry
+
+# (request_id, prompt_ids, sampling_params) -> object with token_ids, log_probs, extra_fields (verl's TokenOutput)
+GenerateFn = Callable[[str, list, dict], Awaitable[Any]]
+
+TRAIN_SAMPLING = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "repetition_penalty": 1.0}
+
+
+class BackgroundLoop:
+    """An asyncio event loop running in a daemon thread; ``submit`` returns a ``concurrent.futures.Future``."""
+
+    def __init__(self, name: str = "claas-producer"):
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, name=name, daemon=True)
+        self._thread.start()
+
+    def submit(self, coro) -> concurrent.futures.Future:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop)
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        if self.loop.is_closed():
+            return
+
+        async def _cancel_all():
+            tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+        try:
+            asyncio.run_coroutine_threadsafe(_cancel_all(), self.loop).result(timeout_s)
+        except Exception:  # noqa: BLE001 - best effort at shutdown
+            pass
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(timeout_s)
+
+
+@dataclass
+class StepRecord:
+    """One generated and graded step (before it becomes a replay entry)."""
+
+    scenario_index: int
+    step_idx: int
+    prompt_ids: list
+    response_ids: list
+    behaviour_logprob: float
+    version: int | None
+    grade: Grade
+    latency_s: float
+
+
+@dataclass
+class ProducerStats:
+    """Counters of one producer (cumulative over splits)."""
+
+    scenarios: int = 0
+    steps: int = 0
+    none_rewards: int = 0
+    entries_sent: int = 0
+    entries_accepted: int = 0
+    reward_sum: float = 0.0
+    generated_tokens: int = 0
+    generate_s: float = 0.0
+    prompt_too_long: int = 0
+    versions: list = field(default_factory=list)
+
+    def as_dict(self) -> dict:
+        graded = self.steps - self.none_rewards
+        return {
+            "scenarios": self.scenarios,
+            "steps": self.steps,
+            "none_rewards": self.none_rewards,
+            "entries_sent": self.entries_sent,
+            "entries_accepted": self.entries_accepted,
+            "mean_reward": self.reward_sum / graded if graded else float("nan"),
+            "generated_tokens": self.generated_tokens,
+            "generate_s": self.generate_s,
+            "prompt_too_long": self.prompt_too_long,
+        }
+
+
+class ChatRenderer:
+    """Chat messages -> prompt token ids with the policy's chat template (generation prompt appended)."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+
+    def __call__(self, messages: list[dict]) -> tuple[list[int], bool]:
+        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        ids = self.tokenizer.encode(text, add_special_tokens=False)
+        # A template that opens <think> in the generation prompt makes an unclosed block possible (reward 0).
+        return list(ids), text.rstrip().endswith("<think>")
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self.tokenizer.decode(list(ids), skip_special_tokens=True)
+
+
+class RolloutProducer:
+    """Generates, grades and inserts per-step entries; also evaluates pass rates without inserting.
+
+    Args:
+        generate: verl's ``LLMServerClient.generate``-like coroutine (see :data:`GenerateFn`).
+        renderer: :class:`ChatRenderer` over the policy tokenizer.
+        replay: the ``ReplayBufferActor`` handle (``add.remote(entries)``), or None to insert nothing (ICL).
+        max_new_tokens: per-turn generation budget.
+        max_concurrent: scenarios in flight at once.
+        max_prompt_tokens: a turn whose context exceeds it ends its scenario (counted in ``prompt_too_long``).
+        ema_stats / ema_lock: the live REINFORCE++ EMA statistics, updated with every inserted reward.
+        icl_memory: an ``ICLFeedbackMemory``: failed steps' feedback goes into later system prompts (ICL baseline).
+    """
+
+    def __init__(self, generate: GenerateFn, renderer: ChatRenderer, replay: Any, *, max_new_tokens: int,
+                 max_concurrent: int = 4, max_prompt_tokens: int | None = None, ema_stats=None,
+                 ema_lock: threading.Lock | None = None, icl_memory=None):
+        self.generate = generate
+        self.renderer = renderer
+        self.replay = replay
+        self.max_new_tokens = int(max_new_tokens)
+        self.max_concurrent = int(max_concurrent)
+        self.max_prompt_tokens = max_prompt_tokens
+        self.ema_stats = ema_stats
+        self.ema_lock = ema_lock or threading.Lock()
+        self.icl_memory = icl_memory
+        self.stats = ProducerStats()
+
+    # ------------------------------------------------------------------ one scenario
+    async def run_scenario(self, scenario: Scenario, scenario_index: int, sampling: dict,
+                           learn_icl: bool) -> list[StepRecord]:
+        """Play ``scenario`` turn by turn; the reply to turn t becomes part of the context of turn t+1."""
+        replies: list[str] = []
+        records: list[StepRecord] = []
+        session = uuid.uuid4().hex  # sticky session: every turn of a scenario goes to the same server
+        for turn in range(scenario.num_turns):
+            system = None
+            if self.icl_memory is not None:
+                system = self.icl_memory.system_prompt(scenario.system_prompt)
+            prompt_ids, think_open = self.renderer(scenario.messages(turn, replies, system_prompt=system))
+            if self.max_prompt_tokens is not None and len(prompt_ids) > self.max_prompt_tokens:
+                self.stats.prompt_too_long += 1
+                break
+            t0 = time.perf_counter()
+            out = await self.generate(session, prompt_ids, dict(sampling))
+            latency = time.perf_counter() - t0
+            token_ids = [int(t) for t in out.token_ids]
+            if not token_ids:
+                break  # the server returned nothing (aborted request): no step to grade or train on
+            logps = out.log_probs
+            if logps is None or len(logps) != len(token_ids):
+                raise RuntimeError(
+                    "the rollout server returned no per-token log-probs (or a wrong count); CLaaS needs the "
+                    "behaviour log-prob of every sampled token (sampling_params['logprobs']=True)"
+                )
+            text = self.renderer.decode(token_ids)
+            grade = await asyncio.to_thread(scenario.grade, text, turn, think_open)
+            extra = getattr(out, "extra_fields", None) or {}
+            version = extra.get("global_steps")
+            records.append(StepRecord(
+                scenario_index=scenario_index, step_idx=turn, prompt_ids=prompt_ids, response_ids=token_ids,
+                behaviour_logprob=float(math.fsum(float(x) for x in logps)),
+                version=int(version) if version is not None else None, grade=grade, latency_s=latency,
+            ))
+            self.stats.generated_tokens += len(token_ids)
+            self.stats.generate_s += latency
+            if learn_icl and self.icl_memory is not None and grade.feedback is not None:
+                self.icl_memory.add_feedback(grade.feedback, scenario_id=scenario.scenario_id,
+                                             attack=scenario.user_turns[turn], response=text)
+            replies.append(text)
+        return records
+
+    # ------------------------------------------------------------------ training stream
+    def _to_entry(self, rec: StepRecord, scenario: Scenario) -> ReplayEntry:
+        return ReplayEntry(
+            scenario_id=rec.scenario_index,
+            step_idx=rec.step_idx,
+            prompt_ids=rec.prompt_ids,
+            response_ids=rec.response_ids,
+            # A sum of log-probs is <= 0; float rounding of many ~0 terms can leave a tiny positive residue.
+            behaviour_logprob=min(rec.behaviour_logprob, 0.0),
+            reward=rec.grade.reward,
+            feedback=rec.grade.feedback,
+            P=rec.version,
+            metadata={"scenario": scenario.scenario_id},
+        )
+
+    async def _produce_one(self, scenario: Scenario, index: int, sem: asyncio.Semaphore) -> None:
+        async with sem:
+            sampling = {**TRAIN_SAMPLING, "logprobs": True, "max_tokens": self.max_new_tokens}
+            records = await self.run_scenario(scenario, index, sampling, learn_icl=True)
+        self.stats.scenarios += 1
+        self.stats.steps += len(records)
+        entries = []
+        for rec in records:
+            if rec.grade.reward is None:
+                self.stats.none_rewards += 1  # SPEC A.1.4: a grader error never reaches the buffer
+                continue
+            self.stats.reward_sum += rec.grade.reward
+            self.stats.versions.append(rec.version)
+            entries.append(self._to_entry(rec, scenario))
+        if not entries or self.replay is None:
+            return
+        self.stats.entries_sent += len(entries)
+        self.stats.entries_accepted += int(await self.replay.add.remote(entries))
+        if self.ema_stats is not None:
+            with self.ema_lock:  # SPEC A.3.1: the EMA sees every inserted (non-None) reward, at insertion time
+                self.ema_stats.update_many(e.reward for e in entries)
+
+    async def run_split(self, scenarios: Sequence[Scenario], index_offset: int = 0) -> dict:
+        """Produce every scenario of one split (``max_concurrent`` at a time); return the cumulative stats."""
+        sem = asyncio.Semaphore(self.max_concurrent)
+        await asyncio.gather(*[self._produce_one(s, index_offset + i, sem) for i, s in enumerate(scenarios)])
+        return self.stats.as_dict()
+
+    # ------------------------------------------------------------------ evaluation
+    async def evaluate(self, scenarios: Sequence[Scenario], n_samples: int = 1, temperature: float = 1.0,
+                       max_new_tokens: int | None = None) -> dict:
+        """Mean pass rate of the served policy over the graded steps of ``scenarios`` (no insertion, no ICL learning).
+
+        Returns ``{"pass_rate", "graded", "errors"}``; ``pass_rate`` is NaN when no step could be graded.
+        """
+        sampling = {"temperature": float(temperature), "top_p": 1.0, "top_k": -1, "repetition_penalty": 1.0,
+                    "logprobs": True, "max_tokens": int(max_new_tokens or self.max_new_tokens)}
+        sem = asyncio.Semaphore(self.max_concurrent)
+
+        async def one(s: Scenario, i: int) -> list[StepRecord]:
+            async with sem:
+                return await self.run_scenario(s, i, sampling, learn_icl=False)
+
+        runs = await asyncio.gather(*[one(s, i) for i, s in enumerate(scenarios) for _ in range(n_samples)])
+        rewards = [r.grade.reward for recs in runs for r in recs]
+        graded = [r for r in rewards if r is not None]
+        return {
+            "pass_rate": float(sum(graded) / len(graded)) if graded else float("nan"),
+            "graded": len(graded),
+            "errors": len(rewards) - len(graded),
+        }

@@ -1,0 +1,85 @@
+"""Replay entries -> the per-trajectory fields and tags verl's agent loop writes into TransferQueue.
+
+verl's v1 trainer reads a sampled batch from TransferQueue by key; everything downstream (old log-prob,
+advantages, actor/critic updates, metrics) expects the fields that ``AgentLoopWorkerTQ`` writes for one
+trajectory. A replayed :class:`~claas_verl.replay.ReplayEntry` is turned into exactly those fields, under
+a fresh key per step (the trainer deletes a step's keys; the replay actor keeps the canonical entry).
+
+Behaviour log-prob: only ℓb = Σ_j log π_β(y_j) is stored (SPEC A.1.1), so ``rollout_log_probs`` holds ℓb
+on the first response position and 0 elsewhere. With ``algorithm.rollout_correction.bypass_mode=True``
+verl copies it to ``old_log_probs``; ``claas_seq_is`` uses only the masked per-sequence sum Σ_j m·old = ℓb,
+so the per-sequence IS ratio is exact. Rewards go on the last response token (``rm_scores``), the verl
+convention that ``claas_rpp_ema`` / GAE read. torch only; no verl, no Ray.
+"""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any
+
+import torch
+
+from claas_verl.replay.entry import ReplayEntry
+
+
+def replay_key() -> str:
+    """A fresh TransferQueue key in verl's ``{uid}_{session}_{index}`` shape (validation/dump code splits on ``_``)."""
+    return f"{uuid.uuid4().hex}_0_0"
+
+
+def entry_fields(entry: ReplayEntry, data_source: str = "claas") -> dict[str, Any]:
+    """The agent-loop field dict of one replayed step entry.
+
+    Shapes: ``prompts`` ``[Lp]``, ``responses``/``response_mask``/``loss_mask``/``rollout_log_probs``/``rm_scores``
+    ``[n]`` with n = ``entry.n_tokens`` (every response token is a model token: m ≡ 1, SPEC §0),
+    ``input_ids``/``position_ids`` ``[Lp + n]``.
+    """
+    if not isinstance(entry, ReplayEntry):
+        raise ValueError(f"entry_fields expects a ReplayEntry (entry_unit='step'), got {type(entry).__name__}")
+    prompts = torch.as_tensor(entry.prompt_ids.astype("int64"))
+    responses = torch.as_tensor(entry.response_ids.astype("int64"))
+    n = responses.numel()
+    response_mask = torch.ones(n, dtype=torch.int64)
+    behaviour = torch.zeros(n, dtype=torch.float32)
+    behaviour[0] = float(entry.behaviour_logprob)  # Σ_j m·old = ℓb, which is all claas_seq_is reads
+    rm_scores = torch.zeros(n, dtype=torch.float32)
+    rm_scores[-1] = float(entry.reward)
+    input_ids = torch.cat([prompts, responses])
+    version = int(entry.P) if entry.P is not None else None
+    return {
+        "prompts": prompts,
+        "responses": responses,
+        "response_mask": response_mask,
+        "loss_mask": response_mask.clone(),
+        "rollout_log_probs": behaviour,
+        "rm_scores": rm_scores,
+        "input_ids": input_ids,
+        "position_ids": torch.arange(input_ids.numel(), dtype=torch.int64),
+        "num_turns": 2 * (int(entry.step_idx or 0) + 1) + 1,  # system + user/assistant pairs, as the agent loop counts
+        "uid": entry.uid,
+        "data_source": data_source,
+        "extra_fields": {
+            "global_steps": version,
+            "min_global_steps": version,
+            "max_global_steps": version,
+            "policy_version": version,
+            "scenario_id": int(entry.scenario_id),
+            "step_idx": entry.step_idx,
+            "feedback": entry.feedback,
+        },
+    }
+
+
+def entry_tag(entry: ReplayEntry) -> dict[str, Any]:
+    """The TransferQueue tag of one replayed entry (``seq_len`` balances DP ranks; versions feed staleness metrics)."""
+    prompt_len, response_len = int(entry.prompt_ids.shape[0]), int(entry.n_tokens)
+    version = int(entry.P) if entry.P is not None else 0
+    return {
+        "status": "success",
+        "prompt_len": prompt_len,
+        "response_len": response_len,
+        "seq_len": prompt_len + response_len,
+        "global_steps": version,
+        "min_global_steps": version,
+        "max_global_steps": version,
+    }

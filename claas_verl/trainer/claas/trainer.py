@@ -1,0 +1,418 @@
+"""The CLaaS asynchronous replay trainer: verl's v1 ``PPOTrainer`` driven by a replay-buffer actor.
+
+Registered as ``trainer.v1.trainer_mode=claas``. Rollout producers (a background asyncio loop in this
+process, :mod:`claas_verl.trainer.claas.producer`) run the scenario stream on the rollout servers with
+the currently served policy and add graded per-step entries to a ``ReplayBufferActor``; concurrently,
+verl's own loop (``PPOTrainer.fit``, not copied) trains on M entries drawn from that buffer whenever
+it holds ``B_min`` (SPEC A.1, Algorithm 1 of 002). Only hooks are used:
+
+* ``_init_dataloader``: no prompt dataset: prompts come from the scenario stream;
+* ``prepare_step``: never pulls from a dataloader; snapshots the EMA reward statistics that the
+  ``claas_rpp_ema`` estimator reads when the minibatch is built (SPEC A.3.1);
+* the custom sampler (:class:`~claas_verl.trainer.claas.sampler.ClaasReplaySampler`) injects the drawn
+  entries into TransferQueue; ``algorithm.rollout_correction.bypass_mode=True`` makes their behaviour
+  log-probs the old log-probs, so ``claas_seq_is`` gets the exact per-sequence ratio;
+* ``on_sample_end``: does NOT sleep the rollout replicas (generation goes on during training);
+* ``on_step_end``: ``on_update`` on the buffer (k += 1, age eviction, SPEC A.1.6), then pushes the new
+  weights (only the LoRA adapter with ``model.lora.merge=False``) with version k, then waits,
+  event-driven, for the next update to be possible and runs the split protocol in between.
+
+Split protocol (SPEC A.1.6, 001 §4): for split j, its rollouts run with training concurrent; when they
+end, training continues until ``|B| < B_min``; checkpoint j is saved; the served policy is evaluated on
+every split (row j of M); then split j+1 starts. ``continual_metrics.json`` (M, forward transfer,
+forgetting, final, buffer statistics) is written in ``trainer.default_local_dir``.
+
+The base class's semantics stay those of the synchronous trainer (``trainer_mode`` is reset to
+``"sync"`` after construction: verl switches checkpoint/TransferQueue behaviour on any other name).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import hashlib
+import json
+import logging
+import math
+import os
+import threading
+import time
+import warnings
+from typing import Any
+
+import numpy as np
+import ray
+import torch
+from omegaconf import OmegaConf, open_dict
+from verl.trainer.ppo.v1.trainer_base import PPOTrainer, register_trainer
+from verl.utils.debug import marked_timer
+
+from claas_verl.trainer.claas.config import ClaasConfig
+from claas_verl.trainer.claas.producer import BackgroundLoop, ChatRenderer, RolloutProducer
+from claas_verl.trainer.claas.sampler import ClaasReplaySampler
+
+logger = logging.getLogger(__name__)
+
+SAMPLER_PATH = "pkg://claas_verl.trainer.claas.sampler"
+SAMPLER_NAME = "ClaasReplaySampler"
+TRACE_FILE = "claas_trace.jsonl"
+
+
+class _NoPromptLoader:
+    """Stands in for verl's prompt dataloader (CLaaS prompts come from the scenario stream)."""
+
+    def state_dict(self) -> dict:
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        return None
+
+    def __iter__(self):
+        return iter(())
+
+    def __len__(self) -> int:
+        return 0
+
+
+def _get(config: Any, dotted: str, default: Any = None) -> Any:
+    value = OmegaConf.select(config, dotted, default=default)
+    return default if value is None else value
+
+
+def check_claas_config(config: Any, claas: ClaasConfig) -> None:
+    """Reject verl settings that would silently break the CLaaS contract; each error names the key and the fix."""
+    def need(ok: bool, key: str, why: str) -> None:
+        if not ok:
+            raise ValueError(f"{key}={_get(config, key)!r}: {why}")
+
+    rollout = "actor_rollout_ref.rollout"
+    need(float(_get(config, f"{rollout}.temperature", 1.0)) == 1.0, f"{rollout}.temperature",
+         "CLaaS entries must be sampled at temperature 1 (SPEC §0: behaviour log-probs of the sampled "
+         "distribution); set it to 1.0 (evaluation temperature is claas.eval.temperature)")
+    need(int(_get(config, f"{rollout}.n", 1)) == 1, f"{rollout}.n",
+         "CLaaS draws single trajectories from the buffer (no GRPO groups); set it to 1")
+    sampler = _get(config, "trainer.v1.sampler.custom_sampler.path")
+    need(sampler in (SAMPLER_PATH, SAMPLER_PATH.replace(".", "/")), "trainer.v1.sampler.custom_sampler.path",
+         f"set it to {SAMPLER_PATH} (name {SAMPLER_NAME}) so steps are fed from the replay buffer")
+    need(_get(config, "trainer.v1.sampler.custom_sampler.name") == SAMPLER_NAME,
+         "trainer.v1.sampler.custom_sampler.name", f"set it to {SAMPLER_NAME}")
+    need(int(_get(config, "trainer.test_freq", -1)) <= 0, "trainer.test_freq",
+         "CLaaS evaluates split checkpoints itself (claas.eval); set it to -1")
+    need(not bool(_get(config, "trainer.val_before_train", False)), "trainer.val_before_train", "set it to false")
+    if not claas.trains:
+        return
+    need(int(_get(config, "data.train_batch_size", 0)) == claas.m, "data.train_batch_size",
+         f"one update draws claas.m={claas.m} entries; set it to ${{claas.m}}")
+    need(int(_get(config, "actor_rollout_ref.actor.ppo_mini_batch_size", 0)) == claas.m,
+         "actor_rollout_ref.actor.ppo_mini_batch_size",
+         "one optimizer step per sampled minibatch (SPEC A.1.6); set it to ${claas.m}")
+    need(int(_get(config, "actor_rollout_ref.actor.ppo_epochs", 1)) == 1, "actor_rollout_ref.actor.ppo_epochs",
+         "each sampled minibatch gives exactly one update; set it to 1")
+    need(bool(_get(config, "algorithm.rollout_correction.bypass_mode", False)),
+         "algorithm.rollout_correction.bypass_mode",
+         "the stored behaviour log-probs are the old log-probs of the IS ratio; set it to true")
+    loss_mode = _get(config, "actor_rollout_ref.actor.policy_loss.loss_mode", "vanilla")
+    need(str(loss_mode).startswith("claas_seq_is"), "actor_rollout_ref.actor.policy_loss.loss_mode",
+         "only a per-sequence behaviour log-prob is stored, so a per-token ratio is meaningless; use claas_seq_is")
+    if claas.algorithm == "sdpo":
+        raise NotImplementedError(
+            "claas.algorithm=sdpo: the SDPO loss needs full-vocabulary teacher logits on the re-prompted context "
+            "inside the actor worker, which this trainer does not provide yet; use reinforce_pp or ppo"
+        )
+
+
+def _served_fingerprint(named: dict[str, torch.Tensor]) -> str:
+    """sha1 over the served weights (sorted names, fp32 bytes): changes iff any served weight changes."""
+    h = hashlib.sha1()
+    for name in sorted(named):
+        h.update(name.encode())
+        h.update(named[name].detach().float().contiguous().numpy().tobytes())
+    return h.hexdigest()
+
+
+@register_trainer("claas")
+class ClaasTrainer(PPOTrainer):
+    """CLaaS replay trainer (see the module docstring). Configure with a ``claas:`` block (:class:`ClaasConfig`)."""
+
+    def __init__(self, config):
+        if "claas" not in config:
+            raise ValueError("trainer.v1.trainer_mode=claas needs a `claas:` config block (see recipes/claas/)")
+        self.claas = ClaasConfig.from_config(config.claas)
+        check_claas_config(config, self.claas)
+        super().__init__(config)
+        # verl switches async checkpoint/TransferQueue behaviour on any mode name other than "sync";
+        # the CLaaS loop is synchronous from the base class's point of view.
+        self.trainer_mode = "sync"
+        if not isinstance(self.replay_buffer, ClaasReplaySampler):
+            raise ValueError(f"trainer.v1.sampler.custom_sampler must select {SAMPLER_PATH}.{SAMPLER_NAME}")
+        self._loop: BackgroundLoop | None = None
+        self._split_future: concurrent.futures.Future | None = None
+        self._split_idx = -1
+        self._matrix: list[list[float]] = []
+        self._split_records: list[dict] = []
+        self._warnings: list[str] = []
+        self._updates = 0
+        self._wait_s = 0.0
+        self._last_wait_s = 0.0
+        self._t_start = time.time()
+
+    # ------------------------------------------------------------------ verl hooks
+    def _init_dataloader(self):
+        """No prompt dataset: scenarios come from the environment's stream (SPEC A.1.3)."""
+        self.train_dataset = self.val_dataset = None
+        self.train_dataloader = _NoPromptLoader()
+        self.train_dataloader_it = None
+        self.val_dataloader = _NoPromptLoader()
+        self.steps_per_epoch = 1 << 62  # the epoch counter never advances: the stream, not epochs, ends training
+        cap = self.claas.max_updates or 10**9
+        self.total_training_steps = cap
+        with open_dict(self.config):
+            self.config.trainer.total_epochs = 1
+            if OmegaConf.select(self.config, "actor_rollout_ref.actor.optim"):
+                self.config.actor_rollout_ref.actor.optim.total_training_steps = cap
+            if OmegaConf.select(self.config, "critic.optim"):
+                self.config.critic.optim.total_training_steps = cap
+
+    def on_init_end(self):
+        # Serve the initial weights (version 0) before any rollout, as verl's sync trainer does.
+        self.checkpoint_manager.update_weights(self.global_steps)
+        self._setup_claas()
+
+    def on_sample_end(self):
+        # Unlike verl's sync trainer, the replicas are NOT put to sleep: producers keep generating during training.
+        return None
+
+    def prepare_step(self) -> dict:
+        """Replaces the dataloader pull: snapshot b, v for ``claas_rpp_ema`` (read when this minibatch is built)."""
+        if self._ema_live is not None:
+            with self._ema_lock:
+                self._ema_bound.load_state_dict(self._ema_live.state_dict())
+        out = {"claas/wait_buffer_s": self._last_wait_s, "claas/split": self._split_idx + 1}
+        if self._ema_bound is not None:
+            out.update({"claas/ema_baseline": self._ema_bound.baseline, "claas/ema_variance": self._ema_bound.variance})
+        return out
+
+    def on_train_begin(self):
+        self._start_next_split()
+        if not self._advance_until_ready():
+            self.total_training_steps = self.global_steps - 1  # nothing to train on (e.g. ICL): skip the loop
+
+    def on_step_end(self):
+        self._updates += 1
+        with marked_timer("claas_on_update", self.timing_raw, color="red"):
+            size_before = ray.get(self.replay.size.remote())
+            evicted = ray.get(self.replay.on_update.remote())  # k += 1 first: a pushed version is never ahead of k
+        with marked_timer("update_weights", self.timing_raw, color="red"):
+            self.checkpoint_manager.update_weights(self.global_steps)
+        probe = self._probe_served_policy()
+        self._trace({"event": "update", "update": self._updates, "global_steps": self.global_steps,
+                     "split": self._split_idx + 1, "buffer_size_at_update": size_before, "evicted_age": evicted,
+                     "sampled": self.replay_buffer.last_sample, **probe})
+        stop = self.claas.max_updates is not None and self._updates >= self.claas.max_updates
+        with marked_timer("claas_wait_buffer", self.timing_raw, color="blue"):
+            more = False if stop else self._advance_until_ready()
+        if not more:
+            self.total_training_steps = self.global_steps  # verl's loop ends after this step
+        self._pending_sync_metrics = {"claas/evicted_age": evicted, "claas/buffer_size": size_before}
+
+    def fit(self, agent_loop_manager=None):
+        """verl's loop (unchanged), then the continual metrics; producers are stopped whatever happens."""
+        try:
+            super().fit(agent_loop_manager)
+            self._finalize()
+        finally:
+            self._shutdown()
+
+    # ------------------------------------------------------------------ set-up
+    def _setup_claas(self) -> None:
+        from claas_verl.envs import ICLFeedbackMemory, make_environment
+        from claas_verl.losses.advantages import EmaRewardStats
+        from claas_verl.replay import make_replay_actor, validate_replay_sizes
+        from claas_verl.verl_ext.claas_losses import bind_rpp_ema_stats
+
+        c = self.claas
+        self.env = make_environment(c.env.name, **c.env.kwargs)
+        self.stream = self.env.stream(seed=c.stream.seed, num_splits=c.stream.num_splits,
+                                      split_size=c.stream.split_size)
+        per_split = min(self.stream.max_entries_per_split("step"))
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            validate_replay_sizes(c.m, c.b_min, c.b_max, expected_entries_per_split=per_split)
+        for w in caught:  # SPEC A.1.8: B_min above what one split can produce
+            msg = str(w.message)
+            self._warnings.append(msg)
+            logger.warning(msg)
+            warnings.warn(msg, UserWarning, stacklevel=2)
+
+        self.replay = make_replay_actor(c.b_max, c.b_min, c.a_max, seed=c.seed, max_restarts=0)
+        self.replay_buffer.bind(self.replay, data_source=f"claas/{c.env.name}")
+
+        self._ema_lock = threading.Lock()
+        self._ema_live = self._ema_bound = None
+        if self.config.algorithm.adv_estimator == "claas_rpp_ema":
+            self._ema_live = EmaRewardStats(beta=c.rpp.beta, b0=c.rpp.b0, v0=c.rpp.v0, v_min=c.rpp.v_min)
+            self._ema_bound = EmaRewardStats(beta=c.rpp.beta, b0=c.rpp.b0, v0=c.rpp.v0, v_min=c.rpp.v_min)
+            bind_rpp_ema_stats(self._ema_bound)
+
+        tokenizer = self.tokenizer
+        self.icl_memory = None
+        if c.algorithm == "icl":
+            self.icl_memory = ICLFeedbackMemory(lambda s: len(tokenizer.encode(s, add_special_tokens=False)),
+                                                token_budget=c.icl.token_budget,
+                                                max_quote_chars=c.icl.max_quote_chars)
+        rollout = self.config.actor_rollout_ref.rollout
+        max_len = _get(rollout, "max_model_len")
+        max_prompt = (int(max_len) - c.producer.max_new_tokens) if max_len else int(_get(rollout, "prompt_length"))
+        client = self.llm_server_manager.get_client()
+
+        async def generate(request_id, prompt_ids, sampling_params):
+            return await client.generate(request_id, prompt_ids=prompt_ids, sampling_params=sampling_params)
+
+        self.producer = RolloutProducer(
+            generate, ChatRenderer(tokenizer), self.replay if c.trains else None,
+            max_new_tokens=c.producer.max_new_tokens, max_concurrent=c.producer.max_concurrent_scenarios,
+            max_prompt_tokens=max_prompt, ema_stats=self._ema_live, ema_lock=self._ema_lock,
+            icl_memory=self.icl_memory,
+        )
+        self._loop = BackgroundLoop()
+        os.makedirs(self.config.trainer.default_local_dir, exist_ok=True)
+        self._trace({"event": "start", "claas": OmegaConf.to_container(self.config.claas, resolve=True),
+                     "split_ids": self.stream.ids(), "warnings": self._warnings})
+
+    # ------------------------------------------------------------------ split protocol
+    def _start_next_split(self) -> None:
+        self._split_idx += 1
+        if self._split_idx >= self.stream.num_splits:
+            self._split_future = None
+            return
+        scenarios = self.stream.split(self._split_idx)
+        offset = self._split_idx * self.stream.split_size
+        self._split_future = self._loop.submit(self.producer.run_split(scenarios, index_offset=offset))
+        self._trace({"event": "split_start", "split": self._split_idx + 1, "global_steps": self.global_steps})
+
+    def _advance_until_ready(self) -> bool:
+        """Block until an update is possible (True) or the whole stream is done (False), running split ends.
+
+        Event-driven: waits on the replay actor's ``wait_ready`` (an asyncio condition notified by ``add``)
+        and on the current split's producer future, whichever completes first.
+        """
+        t0 = time.perf_counter()
+        try:
+            while self._split_future is not None:
+                if self.claas.trains:
+                    ref = self.replay.wait_ready.remote()
+                    ready = ref.future()
+                    concurrent.futures.wait([ready, self._split_future], return_when=concurrent.futures.FIRST_COMPLETED)
+                    if ready.done():
+                        if ready.result():
+                            return True
+                    else:
+                        try:
+                            ray.cancel(ref)  # the split ended first: drop the waiter parked in the actor
+                        except Exception:  # noqa: BLE001 - a parked waiter is harmless
+                            pass
+                self._split_future.result()  # the split's rollouts ended (re-raises a producer error)
+                # SPEC A.1.6 step 2: keep training until |B| < B_min, then checkpoint and move on.
+                if self.claas.trains and ray.get(self.replay.ready.remote()):
+                    return True
+                self._finish_split()
+                self._start_next_split()
+            return False
+        finally:
+            self._last_wait_s = time.perf_counter() - t0
+            self._wait_s += self._last_wait_s
+
+    def _finish_split(self) -> None:
+        j = self._split_idx
+        out_dir = self.config.trainer.default_local_dir
+        if self.claas.trains:
+            self._save_checkpoint()  # verl's actor (+critic) checkpoint at global_step_{k}
+        split_dir = os.path.join(out_dir, f"claas_split_{j + 1}")
+        os.makedirs(split_dir, exist_ok=True)
+        ray.get(self.replay.save.remote(os.path.join(split_dir, "replay_buffer.pkl")))
+        state = {"split": j + 1, "global_steps": self.global_steps, "updates": self._updates,
+                 "checkpoint": os.path.join(out_dir, f"global_step_{self.global_steps}") if self.claas.trains else None,
+                 "producer": self.producer.stats.as_dict(), "buffer": ray.get(self.replay.stats.remote())}
+        if self._ema_live is not None:
+            with self._ema_lock:
+                state["ema"] = self._ema_live.state_dict()
+        if self.icl_memory is not None:
+            state["icl_memory"] = self.icl_memory.state_dict()
+        with open(os.path.join(split_dir, "state.json"), "w") as f:
+            json.dump(state, f, indent=2, default=str)
+        row = self._evaluate_row() if self.claas.eval.enabled else [float("nan")] * self.stream.num_splits
+        self._matrix.append(row)
+        self._split_records.append({k: state[k] for k in ("split", "global_steps", "updates", "checkpoint")})
+        self._trace({"event": "split_end", "split": j + 1, "global_steps": self.global_steps, "M_row": row,
+                     "buffer_size": state["buffer"]["size"]})
+        print(f"[claas] split {j + 1}/{self.stream.num_splits} done at update {self._updates}: M[{j + 1},:] = "
+              + ", ".join(f"{v:.3f}" for v in row), flush=True)
+
+    def _evaluate_row(self) -> list[float]:
+        """Row j of M: the policy served right after checkpoint j, on every split k (SPEC A.4)."""
+        e = self.claas.eval
+        row = []
+        for k in range(self.stream.num_splits):
+            res = self._loop.submit(self.producer.evaluate(
+                self.stream.split(k), n_samples=e.n_samples, temperature=e.temperature,
+                max_new_tokens=e.max_new_tokens)).result()
+            row.append(res["pass_rate"])
+        return row
+
+    # ------------------------------------------------------------------ records
+    def _probe_served_policy(self) -> dict:
+        if not self.claas.probe_served_policy:
+            return {}
+        out = {}
+        for r, replica in enumerate(self.llm_server_manager.get_replicas()):
+            server = replica.servers[0]
+            if not hasattr(server, "get_named_parameters"):
+                continue
+            version = ray.get(server.get_policy_version.remote())
+            named = ray.get(server.get_named_parameters.remote())
+            out[f"served_version_{r}"] = int(version)
+            out[f"served_fingerprint_{r}"] = _served_fingerprint(named)
+        return out
+
+    def _trace(self, record: dict) -> None:
+        if not self.claas.trace:
+            return
+        record = {"t": round(time.time() - self._t_start, 3), **record}
+        with open(os.path.join(self.config.trainer.default_local_dir, TRACE_FILE), "a") as f:
+            f.write(json.dumps(record, default=str) + "\n")
+
+    def _finalize(self) -> None:
+        from claas_verl.metrics import write_continual_metrics
+
+        K = self.stream.num_splits
+        if len(self._matrix) != K:
+            msg = f"only {len(self._matrix)} of {K} splits finished (claas.max_updates reached); M is partial"
+            self._warnings.append(msg)
+            logger.warning(msg)
+            self._matrix += [[float("nan")] * K for _ in range(K - len(self._matrix))]
+        buffer_stats = ray.get(self.replay.stats.remote())
+        extra = {
+            "algorithm": self.claas.algorithm,
+            "updates": self._updates,
+            "splits": self._split_records,
+            "split_ids": self.stream.ids(),
+            "producer": self.producer.stats.as_dict(),
+            "trainer_wait_buffer_s": self._wait_s,
+            "wall_s": time.time() - self._t_start,
+            "warnings": self._warnings,
+        }
+        M = np.array(self._matrix, dtype=float)
+        paths = write_continual_metrics(self.config.trainer.default_local_dir, M, buffer_stats=buffer_stats,
+                                        extra=extra, title=f"CLaaS {self.claas.algorithm}: M[j, k]")
+        fmt = lambda v: "nan" if v is None or (isinstance(v, float) and math.isnan(v)) else f"{v:.3f}"  # noqa: E731
+        rec = json.loads(paths["json"].read_text())
+        print(f"[claas] {self._updates} updates; forward_transfer={fmt(rec['forward_transfer'])} "
+              f"forgetting={fmt(rec['forgetting'])} final={fmt(rec['final'])}; max entry uses="
+              f"{buffer_stats['max_uses']} (A_max+1={self.claas.a_max + 1}); metrics: {paths['json']}", flush=True)
+
+    def _shutdown(self) -> None:
+        if self._loop is not None:
+            self._loop.close()
+            self._loop = None
+        env = getattr(self, "env", None)
+        if env is not None:
+            env.close()

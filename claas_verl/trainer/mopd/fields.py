@@ -1,0 +1,108 @@
+"""Per-token fields the MOPD trainer stores in verl's TransferQueue, and the packing helpers (pure torch).
+
+Why K separate 2-D fields: TransferQueue and verl's tensordict utilities treat the LAST dimension of a
+nested tensor as the ragged one, so a ``[B, T, K]`` tensor of top-k values does not survive the trip. Every
+κ-vector per token is therefore stored as K fields ``<prefix><j>`` of shape ``[B, T]`` (j = 0..K-1) and
+re-stacked into ``[B, T, K]`` where it is used (SPEC B.2.1 shapes).
+
+Two layouts appear:
+
+* **packed** (what verl's engine hands a logits processor): all tokens of all sequences of a micro-batch,
+  prompt + response, concatenated: ``[N]`` with ``N = Σ_b len(prompt_b) + len(response_b)``. The logits at
+  packed position ``i`` predict token ``i+1``, so response token ``t`` of sequence b is predicted at packed
+  position ``end_b − R_b − 1 + t`` (``end_b`` = exclusive end of b, ``R_b`` = its response length). This is
+  the same left shift verl's ``no_padding_2_padding`` / ``response_from_nested`` apply.
+* **response** (what the trainer and the loss use): ``[B, T_r]`` padded on the right, or nested per row.
+"""
+
+from __future__ import annotations
+
+import torch
+
+# Field-name prefixes (one field per candidate j: f"{prefix}{j}").
+STUDENT_IDS_PACKED = "mopd_sid_packed_"  # student top-k ids, packed layout (pre-update forward output)
+STUDENT_LP_PACKED = "mopd_slp_packed_"  # student top-k log-probs S, packed layout
+TEACHER_LP_PACKED = "mopd_tlp_packed_"  # teacher log-probs Q at the student's ids, packed layout
+CURRENT_LP_PACKED = "mopd_clp_packed_"  # differentiable log π_θ at the stored ids, packed (update forward)
+TOPK_IDS = "mopd_ids_"  # student top-k ids, response layout (stored by the trainer)
+ADVANTAGES = "mopd_adv_"  # per-candidate advantages A, response layout
+
+# Non-tensor keys the trainer puts on a batch to tell the loss function what a forward is for.
+PHASE_KEY = "mopd_phase"
+PHASE_STUDENT_TOPK = "student_topk"
+PHASE_TEACHER = "teacher"
+PHASE_UPDATE = "update"
+PHASES = (PHASE_STUDENT_TOPK, PHASE_TEACHER, PHASE_UPDATE)
+TOPK_KEY = "mopd_topk"
+
+
+def names(prefix: str, k: int) -> list[str]:
+    """The K field names ``[prefix0, ..., prefix{k-1}]``."""
+    if k < 1:
+        raise ValueError(f"k (mopd.train.topk) must be >= 1, got {k}")
+    return [f"{prefix}{j}" for j in range(k)]
+
+
+def split_last(x: torch.Tensor, prefix: str) -> dict[str, torch.Tensor]:
+    """``[..., K]`` -> ``{prefix_j: x[..., j]}`` (contiguous copies, safe to send through TransferQueue)."""
+    return {f"{prefix}{j}": x[..., j].contiguous() for j in range(x.shape[-1])}
+
+
+def stack_fields(data, prefix: str, k: int) -> torch.Tensor:
+    """Re-stack K fields of ``data`` (any mapping) into ``[..., K]``; a missing field raises naming it."""
+    parts = []
+    for name in names(prefix, k):
+        if name not in data.keys():
+            raise KeyError(
+                f"field {name!r} is missing from the batch: the MOPD trainer must store all {k} top-k fields "
+                f"{prefix}0..{prefix}{k - 1} (mopd.train.topk={k}) before this step"
+            )
+        parts.append(data[name])
+    return torch.stack(parts, dim=-1)
+
+
+def response_positions(seq_lens: torch.Tensor, resp_lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Packed positions predicting each response token, and their (row, t) in the response layout.
+
+    Args:
+        seq_lens: ``[B]`` prompt + response length of each sequence (packed, no padding).
+        resp_lens: ``[B]`` response length of each sequence.
+
+    Returns:
+        ``packed_idx [M]`` and ``(row [M], col [M])`` with ``M = Σ resp_lens``: response token ``col`` of
+        sequence ``row`` is predicted by the logits at packed position ``packed_idx``.
+    """
+    seq_lens = seq_lens.long().cpu()
+    resp_lens = resp_lens.long().cpu()
+    if seq_lens.shape != resp_lens.shape or seq_lens.dim() != 1:
+        raise ValueError(f"seq_lens and resp_lens must be equal-length 1-D; got {seq_lens.shape}, {resp_lens.shape}")
+    if bool((resp_lens >= seq_lens).any()):
+        raise ValueError("every sequence needs a non-empty prompt (response length < sequence length)")
+    ends = seq_lens.cumsum(0)
+    rows, cols, idx = [], [], []
+    for b in range(seq_lens.shape[0]):
+        r = int(resp_lens[b])
+        start = int(ends[b]) - r - 1
+        rows.append(torch.full((r,), b, dtype=torch.long))
+        cols.append(torch.arange(r, dtype=torch.long))
+        idx.append(torch.arange(start, start + r, dtype=torch.long))
+    cat = (lambda xs: torch.cat(xs) if xs else torch.zeros(0, dtype=torch.long))
+    return cat(idx), (cat(rows), cat(cols))
+
+
+def scatter_response_to_packed(values: torch.Tensor, seq_lens, resp_lens, total: int, fill=0) -> torch.Tensor:
+    """Response-layout ``[B, T_r, ...]`` (right padded) -> packed ``[total, ...]`` (``fill`` off the response)."""
+    idx, (rows, cols) = response_positions(seq_lens, resp_lens)
+    out = torch.full((total, *values.shape[2:]), fill, dtype=values.dtype, device=values.device)
+    out[idx.to(values.device)] = values[rows.to(values.device), cols.to(values.device)]
+    return out
+
+
+def gather_packed_to_response(packed: torch.Tensor, seq_lens, resp_lens, width: int | None = None) -> torch.Tensor:
+    """Packed ``[total, ...]`` -> response layout ``[B, T_r, ...]``, zero padded (differentiable)."""
+    idx, (rows, cols) = response_positions(seq_lens, resp_lens)
+    B = int(torch.as_tensor(seq_lens).shape[0])
+    T = int(torch.as_tensor(resp_lens).max()) if width is None and B else (width or 0)
+    dev = packed.device
+    out = packed.new_zeros((B, T, *packed.shape[1:]))
+    return out.index_put((rows.to(dev), cols.to(dev)), packed[idx.to(dev)])

@@ -1,0 +1,231 @@
+"""Stage bookkeeping of a continual MOPD run: which teacher is where, snapshots, audit trail, resume state.
+
+Pure python (no verl, no ray, no torch), so every rule here is unit-tested directly:
+
+* **Plan position.** verl counts ``global_steps`` from 1; plan step ``i`` (0-based) runs at global step
+  ``i + 1``. Nothing else is needed to find the step after a resume.
+* **Teachers.** ``expert:<d>`` is ``mopd.domains.<d>.expert``; ``student:0`` is ``mopd.student`` (π_0);
+  ``student:<j>`` is the stage-final snapshot ``<run>/snapshots/student_<j>`` (M_j), written in Hugging Face
+  format when stage j ends.
+* **Models held.** A stage loads exactly the teachers its steps use; the plan's ``held_by_stage`` (what the
+  setting allows to exist) is checked against them (003 §3.1: S1 holds E_k and M_{k-1}).
+* **Audit trail.** ``<run>/steps.jsonl`` holds one JSON object per executed step: the plan fields
+  (``stage, kind, domain, block, teacher``, same vocabulary as ``python -m claas_verl.plan plan.format=json``)
+  plus ``global_step`` and the step's metrics. On resume, lines after the resumed step are moved to
+  ``steps.discarded.jsonl`` (they belong to work that the checkpoint does not contain).
+* **Resume state.** ``<run>/global_step_<N>/mopd_state.json`` next to verl's own checkpoint files: plan
+  position, stage, the snapshots that exist and a fingerprint of the plan (a resumed run must run the same plan).
+* **Forgetting table.** ``<run>/forgetting.jsonl`` (one row per stage end and learned domain) and
+  ``forgetting.md`` (the table printed at the end).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+STEPS_FILE = "steps.jsonl"
+DISCARDED_FILE = "steps.discarded.jsonl"
+STATE_FILE = "mopd_state.json"
+FORGETTING_JSONL = "forgetting.jsonl"
+FORGETTING_MD = "forgetting.md"
+SNAPSHOT_DIR = "snapshots"
+PLAN_KEYS = ("stage", "kind", "domain", "block", "teacher")
+
+
+def plan_fingerprint(plan_steps: list[dict]) -> str:
+    """sha256 of the plan's JSON steps (order matters); a resume checks it so a changed recipe cannot resume."""
+    blob = json.dumps([{k: s[k] for k in PLAN_KEYS} for s in plan_steps], sort_keys=True).encode()
+    return hashlib.sha256(blob).hexdigest()[:16]
+
+
+def step_index(global_step: int, num_steps: int) -> int:
+    """0-based plan index of verl's 1-based ``global_step``; raises past the end of the plan."""
+    if not 1 <= global_step <= num_steps:
+        raise ValueError(
+            f"global step {global_step} is outside the plan's {num_steps} steps; trainer.total_training_steps "
+            f"must not exceed the plan length (python -m claas_verl.plan shows it)"
+        )
+    return global_step - 1
+
+
+@dataclass(frozen=True)
+class ModelPaths:
+    """Where each plan model name lives: experts and π_0 from the recipe, M_j under the run directory."""
+
+    student0: str
+    experts: dict[str, str]
+    run_dir: str
+
+    def snapshot(self, stage: int) -> str:
+        return os.path.join(self.run_dir, SNAPSHOT_DIR, f"student_{stage}")
+
+    def path(self, name: str) -> str:
+        kind, _, arg = name.partition(":")
+        if kind == "expert":
+            if arg not in self.experts or not self.experts[arg] or self.experts[arg] == "???":
+                raise ValueError(f"mopd.domains.{arg}.expert: no path for teacher {name!r}; set it in the recipe")
+            return self.experts[arg]
+        if kind == "student":
+            j = int(arg)
+            return self.student0 if j == 0 else self.snapshot(j)
+        raise ValueError(f"unknown model name {name!r} (expected expert:<domain> or student:<stage>)")
+
+
+def stage_teachers(plan_steps: list[dict], stage: int) -> list[str]:
+    """Teachers used by the steps of ``stage``, in first-use order."""
+    seen: list[str] = []
+    for s in plan_steps:
+        if s["stage"] == stage and s["teacher"] not in seen:
+            seen.append(s["teacher"])
+    return seen
+
+
+def check_held(teachers: list[str], held: tuple[str, ...] | list[str], stage: int, setting: str) -> None:
+    """Raise if a stage would load a teacher its setting does not let it hold."""
+    extra = [t for t in teachers if t not in held]
+    if extra:
+        raise ValueError(
+            f"stage {stage} would load {extra} but mopd.setting={setting} holds only {list(held)} at that stage"
+        )
+
+
+def stage_bounds(plan_steps: list[dict]) -> dict[int, tuple[int, int]]:
+    """stage -> (first, last) 0-based plan index."""
+    out: dict[int, tuple[int, int]] = {}
+    for i, s in enumerate(plan_steps):
+        first, _ = out.get(s["stage"], (i, i))
+        out[s["stage"]] = (first, i)
+    return out
+
+
+def learned_domains(plan_steps: list[dict], upto_index: int) -> list[str]:
+    """Domains trained on by plan steps 0..upto_index, in first-seen order."""
+    seen: list[str] = []
+    for s in plan_steps[: upto_index + 1]:
+        if s["domain"] not in seen:
+            seen.append(s["domain"])
+    return seen
+
+
+# ---------------------------------------------------------------------------------------------- audit trail
+def _jsonable(v: Any) -> Any:
+    try:
+        f = float(v)
+    except (TypeError, ValueError):
+        return str(v)
+    if isinstance(v, bool):
+        return v
+    if isinstance(v, int):
+        return v
+    return f if math.isfinite(f) else None
+
+
+def append_step(run_dir: str, global_step: int, plan_step: dict, metrics: dict[str, Any]) -> dict:
+    """Append one executed step to ``steps.jsonl``; returns the record."""
+    rec = {k: plan_step[k] for k in PLAN_KEYS}
+    rec["global_step"] = int(global_step)
+    rec["metrics"] = {k: _jsonable(v) for k, v in sorted(metrics.items())}
+    os.makedirs(run_dir, exist_ok=True)
+    with open(os.path.join(run_dir, STEPS_FILE), "a") as f:
+        f.write(json.dumps(rec) + "\n")
+    return rec
+
+
+def read_steps(run_dir: str) -> list[dict]:
+    path = Path(run_dir) / STEPS_FILE
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def truncate_steps(run_dir: str, keep_upto_global_step: int) -> int:
+    """Keep the records with ``global_step <= keep_upto``; move the rest to ``steps.discarded.jsonl``."""
+    records = read_steps(run_dir)
+    keep = [r for r in records if r["global_step"] <= keep_upto_global_step]
+    drop = [r for r in records if r["global_step"] > keep_upto_global_step]
+    if drop:
+        with open(os.path.join(run_dir, DISCARDED_FILE), "a") as f:
+            for r in drop:
+                f.write(json.dumps(r) + "\n")
+    if records:
+        with open(os.path.join(run_dir, STEPS_FILE), "w") as f:
+            for r in keep:
+                f.write(json.dumps(r) + "\n")
+    return len(drop)
+
+
+# ---------------------------------------------------------------------------------------------- resume state
+def write_state(step_dir: str, state: dict) -> str:
+    os.makedirs(step_dir, exist_ok=True)
+    path = os.path.join(step_dir, STATE_FILE)
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(state, f, indent=1, sort_keys=True)
+    os.replace(tmp, path)  # atomic: a kill during the write leaves the previous file
+    return path
+
+
+def read_state(step_dir: str) -> dict | None:
+    path = os.path.join(step_dir, STATE_FILE)
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        return json.load(f)
+
+
+def existing_snapshots(paths: ModelPaths, max_stage: int) -> list[int]:
+    return [j for j in range(1, max_stage + 1) if os.path.exists(os.path.join(paths.snapshot(j), "config.json"))]
+
+
+# ---------------------------------------------------------------------------------------------- forgetting
+def append_forgetting(run_dir: str, rows: list[dict]) -> None:
+    with open(os.path.join(run_dir, FORGETTING_JSONL), "a") as f:
+        for r in rows:
+            f.write(json.dumps({k: _jsonable(v) if k not in ("domain", "label") else v for k, v in r.items()}) + "\n")
+
+
+def read_forgetting(run_dir: str) -> list[dict]:
+    path = Path(run_dir) / FORGETTING_JSONL
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def forgetting_table(rows: list[dict], title: str = "") -> str:
+    """Markdown table: one line per stage end, one column per domain, cells ``KL (score)``.
+
+    ``KL`` is the mean student-weighted top-k KL from the stage-final student to the domain's expert on the
+    domain's held-out prompts (lower is better); ``score`` is the mean reward when the domain has one.
+    """
+    if not rows:
+        return "(no stage has ended yet)"
+    domains: list[str] = []
+    for r in rows:
+        if r["domain"] not in domains:
+            domains.append(r["domain"])
+    stages = sorted({int(r["stage"]) for r in rows})
+    cell = {(int(r["stage"]), r["domain"]): r for r in rows}
+    lines = [f"### {title}"] if title else []
+    lines.append("| after stage | " + " | ".join(f"KL to E[{d}] (score)" for d in domains) + " |")
+    lines.append("|---|" + "---|" * len(domains))
+    for st in stages:
+        parts = []
+        for d in domains:
+            r = cell.get((st, d))
+            if r is None:
+                parts.append("")
+                continue
+            kl = r.get("kl")
+            score = r.get("score")
+            txt = "nan" if kl is None else f"{kl:.4f}"
+            if score is not None:
+                txt += f" ({score:.2f})"
+            parts.append(txt)
+        lines.append(f"| {st} | " + " | ".join(parts) + " |")
+    return "\n".join(lines)

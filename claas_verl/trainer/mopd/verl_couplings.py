@@ -1,0 +1,209 @@
+"""EVERY place where the MOPD trainer touches a private verl 0.9.1 name, in one module.
+
+verl has no hooks for: choosing each step's prompts from a plan, running a logits processor in the
+pre-update forward, asking a teacher for log-probs at the student's ids, resetting the optimizer, or keeping
+extra resume state. The trainer therefore overrides a few private methods of ``PPOTrainer`` and reads a few
+private attributes of verl's FSDP engine. They are all here, each a thin shim that delegates to a public
+``mopd_*`` method of :class:`claas_verl.trainer.mopd.trainer.MOPDTrainer` (or of the worker), and each is
+listed in :data:`COUPLINGS`; ``tests/trainer_mopd/test_mopd_verl_couplings.py`` fails loudly when a verl
+upgrade moves or renames one of them.
+
+Trainer overrides (``verl.trainer.ppo.v1.trainer_base.PPOTrainer``):
+
+* ``trainer_mode`` (attribute): verl reads it as a sync/async switch; registering under ``"mopd"`` would
+  silently select the async replay buffer, dataloader refill and TransferQueue checkpointing. The property
+  below always answers ``"sync"`` (the registered name is kept in ``registered_mode``).
+* ``_init_resource_pool_mgr``: the roles verl maps to ``ActorRolloutRefWorker`` get the MOPD worker class.
+* ``_init_dataloader``: also builds one dataset per domain (train and held-out) for block lookup.
+* ``_next_train_batch``: the prompts of a step are the rows of the plan step's block (no sampler).
+* ``_compute_old_log_prob``: the pre-update forward returns the student's top-κ (SPEC B.2.1) through the
+  engine's distillation logits-processor path, which the base method disables (``compute_loss=False``).
+* ``_compute_advantage``: teacher log-probs at the student's ids, rewards (eq. 4) and per-domain advantages
+  (B.2.2) instead of a verl advantage estimator.
+* ``_update_actor``: the base method resets the distillation flags from ``config.distillation``.
+* ``_save_checkpoint`` / ``_load_checkpoint``: extra resume state (plan position, stage, snapshots).
+* ``_compute_metrics``: after verl computes a step's metrics, the step is appended to ``steps.jsonl``.
+
+Called (not overridden) private trainer methods: ``_balance_batch`` (forgetting evaluation batches).
+
+Worker/engine internals (``verl.workers``): ``ActorRolloutRefWorker.actor_worker_cls`` (class attribute
+hook), the ref-config conversion of ``ActorRolloutRefWorker.init_model`` (mirrored in
+:func:`teacher_training_config`), ``FSDPEngine.optimizer`` / ``lr_scheduler`` / ``checkpoint_manager`` /
+``_build_lr_scheduler`` (optimizer reset).
+"""
+
+from __future__ import annotations
+
+from copy import deepcopy
+from typing import Any
+
+# (module, owner, attribute): every private (or semi-private) verl name this package depends on.
+COUPLINGS: tuple[tuple[str, str, str], ...] = (
+    ("verl.trainer.ppo.v1.trainer_base", "PPOTrainer", "_init_resource_pool_mgr"),
+    ("verl.trainer.ppo.v1.trainer_base", "PPOTrainer", "_init_dataloader"),
+    ("verl.trainer.ppo.v1.trainer_base", "PPOTrainer", "_next_train_batch"),
+    ("verl.trainer.ppo.v1.trainer_base", "PPOTrainer", "_compute_old_log_prob"),
+    ("verl.trainer.ppo.v1.trainer_base", "PPOTrainer", "_compute_advantage"),
+    ("verl.trainer.ppo.v1.trainer_base", "PPOTrainer", "_update_actor"),
+    ("verl.trainer.ppo.v1.trainer_base", "PPOTrainer", "_save_checkpoint"),
+    ("verl.trainer.ppo.v1.trainer_base", "PPOTrainer", "_load_checkpoint"),
+    ("verl.trainer.ppo.v1.trainer_base", "PPOTrainer", "_compute_metrics"),
+    ("verl.trainer.ppo.v1.trainer_base", "PPOTrainer", "_balance_batch"),
+    ("verl.workers.engine_workers", "ActorRolloutRefWorker", "actor_worker_cls"),
+    ("verl.trainer.main_ppo", "TaskRunnerV1", "__ray_metadata__"),
+    ("verl.workers.engine.fsdp.transformer_impl", "FSDPEngine", "_build_lr_scheduler"),
+)
+# Attributes that only exist on instances (checked on a built engine / trainer source by the tests).
+INSTANCE_ATTRIBUTES: tuple[tuple[str, str], ...] = (
+    ("PPOTrainer.__init__", "self.trainer_mode"),
+    ("FSDPEngine._build_model_optimizer", "self.optimizer"),
+    ("FSDPEngine._build_model_optimizer", "self.lr_scheduler"),
+    ("FSDPEngine.initialize", "self.checkpoint_manager"),
+)
+
+
+class MOPDTrainerCouplings:
+    """Mixin placed before verl's ``PPOTrainer`` in the MOPD trainer's bases; see the module docstring."""
+
+    # ---- sync semantics (verl uses trainer_mode both as the registry key and as the sync/async switch)
+    @property
+    def trainer_mode(self) -> str:
+        return "sync"
+
+    @trainer_mode.setter
+    def trainer_mode(self, value: str) -> None:
+        self.registered_mode = value
+
+    # ---- workers
+    def _init_resource_pool_mgr(self):
+        super()._init_resource_pool_mgr()
+        self.mopd_use_worker_class()
+
+    # ---- data
+    def _init_dataloader(self):
+        super()._init_dataloader()
+        self.mopd_init_datasets()
+
+    def _next_train_batch(self, num_prompts: int | None = None):
+        return self.mopd_block_batch(num_prompts)
+
+    # ---- the step's math
+    def _compute_old_log_prob(self, batch, metrics: dict):
+        return self.mopd_student_topk(batch, metrics)
+
+    def _compute_advantage(self, batch, metrics: dict):
+        return self.mopd_teacher_advantages(batch, metrics)
+
+    def _update_actor(self, batch, metrics: dict):
+        return self.mopd_update_actor(batch, metrics)
+
+    # ---- checkpoints, audit trail
+    def _save_checkpoint(self):
+        super()._save_checkpoint()
+        self.mopd_after_save()
+
+    def _load_checkpoint(self):
+        super()._load_checkpoint()
+        self.mopd_after_load()
+
+    def _compute_metrics(self, batch, metrics, timing_raw, global_steps, epoch):
+        super()._compute_metrics(batch, metrics, timing_raw, global_steps=global_steps, epoch=epoch)
+        self.mopd_record_step(metrics, global_steps)
+
+
+# ---------------------------------------------------------------------------------------------- task runner
+def mopd_task_runner_class():
+    """verl's v1 ``TaskRunner`` (a Ray actor) whose ``run`` first imports the MOPD trainer module.
+
+    ``get_trainer_cls("mopd")`` runs inside the TaskRunner's own Ray process, where only verl's plugins were
+    imported; registering there is what makes ``trainer.v1.trainer_mode=mopd`` resolve. verl exposes the
+    runner only as a Ray actor class, so the plain class is recovered from Ray's actor metadata (a private Ray
+    attribute, checked by the coupling test).
+    """
+    import ray
+    from verl.trainer.main_ppo import TaskRunnerV1
+
+    base = TaskRunnerV1.__ray_metadata__.modified_class.__ray_actor_class__
+
+    class MOPDTaskRunner(base):
+        def run(self, config):
+            import claas_verl.trainer.mopd  # noqa: F401  (register_trainer("mopd") in this process)
+
+            return super().run(config)
+
+    return ray.remote(MOPDTaskRunner)
+
+
+# ---------------------------------------------------------------------------------------------- worker side
+def teacher_training_config(worker_config, model_path: str):
+    """A forward-only ``TrainingWorkerConfig`` for a teacher at ``model_path``.
+
+    Mirrors the private conversion ``ActorRolloutRefWorker.init_model`` applies to ``config.ref`` (the
+    ``log_prob_*`` keys renamed to the engine's ``ppo_*`` ones), so a teacher engine is built exactly like
+    verl's reference model, only from another checkpoint.
+    """
+    from omegaconf import open_dict
+    from verl.utils.config import omega_conf_to_dataclass
+    from verl.workers.config import MtpConfig, TrainingWorkerConfig
+
+    ref = deepcopy(worker_config.ref)
+    with open_dict(ref):
+        ref.ppo_mini_batch_size = worker_config.actor.ppo_mini_batch_size
+        ref.ppo_micro_batch_size = ref.pop("log_prob_micro_batch_size", None)
+        ref.ppo_micro_batch_size_per_gpu = ref.pop("log_prob_micro_batch_size_per_gpu", None)
+        ref.use_dynamic_bsz = ref.pop("log_prob_use_dynamic_bsz", False)
+        ref.ppo_max_token_len_per_gpu = ref.pop("log_prob_max_token_len_per_gpu", None)
+    model = deepcopy(worker_config.model)
+    with open_dict(model):
+        model.path = model_path
+        # experts may ship no tokenizer files; student and teachers must share the tokenizer anyway
+        model.tokenizer_path = worker_config.model.get("tokenizer_path") or worker_config.model.path
+    ref_config = omega_conf_to_dataclass(ref)
+    model_config = omega_conf_to_dataclass(model)
+    model_config.mtp = MtpConfig(enable=False)
+    cfg = TrainingWorkerConfig(
+        model_type="language_model",
+        model_config=model_config,
+        engine_config=ref_config.engine,
+        optimizer_config=ref_config.optim,
+        checkpoint_config=ref_config.checkpoint,
+        profiler_config=None,
+    )
+    cfg.engine_config.forward_only = True
+    cfg.engine_config.use_dynamic_bsz = ref.use_dynamic_bsz
+    cfg.engine_config.infer_max_token_len_per_gpu = ref.ppo_max_token_len_per_gpu
+    cfg.engine_config.infer_micro_batch_size_per_gpu = ref.ppo_micro_batch_size_per_gpu
+    cfg.engine_config.use_remove_padding = worker_config.model.get("use_remove_padding", False)
+    return cfg
+
+
+def reset_engine_optimizer(engine: Any) -> int:
+    """Fresh AdamW state and LR schedule for a new stage (SPEC B.1); returns how many parameter states were dropped.
+
+    Clearing ``optimizer.state`` makes the next step start from m = v = 0 and step = 0, which is what
+    a newly built AdamW does; the LR scheduler is rebuilt so warm-up (if any) restarts too. verl's
+    checkpoint manager keeps its own reference to the scheduler, so it is pointed at the new one.
+    """
+    opt = engine.optimizer
+    if opt is None:
+        raise ValueError("the engine has no optimizer (forward-only); only the student's optimizer can be reset")
+    dropped = len(opt.state)
+    opt.state.clear()
+    for group in opt.param_groups:  # undo any scheduler scaling before the new scheduler records initial_lr
+        if "initial_lr" in group:
+            group["lr"] = group["initial_lr"]
+            del group["initial_lr"]
+    engine.lr_scheduler = engine._build_lr_scheduler(opt)
+    ckpt = getattr(engine, "checkpoint_manager", None)
+    if ckpt is not None and hasattr(ckpt, "lr_scheduler"):
+        ckpt.lr_scheduler = engine.lr_scheduler
+    return dropped
+
+
+def optimizer_step_count(engine: Any) -> int:
+    """AdamW's ``step`` of the first parameter with state (0 when the state is empty): a fresh-state probe."""
+    for state in engine.optimizer.state.values():
+        step = state.get("step")
+        if step is not None:
+            return int(step.item() if hasattr(step, "item") else step)
+    return 0

@@ -1,0 +1,203 @@
+"""verl registrations of the CLaaS losses and advantages (SPEC A.2, A.3); thin glue over ``claas_verl.losses``.
+
+Registered names (after ``import claas_verl``, or in Ray workers via the ``verl.plugins`` entry point /
+``VERL_USE_EXTERNAL_MODULES=claas_verl``):
+
+- policy losses ``claas_seq_is`` (ratio_mode ``geo_mean``) and ``claas_seq_is_product`` (``product``),
+  selected with ``actor_rollout_ref.actor.policy_loss.loss_mode=claas_seq_is``;
+- advantage estimators ``claas_rpp_ema`` (REINFORCE++ with the EMA baseline) and
+  ``claas_rpp_global_whiten`` (verl REINFORCE++ with the A.3.1 edge cases), selected with
+  ``algorithm.adv_estimator=...``.
+
+How a trainer supplies the EMA state to ``claas_rpp_ema``: verl calls an estimator with only
+``token_level_rewards``, ``response_mask``, ``config`` and optional ``index``/``reward_baselines``, so
+the running :class:`~claas_verl.losses.advantages.EmaRewardStats` cannot travel through the call. The
+trainer (the process that owns the replay buffer and calls ``compute_advantage``, i.e. the driver)
+binds its stats object once with :func:`bind_rpp_ema_stats` (or for a block with
+:func:`rpp_ema_stats_bound`), keeps calling ``stats.update(r)`` at insertion time, and saves
+``stats.state_dict()`` in its checkpoints. The estimator only READS b and v; calling it with nothing
+bound raises a ValueError that says so.
+
+PPO with a critic: :func:`replay_gae` and :func:`replay_value_loss` call verl's GAE and value loss on
+the token rewards the replay setting builds (``claas_verl.losses.ppo_critic``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import torch
+from verl.trainer.ppo import core_algos
+
+from claas_verl.losses.advantages import EmaRewardStats, global_whiten_advantages, sequence_rewards
+from claas_verl.losses.ppo_critic import token_rewards_at_last_token
+from claas_verl.losses.seq_is import seq_is_clipped_loss
+from claas_verl.verl_ext.registry import register_adv_est, register_policy_loss
+
+
+def _cfg(config: Any, key: str, default: Any = None) -> Any:
+    """Read ``key`` from a verl ActorConfig / DictConfig / dict; None counts as missing."""
+    if config is None:
+        return default
+    value = config.get(key, default) if hasattr(config, "get") else getattr(config, key, default)
+    return default if value is None else value
+
+
+def _seq_is_kwargs(config: Any, loss_agg_mode: str) -> dict:
+    """Clip settings (clip_ratio[_low|_high|_c]) and verl's global_batch_info → our agg_loss kwargs."""
+    if config is None:
+        raise ValueError("claas_seq_is needs the actor config (clip_ratio, clip_ratio_low/high, clip_ratio_c)")
+    eps = float(_cfg(config, "clip_ratio", 0.2))
+    info = dict(_cfg(config, "global_batch_info", {}) or {})
+    return dict(
+        clip_ratio_low=float(_cfg(config, "clip_ratio_low", eps)),
+        clip_ratio_high=float(_cfg(config, "clip_ratio_high", eps)),
+        clip_ratio_c=float(_cfg(config, "clip_ratio_c", 3.0)),
+        loss_agg_mode=loss_agg_mode,
+        global_tokens=info.get("batch_num_tokens"),
+        global_seqs=info.get("global_batch_size"),
+        dp_size=int(info.get("dp_size") or 1),
+        horizon=info.get("loss_scale_factor"),
+    )
+
+
+@register_policy_loss("claas_seq_is")
+def compute_policy_loss_claas_seq_is(
+    old_log_prob: torch.Tensor,
+    log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    loss_agg_mode: str = "token-mean",
+    config: Any | None = None,
+    rollout_is_weights: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """verl policy loss: SPEC A.2 with ratio_mode ``geo_mean`` (see ``claas_verl.losses.seq_is_clipped_loss``).
+
+    ``old_log_prob`` ``[B, T]``: only Σ_j m·old per sequence is used, so per-token behaviour log-probs
+    or ℓb placed on one valid position both work. ``rollout_is_weights`` multiplies the token loss.
+    """
+    return seq_is_clipped_loss(
+        log_prob, old_log_prob, advantages, response_mask, ratio_mode="geo_mean",
+        token_weights=rollout_is_weights, **_seq_is_kwargs(config, loss_agg_mode),
+    )
+
+
+@register_policy_loss("claas_seq_is_product")
+def compute_policy_loss_claas_seq_is_product(
+    old_log_prob: torch.Tensor,
+    log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    loss_agg_mode: str = "token-mean",
+    config: Any | None = None,
+    rollout_is_weights: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """verl policy loss: SPEC A.2 with ratio_mode ``product`` (the literal trajectory ratio π_θ(y)/π_β(y))."""
+    return seq_is_clipped_loss(
+        log_prob, old_log_prob, advantages, response_mask, ratio_mode="product",
+        token_weights=rollout_is_weights, **_seq_is_kwargs(config, loss_agg_mode),
+    )
+
+
+# --------------------------------------------------------------------------- REINFORCE++ estimators
+
+_BOUND_EMA_STATS: EmaRewardStats | None = None
+
+
+def bind_rpp_ema_stats(stats: EmaRewardStats | None) -> None:
+    """Make ``stats`` the running state read by the ``claas_rpp_ema`` estimator in this process (None unbinds)."""
+    global _BOUND_EMA_STATS
+    if stats is not None and not isinstance(stats, EmaRewardStats):
+        raise ValueError(f"bind_rpp_ema_stats expects an EmaRewardStats, got {type(stats).__name__}")
+    _BOUND_EMA_STATS = stats
+
+
+def bound_rpp_ema_stats() -> EmaRewardStats | None:
+    return _BOUND_EMA_STATS
+
+
+@contextlib.contextmanager
+def rpp_ema_stats_bound(stats: EmaRewardStats):
+    """Bind ``stats`` for the duration of a block, restoring the previous binding afterwards."""
+    previous = _BOUND_EMA_STATS
+    bind_rpp_ema_stats(stats)
+    try:
+        yield stats
+    finally:
+        bind_rpp_ema_stats(previous)
+
+
+@register_adv_est("claas_rpp_ema")
+def compute_claas_rpp_ema_advantage(
+    token_level_rewards: torch.Tensor, response_mask: torch.Tensor, config: Any = None, **kwargs
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """verl advantage estimator, SPEC A.3.1 ``ema`` mode: A = m·(r − b)/sqrt(max(v, v_min)).
+
+    r_e = Σ_j m·R[e,j] (verl puts the scalar reward on the last valid token). b, v come from the
+    :class:`EmaRewardStats` bound with :func:`bind_rpp_ema_stats`; they are read, never updated, here.
+    Returns ``(advantages, returns)`` with returns = r_e·m.
+    """
+    stats = _BOUND_EMA_STATS
+    if stats is None:
+        raise ValueError(
+            "adv_estimator 'claas_rpp_ema' has no running reward statistics in this process: call "
+            "claas_verl.verl_ext.claas_losses.bind_rpp_ema_stats(stats) in the trainer that computes advantages"
+        )
+    r = sequence_rewards(token_level_rewards, response_mask)
+    adv = stats.advantages(r, response_mask)
+    return adv, r.unsqueeze(-1) * response_mask.float()
+
+
+@register_adv_est("claas_rpp_global_whiten")
+def compute_claas_rpp_global_whiten_advantage(
+    token_level_rewards: torch.Tensor, response_mask: torch.Tensor, config: Any = None, **kwargs
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """verl advantage estimator, SPEC A.3.1 ``global_whiten`` mode (γ from ``config.gamma``, default 1).
+
+    Same as verl's ``reinforce_plus_plus`` except that Σm ≤ 1 or all-equal returns give A = 0 instead of
+    raising / a tiny residue.
+    """
+    gamma = float(_cfg(config, "gamma", 1.0))
+    return global_whiten_advantages(token_level_rewards, response_mask, gamma)
+
+
+# --------------------------------------------------------------------------- PPO critic glue (A.3.2)
+
+
+def replay_gae(
+    rewards: torch.Tensor, values: torch.Tensor, response_mask: torch.Tensor, gamma: float = 1.0, lam: float = 1.0,
+    token_level_rewards: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """verl GAE on replayed entries: ``(advantages whitened over the minibatch, returns)``, ``[B, T]``.
+
+    ``rewards`` ``[B]`` go to the last valid token (pass ``token_level_rewards`` instead for the scenario
+    placements of ``claas_verl.losses.scenario_token_rewards``). ``values`` is V_old from the critic,
+    re-evaluated on this minibatch before the update. A minibatch with Σm ≤ 1, where verl's whitening
+    raises, gets A = 0 [CHOICE, as in A.3.1].
+    """
+    if token_level_rewards is None:
+        token_level_rewards = token_rewards_at_last_token(rewards, response_mask)
+    mask = response_mask.float()
+    if float(mask.sum()) <= 1:
+        # At most one valid token: nothing follows it, so its GAE return is exactly its reward.
+        returns = token_level_rewards.float() * mask
+        return torch.zeros_like(returns), returns
+    adv, returns = core_algos.compute_gae_advantage_return(
+        token_level_rewards=token_level_rewards.float(), values=values.float(), response_mask=mask, gamma=gamma,
+        lam=lam,
+    )
+    return adv * mask, returns
+
+
+def replay_value_loss(
+    vpreds: torch.Tensor, returns: torch.Tensor, values: torch.Tensor, response_mask: torch.Tensor,
+    cliprange_value: float = 0.5, loss_agg_mode: str = "token-mean", global_batch_info: dict | None = None,
+) -> tuple[torch.Tensor, float]:
+    """verl's clipped value loss ½·agg(max((V−ret)², (clip(V, V_old±c)−ret)²)) (SPEC A.3.2); ``(loss, clipfrac)``."""
+    info = dict(global_batch_info or {})
+    loss, clipfrac = core_algos.compute_value_loss(
+        vpreds=vpreds, returns=returns, values=values, response_mask=response_mask.float(),
+        cliprange_value=cliprange_value, loss_agg_mode=loss_agg_mode, **info,
+    )
+    return loss, float(clipfrac)

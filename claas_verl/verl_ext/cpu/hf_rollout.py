@@ -1,0 +1,404 @@
+"""A Hugging Face transformers rollout for verl: the CPU stand-in for vLLM/SGLang.
+
+Three pieces, mirroring verl's own vLLM rollout:
+
+* ``HFRolloutServer`` — a Ray actor holding an HF causal LM. ``generate`` is
+  verl's token-in/token-out call (returns ``TokenOutput``); ``update_weights``
+  receives the trainer's tensors (or a peft LoRA adapter) after every update and
+  bumps ``policy_version``; the control methods that ``RolloutReplica`` and the
+  checkpoint manager call (sleep, wake_up, KV-cache ones, abort/resume, profile)
+  are no-ops because there is no accelerator memory to free.
+* ``HFReplica`` — a ``RolloutReplica`` that launches one server per replica,
+  registered under the name ``"hf"`` in verl's public ``RolloutReplicaRegistry``.
+* ``HFServerAdapter`` — the ``BaseRollout`` living inside each trainer worker;
+  verl's naive weight sync calls its ``update_weights`` with a generator of the
+  trainer's full tensors, which it streams to the server in buckets.
+
+Select it with ``actor_rollout_ref.rollout.name=hf`` (the CPU preset does).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from collections.abc import Iterable
+from typing import Any
+
+import ray
+import torch
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+from claas_verl.verl_ext.cpu.checks import check_model_path
+
+logger = logging.getLogger(__name__)
+
+ROLLOUT_NAME = "hf"
+
+# Weight-sync bucket: tensors are shipped to the server through Ray's object store
+# in groups of about this many bytes, so a large model never needs two full copies in flight.
+_BUCKET_BYTES = 64 << 20
+
+
+def sample_next_token(
+    logits: torch.Tensor, temperature: float, top_k: int = -1, top_p: float = 1.0, generator=None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sample one token per row and return ``(token_ids [B], log_probs [B])``.
+
+    ``logits``: ``[B, V]`` fp32 next-token logits. The log-prob is that of the
+    *sampling distribution at temperature τ*, ``log_softmax(logits / τ)[token]``,
+    before top-k / top-p truncation (what a trainer's recomputed old log-prob at τ
+    matches). ``temperature <= 0`` means greedy decoding; its log-prob is then the
+    model's own, ``log_softmax(logits)[argmax]`` (τ = 1), since τ → 0 is degenerate.
+    """
+    logits = logits.float()
+    if temperature <= 0:
+        token = logits.argmax(dim=-1)
+        logp = torch.log_softmax(logits, dim=-1).gather(-1, token[:, None]).squeeze(-1)
+        return token, logp
+    scaled = logits / temperature
+    logp_all = torch.log_softmax(scaled, dim=-1)
+    filtered = scaled.clone()
+    if top_k is not None and 0 < top_k < filtered.shape[-1]:
+        kth = torch.topk(filtered, top_k, dim=-1).values[:, -1:]
+        filtered = filtered.masked_fill(filtered < kth, float("-inf"))
+    if top_p is not None and top_p < 1.0:
+        sorted_logits, order = torch.sort(filtered, dim=-1, descending=True)
+        cum = torch.softmax(sorted_logits, dim=-1).cumsum(dim=-1)
+        # Drop a token when the mass *before* it already reaches top_p (the first token always stays).
+        drop_sorted = (cum - torch.softmax(sorted_logits, dim=-1)) >= top_p
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        filtered = filtered.masked_fill(drop, float("-inf"))
+    probs = torch.softmax(filtered, dim=-1)
+    token = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+    return token, logp_all.gather(-1, token[:, None]).squeeze(-1)
+
+
+def _strip_base_layer(name: str) -> str:
+    # verl names base weights of a LoRA-wrapped trainer "<module>.base_layer.weight" when it
+    # syncs the base model; a plain HF model calls them "<module>.weight".
+    return name.replace(".base_layer.", ".")
+
+
+class HFRolloutServer:
+    """Token-in/token-out generation with an HF model; wrapped with ``ray.remote`` by ``HFReplica``.
+
+    ``policy_version`` counts completed weight updates (0 = the weights loaded from
+    ``model.path``); every ``TokenOutput`` carries it in ``extra_fields["policy_version"]``.
+    """
+
+    def __init__(self, config, model_config, replica_rank: int = 0, node_rank: int = 0):
+        from transformers import AutoModelForCausalLM
+        from verl.utils.config import omega_conf_to_dataclass
+
+        torch.set_num_threads(max(1, int(os.environ.get("CLAAS_ROLLOUT_THREADS", "1"))))
+        self.config = omega_conf_to_dataclass(config)
+        self.model_config = omega_conf_to_dataclass(model_config)
+        self.replica_rank = replica_rank
+        self.node_rank = node_rank
+        path = self.model_config.local_path
+        check_model_path(path)
+        self.model = AutoModelForCausalLM.from_pretrained(
+            path,
+            torch_dtype=torch.float32,
+            attn_implementation="sdpa",
+            trust_remote_code=self.model_config.trust_remote_code,
+        ).eval()
+        self.eos_token_ids = self._eos_token_ids()
+        self.generator = torch.Generator().manual_seed(int(getattr(self.config, "seed", 0)) + replica_rank)
+        self.policy_version = 0
+        self.global_steps: int | None = None
+        self._lock = asyncio.Lock()  # one forward at a time: updates never interleave with a decode
+        self._pending: dict[str, torch.Tensor] = {}
+        self._peft_applied = False
+
+    def _eos_token_ids(self) -> list[int]:
+        ids: set[int] = set()
+        for src in (getattr(self.model, "generation_config", None), self.model.config):
+            eos = getattr(src, "eos_token_id", None)
+            if eos is not None:
+                ids.update([eos] if isinstance(eos, int) else list(eos))
+        tok = getattr(self.model_config, "tokenizer", None)
+        if tok is not None and tok.eos_token_id is not None:
+            ids.add(int(tok.eos_token_id))
+        return sorted(ids)
+
+    # ------------------------------------------------------------------ generation
+    def _max_tokens(self, n_prompt: int, sampling_params: dict) -> int:
+        room = self.config.max_model_len - n_prompt if self.config.max_model_len else 1 << 30
+        if "max_tokens" in sampling_params:
+            want = int(sampling_params["max_tokens"])
+        elif "max_new_tokens" in sampling_params:
+            want = int(sampling_params["max_new_tokens"])
+        else:
+            want = min(
+                self.config.response_length, self.config.prompt_length + self.config.response_length - n_prompt
+            )
+        return max(1, min(want, room))
+
+    @torch.no_grad()
+    def _generate_sync(self, prompt_ids: list[int], sampling_params: dict) -> tuple[list[int], list[float], str]:
+        temperature = float(sampling_params.get("temperature", 1.0))
+        top_k = int(sampling_params.get("top_k", -1) or -1)
+        top_p = float(sampling_params.get("top_p", 1.0))
+        stop_ids = set(self.eos_token_ids) | set(sampling_params.get("stop_token_ids") or [])
+        if sampling_params.get("ignore_eos", False):
+            stop_ids = set(sampling_params.get("stop_token_ids") or [])
+        max_tokens = self._max_tokens(len(prompt_ids), sampling_params)
+        input_ids = torch.tensor([prompt_ids], dtype=torch.long)
+        past = None
+        tokens: list[int] = []
+        logps: list[float] = []
+        for _ in range(max_tokens):
+            out = self.model(input_ids=input_ids, past_key_values=past, use_cache=True)
+            past = out.past_key_values
+            token, logp = sample_next_token(out.logits[:, -1, :], temperature, top_k, top_p, self.generator)
+            tokens.append(int(token))
+            logps.append(float(logp))
+            if int(token) in stop_ids:
+                break
+            input_ids = token[:, None]
+        return tokens, logps, "completed"
+
+    async def generate(
+        self,
+        prompt_ids: list[int],
+        sampling_params: dict[str, Any],
+        request_id: str,
+        image_data: list[Any] | None = None,
+        video_data: list[Any] | None = None,
+        **kwargs: Any,
+    ):
+        """verl's token-in/token-out call (same signature as vLLM's server ``generate``)."""
+        from verl.workers.rollout.replica import TokenOutput
+
+        if image_data is not None or video_data is not None:
+            raise ValueError("the 'hf' CPU rollout is text-only; image_data/video_data are not supported")
+        prompt_ids = [int(t) for t in prompt_ids]
+        async with self._lock:
+            version = self.policy_version
+            tokens, logps, stop_reason = await asyncio.to_thread(
+                self._generate_sync, prompt_ids, dict(sampling_params)
+            )
+        return TokenOutput(
+            token_ids=tokens,
+            log_probs=logps if sampling_params.get("logprobs") else None,
+            stop_reason=stop_reason,
+            extra_fields={"global_steps": self.global_steps, "policy_version": version},
+        )
+
+    # ------------------------------------------------------------------ weight sync
+    async def receive_weights(self, named_tensors: list[tuple[str, torch.Tensor]]) -> None:
+        """Buffer one bucket of a weight update; applied atomically by ``finish_weight_update``."""
+        for name, tensor in named_tensors:
+            self._pending[name] = tensor
+
+    async def finish_weight_update(
+        self, peft_config: Any = None, base_sync_done: bool = True, global_steps: int | None = None
+    ) -> int:
+        """Apply the buffered tensors (full weights, or a LoRA adapter when ``peft_config`` is given)."""
+        async with self._lock:
+            pending, self._pending = self._pending, {}
+            if peft_config is not None and base_sync_done:
+                self._apply_lora(pending, peft_config)
+            else:
+                self._load_full(pending)
+            self.policy_version += 1
+            if global_steps is not None:
+                self.global_steps = global_steps
+            return self.policy_version
+
+    def _load_full(self, tensors: dict[str, torch.Tensor]) -> None:
+        target = self.model.get_base_model() if self._peft_applied else self.model
+        own = target.state_dict()
+        state = {}
+        for name, tensor in tensors.items():
+            key = _strip_base_layer(name)
+            if key not in own:
+                raise KeyError(
+                    f"weight sync sent {name!r}, which the rollout model lacks; the trainer and "
+                    f"actor_rollout_ref.model.path must name the same architecture"
+                )
+            state[key] = tensor.to(own[key].dtype)
+        target.load_state_dict(state, strict=False)
+
+    def _apply_lora(self, tensors: dict[str, torch.Tensor], peft_config: Any) -> None:
+        # A plain load_state_dict(strict=False) would silently drop LoRA tensors and keep
+        # sampling from the base model: wrap with peft once, then load the adapter by name.
+        from peft import get_peft_model, set_peft_model_state_dict
+
+        if not self._peft_applied:
+            self.model = get_peft_model(self.model, peft_config).eval()
+            self._peft_applied = True
+        result = set_peft_model_state_dict(self.model, {k: v.float() for k, v in tensors.items()})
+        unexpected = list(getattr(result, "unexpected_keys", []) or [])
+        if unexpected:
+            raise KeyError(f"LoRA sync sent tensors the rollout's peft model does not have: {unexpected[:5]}")
+
+    def get_policy_version(self) -> int:
+        return self.policy_version
+
+    def get_named_parameters(self) -> dict[str, torch.Tensor]:
+        """The served weights (merged view for LoRA), for tests and debugging."""
+        model = self.model
+        if self._peft_applied:
+            import copy
+
+            model = copy.deepcopy(self.model).merge_and_unload()
+        return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+    # ------------------------------------------------------------------ control (no accelerator memory to manage)
+    async def wake_up(self, tags: list[str] | None = None):
+        return None
+
+    async def sleep(self):
+        return None
+
+    async def clear_kv_cache(self):
+        return None  # the KV cache lives only inside one generate call
+
+    async def release_kv_cache(self):
+        return None
+
+    async def resume_kv_cache(self):
+        return None
+
+    async def abort_all_requests(self, reset_prefix_cache: bool = True, reject_request: bool = False):
+        return {"aborted_count": 0, "request_ids": []}
+
+    async def abort_request(self, request_id: str, reset_prefix_cache: bool = True):
+        return {"aborted": False, "request_id": request_id}
+
+    async def resume_generation(self):
+        return None
+
+    async def set_global_steps(self, global_steps: int):
+        self.global_steps = global_steps
+
+    async def wait_for_requests_to_drain(self):
+        async with self._lock:  # acquiring the lock means no generate is running
+            return None
+
+    async def start_profile(self, **kwargs):
+        return None
+
+    async def stop_profile(self):
+        return None
+
+
+def _server_actor_name(replica_rank: int, node_rank: int = 0) -> str:
+    job = ray.get_runtime_context().get_job_id()
+    return f"claas_hf_rollout_{job}_{replica_rank}_{node_rank}"
+
+
+def _load_replica_base():
+    from verl.workers.rollout.replica import RolloutReplica
+
+    return RolloutReplica
+
+
+class HFReplica(_load_replica_base()):
+    """One ``HFRolloutServer`` per replica; ``server_address`` is a pseudo address (no HTTP server)."""
+
+    def rollout_worker_use_gpu(self) -> bool:
+        return False
+
+    async def launch_servers(self):
+        node_id = ray.get_runtime_context().get_node_id()
+        if self.workers:
+            node_id = await self.workers[0].__ray_call__.remote(lambda w: ray.get_runtime_context().get_node_id())
+        server_cls = ray.remote(HFRolloutServer)
+        server = server_cls.options(
+            name=_server_actor_name(self.replica_rank),
+            num_cpus=0,
+            max_concurrency=self.max_concurrency,
+            scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=node_id, soft=True),
+        ).remote(config=self.config, model_config=self.model_config, replica_rank=self.replica_rank)
+        await server.get_policy_version.remote()  # surface load errors (bad model path) here
+        self.servers = [server]
+        self._server_handle = server
+        self._server_address = f"hf-rollout://replica-{self.replica_rank}"
+
+    async def sleep(self):
+        await asyncio.gather(*[s.wait_for_requests_to_drain.remote() for s in self.servers])
+
+    async def abort_all_requests(self, reject_request: bool = False) -> dict[str, Any]:
+        await asyncio.gather(*[s.abort_all_requests.remote(reject_request=reject_request) for s in self.servers])
+        return {"aborted_count": 0, "request_ids": []}
+
+
+def _load_base_rollout():
+    from verl.workers.rollout.base import BaseRollout
+
+    return BaseRollout
+
+
+class HFServerAdapter(_load_base_rollout()):
+    """Inside each trainer worker: forwards weight syncs to this replica's ``HFRolloutServer``.
+
+    Every rank must drain the weight generator (FSDP gathers full tensors collectively);
+    only the replica's rollout rank 0 ships them.
+    """
+
+    def __init__(self, config, model_config, device_mesh=None, replica_rank: int = -1, **kwargs):
+        super().__init__(config, model_config, device_mesh)
+        rank = int(os.environ.get("RANK", "0"))
+        world = (
+            self.config.tensor_model_parallel_size
+            * self.config.data_parallel_size
+            * self.config.pipeline_model_parallel_size
+        )
+        self.replica_rank = rank // world if replica_rank == -1 else replica_rank
+        self.rollout_rank = rank % world
+        self.is_leader_rank = self.rollout_rank == 0
+        self._server = None
+        self.sleep_level = 1
+
+    @property
+    def server_handle(self):
+        if self._server is None and self.is_leader_rank:
+            self._server = ray.get_actor(_server_actor_name(self.replica_rank))
+        return self._server
+
+    async def resume(self, tags: list[str]):
+        return None
+
+    async def release(self):
+        return None
+
+    async def update_weights(
+        self,
+        weights: Iterable[tuple[str, torch.Tensor]],
+        wire_format: str = "named_tensors",
+        peft_config: Any = None,
+        base_sync_done: bool = True,
+        global_steps: int | None = None,
+        **kwargs,
+    ):
+        if wire_format != "named_tensors":
+            raise NotImplementedError(
+                f"the 'hf' rollout accepts wire_format='named_tensors' only, got {wire_format!r}; "
+                "set actor_rollout_ref.rollout.checkpoint_engine.backend=naive"
+            )
+        from verl.workers.rollout.utils import ensure_async_iterator
+
+        bucket: list[tuple[str, torch.Tensor]] = []
+        size = 0
+        sends = []
+        async for name, tensor in ensure_async_iterator(weights):
+            if not self.is_leader_rank:
+                continue  # still drained: the generator's all-gathers need every rank
+            t = tensor.detach().to("cpu", copy=True)
+            bucket.append((name, t))
+            size += t.numel() * t.element_size()
+            if size >= _BUCKET_BYTES:
+                sends.append(self.server_handle.receive_weights.remote(bucket))
+                bucket, size = [], 0
+        if not self.is_leader_rank:
+            return None
+        if bucket:
+            sends.append(self.server_handle.receive_weights.remote(bucket))
+        await asyncio.gather(*sends)
+        return await self.server_handle.finish_weight_update.remote(
+            peft_config=peft_config, base_sync_done=base_sync_done, global_steps=global_steps
+        )

@@ -1,0 +1,48 @@
+"""claas_verl: continual learning for LLMs on veRL and Ray.
+
+Install order on a CPU-only machine (see README): ``pip install torch==2.13.0``
+first, then ``pip install -e .[test]``. torch is deliberately *not* listed as a
+requirement: an unpinned torch requirement makes pip pull a multi-GB CUDA build
+on machines that have none. verl is pinned with its ``verl-core`` extra (plain
+``verl`` lacks modules its trainer imports; its ``cpu``/``fsdp``/``vllm`` extras
+pin another torch).
+"""
+
+from setuptools import find_packages, setup
+
+VERL_VERSION = "0.9.1"
+
+setup(
+    name="claas_verl",
+    version="0.1.0",
+    description="CLaaS replay-buffer RL and continual multi-teacher on-policy distillation (MOPD) on veRL",
+    long_description=open("README.md", encoding="utf-8").read() if __import__("os").path.exists("README.md") else "",
+    long_description_content_type="text/markdown",
+    python_requires=">=3.10",
+    packages=find_packages(include=["claas_verl", "claas_verl.*"]),
+    include_package_data=True,
+    install_requires=[
+        f"verl[verl-core]=={VERL_VERSION}",
+        "ray[default]>=2.40",
+        "hydra-core==1.3.*",
+        "omegaconf>=2.3",
+        "transformers>=4.51",
+        "tokenizers>=0.21",
+        "peft>=0.14",
+        "numpy",
+        "pyarrow",
+        "pandas",
+        "matplotlib",
+    ],
+    extras_require={
+        "test": ["pytest>=8", "hypothesis>=6", "ruff==0.14.*"],
+        "wandb": ["wandb"],
+        # GPU machines only: vllm brings its own CUDA torch; flash-attn builds from source.
+        "gpu": ["vllm>=0.11", "flash-attn>=2.7"],
+    },
+    entry_points={
+        # verl imports every "verl.plugins" entry point at `import verl`, in the driver and in
+        # every Ray worker, so claas_verl's CPU platform, rollout and registered losses exist everywhere.
+        "verl.plugins": ["claas_verl = claas_verl.verl_ext.plugin"],
+    },
+)

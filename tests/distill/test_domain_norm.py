@@ -1,0 +1,164 @@
+"""Per-domain normalised advantages (SPEC B.2.2): hand-computed σ_d, fallbacks, sharding across ranks."""
+
+import math
+import threading
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from claas_verl.distill import domain_moments, domain_normalized_advantages, domain_stds, stds_from_moments
+
+
+def _mixed_batch():
+    # 3 responses, T=2, K=2. Response 0 and 2 are domain 0 (math), response 1 is domain 3 (safety).
+    r = torch.tensor(
+        [
+            [[1.0, 3.0], [5.0, 7.0]],  # domain 0, both positions valid
+            [[2.0, 4.0], [100.0, 100.0]],  # domain 3, second position is padding
+            [[9.0, 11.0], [-50.0, -50.0]],  # domain 0, second position is padding
+        ]
+    )
+    mask = torch.tensor([[1, 1], [1, 0], [1, 0]])
+    return r, mask, torch.tensor([0, 3, 0])
+
+
+def test_per_domain_std_hand_computed():
+    r, mask, dom = _mixed_batch()
+    # domain 0 values: {1,3,5,7,9,11}: mean 6, squared deviations 25+9+1+1+9+25 = 70, var = 70/5 = 14, σ = √14
+    # domain 3 values: {2,4}: mean 3, var = (1+1)/1 = 2, σ = √2 (padding values 100 never enter)
+    A = domain_normalized_advantages(r, mask, dom)
+    s0, s3 = math.sqrt(14.0), math.sqrt(2.0)
+    expected = torch.tensor(
+        [
+            [[1 / s0, 3 / s0], [5 / s0, 7 / s0]],
+            [[2 / s3, 4 / s3], [0.0, 0.0]],
+            [[9 / s0, 11 / s0], [0.0, 0.0]],
+        ]
+    )
+    torch.testing.assert_close(A, expected, rtol=1e-6, atol=0)
+    stats = domain_stds(r, mask, dom)
+    assert set(stats) == {0, 3}
+    assert stats[0]["count"] == 6 and stats[0]["std"] == pytest.approx(s0, rel=1e-12)
+    assert stats[3]["count"] == 2 and stats[3]["scale"] == pytest.approx(s3, rel=1e-12)
+
+
+def test_no_mean_subtracted():
+    # all rewards positive: A keeps their sign (whitening would make some negative)
+    r, mask, dom = _mixed_batch()
+    A = domain_normalized_advantages(r, mask, dom)
+    assert torch.all(A[mask.bool()] > 0)
+
+
+def test_single_domain_equals_batch_std():
+    g = torch.Generator().manual_seed(0)
+    r = torch.randn(4, 6, 3, generator=g)
+    mask = torch.ones(4, 6)
+    mask[2, 4:] = 0
+    A = domain_normalized_advantages(r, mask)  # domain_ids=None: one domain
+    sigma = r[mask.bool()].double().std()  # torch.std is ddof=1
+    torch.testing.assert_close(A[mask.bool()], (r[mask.bool()] / sigma).float(), rtol=1e-6, atol=0)
+
+
+def test_fallback_count_below_two():
+    # domain 1 holds one valid position with K=1 -> count 1 -> σ := 1, A = r
+    r = torch.tensor([[[0.5], [1.5]], [[7.0], [8.0]]])
+    mask = torch.tensor([[1, 1], [1, 0]])
+    A = domain_normalized_advantages(r, mask, torch.tensor([0, 1]))
+    # domain 0: {0.5, 1.5}: var = (0.25+0.25)/1 = 0.5
+    torch.testing.assert_close(A[0], r[0] / math.sqrt(0.5))
+    assert A[1, 0, 0].item() == 7.0 and A[1, 1, 0].item() == 0.0
+    assert math.isnan(domain_stds(r, mask, torch.tensor([0, 1]))[1]["std"])
+
+
+def test_fallback_tiny_std():
+    # constant rewards: σ = 0 < 1e-8 -> σ := 1; and a σ of 1e-9 (values 1 ± 1e-9) too
+    r = torch.full((2, 3, 2), 0.25)
+    mask = torch.ones(2, 3)
+    assert torch.equal(domain_normalized_advantages(r, mask), r)
+    r64 = torch.tensor([[[1.0, 1.0 + 1e-9]]], dtype=torch.float64)
+    A = domain_normalized_advantages(r64, torch.ones(1, 1))
+    torch.testing.assert_close(A, r64.float())
+
+
+def test_all_padding_domain_is_zero_and_not_nan():
+    r = torch.randn(2, 3, 2)
+    mask = torch.zeros(2, 3)
+    A = domain_normalized_advantages(r, mask)
+    assert torch.all(A == 0)
+
+
+def test_bad_domain_ids():
+    r, mask, _ = _mixed_batch()
+    with pytest.raises(ValueError, match="domain_ids"):
+        domain_normalized_advantages(r, mask, torch.tensor([0, 1]))
+    with pytest.raises(ValueError, match="domain_ids"):
+        domain_normalized_advantages(r, mask, torch.tensor([0.0, 1.0, 0.0]))
+    with pytest.raises(ValueError, match="sync=True"):
+        domain_normalized_advantages(r, mask, sync=True)
+
+
+def test_moments_add_across_simulated_ranks():
+    # two simulated DP ranks holding different responses (and different domain sets): summed moments give
+    # the same σ_d as the unsharded batch
+    r, mask, dom = _mixed_batch()
+    full = stds_from_moments(domain_moments(r, mask, dom, num_domains=4))
+    m_a = domain_moments(r[:1], mask[:1], dom[:1], num_domains=4)
+    m_b = domain_moments(r[1:], mask[1:], dom[1:], num_domains=4)
+    sharded = stds_from_moments(m_a + m_b)
+    torch.testing.assert_close(sharded[[0, 3]], full[[0, 3]], rtol=1e-12, atol=0)
+    assert torch.isnan(full[1]) and torch.isnan(full[2])  # absent domains
+
+
+class _ThreadAllReduce:
+    """In-process stand-in for torch.distributed with one thread per simulated rank (a real gloo pair takes a
+    minute to spawn on the shared CI machine). Implements all_reduce(SUM/MAX) in place, like the real one."""
+
+    def __init__(self, world: int):
+        self.world, self.slots = world, [None] * world
+        self.barrier = threading.Barrier(world)
+        self.local = threading.local()
+
+    def all_reduce(self, tensor, op=dist.ReduceOp.SUM, group=None):
+        rank = self.local.rank
+        self.slots[rank] = tensor.clone()
+        self.barrier.wait()
+        stacked = torch.stack(self.slots)
+        result = stacked.sum(0) if op == dist.ReduceOp.SUM else stacked.max(0).values
+        self.barrier.wait()
+        tensor.copy_(result)
+
+    def run(self, fn):
+        out, errors = [None] * self.world, []
+
+        def target(rank):
+            self.local.rank = rank
+            try:
+                out[rank] = fn(rank)
+            except Exception as e:  # surfaced below
+                errors.append(e)
+                self.barrier.abort()
+
+        threads = [threading.Thread(target=target, args=(k,)) for k in range(self.world)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        if errors:
+            raise errors[0]
+        return out
+
+
+def test_all_reduce_across_two_simulated_ranks(monkeypatch):
+    r, mask, dom = _mixed_batch()
+    expected = domain_normalized_advantages(r, mask, dom)
+    fake = _ThreadAllReduce(2)
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "all_reduce", fake.all_reduce)
+    # rank 0 holds response 0 (domain 0 only: its table has 1 row); rank 1 holds responses 1-2 (domains 3, 0)
+    shards = [slice(0, 1), slice(1, 3)]
+    outs = fake.run(lambda k: domain_normalized_advantages(r[shards[k]], mask[shards[k]], dom[shards[k]]))
+    torch.testing.assert_close(torch.cat(outs), expected, rtol=1e-6, atol=0)
+    # without the reduction, rank 0 alone would use σ over its own 4 values {1,3,5,7}: var = 20/3
+    local = domain_normalized_advantages(r[:1], mask[:1], dom[:1], sync=False)
+    torch.testing.assert_close(local[0, 0, 0], torch.tensor(1 / math.sqrt(20 / 3)))

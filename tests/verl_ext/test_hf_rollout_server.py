@@ -1,0 +1,78 @@
+"""The HF rollout server in-process (no Ray): log-probs of the sampled distribution, weight sync, LoRA."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from claas_verl.verl_ext.cpu.hf_rollout import HFRolloutServer, sample_next_token
+
+
+def test_sample_logprob_is_log_softmax_at_temperature():
+    # logits [0, ln 3] at τ = 0.5 → scaled [0, 2 ln 3] → probs [1/10, 9/10]
+    logits = torch.tensor([[0.0, math.log(3.0)]])
+    g = torch.Generator().manual_seed(0)
+    token, logp = sample_next_token(logits, temperature=0.5, generator=g)
+    expected = math.log(0.1) if int(token) == 0 else math.log(0.9)
+    assert abs(float(logp) - expected) < 1e-6
+
+
+def test_greedy_and_top_k():
+    logits = torch.tensor([[1.0, 3.0, 2.0]])
+    token, logp = sample_next_token(logits, temperature=0.0)
+    assert int(token) == 1
+    assert abs(float(logp) - float(torch.log_softmax(logits, -1)[0, 1])) < 1e-6
+    g = torch.Generator().manual_seed(0)
+    draws = {int(sample_next_token(logits, 1.0, top_k=1, generator=g)[0]) for _ in range(20)}
+    assert draws == {1}
+
+
+def _server(model_dir):
+    cfg = SimpleNamespace(
+        max_model_len=128, response_length=6, prompt_length=64, seed=0,
+        tensor_model_parallel_size=1, data_parallel_size=1, pipeline_model_parallel_size=1,
+    )
+    model_cfg = SimpleNamespace(local_path=str(model_dir / "student"), trust_remote_code=False, tokenizer=None)
+    return HFRolloutServer(cfg, model_cfg)
+
+
+def test_generate_update_weights_and_version(tiny_model_dir):
+    server = _server(tiny_model_dir)
+    out = asyncio.run(server.generate([1, 2, 3], {"temperature": 1.0, "logprobs": True}, "r0"))
+    assert 1 <= len(out.token_ids) <= 6 and len(out.log_probs) == len(out.token_ids)
+    assert all(lp <= 0.0 for lp in out.log_probs)
+    assert out.extra_fields["policy_version"] == 0
+
+    state = {k: torch.zeros_like(v) for k, v in server.model.state_dict().items() if k.endswith("mlp.down_proj.weight")}
+    asyncio.run(server.receive_weights(list(state.items())))
+    assert asyncio.run(server.finish_weight_update(global_steps=3)) == 1
+    served = server.get_named_parameters()
+    assert all(torch.count_nonzero(served[k]) == 0 for k in state)
+    assert server.global_steps == 3
+
+    with pytest.raises(KeyError, match="no_such.weight"):
+        asyncio.run(server.receive_weights([("no_such.weight", torch.zeros(1))]))
+        asyncio.run(server.finish_weight_update())
+
+
+def test_lora_adapter_changes_the_served_policy(tiny_model_dir):
+    from peft import LoraConfig
+
+    server = _server(tiny_model_dir)
+    before = server.get_named_parameters()
+    peft_config = LoraConfig(r=2, lora_alpha=4, target_modules=["q_proj", "v_proj"])
+    # Adapter tensors named as peft's get_peft_model_state_dict names them (what verl sends).
+    from peft import get_peft_model, get_peft_model_state_dict
+    from transformers import AutoModelForCausalLM
+
+    trainer_side = get_peft_model(AutoModelForCausalLM.from_pretrained(tiny_model_dir / "student"), peft_config)
+    lora = {k: torch.full_like(v, 0.05) for k, v in get_peft_model_state_dict(trainer_side).items()}
+    asyncio.run(server.receive_weights(list(lora.items())))
+    assert asyncio.run(server.finish_weight_update(peft_config=peft_config, base_sync_done=True)) == 1
+    after = server.get_named_parameters()
+    changed = [k for k in before if "q_proj.weight" in k and not torch.allclose(before[k], after[k])]
+    assert changed, "LoRA tensors were dropped: the served q_proj weights did not change"
