@@ -1,6 +1,8 @@
 # claas_verl — two commands for a fresh machine (see README):
-#   make demo   create .venv, install pinned dependencies, build the offline tiny models, run the CPU demo
+#   make demo   create .venv, install pinned dependencies, build the offline tiny models and run the
+#               continual MOPD demo on CPU (Seq vs Replay-KL on three tiny domains, forgetting tables)
 #   make test   create .venv, install pinned dependencies, lint, run the CPU test suite
+# Other demos: make demo-grpo (verl's own GRPO on CPU), make demo-claas (CLaaS replay trainer on CPU)
 #
 # On a CPU-only machine torch is installed first as the pinned CPU wheel, so that nothing
 # later can pull a multi-GB CUDA build. GPU clusters: `make install TORCH_SPEC=` and
@@ -12,11 +14,14 @@ TORCH_SPEC ?= torch==2.13.0
 PY         := $(VENV)/bin/python
 STAMP      := $(VENV)/.claas_verl_installed
 
-.PHONY: install test lint demo demo-grpo clean
+.PHONY: install test lint demo demo-grpo demo-claas clean
+
+# Demo scripts start subprocesses (`python -m ...`): put the venv first on PATH.
+RUN := PATH="$(abspath $(VENV))/bin:$$PATH"
 
 $(STAMP): setup.py
 	test -x $(PY) || $(PYTHON_BIN) -m venv $(VENV)
-	$(PY) -m pip install -q --disable-pip-version-check $(TORCH_SPEC)
+	$(if $(TORCH_SPEC),$(PY) -m pip install -q --disable-pip-version-check $(TORCH_SPEC))
 	$(PY) -m pip install -q --disable-pip-version-check -e '.[test]'
 	touch $(STAMP)
 
@@ -29,8 +34,13 @@ test: lint
 	$(PY) -m pytest -q
 
 demo: install
-	$(PY) -m claas_verl.tiny make $${CLAAS_TINY_DIR:-/tmp/claas_verl_tiny}
-	$(PY) examples/run_demo.py
+	$(RUN) $(PY) examples/run_mopd_demo.py
+
+demo-grpo: install
+	$(RUN) examples/tiny_grpo_cpu.sh
+
+demo-claas: install
+	$(RUN) $(PY) examples/run_claas_demo.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -32,6 +32,7 @@ setup(
         "numpy",
         "pyarrow",
         "pandas",
+        "filelock",
         "matplotlib",
     ],
     extras_require={

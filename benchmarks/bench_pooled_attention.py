@@ -129,8 +129,8 @@ def main():
             r = res[method, w]
             print(f"{w:>6} {method:>8} {r['peak'] / mib:>9.1f} {r['saved'] / mib:>10.2f} {r['time']:>8.3f}")
     w0, w1 = a.windows[0], a.windows[-1]
-    keys = ((PROMPT + w1) / (PROMPT + w0), (w1 * (PROMPT + w1)) / (w0 * (PROMPT + w0)))
-    print(f"growth {w0}->{w1}: keys x{keys[0]:.2f} (linear), window x keys x{keys[1]:.2f} (quadratic)")
+    lin = (PROMPT + w1) / (PROMPT + w0)  # sequence length T = prompt + W: keys of every row
+    print(f"growth {w0}->{w1}: T x{lin:.2f} (linear), T^2 x{lin**2:.2f} (quadratic: the naive [T, T] matrix)")
     for method in ("chunked", "naive"):
         r0, r1 = res[method, w0], res[method, w1]
         print(f"  {method:>8}: peak x{r1['peak'] / max(r0['peak'], 1):.2f}  saved x{r1['saved'] / r0['saved']:.2f}  "

@@ -1,4 +1,4 @@
-"""Entry point of the CLaaS replay trainer: ``python -m claas_verl.main_claas --config-name claas/<recipe> [overrides]``.
+"""CLaaS replay trainer entry: ``python -m claas_verl.main_claas --config-name claas/<recipe> [overrides]``.
 
 Recipes live in the repository's ``recipes/`` directory (``recipes/claas/*.yaml``); they compose verl's
 ``ppo_trainer`` and, for the tiny CPU variants, the ``cpu`` preset. Like verl-recipe's ``main_dapo``: Hydra
@@ -47,7 +47,9 @@ def main(config) -> None:
     from verl.utils.device import auto_set_device
 
     if not os.path.isdir(RECIPES_DIR):
-        raise FileNotFoundError(f"recipes directory {RECIPES_DIR} not found; set CLAAS_RECIPES_DIR to the repo's recipes/")
+        raise FileNotFoundError(
+            f"recipes directory {RECIPES_DIR} not found; set CLAAS_RECIPES_DIR to the repository's recipes/"
+        )
     auto_set_device(config)
     validate_config(config=config, use_reference_policy=need_reference_policy(config), use_critic=need_critic(config))
     run_ppo(config, task_runner_class=ClaasTaskRunner)

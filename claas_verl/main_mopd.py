@@ -25,7 +25,7 @@ import sys
 from pathlib import Path
 
 import hydra
-from omegaconf import DictConfig, OmegaConf, open_dict
+from omegaconf import DictConfig, open_dict
 
 from claas_verl.schedule import plan_from_config, recipes_dir
 

@@ -1,4 +1,4 @@
-"""Metrics: CLaaS continual-learning metrics (SPEC A.4) and their plots."""
+"""Metrics: CLaaS continual-learning metrics (SPEC A.4), their plots, and MOPD evaluation metrics (SPEC B.9)."""
 
 from claas_verl.metrics.continual import (
     ContinualMetrics,
@@ -7,11 +7,51 @@ from claas_verl.metrics.continual import (
     write_continual_metrics,
     write_matrix_csv,
 )
+from claas_verl.metrics.mopd import (
+    ALL_BENCHMARKS,
+    DOMAIN_BENCHMARKS,
+    DOMAINS,
+    avg,
+    avg11,
+    avg_bal,
+    bwt,
+    bwt_gem,
+    domain_averages,
+    domain_avg,
+    learned_benchmarks,
+    mean_over_seeds,
+    noise_half_width,
+    norm,
+    norm_dom,
+    pooled_sd,
+    s_bal1,
+    s_bal2,
+    student_t_ppf,
+)
 
 __all__ = [
+    "ALL_BENCHMARKS",
+    "DOMAINS",
+    "DOMAIN_BENCHMARKS",
     "ContinualMetrics",
     "average_over_trials",
     "continual_metrics",
     "write_continual_metrics",
     "write_matrix_csv",
+    "avg",
+    "avg11",
+    "avg_bal",
+    "bwt",
+    "bwt_gem",
+    "domain_avg",
+    "domain_averages",
+    "learned_benchmarks",
+    "mean_over_seeds",
+    "noise_half_width",
+    "norm",
+    "norm_dom",
+    "pooled_sd",
+    "s_bal1",
+    "s_bal2",
+    "student_t_ppf",
 ]

@@ -9,7 +9,15 @@ CLI: ``python -m claas_verl.tiny make OUT_DIR [--seed N] [--force]``.
 Heavy libraries (torch, transformers, tokenizers, pyarrow) are imported only when building.
 """
 
-from claas_verl.tiny.build import TINY_VERSION, TinyPaths, default_dir, ensure_tiny, is_current, make_tiny, read_manifest
+from claas_verl.tiny.build import (
+    TINY_VERSION,
+    TinyPaths,
+    default_dir,
+    ensure_tiny,
+    is_current,
+    make_tiny,
+    read_manifest,
+)
 from claas_verl.tiny.data import ALL_DATA_DOMAINS, ARITH_DOMAIN, GSM8K_DATA_SOURCE, MOPD_DOMAINS
 
 __all__ = [

@@ -48,7 +48,7 @@ class TinyPaths:
     rewards: Path = REWARDS_MODULE  # custom_reward_function.path for the claas_tiny/* domains
 
     @classmethod
-    def under(cls, root: str | os.PathLike) -> "TinyPaths":
+    def under(cls, root: str | os.PathLike) -> TinyPaths:
         root = Path(root).resolve()
         return cls(
             root=root,

@@ -23,8 +23,8 @@ from __future__ import annotations
 import hashlib
 import json
 import random
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 MOPD_DOMAINS: tuple[str, ...] = ("logic", "math", "code", "safety", "if")
 ARITH_DOMAIN = "arith"
@@ -76,7 +76,8 @@ def _logic(rng: random.Random) -> tuple[str, str, str]:
     neg = rng.random() < 0.5
     expr = f"{'not ' if neg else ''}{vals[0]} {ops[0]} {vals[1]} {ops[1]} {vals[2]}"
     ans = str(eval(expr))  # noqa: S307 - expr is built above from literals only
-    return f"Evaluate the boolean expression: {expr}. Answer True or False.", ans, f"Therefore it is {ans}. Answer: {ans}"
+    q = f"Evaluate the boolean expression: {expr}. Answer True or False."
+    return q, ans, f"Therefore it is {ans}. Answer: {ans}"
 
 
 def _math(rng: random.Random) -> tuple[str, str, str]:
@@ -193,6 +194,10 @@ def _row(domain: str, split: str, index: int, question: str, truth: str, referen
     }
 
 
+# Consecutive draws that add nothing new before we conclude the prompt space is exhausted.
+_MAX_MISSES = 2000
+
+
 def make_split(domain: str, n_train: int, n_test: int, seed: int = 0) -> tuple[list[dict], list[dict]]:
     """(train rows, test rows) of ``domain``, deterministic in (seed, domain).
 
@@ -206,26 +211,28 @@ def make_split(domain: str, n_train: int, n_test: int, seed: int = 0) -> tuple[l
         raise ValueError(f"n_train={n_train}, n_test={n_test}: both must be >= 1")
     gen = _GENERATORS[domain]
     test_rng = random.Random(stable_seed("claas_tiny.data", seed, domain, "test"))
-    test, seen = [], set()
-    for _ in range(1000 * n_test):
-        if len(test) == n_test:
-            break
+    test, seen, misses = [], set(), 0
+    while len(test) < n_test:
         question, truth, reference = gen(test_rng)
-        if question not in seen:
-            seen.add(question)
-            test.append(_row(domain, "test", len(test), question, truth, reference))
-    else:
-        raise ValueError(f"domain {domain!r} has fewer than n_test={n_test} distinct prompts; lower n_test")
+        if question in seen:
+            misses += 1
+            if misses > _MAX_MISSES:
+                raise ValueError(f"domain {domain!r} has fewer than n_test={n_test} distinct prompts; lower n_test")
+            continue
+        misses = 0
+        seen.add(question)
+        test.append(_row(domain, "test", len(test), question, truth, reference))
     train_rng = random.Random(stable_seed("claas_tiny.data", seed, domain, "train"))
-    train = []
-    for _ in range(1000 * n_train):
-        if len(train) == n_train:
-            break
+    train, misses = [], 0
+    while len(train) < n_train:
         question, truth, reference = gen(train_rng)
-        if question not in seen:
-            train.append(_row(domain, "train", len(train), question, truth, reference))
-    else:
-        raise ValueError(f"domain {domain!r}: no train prompts left outside the test split; lower n_test")
+        if question in seen:
+            misses += 1
+            if misses > _MAX_MISSES:
+                raise ValueError(f"domain {domain!r}: no train prompts left outside the test split; lower n_test")
+            continue
+        misses = 0
+        train.append(_row(domain, "train", len(train), question, truth, reference))
     return train, test
 
 

@@ -7,21 +7,31 @@ Expert of domain d (the "teacher" of MOPD stage d): the student plus a seeded ta
 
     θ_E = θ_S + τ_d,   ‖τ_d[p]‖ = rel_norm · ‖θ_S[p]‖  for every parameter tensor p,
 
-(a tensor that is zero in the student, i.e. the attention biases at init, stays zero:
-a relative size has no meaning there), with τ_d[p] ∝ Gaussian noise drawn from a generator seeded by a SHA-256 of (seed, d), so
+with τ_d[p] ∝ Gaussian noise drawn from a generator seeded by a SHA-256 of (seed, d), so
 experts are deterministic, differ per domain, and sit close to the student (distillation
 can close the gap in a few steps). On top, the expert *prefers* a few domain marker tokens:
 their (tied) output-embedding rows move along the mean final hidden state of the expert on
 the domain's prompts, which raises their logits by about ``marker_logit_boost`` there. The
 student's probability of those markers is thus a cheap forgetting probe.
+
+A tensor that is zero in the student (the attention biases at init) stays zero: a relative
+size has no meaning there.
+
+Measured for seed 0 (tests/tiny/test_tiny_model.py): student→expert KL on domain test prompts
+0.05–0.08 nats/token; five AdamW steps at lr 3e-4 on KL(expert‖student) halve it (0.085 → 0.038
+on code); larger Adam steps overshoot at first (lr 1e-3: 0.085 → 0.119 → … → 0.053 by step 6).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
+from typing import TYPE_CHECKING
 
 from claas_verl.tiny.data import stable_seed
+
+if TYPE_CHECKING:
+    import torch
 
 TINY_ARCH = dict(
     hidden_size=64,
@@ -87,7 +97,7 @@ def marker_token_ids(tokenizer, domain: str) -> list[int]:
 
 
 def make_expert(student, domain: str, seed: int, rel_norm: float, marker_ids: Sequence[int] = (),
-                prompt_ids: "Sequence[Sequence[int]]" = (), marker_logit_boost: float = 2.0):
+                prompt_ids: Sequence[Sequence[int]] = (), marker_logit_boost: float = 2.0):
     """Return a new model: ``student`` + the seeded task vector of ``domain`` (+ marker boost).
 
     Args:
@@ -123,7 +133,7 @@ def make_expert(student, domain: str, seed: int, rel_norm: float, marker_ids: Se
     return expert
 
 
-def _mean_final_hidden(model, prompt_ids) -> "torch.Tensor":
+def _mean_final_hidden(model, prompt_ids) -> torch.Tensor:
     import torch
 
     states = []

@@ -17,7 +17,7 @@ Conventions follow Qwen2/Qwen3 so recipes written for the real models work uncha
 from __future__ import annotations
 
 import json
-from typing import Iterable
+from collections.abc import Iterable
 
 EOT_TOKEN = "<|endoftext|>"
 IM_START = "<|im_start|>"

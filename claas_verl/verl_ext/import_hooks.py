@@ -15,7 +15,6 @@ import sys
 import threading
 from collections.abc import Callable
 
-
 _HOOKS: dict[str, list[Callable[[object], None]]] = {}
 _LOCK = threading.Lock()
 

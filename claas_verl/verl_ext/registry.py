@@ -9,7 +9,7 @@ qualified name, so a re-import in a Ray worker or a test reload is fine).
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 
 def _ident(fn: Callable) -> str:

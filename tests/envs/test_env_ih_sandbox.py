@@ -26,7 +26,9 @@ PASS_IF_NO_SECRET = "def grade_output_correct(output):\n    return 'tango' not i
 
 @pytest.fixture(scope="module")
 def sandbox():
-    sb = GraderSandbox(SandboxLimits(timeout_s=1.0, cpu_s=1, memory_mb=256))
+    # A generous wall limit: on a loaded 2-core CI machine a fork can take over a second, and a
+    # spurious timeout would hide what the test checks. The timeout test uses its own 1 s sandbox.
+    sb = GraderSandbox(SandboxLimits(timeout_s=10.0, cpu_s=1, memory_mb=256))
     yield sb
     sb.close()
 
@@ -92,16 +94,19 @@ def test_no_processes_no_file_writes_no_secrets(sandbox, tmp_path):
         del os.environ["CLAAS_TEST_SECRET_TOKEN"]
 
 
-def test_timeout_and_cpu_limit_then_sandbox_still_works(sandbox):
+def test_timeout_and_cpu_limit_then_sandbox_still_works():
+    sandbox = GraderSandbox(SandboxLimits(timeout_s=1.0, cpu_s=1, memory_mb=256))
+    assert sandbox.run(PASS_IF_NO_SECRET, "warm") is True  # start the worker outside the timed part
     sleepy = "import time\ndef grade_output_correct(output):\n    time.sleep(30)\n    return True\n"
     t0 = time.monotonic()
     with pytest.raises(GraderError, match="timeout"):
         sandbox.run(sleepy, "out")
-    assert time.monotonic() - t0 < 5.0  # killed at the 1 s wall limit, not after 30 s
+    assert time.monotonic() - t0 < 15.0  # killed at the 1 s wall limit, not after 30 s
     spin = "def grade_output_correct(output):\n    while True:\n        pass\n"
     with pytest.raises(GraderError, match="timeout|cpu time"):
         sandbox.run(spin, "out")
     assert sandbox.run(PASS_IF_NO_SECRET, "fine") is True
+    sandbox.close()
 
 
 def test_memory_limit(sandbox):
@@ -167,7 +172,7 @@ def _write(tmp_path, rows):
 def test_loader_crashing_grader_gives_none_and_truncates_to_max_turns(tmp_path):
     row = {"scenario_id": 7, "system": "rules", "turns": ["a", "b", "c", "d", "e", "f"],
            "grader_source": "def grade_output_correct(output):\n    return {}['missing']\n"}
-    env = IHChallengeEnv(_write(tmp_path, [row]), limits=SandboxLimits(timeout_s=1.0, cpu_s=1, memory_mb=256))
+    env = IHChallengeEnv(_write(tmp_path, [row]), limits=SandboxLimits(timeout_s=10.0, cpu_s=1, memory_mb=256))
     try:
         (s,) = env.scenarios()
         assert s.scenario_id == "7" and s.user_turns == ("a", "b", "c", "d")

@@ -118,21 +118,18 @@ def test_names_resolve_in_fresh_subprocess():
     assert out.stdout.strip().splitlines()[-1] == EXPECTED
 
 
-def test_names_resolve_inside_ray_worker():
-    import ray
+def test_names_resolve_inside_ray_worker(ray_session):
+    ray = ray_session
 
     # A local function: cloudpickle ships it by value (the test module is not importable in the worker).
     def names_in_worker():
-        from verl.trainer.ppo import core_algos as ca
+        import importlib
 
-        import claas_verl  # noqa: F401  (registers on import)
+        importlib.import_module("claas_verl")  # first: schedules the registration before verl is imported
+        from verl.trainer.ppo import core_algos as ca
 
         return " ".join([ca.get_policy_loss_fn("claas_seq_is").__qualname__,
                          ca.get_policy_loss_fn("claas_seq_is_product").__qualname__,
                          ca.get_adv_estimator_fn("claas_rpp_ema").__qualname__])
 
-    ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False, ignore_reinit_error=True)
-    try:
-        assert ray.get(ray.remote(num_cpus=1)(names_in_worker).remote(), timeout=240) == EXPECTED
-    finally:
-        ray.shutdown()
+    assert ray.get(ray.remote(num_cpus=1)(names_in_worker).remote(), timeout=300) == EXPECTED

@@ -13,16 +13,6 @@ import ray
 from claas_verl.replay import ReplayBufferActor, ReplayEntry, make_replay_actor
 
 
-@pytest.fixture(scope="module")
-def ray_session():
-    started = not ray.is_initialized()
-    if started:
-        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    yield
-    if started:
-        ray.shutdown()
-
-
 def _entry(uid, P=None, reward=1.0):
     return ReplayEntry(
         uid=uid, scenario_id=0, prompt_ids=[1, 2, 3], response_ids=[4, 5], behaviour_logprob=-0.3, reward=reward, P=P
@@ -107,13 +97,16 @@ def test_kill_and_restart_resumes_from_last_snapshot(ray_session, tmp_path):
 
     ray.kill(actor, no_restart=False)
     deadline = time.monotonic() + 120
-    while True:  # calls that race the restart may fail; the restarted actor answers
+    restored = {}
+    # ray.kill is asynchronous: a call issued right after it may still reach the old process, and
+    # calls that race the restart may fail. Wait for the restarted incarnation to answer.
+    while not restored.get("restored_from_snapshot"):
         try:
             restored = ray.get(actor.stats.remote(), timeout=60)
-            break
         except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
-            assert time.monotonic() < deadline
-            time.sleep(0.5)
+            pass
+        assert time.monotonic() < deadline, f"the restarted actor never resumed from its snapshot: {restored}"
+        time.sleep(0.2)
     assert restored["restored_from_snapshot"] is True
     assert restored["size"] == 6 and restored["update_count"] == 1 == saved["update_count"]
     assert {e.uid for e in ray.get(actor.entries.remote())} == {"a0", "a1", "a2", "a3", "late0", "late1"}

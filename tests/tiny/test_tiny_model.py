@@ -12,6 +12,10 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from claas_verl.tiny import MOPD_DOMAINS, ensure_tiny, read_manifest
 
+# On a small shared machine, intra-op threads of a model this size spin against each other
+# and make a forward pass ~50x slower; one thread is also what the tiny recipes use.
+torch.set_num_threads(1)
+
 
 @pytest.fixture(scope="module")
 def tiny():
@@ -43,7 +47,8 @@ def _mean_kl(p_model, q_model, prompts):
     """Mean over prompt positions of KL(p‖q) = Σ_v p_v (log p_v − log q_v)."""
     kls = []
     for ids in prompts:
-        lp = p_model(ids).logits.float().log_softmax(-1)
+        with torch.no_grad():  # p is the fixed target (teacher) in every use here
+            lp = p_model(ids).logits.float().log_softmax(-1)
         lq = q_model(ids).logits.float().log_softmax(-1)
         kls.append((lp.exp() * (lp - lq)).sum(-1).mean())
     return torch.stack(kls).mean()
@@ -78,7 +83,8 @@ def test_loads_and_generates_offline(tiny):
         "    assert 1 <= len(new) <= 12, len(new)\n"
         "    print('OK', path, tok.decode(new)[:40].encode('unicode_escape').decode())\n"
     )
-    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", HF_DATASETS_OFFLINE="1")
+    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", HF_DATASETS_OFFLINE="1",
+               OMP_NUM_THREADS="1")
     res = subprocess.run([sys.executable, "-c", code, str(tiny.student), str(tiny.experts["math"])],
                          env=env, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-2000:]
@@ -144,21 +150,22 @@ def test_expert_prefers_its_domain_markers(tiny, tok, student, experts):
 
 
 def test_distillation_reduces_kl_in_a_few_steps(tiny, tok, student, experts):
-    # Five AdamW steps on KL(expert‖student) over the prompt positions of 8 code prompts.
+    # Five AdamW steps (lr 3e-4) on KL(expert‖student) over the prompt positions of 8 code
+    # prompts. (Much larger Adam steps overshoot first: every weight moves by ~lr on step one.)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_pretrained(tiny.student)
     teacher = experts["code"]
     prompts = _prompt_ids(tiny, tok, "code")
     with torch.no_grad():
         before = _mean_kl(teacher, model, prompts).item()
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-4, weight_decay=0.0)
     for _ in range(5):
         opt.zero_grad()
         _mean_kl(teacher, model, prompts).backward()
         opt.step()
     with torch.no_grad():
         after = _mean_kl(teacher, model, prompts).item()
-    assert after < 0.7 * before, (before, after)
+    assert after < 0.6 * before, (before, after)  # measured: 0.085 -> 0.038 for seed 0
 
 
 def test_config_files_are_hf_format(tiny):

@@ -3,11 +3,14 @@
 import json
 
 import pytest
+import torch
 from tokenizers import Tokenizer
 from transformers import AutoTokenizer
 
 from claas_verl.tiny import ensure_tiny
 from claas_verl.tiny.tokenizer import ADDED_TOKENS, CHAT_TEMPLATE, train_tokenizer
+
+torch.set_num_threads(1)  # shared 2-core machine: avoid intra-op thread thrash during the bundle build
 
 
 @pytest.fixture(scope="module")

@@ -79,24 +79,20 @@ def test_cpu_platform_backend_and_device():
     assert p.device_module.memory_allocated() == 0
 
 
-def test_losses_and_rollout_resolve_inside_a_ray_worker():
-    import ray
+def test_losses_and_rollout_resolve_inside_a_ray_worker(ray_session):
+    ray = ray_session
 
-    ray.init(num_cpus=1, include_dashboard=False, runtime_env={"env_vars": {"VERL_PLATFORM": "cpu"}})
-    try:
+    @ray.remote(num_cpus=0)
+    def probe():
+        # No claas_verl import here: the verl.plugins entry point alone must provide everything.
+        from verl.plugin.platform import get_platform
+        from verl.trainer.ppo.core_algos import get_policy_loss_fn
+        from verl.workers.rollout.base import get_rollout_class
 
-        @ray.remote(num_cpus=0)
-        def probe():
-            from verl.plugin.platform import get_platform
-            from verl.trainer.ppo.core_algos import get_policy_loss_fn
-            from verl.workers.rollout.base import get_rollout_class
+        loss = get_policy_loss_fn("claas_seq_is")
+        return get_platform().device_name, loss.__name__, get_rollout_class("hf").__name__
 
-            loss = get_policy_loss_fn("claas_seq_is")
-            return get_platform().device_name, loss.__name__, get_rollout_class("hf").__name__
-
-        device, loss_name, rollout_name = ray.get(probe.remote())
-    finally:
-        ray.shutdown()
+    device, loss_name, rollout_name = ray.get(probe.remote(), timeout=300)
     assert device == "cpu"
     assert loss_name and rollout_name == "HFServerAdapter"
 

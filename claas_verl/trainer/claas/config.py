@@ -65,7 +65,9 @@ class ProducerConfig:
 
     def __post_init__(self):
         if self.max_concurrent_scenarios < 1:
-            raise ValueError(f"claas.producer.max_concurrent_scenarios must be >= 1, got {self.max_concurrent_scenarios}")
+            raise ValueError(
+                f"claas.producer.max_concurrent_scenarios must be >= 1, got {self.max_concurrent_scenarios}"
+            )
         if self.max_new_tokens < 1:
             raise ValueError(f"claas.producer.max_new_tokens must be >= 1, got {self.max_new_tokens}")
 
@@ -159,7 +161,7 @@ class ClaasConfig:
         return self.algorithm != "icl"
 
     @classmethod
-    def from_config(cls, raw: Any) -> "ClaasConfig":
+    def from_config(cls, raw: Any) -> ClaasConfig:
         raw = dict(_plain(raw) or {})
         subs = {"env": EnvConfig, "stream": StreamConfig, "producer": ProducerConfig, "eval": EvalConfig,
                 "rpp": RppConfig, "icl": IclConfig}

@@ -95,6 +95,7 @@ class ProducerStats:
     generated_tokens: int = 0
     generate_s: float = 0.0
     prompt_too_long: int = 0
+    rollout_wall_s: float = 0.0  # wall time spent with a split's rollouts in flight
     versions: list = field(default_factory=list)
 
     def as_dict(self) -> dict:
@@ -109,6 +110,8 @@ class ProducerStats:
             "generated_tokens": self.generated_tokens,
             "generate_s": self.generate_s,
             "prompt_too_long": self.prompt_too_long,
+            "rollout_wall_s": self.rollout_wall_s,
+            "tokens_per_s": self.generated_tokens / self.rollout_wall_s if self.rollout_wall_s else float("nan"),
         }
 
 
@@ -240,7 +243,11 @@ class RolloutProducer:
     async def run_split(self, scenarios: Sequence[Scenario], index_offset: int = 0) -> dict:
         """Produce every scenario of one split (``max_concurrent`` at a time); return the cumulative stats."""
         sem = asyncio.Semaphore(self.max_concurrent)
-        await asyncio.gather(*[self._produce_one(s, index_offset + i, sem) for i, s in enumerate(scenarios)])
+        t0 = time.perf_counter()
+        try:
+            await asyncio.gather(*[self._produce_one(s, index_offset + i, sem) for i, s in enumerate(scenarios)])
+        finally:
+            self.stats.rollout_wall_s += time.perf_counter() - t0
         return self.stats.as_dict()
 
     # ------------------------------------------------------------------ evaluation

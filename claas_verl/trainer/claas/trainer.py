@@ -37,6 +37,7 @@ import os
 import threading
 import time
 import warnings
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -401,8 +402,20 @@ class ClaasTrainer(PPOTrainer):
             "warnings": self._warnings,
         }
         M = np.array(self._matrix, dtype=float)
-        paths = write_continual_metrics(self.config.trainer.default_local_dir, M, buffer_stats=buffer_stats,
-                                        extra=extra, title=f"CLaaS {self.claas.algorithm}: M[j, k]")
+        out_dir = self.config.trainer.default_local_dir
+        if np.isfinite(M).all():
+            paths = write_continual_metrics(out_dir, M, buffer_stats=buffer_stats, extra=extra,
+                                            title=f"CLaaS {self.claas.algorithm}: M[j, k]")
+        else:
+            # A cell with no gradable step (or an unfinished protocol): record what exists, metrics null.
+            msg = "M has cells without any graded step (or unfinished splits); transfer metrics are not defined"
+            self._warnings.append(msg)
+            logger.warning(msg)
+            record = {"M": [[v if math.isfinite(v) else None for v in row] for row in M.tolist()], "K": K,
+                      "forward_transfer": None, "forgetting": None, "final": None,
+                      "buffer_stats": buffer_stats, **extra}
+            paths = {"json": Path(out_dir) / "continual_metrics.json"}
+            paths["json"].write_text(json.dumps(record, indent=2, default=str) + "\n")
         fmt = lambda v: "nan" if v is None or (isinstance(v, float) and math.isnan(v)) else f"{v:.3f}"  # noqa: E731
         rec = json.loads(paths["json"].read_text())
         print(f"[claas] {self._updates} updates; forward_transfer={fmt(rec['forward_transfer'])} "

@@ -1,10 +1,18 @@
 """Continual MOPD stage trainer on verl (003; SPEC Part B): ``register_trainer("mopd")``.
 
-Importing this package registers :class:`MOPDTrainer` with verl's v1 trainer registry. Entry point:
-``python -m claas_verl.main_mopd --config-name mopd/<recipe>``. Every coupling to private verl names lives in
-:mod:`claas_verl.trainer.mopd.verl_couplings`.
+Importing :mod:`claas_verl.trainer.mopd.trainer` registers :class:`MOPDTrainer` with verl's v1 trainer
+registry (``claas_verl.trainer.mopd.MOPDTrainer`` does it lazily, so the pure helpers ``fields`` and
+``stages`` import without verl). Entry point: ``python -m claas_verl.main_mopd --config-name mopd/<recipe>``.
+Every coupling to private verl names lives in :mod:`claas_verl.trainer.mopd.verl_couplings`.
 """
 
-from claas_verl.trainer.mopd.trainer import MOPDTrainer
+
+def __getattr__(name: str):
+    if name == "MOPDTrainer":
+        from claas_verl.trainer.mopd.trainer import MOPDTrainer
+
+        return MOPDTrainer
+    raise AttributeError(name)
+
 
 __all__ = ["MOPDTrainer"]

@@ -51,8 +51,9 @@ def _lengths(data) -> tuple[torch.Tensor, torch.Tensor]:
         )
     seq = input_ids.offsets().diff()
     mask = data["response_mask"]
-    resp = mask.offsets().diff() if getattr(mask, "is_nested", False) else mask.new_full((mask.shape[0],), mask.shape[1])
-    return seq, resp
+    if getattr(mask, "is_nested", False):
+        return seq, mask.offsets().diff()
+    return seq, mask.new_full((mask.shape[0],), mask.shape[1])
 
 
 class MOPDLoss:

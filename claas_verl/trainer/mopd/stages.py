@@ -115,14 +115,13 @@ def learned_domains(plan_steps: list[dict], upto_index: int) -> list[str]:
 
 # ---------------------------------------------------------------------------------------------- audit trail
 def _jsonable(v: Any) -> Any:
+    """Numbers stay numbers (NaN/inf -> null, which JSON lacks), None stays null, anything else becomes text."""
+    if v is None or isinstance(v, (bool, int, str)):
+        return v
     try:
         f = float(v)
     except (TypeError, ValueError):
         return str(v)
-    if isinstance(v, bool):
-        return v
-    if isinstance(v, int):
-        return v
     return f if math.isfinite(f) else None
 
 

@@ -79,6 +79,14 @@ class MOPDTrainer(MOPDTrainerCouplings, PPOTrainerSync):
                 f"data.train_batch_size={self.config.data.train_batch_size} must equal mopd.block_size="
                 f"{self.block_size}: every step trains exactly one block"
             )
+        signal = mopd.get("signal") or {}
+        aux = [t for t in ("sats", "vr", "hidden") if signal.get(t)]
+        if aux:
+            # refuse rather than silently train Replay-KL under an FSAR/SATS/OPRD recipe name
+            raise NotImplementedError(
+                f"mopd.signal enables {aux}: the alignment terms with the balanced multi-pass update (SPEC B.3-B.7) "
+                "are not wired into the verl trainer yet; use a mopd.signal=kl recipe"
+            )
         self._stage: int | None = None  # stage whose teachers are loaded (None: none yet)
         self._resumed_mid_stage = False
         self._saved_at = -1

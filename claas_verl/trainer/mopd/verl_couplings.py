@@ -127,7 +127,7 @@ def mopd_task_runner_class():
 
     class MOPDTaskRunner(base):
         def run(self, config):
-            import claas_verl.trainer.mopd  # noqa: F401  (register_trainer("mopd") in this process)
+            import claas_verl.trainer.mopd.trainer  # noqa: F401  (register_trainer("mopd") in this process)
 
             return super().run(config)
 

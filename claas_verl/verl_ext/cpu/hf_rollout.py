@@ -376,7 +376,7 @@ class HFServerAdapter(_load_base_rollout()):
         **kwargs,
     ):
         if wire_format != "named_tensors":
-            raise NotImplementedError(
+            raise ValueError(
                 f"the 'hf' rollout accepts wire_format='named_tensors' only, got {wire_format!r}; "
                 "set actor_rollout_ref.rollout.checkpoint_engine.backend=naive"
             )

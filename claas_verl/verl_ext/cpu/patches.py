@@ -31,6 +31,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+
 from claas_verl.verl_ext.import_hooks import when_imported
 
 logger = logging.getLogger(__name__)

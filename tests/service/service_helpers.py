@@ -1,0 +1,43 @@
+"""Shared helpers of the service tests (imported by path-unique name; tests dirs have no __init__)."""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from claas_verl.replay import ReplayBuffer
+from claas_verl.service import ChatService, ServiceConfig, build_app
+from claas_verl.service.server import ServiceThread
+
+USER = [{"role": "system", "content": "Never reveal the word PINEAPPLE."},
+        {"role": "user", "content": "What is 2+3?"}]
+
+
+def big_buffer() -> ReplayBuffer:
+    # b_min=1 so any entry makes it ready; a_max large so nothing ages out during a test.
+    return ReplayBuffer(b_max=1000, b_min=1, a_max=1000, seed=0)
+
+
+@contextlib.contextmanager
+def running_service(backend, sink, grader=None, **config):
+    """A ChatService over ``backend`` served by uvicorn on 127.0.0.1 (free port); yields (service, url)."""
+    service = ChatService(backend, sink, grader=grader, config=ServiceConfig(**config))
+    server = ServiceThread(build_app(service)).start()
+    try:
+        yield service, server.url
+    finally:
+        server.stop()
+
+
+@torch.no_grad()
+def recompute_logprob(model, prompt_ids, response_ids) -> float:
+    """Σ_j log_softmax(logits/1)[y_j] from ONE full forward pass over prompt+response (no KV cache), in fp64 sum."""
+    prompt_ids = [int(t) for t in prompt_ids]
+    response_ids = [int(t) for t in response_ids]
+    ids = torch.tensor([prompt_ids + response_ids])
+    logits = model(input_ids=ids).logits[0].float()
+    # logits at position i predict token i+1: the response tokens are predicted by positions len(prompt)-1 .. -2.
+    pred = logits[len(prompt_ids) - 1 : -1]
+    logp = torch.log_softmax(pred, dim=-1).gather(-1, torch.tensor(response_ids)[:, None]).squeeze(-1)
+    return float(logp.double().sum())

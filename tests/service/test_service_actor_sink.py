@@ -1,0 +1,106 @@
+"""Writes to a ReplayBufferActor: through a real Ray actor, and non-blocking for the client (slow fake handle).
+
+The backend is a scripted ``ChatBackend`` (the interface is pluggable), so these tests need no model.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import threading
+import time
+
+import ray
+from service_helpers import USER, running_service
+
+from claas_verl.replay import ReplayBufferActor
+from claas_verl.service import ActorSink, ChatBackend, ClaasServiceClient, Generation, make_sink
+
+
+class ScriptedBackend(ChatBackend):
+    """Answers every chat with the same three tokens; log-probs -1, -2, -3 (Σ = -6)."""
+
+    def __init__(self):
+        self._version = 0
+
+    @property
+    def served_model(self):
+        return f"scripted-v{self._version}"
+
+    @property
+    def policy_version(self):
+        return self._version
+
+    async def generate(self, messages, params, chat_template_kwargs=None):
+        return Generation(prompt_ids=[1, 2, 3], response_ids=[7, 8, 2], token_logprobs=[-1.0, -2.0, -3.0],
+                          text="ok", finish_reason="stop", policy_version=self._version, model=self.served_model)
+
+    async def load_adapter(self, path, version=None):
+        self._version = self._version + 1 if version is None else version
+        return self._version
+
+
+def test_entries_reach_the_ray_actor_exactly_once(ray_session):
+    actor = ReplayBufferActor.remote(b_max=100, b_min=4, a_max=10, seed=0)
+    sink = make_sink(actor)
+    assert isinstance(sink, ActorSink)
+    with running_service(ScriptedBackend(), sink) as (service, url), ClaasServiceClient(url) as client:
+        ids = []
+        for i in range(5):
+            r = client.chat(USER, scenario_id=i)
+            ids.append(r["id"])
+            client.feedback(r["id"], None if i == 4 else 1.0)  # the fifth: reward None, dropped before the actor
+        assert sink.flush(60)
+        stats = client.stats()
+    assert stats["sink"] == {"submitted": 4, "accepted": 4, "errors": 0, "in_flight": 0}
+    assert stats["dropped_reward_none"] == 1
+    assert ray.get(actor.wait_ready.remote(10.0)) is True
+    entries = ray.get(actor.entries.remote())
+    assert sorted(e.uid for e in entries) == sorted(ids[:4])
+    assert all(e.behaviour_logprob == -6.0 and e.n_tokens == 3 and e.P == 0 for e in entries)
+    assert ray.get(actor.stats.remote())["dropped_none"] == 0  # never sent, so the actor never saw it
+
+
+class _SlowRef:
+    def __init__(self, fut):
+        self._fut = fut
+
+    def future(self):
+        return self._fut
+
+
+class SlowActorHandle:
+    """Stands in for an actor whose ``add`` takes ``delay_s`` (a busy buffer)."""
+
+    def __init__(self, delay_s: float):
+        self.delay_s = delay_s
+        self.received = []
+        outer = self
+
+        class _Add:
+            @staticmethod
+            def remote(entries):
+                fut = concurrent.futures.Future()
+
+                def finish():
+                    time.sleep(outer.delay_s)
+                    outer.received.extend(entries)
+                    fut.set_result(len(entries))
+
+                threading.Thread(target=finish, daemon=True).start()
+                return _SlowRef(fut)
+
+        self.add = _Add()
+
+
+def test_a_slow_buffer_never_delays_the_client():
+    handle = SlowActorHandle(delay_s=3.0)
+    sink = make_sink(handle)
+    with running_service(ScriptedBackend(), sink) as (_, url), ClaasServiceClient(url) as client:
+        r = client.chat(USER)
+        t0 = time.monotonic()
+        assert client.feedback(r["id"], 1.0)["status"] == "submitted"
+        assert time.monotonic() - t0 < 2.0  # the write (3 s) is still running
+        assert client.stats()["sink"]["in_flight"] == 1 and handle.received == []
+        assert sink.flush(10)
+    assert [e.uid for e in handle.received] == [r["id"]]
+    assert sink.stats() == {"submitted": 1, "accepted": 1, "errors": 0, "in_flight": 0}

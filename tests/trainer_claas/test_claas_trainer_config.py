@@ -1,0 +1,81 @@
+"""The `claas:` block and the verl settings the CLaaS trainer refuses (each error names the key and the fix)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+from hydra import compose, initialize_config_dir
+from omegaconf import open_dict
+
+from claas_verl.trainer.claas import ClaasConfig
+
+RECIPES = os.path.join(os.path.dirname(__file__), "..", "..", "recipes")
+ALL_RECIPES = ["reinforce_pp", "ppo", "sdpo", "icl", "tiny_reinforce_pp", "tiny_ppo", "tiny_sdpo", "tiny_icl"]
+
+
+def compose_recipe(name: str, overrides=()):
+    with initialize_config_dir(config_dir=os.path.abspath(RECIPES), version_base=None):
+        return compose(config_name=f"claas/{name}", overrides=list(overrides))
+
+
+def test_sizes_and_keys_are_validated():
+    with pytest.raises(ValueError, match="m .* must be <= b_min"):
+        ClaasConfig.from_config({"m": 8, "b_min": 4})
+    with pytest.raises(ValueError, match="b_min = 20 must be <= b_max"):
+        ClaasConfig.from_config({"m": 4, "b_min": 20, "b_max": 10})
+    with pytest.raises(ValueError, match=r"claas.stream: unknown key\(s\) \['splits'\]"):
+        ClaasConfig.from_config({"stream": {"splits": 3}})
+    with pytest.raises(ValueError, match="entry_unit"):
+        ClaasConfig.from_config({"entry_unit": "scenario"})
+    with pytest.raises(ValueError, match="claas.algorithm"):
+        ClaasConfig.from_config({"algorithm": "grpo"})
+
+
+@pytest.mark.parametrize("name", ALL_RECIPES)
+def test_every_recipe_composes_with_the_paper_or_tiny_settings(name):
+    cfg = compose_recipe(name)
+    c = ClaasConfig.from_config(cfg.claas)
+    assert cfg.trainer.v1.trainer_mode == "claas"
+    assert cfg.actor_rollout_ref.model.lora_rank == 16
+    if name.startswith("tiny_"):
+        assert cfg.actor_rollout_ref.rollout.name == "hf" and cfg.trainer.device == "cpu"
+    else:
+        # the papers' settings: LoRA r=16, lr 1e-4, M=8, B_max=1000, A_max 25/25/50, B_min feasible per split
+        assert (c.m, c.b_max, cfg.actor_rollout_ref.actor.optim.lr) == (8, 1000, 1e-4)
+        assert c.a_max == {"reinforce_pp": 25, "ppo": 25, "sdpo": 50, "icl": 25}[name]
+        assert c.b_min <= c.stream.split_size * c.env.kwargs["num_turns"]
+    assert c.algorithm == name.removeprefix("tiny_")
+    if c.algorithm == "ppo":
+        assert cfg.algorithm.adv_estimator == "gae" and cfg.critic.enable
+
+
+def test_trainer_rejects_settings_that_break_the_contract():
+    from claas_verl.trainer.claas.trainer import check_claas_config
+
+    cfg = compose_recipe("tiny_reinforce_pp")
+    claas = ClaasConfig.from_config(cfg.claas)
+    check_claas_config(cfg, claas)  # the recipe itself is fine
+    cases = [
+        ("actor_rollout_ref.rollout.temperature", 0.7, "temperature 1"),
+        ("actor_rollout_ref.rollout.n", 4, "single trajectories"),
+        ("algorithm.rollout_correction.bypass_mode", False, "old log-probs"),
+        ("actor_rollout_ref.actor.policy_loss.loss_mode", "vanilla", "claas_seq_is"),
+        ("actor_rollout_ref.actor.ppo_mini_batch_size", 2, "one optimizer step"),
+        ("trainer.test_freq", 5, "claas.eval"),
+        ("trainer.v1.sampler.custom_sampler.path", None, "ClaasReplaySampler|claas_verl.trainer.claas.sampler"),
+    ]
+    for key, value, msg in cases:
+        bad = compose_recipe("tiny_reinforce_pp")
+        with open_dict(bad):
+            parent, leaf = key.rsplit(".", 1)
+            node = bad
+            for part in parent.split("."):
+                node = node[part]
+            node[leaf] = value
+        with pytest.raises(ValueError, match=key.replace(".", r"\.")) as err:
+            check_claas_config(bad, claas)
+        assert any(m in str(err.value) for m in msg.split("|")), str(err.value)
+    sdpo = compose_recipe("tiny_sdpo")
+    with pytest.raises(NotImplementedError, match="sdpo"):
+        check_claas_config(sdpo, ClaasConfig.from_config(sdpo.claas))

@@ -1,0 +1,41 @@
+"""Kill in the middle of a stage, resume: the remaining steps and teachers are the plan's, the optimizer state of
+the interrupted stage is restored (not reset), and the audit trail ends up equal to the plan. Slow: two verl runs.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+
+def test_kill_mid_stage_and_resume_runs_the_remaining_plan(mopd_run, mopd_plan, fast):
+    # run 1: stops after global step 6 (stage 2 = steps 5..7); checkpoints at 4 (stage end), 5 (save_freq), 6 (last)
+    run_dir, _ = mopd_run("mopd/tiny_seq", "seq", *fast, "trainer.total_training_steps=6", "trainer.save_freq=5")
+    assert [s["global_step"] for s in read_jsonl(run_dir / "steps.jsonl")] == [1, 2, 3, 4, 5, 6]
+    # simulate a kill after step 6 ran but before its checkpoint was written
+    shutil.rmtree(run_dir / "global_step_6")
+    (run_dir / "latest_checkpointed_iteration.txt").write_text("5")
+    state = json.loads((run_dir / "global_step_5" / "mopd_state.json").read_text())
+    assert state["stage"] == 2 and not state["stage_complete"] and state["snapshots"] == [1]
+
+    # run 2: same recipe, full plan, trainer.resume_mode=auto (the recipes' default)
+    run_dir, log = mopd_run("mopd/tiny_seq", "seq", *fast, "trainer.save_freq=5")
+    assert "resumed at global step 5 (stage 2)" in log
+    assert "optimizer state kept (resumed mid-stage)" in log
+    steps = read_jsonl(run_dir / "steps.jsonl")
+    plan = mopd_plan("mopd/tiny_seq")
+    assert [{k: s[k] for k in plan[0]} for s in steps] == plan
+    assert [s["global_step"] for s in steps] == list(range(1, 11))
+    assert [s["global_step"] for s in read_jsonl(run_dir / "steps.discarded.jsonl")] == [6]
+    counts = [s["metrics"]["mopd/optimizer_steps_in_stage"] for s in steps]
+    # step 6 continues stage 2's restored AdamW (its state held 1 step), stage 3 starts fresh
+    assert counts == [1, 2, 3, 4, 1, 2, 3, 1, 2, 3]
+    assert (run_dir / "snapshots" / "student_3" / "config.json").exists()
+
+
+def read_jsonl(path):
+    return [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
