@@ -194,11 +194,15 @@ def _fsar_closures(prompt: int) -> dict:
     return {"tok": _tok_loss(prompt), "sats": sats, "vr": vr, "hid": hid}
 
 
+# Set from --no-recompute: keep the pooled rows' chunk softmax for the backward instead of recomputing it.
+RECOMPUTE = True
+
+
 def _fsar_forward(model, mb):
     n = model.config.num_hidden_layers
     return alignment_signals(
         model, mb["input_ids"], mb["attention_mask"], mb["regions"], position_ids=mb["position_ids"],
-        pooled_layers=range(n), hidden_layers=range(n),
+        pooled_layers=range(n), hidden_layers=range(n), recompute=RECOMPUTE,
     )
 
 
@@ -384,6 +388,8 @@ def main(argv=None) -> None:
     ap.add_argument("--warmup", type=int, help="untimed repetitions first; 1")
     ap.add_argument("--step-len", type=int, default=32, help="mean tokens per reasoning step")
     ap.add_argument("--threads", type=int, default=1, help="torch.set_num_threads")
+    ap.add_argument("--no-recompute", action="store_true",
+                    help="student pooled rows keep their chunk softmax for the backward (faster where it fits)")
     ap.add_argument("--clock", choices=("cpu", "wall"), default="cpu",
                     help="cpu: process CPU time (robust on a shared machine; with --threads > 1 it sums threads); "
                          "wall: elapsed time")
@@ -399,6 +405,8 @@ def main(argv=None) -> None:
     global _now
     _now = time.process_time if args.clock == "cpu" else time.perf_counter
     torch.set_num_threads(args.threads)
+    global RECOMPUTE
+    RECOMPUTE = not args.no_recompute
     torch.manual_seed(0)
 
     paths = ensure_tiny()

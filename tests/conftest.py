@@ -48,3 +48,70 @@ def ray_session():
     yield ray
     if started:
         ray.shutdown()
+
+
+class ThreadAllReduce:
+    """In-process stand-in for ``torch.distributed``: one thread per simulated rank, ``all_reduce`` in place.
+
+    A real gloo pair takes about a minute to spawn on a loaded 2-core CI machine; threads exercise the
+    same code path (every rank must call the same collectives in the same order, or the barrier hangs).
+    """
+
+    def __init__(self, world: int):
+        import threading
+
+        self.world, self.slots, self.calls = world, [None] * world, 0
+        self.barrier = threading.Barrier(world, timeout=60)
+        self.local = threading.local()
+
+    def all_reduce(self, tensor, op=None, group=None):
+        import torch.distributed as dist
+
+        op = dist.ReduceOp.SUM if op is None else op
+        assert op in (dist.ReduceOp.SUM, dist.ReduceOp.MAX), op
+        rank = self.local.rank
+        self.slots[rank] = tensor.clone()
+        if rank == 0:
+            self.calls += 1
+        self.barrier.wait()
+        stacked = torch.stack(self.slots)
+        result = stacked.sum(0) if op == dist.ReduceOp.SUM else stacked.max(0).values
+        self.barrier.wait()
+        tensor.copy_(result)
+
+    def run(self, fn):
+        """Run ``fn(rank)`` on every simulated rank concurrently; return the per-rank results."""
+        import threading
+
+        out, errors = [None] * self.world, []
+
+        def target(rank):
+            self.local.rank = rank
+            try:
+                out[rank] = fn(rank)
+            except Exception as e:  # re-raised below, after every thread stopped
+                errors.append(e)
+                self.barrier.abort()
+
+        threads = [threading.Thread(target=target, args=(k,)) for k in range(self.world)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        if errors:
+            raise errors[0]
+        return out
+
+
+@pytest.fixture
+def simulated_ranks(monkeypatch):
+    """``simulated_ranks(world)`` patches torch.distributed with a :class:`ThreadAllReduce` and returns it."""
+    import torch.distributed as dist
+
+    def make(world: int) -> ThreadAllReduce:
+        fake = ThreadAllReduce(world)
+        monkeypatch.setattr(dist, "is_initialized", lambda: True)
+        monkeypatch.setattr(dist, "all_reduce", fake.all_reduce)
+        return fake
+
+    return make

@@ -76,13 +76,18 @@ def _pool_matrix(rid: torch.Tensor, r_max: int) -> torch.Tensor:
 
 def _chunk_rows(q_c, k, pos_c, valid_c, pool_c, key_pos, key_real, scale):
     """Pooled rows of one query chunk: ``[B, G, rep, C, d]`` queries -> ``[B, G, rep, R, Tk]``."""
-    scores = torch.matmul(q_c.float(), k.float()[:, :, None].transpose(-1, -2)) * scale
+    b, g, n, c, d = q_c.shape
+    # fold the query heads of a KV group into the row axis: one [n*C, d] x [d, Tk] matmul per KV head,
+    # without materialising k once per query head (HF repeat_kv semantics, no copy)
+    scores = torch.matmul(q_c.reshape(b, g, n * c, d).float(), k.float().transpose(-1, -2)).view(b, g, n, c, -1)
+    scores = scores * scale
     allowed = key_real[:, None, :] & (key_pos[None, None, :] <= pos_c[:, :, None])  # [B, C, Tk]
     # gathered filler rows (valid=0) get every key so their softmax is finite; their pool weight is 0
     allowed = allowed | ~valid_c[:, :, None]
     scores = scores.masked_fill(~allowed[:, None, None], float("-inf"))
     probs = torch.softmax(scores, dim=-1)
-    return torch.einsum("bgnct,bcr->bgnrt", probs, pool_c)
+    # region means as a matmul on the left ([R, C] x [C, Tk]): keeps probs in its layout (no transposed copy)
+    return torch.matmul(pool_c.transpose(1, 2)[:, None, None], probs)
 
 
 def pooled_attention_rows(

@@ -25,9 +25,12 @@ logger = logging.getLogger(__name__)
 
 def load() -> None:
     from claas_verl.verl_ext.cpu import platform as _platform  # noqa: F401  (registers "cpu")
+    from claas_verl.verl_ext.cpu.checks import guard_auto_set_device
     from claas_verl.verl_ext.cpu.patches import install_hooks
+    from claas_verl.verl_ext.import_hooks import when_imported
 
     install_hooks()  # importing claas_verl (done above, as our parent package) already scheduled the losses
+    when_imported("verl.trainer.main_ppo", guard_auto_set_device)  # P5: trainer.device checked before Ray
 
 
 try:

@@ -16,35 +16,29 @@ def _ident(fn: Callable) -> str:
     return f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', repr(fn))}"
 
 
-def register_policy_loss(name: str) -> Callable[[Callable], Callable]:
-    """Decorator: add ``fn`` to verl's policy-loss registry under ``name``; raise on a clash."""
+def _strict_register(registry_attr: str, kind: str, name: str) -> Callable[[Callable], Callable]:
     from verl.trainer.ppo import core_algos
 
+    registry = getattr(core_algos, registry_attr)
+
     def decorator(fn: Callable) -> Callable:
-        existing = core_algos.POLICY_LOSS_REGISTRY.get(name)
+        existing = registry.get(name)
         if existing is not None and _ident(existing) != _ident(fn):
             raise ValueError(
-                f"verl policy loss {name!r} is already registered by {_ident(existing)}; "
+                f"verl {kind} {name!r} is already registered by {_ident(existing)}; "
                 f"claas_verl refuses to overwrite it with {_ident(fn)}. Rename one of them."
             )
-        core_algos.POLICY_LOSS_REGISTRY[name] = fn
+        registry[name] = fn
         return fn
 
     return decorator
+
+
+def register_policy_loss(name: str) -> Callable[[Callable], Callable]:
+    """Decorator: add ``fn`` to verl's policy-loss registry under ``name``; raise on a clash."""
+    return _strict_register("POLICY_LOSS_REGISTRY", "policy loss", name)
 
 
 def register_adv_est(name: str) -> Callable[[Callable], Callable]:
     """Decorator: add ``fn`` to verl's advantage-estimator registry under ``name``; raise on a clash."""
-    from verl.trainer.ppo import core_algos
-
-    def decorator(fn: Callable) -> Callable:
-        existing = core_algos.ADV_ESTIMATOR_REGISTRY.get(name)
-        if existing is not None and _ident(existing) != _ident(fn):
-            raise ValueError(
-                f"verl advantage estimator {name!r} is already registered by {_ident(existing)}; "
-                f"claas_verl refuses to overwrite it with {_ident(fn)}. Rename one of them."
-            )
-        core_algos.ADV_ESTIMATOR_REGISTRY[name] = fn
-        return fn
-
-    return decorator
+    return _strict_register("ADV_ESTIMATOR_REGISTRY", "advantage estimator", name)

@@ -1,11 +1,9 @@
 """Gradient-norm balancing (SPEC B.6, eqs. 9-10): worked example, invariants, edge cases, forms, ranks."""
 
 import math
-import threading
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from claas_verl.align.balance import balance, combine_aux, combine_one_one_one, grad_norm
 
@@ -209,56 +207,14 @@ def test_bad_inputs_raise():
         balance(torch.ones(2), torch.ones(2), sync=True)
 
 
-class _ThreadAllReduce:
-    """In-process stand-in for torch.distributed: one thread per simulated rank, all_reduce(SUM) in place."""
-
-    def __init__(self, world):
-        self.world, self.slots, self.calls = world, [None] * world, 0
-        self.barrier = threading.Barrier(world)
-        self.local = threading.local()
-
-    def all_reduce(self, tensor, op=dist.ReduceOp.SUM, group=None):
-        assert op == dist.ReduceOp.SUM
-        rank = self.local.rank
-        self.slots[rank] = tensor.clone()
-        if rank == 0:
-            self.calls += 1
-        self.barrier.wait()
-        total = torch.stack(self.slots).sum(0)
-        self.barrier.wait()
-        tensor.copy_(total)
-
-    def run(self, fn):
-        out, errors = [None] * self.world, []
-
-        def target(rank):
-            self.local.rank = rank
-            try:
-                out[rank] = fn(rank)
-            except Exception as e:
-                errors.append(e)
-                self.barrier.abort()
-
-        threads = [threading.Thread(target=target, args=(k,)) for k in range(self.world)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        if errors:
-            raise errors[0]
-        return out
-
-
-def test_sharded_across_two_simulated_ranks(monkeypatch):
+def test_sharded_across_two_simulated_ranks(simulated_ranks):
     """Each rank holds half of every gradient (FSDP-like shards): the all-reduced result equals the unsharded one."""
     g = torch.Generator().manual_seed(11)
     tok, sats, vr, hid = (torch.randn(40, generator=g, dtype=DT) for _ in range(4))
     aux_full, _ = combine_aux(sats, vr, hid)
     g_full, info_full = balance(tok, aux_full, 1.0)
 
-    fake = _ThreadAllReduce(2)
-    monkeypatch.setattr(dist, "is_initialized", lambda: True)
-    monkeypatch.setattr(dist, "all_reduce", fake.all_reduce)
+    fake = simulated_ranks(2)
 
     def rank_fn(k):
         sl = slice(0, 25) if k == 0 else slice(25, 40)  # unequal shards

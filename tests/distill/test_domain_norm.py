@@ -1,11 +1,9 @@
 """Per-domain normalised advantages (SPEC B.2.2): hand-computed σ_d, fallbacks, sharding across ranks."""
 
 import math
-import threading
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from claas_verl.distill import domain_moments, domain_normalized_advantages, domain_stds, stds_from_moments
 
@@ -110,51 +108,10 @@ def test_moments_add_across_simulated_ranks():
     assert torch.isnan(full[1]) and torch.isnan(full[2])  # absent domains
 
 
-class _ThreadAllReduce:
-    """In-process stand-in for torch.distributed with one thread per simulated rank (a real gloo pair takes a
-    minute to spawn on the shared CI machine). Implements all_reduce(SUM/MAX) in place, like the real one."""
-
-    def __init__(self, world: int):
-        self.world, self.slots = world, [None] * world
-        self.barrier = threading.Barrier(world)
-        self.local = threading.local()
-
-    def all_reduce(self, tensor, op=dist.ReduceOp.SUM, group=None):
-        rank = self.local.rank
-        self.slots[rank] = tensor.clone()
-        self.barrier.wait()
-        stacked = torch.stack(self.slots)
-        result = stacked.sum(0) if op == dist.ReduceOp.SUM else stacked.max(0).values
-        self.barrier.wait()
-        tensor.copy_(result)
-
-    def run(self, fn):
-        out, errors = [None] * self.world, []
-
-        def target(rank):
-            self.local.rank = rank
-            try:
-                out[rank] = fn(rank)
-            except Exception as e:  # surfaced below
-                errors.append(e)
-                self.barrier.abort()
-
-        threads = [threading.Thread(target=target, args=(k,)) for k in range(self.world)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        if errors:
-            raise errors[0]
-        return out
-
-
-def test_all_reduce_across_two_simulated_ranks(monkeypatch):
+def test_all_reduce_across_two_simulated_ranks(simulated_ranks):
     r, mask, dom = _mixed_batch()
     expected = domain_normalized_advantages(r, mask, dom)
-    fake = _ThreadAllReduce(2)
-    monkeypatch.setattr(dist, "is_initialized", lambda: True)
-    monkeypatch.setattr(dist, "all_reduce", fake.all_reduce)
+    fake = simulated_ranks(2)
     # rank 0 holds response 0 (domain 0 only: its table has 1 row); rank 1 holds responses 1-2 (domains 3, 0)
     shards = [slice(0, 1), slice(1, 3)]
     outs = fake.run(lambda k: domain_normalized_advantages(r[shards[k]], mask[shards[k]], dom[shards[k]]))

@@ -77,5 +77,17 @@ def test_trainer_rejects_settings_that_break_the_contract():
             check_claas_config(bad, claas)
         assert any(m in str(err.value) for m in msg.split("|")), str(err.value)
     sdpo = compose_recipe("tiny_sdpo")
-    with pytest.raises(NotImplementedError, match="sdpo"):
-        check_claas_config(sdpo, ClaasConfig.from_config(sdpo.claas))
+    sdpo_claas = ClaasConfig.from_config(sdpo.claas)
+    check_claas_config(sdpo, sdpo_claas)  # SDPO runs (claas_verl.trainer.claas.sdpo_worker)
+    assert sdpo_claas.sdpo.mode == "gjs" and sdpo_claas.sdpo.alpha == 0.5 and sdpo_claas.sdpo.tau == 0.05
+    with open_dict(sdpo):
+        sdpo.actor_rollout_ref.model.lora_rank = 0
+    with pytest.raises(ValueError, match=r"actor_rollout_ref\.model\.lora_rank"):
+        check_claas_config(sdpo, sdpo_claas)  # the EMA teacher lives on the LoRA adapter
+
+
+@pytest.mark.parametrize("key,value", [("mode", "kl"), ("is_reference", "ref"), ("alpha", 1.5), ("topk", 0),
+                                       ("tau", 2.0), ("is_clip", 0.0)])
+def test_sdpo_block_rejects_bad_values_naming_the_key(key, value):
+    with pytest.raises(ValueError, match=f"claas.sdpo.{key}"):
+        ClaasConfig.from_config({"algorithm": "sdpo", "m": 4, "b_min": 4, "b_max": 64, "sdpo": {key: value}})

@@ -8,7 +8,7 @@ the run's own records (``claas_trace.jsonl``, ``continual_metrics.json``, split 
 - no entry was used in more than A_max + 1 updates (buffer statistics) and no sampled entry was older
   than A_max updates;
 - after every update the rollout server serves a new policy: its version increments and the served
-  weights' fingerprint changes (the LoRA adapter really reached the server);
+  weights' fingerprint changes, and the push carried only LoRA adapter tensors (``lora.merge=false``);
 - a checkpoint per split and the M[j, k] metrics (JSON, CSV, PNG) were written;
 - the crashing grader produced reward None steps, which were dropped, and the run finished.
 """
@@ -86,6 +86,11 @@ def test_tiny_reinforce_pp_stream_end_to_end(tiny_model_dir, tmp_path):
     prints = [u["served_fingerprint_0"] for u in updates]
     assert all(b > a for a, b in zip(versions, versions[1:])), versions
     assert len(set(prints)) == len(prints), "the rollout server kept serving the same weights after an update"
+    # lora.merge=false: after the first sync every push carries ONLY the LoRA adapter (+ peft_config).
+    for u in updates:
+        names = u["served_last_push_names_0"]
+        assert u["served_last_push_kind_0"] == "lora", u["served_last_push_kind_0"]
+        assert names and all(".lora_A." in n or ".lora_B." in n for n in names), names[:5]
 
     metrics = json.loads((run_dir / "continual_metrics.json").read_text())
     stats = metrics["buffer_stats"]

@@ -162,3 +162,26 @@ def test_background_loop_runs_coroutines_from_another_thread():
         assert loop.submit(add(2, 3)).result(timeout=5) == 5
     finally:
         loop.close()
+
+
+def test_sdpo_teacher_context_reprompts_the_last_user_turn_of_failed_steps_only():
+    from claas_verl.losses.sdpo import FEEDBACK_TEMPLATE, REPROMPT_TEMPLATE
+
+    buf = ReplayBuffer(b_max=10, b_min=1, a_max=5)
+    prod, _ = make_producer(["ok", "xx!"], buf, sdpo_reprompt={"reprompt_success": False})
+    asyncio.run(prod.run_split([scenario(0)]))
+    passed, failed = buf.entries()
+    assert "teacher_prompt_ids" not in passed.metadata  # reward 1: no teacher context (sd_mask = 0)
+    teacher = "".join(chr(i) for i in failed.metadata["teacher_prompt_ids"])
+    reprompted = REPROMPT_TEMPLATE.format(prompt="again", solution="",
+                                          feedback=FEEDBACK_TEMPLATE.format(feedback_raw="said x"))
+    # system prompt and earlier turns kept; the last user turn re-prompted with the verifier feedback (SPEC A.3.3)
+    assert teacher == f"<system>never say x\n<user>hi\n<assistant>ok\n<user>{reprompted}\n<assistant>"
+
+    from claas_verl.trainer.claas.tq_fields import HAS_FEEDBACK_FIELD, TEACHER_PROMPT_FIELD, entry_fields
+
+    f = entry_fields(failed, sdpo=True)
+    assert f[TEACHER_PROMPT_FIELD].tolist() == failed.metadata["teacher_prompt_ids"] and int(f[HAS_FEEDBACK_FIELD])
+    g = entry_fields(passed, sdpo=True)
+    assert g[TEACHER_PROMPT_FIELD].tolist() == passed.prompt_ids.tolist() and int(g[HAS_FEEDBACK_FIELD]) == 0
+    assert TEACHER_PROMPT_FIELD not in entry_fields(failed)  # other algorithms carry no SDPO fields

@@ -1,5 +1,6 @@
 """Kill in the middle of a stage, resume: the remaining steps and teachers are the plan's, the optimizer state of
-the interrupted stage is restored (not reset), and the audit trail ends up equal to the plan. Slow: two verl runs.
+the interrupted stage is restored (not reset), the re-run step reproduces the killed run's step exactly (same
+responses, same teacher, same metrics), and the audit trail ends up equal to the plan. Slow: two verl runs.
 """
 
 from __future__ import annotations
@@ -30,7 +31,14 @@ def test_kill_mid_stage_and_resume_runs_the_remaining_plan(mopd_run, mopd_plan, 
     plan = mopd_plan("mopd/tiny_seq")
     assert [{k: s[k] for k in plan[0]} for s in steps] == plan
     assert [s["global_step"] for s in steps] == list(range(1, 11))
-    assert [s["global_step"] for s in read_jsonl(run_dir / "steps.discarded.jsonl")] == [6]
+    discarded = read_jsonl(run_dir / "steps.discarded.jsonl")
+    assert [s["global_step"] for s in discarded] == [6]
+    # exact resume: step 6 re-run from checkpoint 5 (weights, AdamW state, rollout RNG reseeded from the step)
+    # samples the same responses and sees the same teacher as the killed run's step 6
+    redo, lost = steps[5], discarded[0]
+    assert {k: redo[k] for k in plan[0]} == {k: lost[k] for k in plan[0]}
+    for key in ("response_length/mean", "mopd/kl_topk", "mopd/adv_sigma", "actor/grad_norm"):
+        assert redo["metrics"][key] == pytest.approx(lost["metrics"][key], rel=1e-5, abs=1e-7), key
     counts = [s["metrics"]["mopd/optimizer_steps_in_stage"] for s in steps]
     # step 6 continues stage 2's restored AdamW (its state held 1 step), stage 3 starts fresh
     assert counts == [1, 2, 3, 4, 1, 2, 3, 1, 2, 3]

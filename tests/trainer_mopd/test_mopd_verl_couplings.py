@@ -70,6 +70,22 @@ def test_trainer_mode_switch_is_read_as_sync_and_base_uses_it():
     assert p.trainer_mode == "sync" and p.registered_mode == "mopd"
 
 
+def test_engine_step_sequence_the_balanced_update_replaces_is_still_verl_s():
+    """MOPDTrainingWorker shadows engine.train_batch for one call: verl must still call it from
+    TrainingWorker.train_batch (itself called per mini-batch by train_mini_batch), and the base step must still be
+    zero-grad -> forward_backward_batch -> optimizer_step (the sequence the balanced step re-runs with extra passes)."""
+    from verl.workers.engine.base import BaseEngine
+    from verl.workers.engine_workers import TrainingWorker
+
+    assert "self.engine.train_batch(data, loss_function=self.loss_fn)" in inspect.getsource(TrainingWorker.train_batch)
+    assert "self.train_batch(mini_batch_td)" in inspect.getsource(TrainingWorker.train_mini_batch)
+    src = inspect.getsource(BaseEngine.train_batch)
+    i, j, k = (src.index(x) for x in ("self.optimizer_zero_grad()", "self.forward_backward_batch(",
+                                      "self.optimizer_step()"))
+    assert i < j < k
+    assert list(inspect.signature(BaseEngine.train_batch).parameters) == ["self", "data", "loss_function"]
+
+
 def test_ref_conversion_mirrored_from_verl_is_still_verl_s():
     from verl.workers.engine_workers import ActorRolloutRefWorker
 

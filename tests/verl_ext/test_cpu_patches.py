@@ -3,9 +3,11 @@ and the plugin's registrations are visible in the driver and inside a Ray worker
 
 from __future__ import annotations
 
+import inspect
 import os
 
 import pytest
+import torch
 
 os.environ.setdefault("VERL_PLATFORM", "cpu")
 
@@ -21,6 +23,50 @@ def test_patched_names_exist_in_verl():
     assert callable(fsdp_impl.CPUOffloadPolicy)  # P3
     assert hasattr(fsdp_impl.FSDPEngineWithLMHead, "_build_fsdp_module")
     assert isinstance(RolloutReplicaRegistry._registry, dict)
+
+
+def test_valuehead_loader_is_wrapped_with_verl_signature():
+    import verl  # noqa: F401  (loads the plugin, which installs the post-import hooks)
+    import verl.utils.model as model_module
+
+    from claas_verl.verl_ext.cpu.patches import VALUEHEAD_LOADER
+
+    fn = getattr(model_module, VALUEHEAD_LOADER)  # P4: fails loudly if verl renames/moves it
+    assert list(inspect.signature(fn).parameters) == ["local_path", "torch_dtype", "model_config", "trust_remote_code"]
+    assert getattr(fn, "_claas_cpu_patch", False), "the post-import hook did not wrap verl's value-model loader"
+
+
+def test_valuehead_loader_on_cpu_builds_an_sdpa_value_model(monkeypatch):
+    import verl.utils.model as model_module
+    from transformers import AutoConfig
+
+    from claas_verl.tiny import ensure_tiny
+    from claas_verl.verl_ext.cpu import patches
+
+    patches.patch_valuehead_attention(model_module)  # idempotent if the hook already ran
+    monkeypatch.setattr(patches, "on_cpu_platform", lambda: True)
+    path = str(ensure_tiny().student)
+    cfg = AutoConfig.from_pretrained(path)
+    cfg.num_labels = 1
+    model = model_module.load_valuehead_model(path, torch.float32, cfg, False)
+    assert model.config._attn_implementation == "sdpa"  # verl would ask for flash_attention_2
+    assert model(input_ids=torch.tensor([[1, 2, 3]])).logits.shape == (1, 3, 1)  # one value per position
+
+
+def test_valuehead_loader_off_cpu_calls_verl(monkeypatch):
+    from claas_verl.verl_ext.cpu import patches
+
+    calls = []
+
+    class FakeModule:
+        pass
+
+    fake = FakeModule()
+    fake.load_valuehead_model = lambda *a: calls.append(a) or "verl"
+    patches.patch_valuehead_attention(fake)
+    monkeypatch.setattr(patches, "on_cpu_platform", lambda: False)
+    assert fake.load_valuehead_model("p", torch.float32, None, False) == "verl"
+    assert calls == [("p", torch.float32, None, False)]
 
 
 def test_plugin_registrations_resolve():

@@ -59,20 +59,45 @@ def test_generate_update_weights_and_version(tiny_model_dir):
         asyncio.run(server.finish_weight_update())
 
 
-def test_lora_adapter_changes_the_served_policy(tiny_model_dir):
-    from peft import LoraConfig
-
-    server = _server(tiny_model_dir)
-    before = server.get_named_parameters()
-    peft_config = LoraConfig(r=2, lora_alpha=4, target_modules=["q_proj", "v_proj"])
-    # Adapter tensors named as peft's get_peft_model_state_dict names them (what verl sends).
+def _adapter_push(tiny_model_dir, peft_config):
+    """Adapter tensors named as peft's ``get_peft_model_state_dict`` names them (what verl's FSDP engine sends)."""
     from peft import get_peft_model, get_peft_model_state_dict
     from transformers import AutoModelForCausalLM
 
     trainer_side = get_peft_model(AutoModelForCausalLM.from_pretrained(tiny_model_dir / "student"), peft_config)
-    lora = {k: torch.full_like(v, 0.05) for k, v in get_peft_model_state_dict(trainer_side).items()}
+    return {k: torch.full_like(v, 0.05) for k, v in get_peft_model_state_dict(trainer_side).items()}
+
+
+@pytest.mark.parametrize("wire", ["dict", "LoraConfig"])
+def test_lora_adapter_changes_the_served_policy(tiny_model_dir, wire):
+    from peft import LoraConfig
+
+    server = _server(tiny_model_dir)
+    before = server.get_named_parameters()
+    peft_config = LoraConfig(r=2, lora_alpha=4, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
+    lora = _adapter_push(tiny_model_dir, peft_config)
+    # verl 0.9.1's FSDP engine ships `peft_config.to_dict()` (get_per_tensor_param); in-process callers the object.
+    sent = peft_config.to_dict() if wire == "dict" else peft_config
     asyncio.run(server.receive_weights(list(lora.items())))
-    assert asyncio.run(server.finish_weight_update(peft_config=peft_config, base_sync_done=True)) == 1
+    assert asyncio.run(server.finish_weight_update(peft_config=sent, base_sync_done=True)) == 1
     after = server.get_named_parameters()
     changed = [k for k in before if "q_proj.weight" in k and not torch.allclose(before[k], after[k])]
     assert changed, "LoRA tensors were dropped: the served q_proj weights did not change"
+    assert not [k for k in before if "k_proj.weight" in k and not torch.allclose(before[k], after[k])]
+    last = server.get_last_update()
+    assert last["kind"] == "lora" and last["names"] == sorted(lora) and last["version"] == 1
+    assert all("lora_" in n for n in last["names"])
+
+    # A second adapter-only push (the steady state after the first sync) replaces the adapter in place.
+    lora2 = {k: torch.full_like(v, 0.1) for k, v in lora.items()}  # B·A scales by 4
+    asyncio.run(server.receive_weights(list(lora2.items())))
+    assert asyncio.run(server.finish_weight_update(peft_config=sent, base_sync_done=True)) == 2
+    after2 = server.get_named_parameters()
+    assert any(not torch.allclose(after[k], after2[k]) for k in changed)
+
+
+def test_peft_config_dict_without_type_is_rejected():
+    from claas_verl.verl_ext.cpu.hf_rollout import as_peft_config
+
+    with pytest.raises(ValueError, match="peft_type"):
+        as_peft_config({"r": 2})

@@ -111,6 +111,40 @@ class IclConfig:
 
 
 @dataclass
+class SdpoConfig:
+    """SDPO with an EMA teacher and a generalized JSD (SPEC A.3.3); defaults are the SPEC's."""
+
+    mode: str = "gjs"                    # "gjs" (reference) | "pg+jsd"
+    alpha: float = 0.5                   # GJS_α: 0 forward KL(T‖S), 1 reverse KL(S‖T), 0.5 JSD
+    topk: int = 100                      # K: the student's top-K (+ one tail bucket)
+    add_tail: bool = True
+    is_clip: float = 2.0                 # w_e = min(ρ[e], is_clip)
+    is_reference: str = "behaviour"      # "behaviour" | "ema_teacher" (ρ against the EMA teacher on x)
+    ratio_mode: str = "geo_mean"         # A.2.2 sequence ratio of the IS weight
+    tau: float = 0.05                    # EMA teacher update rate (teacher_update_rate)
+    jsd_coef: float = 1.0                # λ_JSD of the pg+jsd mode
+    reprompt_success: bool = False       # also reprompt passing steps (success template)
+
+    def __post_init__(self):
+        from claas_verl.losses.sdpo import IS_REFERENCES, SDPO_MODES
+
+        if self.mode not in SDPO_MODES:
+            raise ValueError(f"claas.sdpo.mode={self.mode!r}; choose one of {SDPO_MODES}")
+        if self.is_reference not in IS_REFERENCES:
+            raise ValueError(f"claas.sdpo.is_reference={self.is_reference!r}; choose one of {IS_REFERENCES}")
+        if self.ratio_mode not in ("geo_mean", "product"):
+            raise ValueError(f"claas.sdpo.ratio_mode={self.ratio_mode!r}; choose 'geo_mean' or 'product'")
+        if not 0.0 <= self.alpha <= 1.0:
+            raise ValueError(f"claas.sdpo.alpha={self.alpha} must be in [0, 1]")
+        if self.topk < 1:
+            raise ValueError(f"claas.sdpo.topk={self.topk} must be >= 1")
+        if not self.is_clip > 0:
+            raise ValueError(f"claas.sdpo.is_clip={self.is_clip} must be > 0")
+        if not 0.0 <= self.tau <= 1.0:
+            raise ValueError(f"claas.sdpo.tau={self.tau} must be in [0, 1]")
+
+
+@dataclass
 class ClaasConfig:
     """Validated ``claas:`` recipe block.
 
@@ -138,6 +172,7 @@ class ClaasConfig:
     eval: EvalConfig = field(default_factory=EvalConfig)
     rpp: RppConfig = field(default_factory=RppConfig)
     icl: IclConfig = field(default_factory=IclConfig)
+    sdpo: SdpoConfig = field(default_factory=SdpoConfig)
 
     def __post_init__(self):
         if self.algorithm not in ALGORITHMS:
@@ -164,7 +199,7 @@ class ClaasConfig:
     def from_config(cls, raw: Any) -> ClaasConfig:
         raw = dict(_plain(raw) or {})
         subs = {"env": EnvConfig, "stream": StreamConfig, "producer": ProducerConfig, "eval": EvalConfig,
-                "rpp": RppConfig, "icl": IclConfig}
+                "rpp": RppConfig, "icl": IclConfig, "sdpo": SdpoConfig}
         for key, sub_cls in subs.items():
             raw[key] = _build(sub_cls, raw.get(key), f"claas.{key}")
         return _build(cls, raw, "claas")

@@ -80,6 +80,7 @@ class StepRecord:
     version: int | None
     grade: Grade
     latency_s: float
+    teacher_prompt_ids: list | None = None  # SDPO teacher context x' (feedback re-prompt), None: no signal
 
 
 @dataclass
@@ -143,11 +144,14 @@ class RolloutProducer:
         max_prompt_tokens: a turn whose context exceeds it ends its scenario (counted in ``prompt_too_long``).
         ema_stats / ema_lock: the live REINFORCE++ EMA statistics, updated with every inserted reward.
         icl_memory: an ``ICLFeedbackMemory``: failed steps' feedback goes into later system prompts (ICL baseline).
+        sdpo_reprompt: SDPO only: ``{"reprompt_success": bool}``; each graded step also gets the token ids of its
+            teacher context x' (the last user turn re-prompted with the verifier feedback, SPEC A.3.3), stored
+            in the entry's ``metadata["teacher_prompt_ids"]``.
     """
 
     def __init__(self, generate: GenerateFn, renderer: ChatRenderer, replay: Any, *, max_new_tokens: int,
                  max_concurrent: int = 4, max_prompt_tokens: int | None = None, ema_stats=None,
-                 ema_lock: threading.Lock | None = None, icl_memory=None):
+                 ema_lock: threading.Lock | None = None, icl_memory=None, sdpo_reprompt: dict | None = None):
         self.generate = generate
         self.renderer = renderer
         self.replay = replay
@@ -157,6 +161,7 @@ class RolloutProducer:
         self.ema_stats = ema_stats
         self.ema_lock = ema_lock or threading.Lock()
         self.icl_memory = icl_memory
+        self.sdpo_reprompt = sdpo_reprompt
         self.stats = ProducerStats()
 
     # ------------------------------------------------------------------ one scenario
@@ -170,7 +175,8 @@ class RolloutProducer:
             system = None
             if self.icl_memory is not None:
                 system = self.icl_memory.system_prompt(scenario.system_prompt)
-            prompt_ids, think_open = self.renderer(scenario.messages(turn, replies, system_prompt=system))
+            messages = scenario.messages(turn, replies, system_prompt=system)
+            prompt_ids, think_open = self.renderer(messages)
             if self.max_prompt_tokens is not None and len(prompt_ids) > self.max_prompt_tokens:
                 self.stats.prompt_too_long += 1
                 break
@@ -194,6 +200,7 @@ class RolloutProducer:
                 scenario_index=scenario_index, step_idx=turn, prompt_ids=prompt_ids, response_ids=token_ids,
                 behaviour_logprob=float(math.fsum(float(x) for x in logps)),
                 version=int(version) if version is not None else None, grade=grade, latency_s=latency,
+                teacher_prompt_ids=self._teacher_prompt(messages, grade),
             ))
             self.stats.generated_tokens += len(token_ids)
             self.stats.generate_s += latency
@@ -202,6 +209,16 @@ class RolloutProducer:
                                              attack=scenario.user_turns[turn], response=text)
             replies.append(text)
         return records
+
+    def _teacher_prompt(self, messages: list[dict], grade: Grade) -> list[int] | None:
+        """SDPO teacher context x' as token ids (SPEC A.3.3), or None (no feedback / passing step / not SDPO)."""
+        if self.sdpo_reprompt is None or grade.reward is None:
+            return None
+        from claas_verl.losses.sdpo import teacher_messages
+
+        teacher = teacher_messages(messages, grade.feedback, reward=grade.reward,
+                                   reprompt_success=bool(self.sdpo_reprompt.get("reprompt_success", False)))
+        return None if teacher is None else self.renderer(teacher)[0]
 
     # ------------------------------------------------------------------ training stream
     def _to_entry(self, rec: StepRecord, scenario: Scenario) -> ReplayEntry:
@@ -215,7 +232,8 @@ class RolloutProducer:
             reward=rec.grade.reward,
             feedback=rec.grade.feedback,
             P=rec.version,
-            metadata={"scenario": scenario.scenario_id},
+            metadata={"scenario": scenario.scenario_id,
+                      **({"teacher_prompt_ids": rec.teacher_prompt_ids} if rec.teacher_prompt_ids else {})},
         )
 
     async def _produce_one(self, scenario: Scenario, index: int, sem: asyncio.Semaphore) -> None:

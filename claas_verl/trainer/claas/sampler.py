@@ -39,11 +39,13 @@ class ClaasReplaySampler:
         self.sampler_kwargs = dict(sampler_kwargs or {})
         self.replay = None
         self.data_source = "claas"
+        self.sdpo = False
         self.last_sample: list[dict] = []  # (uid, P, reward, seq) of the most recent draw, for traces and tests
 
-    def bind(self, replay_actor: Any, data_source: str = "claas") -> None:
+    def bind(self, replay_actor: Any, data_source: str = "claas", sdpo: bool = False) -> None:
         self.replay = replay_actor
         self.data_source = data_source
+        self.sdpo = sdpo  # also write the SDPO teacher-context fields
 
     def sample(self, global_steps: int, partition_id: str, batch_size: int):
         """Block until the buffer is ready, draw ``batch_size`` entries, put them in TransferQueue."""
@@ -60,7 +62,7 @@ class ClaasReplaySampler:
             raise RuntimeError("ClaasReplaySampler.sample before bind(replay_actor): the CLaaS trainer binds it")
         entries = ray.get(self.replay.sample_when_ready.remote(int(batch_size)))
         keys = [replay_key() for _ in entries]
-        fields = list_of_dict_to_tensordict([entry_fields(e, self.data_source) for e in entries])
+        fields = list_of_dict_to_tensordict([entry_fields(e, self.data_source, sdpo=self.sdpo) for e in entries])
         tags = [entry_tag(e) for e in entries]
         tq.kv_batch_put(keys=keys, partition_id=partition_id, fields=fields, tags=tags)
         self.last_sample = [{"uid": e.uid, "P": int(e.P), "reward": float(e.reward), "seq": int(e.seq)}

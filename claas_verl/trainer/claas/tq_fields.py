@@ -21,18 +21,22 @@ import torch
 
 from claas_verl.replay.entry import ReplayEntry
 
+TEACHER_PROMPT_FIELD = "sdpo_teacher_prompt_ids"
+HAS_FEEDBACK_FIELD = "sdpo_has_feedback"
+
 
 def replay_key() -> str:
     """A fresh TransferQueue key in verl's ``{uid}_{session}_{index}`` shape (validation/dump code splits on ``_``)."""
     return f"{uuid.uuid4().hex}_0_0"
 
 
-def entry_fields(entry: ReplayEntry, data_source: str = "claas") -> dict[str, Any]:
+def entry_fields(entry: ReplayEntry, data_source: str = "claas", sdpo: bool = False) -> dict[str, Any]:
     """The agent-loop field dict of one replayed step entry.
 
     Shapes: ``prompts`` ``[Lp]``, ``responses``/``response_mask``/``loss_mask``/``rollout_log_probs``/``rm_scores``
     ``[n]`` with n = ``entry.n_tokens`` (every response token is a model token: m ≡ 1, SPEC §0),
-    ``input_ids``/``position_ids`` ``[Lp + n]``.
+    ``input_ids``/``position_ids`` ``[Lp + n]``. With ``sdpo``: ``sdpo_teacher_prompt_ids`` ``[Lp']`` (the
+    teacher context x', SPEC A.3.3) and the scalar ``sdpo_has_feedback``.
     """
     if not isinstance(entry, ReplayEntry):
         raise ValueError(f"entry_fields expects a ReplayEntry (entry_unit='step'), got {type(entry).__name__}")
@@ -46,7 +50,15 @@ def entry_fields(entry: ReplayEntry, data_source: str = "claas") -> dict[str, An
     rm_scores[-1] = float(entry.reward)
     input_ids = torch.cat([prompts, responses])
     version = int(entry.P) if entry.P is not None else None
+    teacher = entry.metadata.get("teacher_prompt_ids") if entry.metadata else None
+    sdpo_fields = {} if not sdpo else {
+        # SDPO teacher context x' (SPEC A.3.3) as a 1-D field per entry, and sd_mask (1 iff feedback exists).
+        # Without feedback the student prompt stands in (never read: sd_mask = 0 drops the row).
+        TEACHER_PROMPT_FIELD: torch.as_tensor(list(teacher), dtype=torch.int64) if teacher else prompts.clone(),
+        HAS_FEEDBACK_FIELD: torch.tensor(1 if teacher else 0, dtype=torch.int64),
+    }
     return {
+        **sdpo_fields,
         "prompts": prompts,
         "responses": responses,
         "response_mask": response_mask,

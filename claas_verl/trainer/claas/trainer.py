@@ -17,6 +17,12 @@ it holds ``B_min`` (SPEC A.1, Algorithm 1 of 002). Only hooks are used:
   weights (only the LoRA adapter with ``model.lora.merge=False``) with version k, then waits,
   event-driven, for the next update to be possible and runs the split protocol in between.
 
+SDPO (``claas.algorithm=sdpo``, SPEC A.3.3): the producers also render each failed step's teacher context x' (the
+last user turn re-prompted with the verifier feedback), which travels with the entry; the actor roles run
+:class:`~claas_verl.trainer.claas.sdpo_worker.ClaasSdpoWorker` (EMA teacher over the LoRA adapter, teacher top-K
+log-probs on x' before each update, ``sdpo_loss`` in the update, EMA step after an applied finite step). The
+private verl names this needs are in :mod:`claas_verl.trainer.claas.verl_couplings`.
+
 Split protocol (SPEC A.1.6, 001 §4): for split j, its rollouts run with training concurrent; when they
 end, training continues until ``|B| < B_min``; checkpoint j is saved; the served policy is evaluated on
 every split (row j of M); then split j+1 starts. ``continual_metrics.json`` (M, forward transfer,
@@ -115,10 +121,9 @@ def check_claas_config(config: Any, claas: ClaasConfig) -> None:
     need(str(loss_mode).startswith("claas_seq_is"), "actor_rollout_ref.actor.policy_loss.loss_mode",
          "only a per-sequence behaviour log-prob is stored, so a per-token ratio is meaningless; use claas_seq_is")
     if claas.algorithm == "sdpo":
-        raise NotImplementedError(
-            "claas.algorithm=sdpo: the SDPO loss needs full-vocabulary teacher logits on the re-prompted context "
-            "inside the actor worker, which this trainer does not provide yet; use reinforce_pp or ppo"
-        )
+        need(int(_get(config, "actor_rollout_ref.model.lora_rank", 0)) > 0, "actor_rollout_ref.model.lora_rank",
+             "the SDPO EMA teacher is kept over the LoRA adapter (SPEC A.3.3); set a LoRA rank > 0")
+        need(not bool(_get(config, "critic.enable", False)), "critic.enable", "SDPO trains no critic; set it false")
 
 
 def _served_fingerprint(named: dict[str, torch.Tensor]) -> str:
@@ -157,6 +162,13 @@ class ClaasTrainer(PPOTrainer):
         self._t_start = time.time()
 
     # ------------------------------------------------------------------ verl hooks
+    def _init_resource_pool_mgr(self):
+        super()._init_resource_pool_mgr()
+        if self.claas.algorithm == "sdpo":
+            from claas_verl.trainer.claas import verl_couplings as vc
+
+            vc.use_sdpo_worker(self)  # the actor runs the SDPO update (EMA teacher, re-prompted teacher pass)
+
     def _init_dataloader(self):
         """No prompt dataset: scenarios come from the environment's stream (SPEC A.1.3)."""
         self.train_dataset = self.val_dataset = None
@@ -174,6 +186,13 @@ class ClaasTrainer(PPOTrainer):
                 self.config.critic.optim.total_training_steps = cap
 
     def on_init_end(self):
+        if self.claas.algorithm == "sdpo":
+            import dataclasses
+
+            from claas_verl.trainer.claas import verl_couplings as vc
+
+            # θ_T = θ⁰: the EMA teacher copies the LoRA adapter before any update (SPEC A.3.3)
+            vc.actor_worker_group(self).claas_sdpo_setup(dataclasses.asdict(self.claas.sdpo))
         # Serve the initial weights (version 0) before any rollout, as verl's sync trainer does.
         self.checkpoint_manager.update_weights(self.global_steps)
         self._setup_claas()
@@ -205,6 +224,10 @@ class ClaasTrainer(PPOTrainer):
         with marked_timer("update_weights", self.timing_raw, color="red"):
             self.checkpoint_manager.update_weights(self.global_steps)
         probe = self._probe_served_policy()
+        if self.claas.algorithm == "sdpo":
+            from claas_verl.trainer.claas import verl_couplings as vc
+
+            probe["sdpo"] = vc.actor_worker_group(self).claas_sdpo_probe()[0]  # rank 0's EMA bookkeeping
         self._trace({"event": "update", "update": self._updates, "global_steps": self.global_steps,
                      "split": self._split_idx + 1, "buffer_size_at_update": size_before, "evicted_age": evicted,
                      "sampled": self.replay_buffer.last_sample, **probe})
@@ -245,7 +268,7 @@ class ClaasTrainer(PPOTrainer):
             warnings.warn(msg, UserWarning, stacklevel=2)
 
         self.replay = make_replay_actor(c.b_max, c.b_min, c.a_max, seed=c.seed, max_restarts=0)
-        self.replay_buffer.bind(self.replay, data_source=f"claas/{c.env.name}")
+        self.replay_buffer.bind(self.replay, data_source=f"claas/{c.env.name}", sdpo=c.algorithm == "sdpo")
 
         self._ema_lock = threading.Lock()
         self._ema_live = self._ema_bound = None
@@ -273,6 +296,7 @@ class ClaasTrainer(PPOTrainer):
             max_new_tokens=c.producer.max_new_tokens, max_concurrent=c.producer.max_concurrent_scenarios,
             max_prompt_tokens=max_prompt, ema_stats=self._ema_live, ema_lock=self._ema_lock,
             icl_memory=self.icl_memory,
+            sdpo_reprompt={"reprompt_success": c.sdpo.reprompt_success} if c.algorithm == "sdpo" else None,
         )
         self._loop = BackgroundLoop()
         os.makedirs(self.config.trainer.default_local_dir, exist_ok=True)
@@ -372,6 +396,10 @@ class ClaasTrainer(PPOTrainer):
             named = ray.get(server.get_named_parameters.remote())
             out[f"served_version_{r}"] = int(version)
             out[f"served_fingerprint_{r}"] = _served_fingerprint(named)
+            if hasattr(server, "get_last_update"):  # which tensors the latest push carried (adapter-only check)
+                last = ray.get(server.get_last_update.remote())
+                out[f"served_last_push_kind_{r}"] = last["kind"]
+                out[f"served_last_push_names_{r}"] = last["names"]
         return out
 
     def _trace(self, record: dict) -> None:

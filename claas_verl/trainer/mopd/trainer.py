@@ -11,7 +11,12 @@ claas_verl.main_mopd`` does it). verl's own ``fit`` loop runs unchanged; per glo
    full-vocabulary log-probs (SPEC B.2.1).
 4. ``_compute_advantage``: the step's teacher returns its log-probs at those ids; the driver computes the
    rewards of eq. (4), the per-domain σ and advantages (B.2.2) over the whole step batch, and the logged KL.
-5. ``_update_actor``: one optimizer update with the ``claas_topk_distill`` loss (B.2.3), no KL, no entropy.
+   On replay/recovery steps of recipes with alignment terms (``mopd.signal.{sats,vr,hidden}``), the driver first
+   computes the step regions from the response ids (stored as two 2-D fields, shared by teacher and student)
+   and the teacher forward also keeps its bf16 alignment targets in the (colocated) worker process.
+5. ``_update_actor``: one optimizer update with the ``claas_topk_distill`` loss (B.2.3), no KL, no entropy; on
+   the steps above, the balanced multi-pass update of SPEC B.6/B.7 (token pass, SATS/VR/hidden passes,
+   eqs. 10 and 9 on the all-reduced norms) inside the actor worker, before clipping and the AdamW step.
 6. verl saves checkpoints every ``trainer.save_freq`` steps; this trainer also saves at every stage end, copies
    the Hugging Face export to ``snapshots/student_<stage>`` (M_stage), writes ``mopd_state.json`` beside
    verl's files, and measures forgetting (student → expert KL on held-out prompts of every learned domain).
@@ -37,10 +42,12 @@ from verl.utils.metric import reduce_metrics
 from verl.utils.py_functional import rename_dict
 from verl.workers.utils.padding import response_from_nested, response_to_nested
 
+from claas_verl.align import separator_token_ids
 from claas_verl.distill import domain_normalized_advantages, domain_stds, topk_rewards, topk_weighted_kl
 from claas_verl.schedule import plan_from_config
 from claas_verl.trainer.mopd import fields as F
 from claas_verl.trainer.mopd import stages as S
+from claas_verl.trainer.mopd.alignment import AUX_KEY, REGION_IDS, WINDOW, aux_config, response_regions
 from claas_verl.trainer.mopd.verl_couplings import MOPDTrainerCouplings
 from claas_verl.trainer.mopd.workers import TEACHER_KEY, MOPDWorker
 
@@ -79,14 +86,16 @@ class MOPDTrainer(MOPDTrainerCouplings, PPOTrainerSync):
                 f"data.train_batch_size={self.config.data.train_batch_size} must equal mopd.block_size="
                 f"{self.block_size}: every step trains exactly one block"
             )
+        actor = config.actor_rollout_ref.actor
         signal = mopd.get("signal") or {}
-        aux = [t for t in ("sats", "vr", "hidden") if signal.get(t)]
-        if aux:
-            # refuse rather than silently train Replay-KL under an FSAR/SATS/OPRD recipe name
-            raise NotImplementedError(
-                f"mopd.signal enables {aux}: the alignment terms with the balanced multi-pass update (SPEC B.3-B.7) "
-                "are not wired into the verl trainer yet; use a mopd.signal=kl recipe"
-            )
+        # replay/recovery steps of FSAR/SATS/OPRD recipes: alignment terms + balanced update (SPEC B.3-B.7)
+        self.aux = aux_config(
+            signal, micro_batch_size=int(signal.get("micro_batch_size") or actor.get("ppo_micro_batch_size_per_gpu")
+                                         or 1))
+        if self.aux.enabled and actor.get("strategy") not in ("fsdp2",):
+            raise ValueError(f"mopd.signal enables {list(self.aux.terms)}: the balanced update needs "
+                             f"actor_rollout_ref.actor.strategy=fsdp2, got {actor.get('strategy')!r}")
+        self._separators = None
         self._stage: int | None = None  # stage whose teachers are loaded (None: none yet)
         self._resumed_mid_stage = False
         self._saved_at = -1
@@ -227,7 +236,14 @@ class MOPDTrainer(MOPDTrainerCouplings, PPOTrainerSync):
     def mopd_teacher_advantages(self, batch, metrics: dict):
         """Teacher Q at the student's ids, rewards r (eq. 4), per-domain advantages A (B.2.2), logged KL."""
         step = self.current_step()
-        Sx, Q, mask, mask_nested = self._teacher_q(batch, step["teacher"])
+        aux = self.aux.applies_to(step["kind"])
+        if aux:
+            self._store_regions(batch, metrics)
+            batch.extra_info[AUX_KEY] = self.aux.to_dict()  # the teacher also returns its alignment targets
+        try:
+            Sx, Q, mask, mask_nested = self._teacher_q(batch, step["teacher"])
+        finally:
+            batch.extra_info.pop(AUX_KEY, None)
         r = topk_rewards(Sx, Q, mask)
         # one domain per step (B.2.2): every response of the block belongs to the step's domain
         dom = torch.full((r.shape[0],), self.domain_index[step["domain"]], dtype=torch.long)
@@ -248,6 +264,21 @@ class MOPDTrainer(MOPDTrainerCouplings, PPOTrainerSync):
         })
         return batch
 
+    def _store_regions(self, batch, metrics: dict):
+        """Step regions computed ONCE here from the response ids, shared by teacher and student (SPEC B.4)."""
+        if self._separators is None:
+            self._separators = separator_token_ids(self.tokenizer)
+        data = tq.kv_batch_get(keys=batch.keys, partition_id=batch.partition_id,
+                               select_fields=["input_ids", "response_mask"])
+        mask_nested = data["response_mask"]
+        responses = _padded(response_from_nested(data["input_ids"], mask_nested))
+        mask = _padded(mask_nested)
+        rid, win = response_regions(responses, mask, self._separators, self.aux)
+        out = {REGION_IDS: response_to_nested(rid, mask_nested), WINDOW: response_to_nested(win, mask_nested)}
+        tq.kv_batch_put(keys=batch.keys, partition_id=batch.partition_id, fields=tu.get_tensordict(out))
+        metrics["mopd/regions_per_response"] = float((rid.amax(-1) + 1).clamp(min=0).float().mean())
+        metrics["mopd/window_tokens"] = float(win.sum())
+
     def mopd_update_actor(self, batch, metrics: dict):
         """One optimizer update (one epoch, one mini-batch: the whole step batch) with the MOPD loss."""
         n = self.config.actor_rollout_ref.rollout.n
@@ -261,8 +292,13 @@ class MOPDTrainer(MOPDTrainerCouplings, PPOTrainerSync):
             "seed": self.config.actor_rollout_ref.actor.data_loader_seed,
             "dataloader_kwargs": {"shuffle": False},
         })
+        if self.aux.applies_to(self.current_step()["kind"]):
+            info[AUX_KEY] = self.aux.to_dict()  # balanced multi-pass update in the actor worker (SPEC B.6/B.7)
         batch.extra_info.update(info)
-        output = self.actor_rollout_wg.update_actor(batch)
+        try:
+            output = self.actor_rollout_wg.update_actor(batch)
+        finally:
+            batch.extra_info.pop(AUX_KEY, None)
         out = rename_dict(output["metrics"], "actor/")
         if "actor/mfu" in out:
             out["perf/mfu/actor"] = out.pop("actor/mfu")

@@ -27,7 +27,10 @@ Trainer overrides (``verl.trainer.ppo.v1.trainer_base.PPOTrainer``):
 Called (not overridden) private trainer methods: ``_balance_batch`` (forgetting evaluation batches).
 
 Worker/engine internals (``verl.workers``): ``ActorRolloutRefWorker.actor_worker_cls`` (class attribute
-hook), the ref-config conversion of ``ActorRolloutRefWorker.init_model`` (mirrored in
+hook), ``TrainingWorker.train_batch`` (overridden: replay steps with alignment terms swap in the balanced
+multi-pass step for ``BaseEngine.train_batch`` during one call, reusing ``forward_backward_batch``,
+``optimizer_zero_grad``, ``optimizer_step``; teachers' ``FSDPEngine.module`` under ``eval_mode`` gives the
+alignment targets), the ref-config conversion of ``ActorRolloutRefWorker.init_model`` (mirrored in
 :func:`teacher_training_config`), ``FSDPEngine.optimizer`` / ``lr_scheduler`` / ``checkpoint_manager`` /
 ``_build_lr_scheduler`` (optimizer reset).
 """
@@ -52,6 +55,16 @@ COUPLINGS: tuple[tuple[str, str, str], ...] = (
     ("verl.workers.engine_workers", "ActorRolloutRefWorker", "actor_worker_cls"),
     ("verl.trainer.main_ppo", "TaskRunnerV1", "__ray_metadata__"),
     ("verl.workers.engine.fsdp.transformer_impl", "FSDPEngine", "_build_lr_scheduler"),
+    # balanced update (workers.MOPDTrainingWorker): verl's TrainingWorker.train_batch is overridden and, for one
+    # call, the engine's train_batch is shadowed by an instance attribute that re-sequences the engine's own
+    # zero-grad / forward_backward_batch / optimizer_step with the alignment passes in between
+    ("verl.workers.engine_workers", "TrainingWorker", "train_batch"),
+    ("verl.workers.engine.base", "BaseEngine", "train_batch"),
+    ("verl.workers.engine.base", "BaseEngine", "forward_backward_batch"),
+    ("verl.workers.engine.base", "BaseEngine", "optimizer_zero_grad"),
+    ("verl.workers.engine.base", "BaseEngine", "optimizer_step"),
+    ("verl.workers.engine.base", "BaseEngine", "is_mp_src_rank_with_outputs"),
+    ("verl.workers.engine.base", "BaseEngine", "eval_mode"),
 )
 # Attributes that only exist on instances (checked on a built engine / trainer source by the tests).
 INSTANCE_ATTRIBUTES: tuple[tuple[str, str], ...] = (
@@ -59,6 +72,8 @@ INSTANCE_ATTRIBUTES: tuple[tuple[str, str], ...] = (
     ("FSDPEngine._build_model_optimizer", "self.optimizer"),
     ("FSDPEngine._build_model_optimizer", "self.lr_scheduler"),
     ("FSDPEngine.initialize", "self.checkpoint_manager"),
+    ("FSDPEngine._build_model_optimizer", "self.module"),  # the student / teacher nn.Module (FSDP2-wrapped)
+    ("FSDPEngine._build_fsdp_module", "self.scaler"),  # None unless fp16 (the balanced update refuses fp16)
 )
 
 

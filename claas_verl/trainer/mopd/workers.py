@@ -9,11 +9,15 @@
   like verl's colocated reference model);
 * new registered methods: ``mopd_set_teachers`` (load/drop forward-only teacher engines by plan name, e.g. at a
   stage boundary, from a Hugging Face directory), ``mopd_teacher_forward`` (teacher log-probs at the student's
-  stored ids), ``mopd_reset_optimizer`` (fresh AdamW state per stage) and ``mopd_optimizer_steps``.
+  stored ids; with the non-tensor ``mopd_aux`` also the teacher's bf16 alignment targets, kept in this process for
+  the same step's student update), ``mopd_reset_optimizer`` (fresh AdamW state per stage) and
+  ``mopd_optimizer_steps``.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import logging
 
 import torch
@@ -23,6 +27,17 @@ from verl.utils.config import omega_conf_to_dataclass
 from verl.workers.config import ActorConfig
 from verl.workers.engine_workers import ActorRolloutRefWorker, TrainingWorker
 
+from claas_verl.align import (
+    AlignmentSignals,
+    PooledRows,
+    alignment_losses,
+    alignment_signals,
+    attention_modules,
+    balance,
+    combine_aux,
+    microbatch_weights,
+)
+from claas_verl.trainer.mopd import alignment as A
 from claas_verl.trainer.mopd import fields as F
 from claas_verl.trainer.mopd import verl_couplings as vc
 from claas_verl.trainer.mopd.loss import MOPDLoss
@@ -33,20 +48,226 @@ TEACHER_KEY = "mopd_teacher"  # non-tensor key naming the teacher of a teacher f
 
 
 class MOPDTrainingWorker(TrainingWorker):
-    """verl's training worker; ``train_batch`` stays verl's (one forward/backward pass, clip, AdamW step).
+    """verl's training worker whose step can be the balanced multi-pass update of SPEC B.6/B.7.
 
-    The multi-pass balanced update for replay steps with alignment terms would wrap the engine's step here
-    (zero grads; ``forward_backward_batch`` once per term, stash and zero; global norms; write the combined
-    gradient; ``optimizer_step``) — see the report: not wired yet, so a batch asking for it is refused.
+    A batch without the non-tensor ``mopd_aux`` trains exactly like verl (one forward/backward pass, clip,
+    AdamW step). A batch with it (replay/recovery steps of FSAR/SATS/OPRD recipes) runs, inside verl's own
+    ``train_batch`` (so lr scheduling and metric post-processing stay verl's), a replacement of the engine's
+    step, :meth:`balanced_engine_step`: verl's token pass, one pass per alignment term, the balanced
+    combination written into ``.grad``, then the engine's ``optimizer_step`` (which clips and steps).
     """
 
+    # set by MOPDWorker.mopd_teacher_forward: {"fingerprint": str, "targets": [AlignmentSignals per micro-batch]}
+    mopd_targets: dict | None = None
+
     def train_batch(self, data):
-        if tu.get_non_tensor_data(data=data, key="mopd_aux_terms", default=None):
-            raise NotImplementedError(
-                "the balanced multi-pass update (mopd.signal.sats/vr/hidden) is not wired into the verl worker yet; "
-                "use mopd.signal=kl recipes"
+        aux = tu.get_non_tensor_data(data=data, key=A.AUX_KEY, default=None)
+        if not aux:
+            return super().train_batch(data)
+        cfg = A.AuxConfig.from_dict(aux)
+        engine = self.engine
+        # verl fixes zero-grad -> one backward -> step in BaseEngine.train_batch; swap in the balanced step for
+        # this call only (an instance attribute shadowing the engine's public method), then restore it
+        engine.train_batch = functools.partial(self.balanced_engine_step, cfg=cfg)
+        try:
+            return super().train_batch(data)
+        finally:
+            del engine.train_batch
+            self.mopd_targets = None
+
+    def balanced_engine_step(self, data, loss_function, cfg: A.AuxConfig):
+        """One optimizer update with g = balance(g_tok, combine_aux(g_sats, g_vr, g_hid)) (SPEC B.6 eqs. 9-10).
+
+        1. zero grads; verl's ``forward_backward_batch`` with the MOPD loss (the token pass, B.2.3, the same loss
+           and normalisation as every other step); stash ``g_tok`` and clear ``.grad``;
+        2. per alignment term: one forward + backward per micro-batch (weight ``n_resp(mb)/n_resp``, B.7) of
+           the student's signals against the teacher's bf16 targets; stash and clear;
+        3. norms and inner products over all FSDP2 shards/ranks (all-reduce over the shard group) BEFORE
+           clipping; the combination is written into ``.grad``;
+        4. ``optimizer_step`` (clip at ``actor.optim.clip_grad``, AdamW step).
+
+        Separate passes per term (003's schedule): FSDP2 reshards after each backward, so one forward cannot
+        serve several backward passes there. ``balanced_backward`` of ``claas_verl.align`` is not used because
+        the token pass must be verl's engine pass (packed inputs, chunked logits processor), not a plain forward.
+        """
+        engine = self.engine
+        tu.maybe_fix_3d_position_ids(data)
+        if getattr(engine, "scaler", None) is not None:
+            raise ValueError("the balanced MOPD update does not support fp16 loss scaling; use bf16 or fp32 params")
+        targets = self._take_targets(data)
+        engine.optimizer_zero_grad()
+        outputs = engine.forward_backward_batch(data, loss_function, forward_only=False)
+        module = engine.module
+        params = [p for p in module.parameters() if p.requires_grad]
+        g_tok = _take_grads(params)
+        micro = _micro_batches(data, cfg)
+        weights = microbatch_weights([mb.n_resp for mb in micro])
+        layers = A.check_layers(cfg, len(attention_modules(module)))
+        device = _param_device(params)
+        grads, losses = {}, {}
+        with _params_gathered_through_backward(engine):
+            self._alignment_passes(module, params, micro, weights, targets, layers, device, cfg, grads, losses)
+        sync, group = _reduction(params)
+        g_aux, ainfo = combine_aux(grads.get("sats"), grads.get("vr"), grads.get("hid"), cfg.rho,
+                                   sync=sync, group=group)
+        g, binfo = balance(g_tok, g_aux, cfg.ratio, sync=sync, group=group)
+        for p, gi in zip(params, g):
+            p.grad = gi
+        del g_tok, g_aux, grads, g
+        grad_norm = engine.optimizer_step()
+        if engine.is_mp_src_rank_with_outputs():
+            outputs["metrics"]["grad_norm"] = grad_norm
+            for name, value in _balance_metrics(losses, ainfo, binfo).items():
+                outputs["metrics"][name] = [value]  # a list per rank: verl concatenates them over ranks
+        return outputs
+
+    @staticmethod
+    def _alignment_passes(module, params, micro, weights, targets, layers, device, cfg, grads, losses):
+        """One forward + backward per micro-batch for each alignment term; each term's gradient is stashed."""
+        for term in cfg.terms:
+            total = 0.0
+            for mb, w, tgt in zip(micro, weights, targets):
+                mb = mb.to(device)
+                out, sig = alignment_signals(
+                    module, mb.input_ids, mb.attention_mask, mb.regions, position_ids=mb.position_ids,
+                    terms=[term], pooled_layers=layers, hidden_layers=layers, use_cache=False,
+                )
+                value = alignment_losses(sig, _targets_to(tgt, device), mb.regions)[term]
+                loss = value.loss * w
+                if not loss.requires_grad:  # keep every rank's backward count equal (FSDP2 collectives)
+                    loss = loss + 0.0 * out.logits.sum()
+                loss.backward()
+                total += float(loss.detach())
+                del out, sig, value, loss
+            grads[A.BALANCE_TERM[term]] = _take_grads(params)
+            losses[term] = total
+
+    def _take_targets(self, data) -> list:
+        held, self.mopd_targets = self.mopd_targets, None
+        fingerprint = A.batch_fingerprint(_sequences(data))
+        if held is None:
+            raise ValueError(
+                "balanced MOPD update without teacher alignment targets: the step's teacher forward must run with "
+                f"the same non-tensor {A.AUX_KEY!r} on this worker first (MOPDTrainer does this)"
             )
-        return super().train_batch(data)
+        if held["fingerprint"] != fingerprint:
+            raise ValueError(
+                "the teacher's alignment targets were computed for other rows than this update batch "
+                f"({held['fingerprint']} != {fingerprint}): keep one mini-batch per step (ppo_mini_batch_size = "
+                "mopd.block_size) and no shuffling"
+            )
+        return held["targets"]
+
+
+def _sequences(data) -> list[torch.Tensor]:
+    ids = data["input_ids"]
+    if not getattr(ids, "is_nested", False):
+        raise ValueError("the balanced MOPD update needs verl's no-padding batch layout (nested input_ids)")
+    values, offsets = ids.values(), ids.offsets()
+    return [values[int(offsets[i]):int(offsets[i + 1])] for i in range(offsets.numel() - 1)]
+
+
+def _micro_batches(data, cfg: A.AuxConfig) -> list[A.AuxMicroBatch]:
+    for key in (A.REGION_IDS, A.WINDOW):
+        if key not in data.keys():
+            raise ValueError(f"field {key!r} missing: the driver stores the step regions before the teacher forward")
+    mask = data["response_mask"]
+    if getattr(mask, "is_nested", False):
+        resp = mask.offsets().diff()
+    else:
+        resp = mask.new_full((mask.shape[0],), mask.shape[1])
+    rid = data[A.REGION_IDS]
+    win = data[A.WINDOW]
+    rid = rid.to_padded_tensor(-1) if getattr(rid, "is_nested", False) else rid
+    win = win.to_padded_tensor(0) if getattr(win, "is_nested", False) else win
+    return A.aux_micro_batches(_sequences(data), rid, win, resp, cfg.micro_batch_size)
+
+
+@contextlib.contextmanager
+def _params_gathered_through_backward(engine):
+    """FSDP2: keep every layer's parameters gathered from the forward to the backward of an alignment pass.
+
+    The alignment losses tap q/k/v inside decoder layers; their gradient reaches ``q_proj`` etc. without flowing
+    through the layer's output, where FSDP2's pre-backward hook would re-gather a layer resharded after its
+    forward (the backward then fails on freed parameter storage). Restored to the engine's setting afterwards
+    (FSDP2 keeps the root module unsharded after forward).
+    """
+    from torch.distributed.fsdp import FSDPModule
+
+    module = engine.module
+    if not isinstance(module, FSDPModule):
+        yield
+        return
+    module.set_reshard_after_forward(False)
+    try:
+        yield
+    finally:
+        cfg = getattr(engine, "engine_config", None)
+        module.set_reshard_after_forward(bool(getattr(cfg, "reshard_after_forward", True)))
+        module.set_reshard_after_forward(False, recurse=False)
+        module.reshard()
+
+
+def _take_grads(params) -> list:
+    """Move every ``p.grad`` out (one term's accumulated gradient) and clear it for the next pass."""
+    out = []
+    for p in params:
+        out.append(p.grad)
+        p.grad = None
+    return out
+
+
+def _param_device(params) -> torch.device:
+    p = params[0]
+    return p.to_local().device if hasattr(p, "to_local") else p.device
+
+
+def _reduction(params) -> tuple[bool, object]:
+    """(sync, group) for claas_verl.align.balance: FSDP2 DTensor grads reduce over their shard group."""
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # pragma: no cover - torch >= 2.4 has it
+        DTensor = ()
+    for p in params:
+        if isinstance(p, DTensor):
+            mesh = p.device_mesh
+            return True, mesh.get_group(mesh.ndim - 1)  # HSDP (replicate, shard): the shard dim is last
+    dist = torch.distributed
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        raise ValueError("the balanced MOPD update needs FSDP2 (actor.strategy=fsdp2): sharded plain gradients "
+                         "would be normed per rank")
+    return False, None
+
+
+def _targets_to(sig: AlignmentSignals, device) -> AlignmentSignals:
+    return AlignmentSignals(
+        sats={k: PooledRows(v.rows.to(device), v.key_start) for k, v in sig.sats.items()},
+        vr={k: PooledRows(v.rows.to(device), v.key_start) for k, v in sig.vr.items()},
+        hidden={k: v.to(device) for k, v in sig.hidden.items()},
+    )
+
+
+def _balance_metrics(losses: dict, ainfo: dict, binfo: dict) -> dict[str, float]:
+    """Per step: each loss, token/aux grad norms, cosines, balancing scale and the two parts' norms."""
+    m = {f"mopd/{t}_loss": v for t, v in losses.items()}
+    for t in ("sats", "vr", "hid"):
+        m[f"mopd/{t}_grad_norm"] = ainfo[f"{t}_norm"]
+    m.update({
+        "mopd/tok_grad_norm": binfo["tok_norm"],
+        "mopd/aux_grad_norm": binfo["aux_norm"],  # ‖g_aux‖ of eq. (10) (direction only)
+        "mopd/cos_tok_aux": binfo["cos_tok_aux"],
+        "mopd/cos_sats_vr": ainfo["cos_sats_vr"],
+        "mopd/cos_u_hid": ainfo["cos_u_hid"],
+        "mopd/s_norm": ainfo["s_norm"],
+        "mopd/balance_scale": binfo["scale"],  # c = ‖g_tok‖/‖g_aux‖
+        "mopd/balance_ratio": binfo["ratio"],
+        "mopd/balance_fallback": binfo["fallback"],
+        # norms of the two parts of eq. (9): a·‖g_tok‖ and b·c·‖g_aux‖ (their ratio is r unless a fallback)
+        "mopd/tok_part_norm": binfo["tok_coef"] * binfo["tok_norm"],
+        "mopd/aux_part_norm": binfo["aux_coef"] * binfo["aux_norm"],
+        "mopd/balanced_grad_norm": binfo["final_norm"],
+    })
+    return m
 
 
 class MOPDWorker(ActorRolloutRefWorker):
@@ -94,8 +315,30 @@ class MOPDWorker(ActorRolloutRefWorker):
             raise ValueError(f"teacher {name!r} is not loaded on this worker (held: {sorted(self.teachers)})")
         if tu.get_non_tensor_data(data=data, key=F.PHASE_KEY, default=None) != F.PHASE_TEACHER:
             raise ValueError(f"mopd_teacher_forward needs {F.PHASE_KEY}={F.PHASE_TEACHER!r}")
+        aux = tu.get_non_tensor_data(data=data, key=A.AUX_KEY, default=None)
+        if aux:
+            # alignment targets of the last W response tokens (bf16), kept in this process for the colocated
+            # student update of the same step (TransferQueue cannot carry [B, T, K]-shaped fields)
+            self.actor.mopd_targets = self._teacher_targets(self.teachers[name], data, A.AuxConfig.from_dict(aux))
         output = self.teachers[name].infer_batch(data)
         return output.cpu() if output is not None else None
+
+    def _teacher_targets(self, teacher: TrainingWorker, data, cfg: A.AuxConfig) -> dict:
+        """SPEC B.3-B.5 teacher side: one no-grad forward per micro-batch -> detached bf16 targets (on CPU)."""
+        micro = _micro_batches(data, cfg)
+        module = teacher.engine.module
+        layers = A.check_layers(cfg, len(attention_modules(module)))
+        targets = []
+        with teacher.engine.eval_mode(), torch.no_grad():
+            device = _param_device(list(module.parameters()))
+            for mb in micro:
+                mb = mb.to(device)
+                _, sig = alignment_signals(
+                    module, mb.input_ids, mb.attention_mask, mb.regions, position_ids=mb.position_ids,
+                    terms=cfg.terms, pooled_layers=layers, hidden_layers=layers, use_cache=False,
+                )
+                targets.append(_targets_to(sig.as_targets(), "cpu"))
+        return {"fingerprint": A.batch_fingerprint(_sequences(data)), "targets": targets}
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def mopd_reset_optimizer(self) -> int:

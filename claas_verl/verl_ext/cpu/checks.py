@@ -17,16 +17,44 @@ def check_model_path(path: str, key: str = "actor_rollout_ref.model.path") -> No
         )
 
 
-def check_device(trainer_device: str, platform_device: str) -> None:
-    """Raise ``ValueError`` when ``trainer.device`` disagrees with verl's active platform."""
-    supported = ("cpu", "cuda", "npu")
-    if trainer_device not in supported:
-        raise ValueError(f"trainer.device={trainer_device!r} is not supported; use one of {supported}.")
-    if trainer_device == "cpu" and platform_device != "cpu":
+SUPPORTED_DEVICES = ("cpu", "cuda", "npu")
+
+
+def check_trainer_device(device: str, cuda_available: bool) -> None:
+    """Raise ``ValueError`` naming ``trainer.device`` when it is unknown or names a missing accelerator."""
+    if device not in SUPPORTED_DEVICES:
+        raise ValueError(f"trainer.device={device!r} is not supported; use one of {SUPPORTED_DEVICES}.")
+    if device == "cuda" and not cuda_available:
         raise ValueError(
-            f"trainer.device=cpu but verl's platform is {platform_device!r}: add `+cpu=default` to the "
-            "command (it sets VERL_PLATFORM=cpu in every Ray process), or export VERL_PLATFORM=cpu."
+            "trainer.device=cuda but torch sees no CUDA device on this machine. To train on CPU add "
+            "`+cpu=default` to the command (verl's main_ppo; it also selects the 'hf' rollout and gloo), "
+            "or run on a GPU machine with `pip install -e .[gpu]`."
         )
+
+
+def guard_auto_set_device(main_ppo_module) -> None:
+    """P5: after verl's ``auto_set_device`` in ``main_ppo.main``, check ``trainer.device`` (before Ray starts).
+
+    Without this, a CPU-only user who forgot the CPU preset gets a CUDA error deep inside a Ray worker
+    minutes later. ``main_ppo`` imports ``auto_set_device`` into its namespace, so that name is wrapped.
+    """
+    import functools
+
+    original = main_ppo_module.auto_set_device
+    if getattr(original, "_claas_device_check", False):
+        return
+
+    @functools.wraps(original)
+    def auto_set_device(config) -> None:
+        original(config)
+        device = getattr(getattr(config, "trainer", None), "device", None)
+        if device is not None:
+            import torch
+
+            check_trainer_device(str(device), torch.cuda.is_available())
+
+    auto_set_device._claas_device_check = True
+    main_ppo_module.auto_set_device = auto_set_device
 
 
 def require_library(module: str, purpose: str, fix: str) -> None:

@@ -20,6 +20,7 @@ Select it with ``actor_rollout_ref.rollout.name=hf`` (the CPU preset does).
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import os
 from collections.abc import Iterable
@@ -74,6 +75,19 @@ def sample_next_token(
     return token, logp_all.gather(-1, token[:, None]).squeeze(-1)
 
 
+def as_peft_config(peft_config: Any):
+    """A peft ``PeftConfig`` from what the trainer sends: verl's FSDP engine ships ``peft_config.to_dict()``
+    (a plain dict, picklable across Ray), while in-process callers may pass the ``LoraConfig`` itself."""
+    if isinstance(peft_config, dict) or (hasattr(peft_config, "keys") and not hasattr(peft_config, "peft_type")):
+        from peft import get_peft_config
+
+        cfg = dict(peft_config)
+        if "peft_type" not in cfg:
+            raise ValueError(f"peft_config dict has no 'peft_type' (keys: {sorted(cfg)[:8]}); cannot build an adapter")
+        return get_peft_config(cfg)
+    return peft_config
+
+
 def _strip_base_layer(name: str) -> str:
     # verl names base weights of a LoRA-wrapped trainer "<module>.base_layer.weight" when it
     # syncs the base model; a plain HF model calls them "<module>.weight".
@@ -111,6 +125,10 @@ class HFRolloutServer:
         self._lock = asyncio.Lock()  # one forward at a time: updates never interleave with a decode
         self._pending: dict[str, torch.Tensor] = {}
         self._peft_applied = False
+        # Names of the tensors applied by the latest weight update and how it was applied ("full" or
+        # "lora"): lets tests prove that only the adapter travels after the first sync.
+        self.last_update_names: list[str] = []
+        self.last_update_kind: str | None = None
 
     def _eos_token_ids(self) -> list[int]:
         ids: set[int] = set()
@@ -136,8 +154,28 @@ class HFRolloutServer:
             )
         return max(1, min(want, room))
 
+    # ------------------------------------------------------------------ sampling RNG (exact resume)
+    def _reseed(self, global_steps: int) -> None:
+        """Sampling RNG as a pure function of (seed, replica rank, global step): a resumed run regenerates the
+        same responses (the trainer announces step N after loading checkpoint N, as after running step N)."""
+        self._step_key = (int(getattr(self.config, "seed", 0)), int(self.replica_rank), int(global_steps))
+        self._requests_seen: dict[bytes, int] = {}
+        self.generator = torch.Generator().manual_seed(_mix_seed(*self._step_key))
+
+    def _request_generator(self, prompt_ids: list[int]) -> torch.Generator:
+        """One generator per request, keyed by the prompt and its occurrence in the step, so concurrent
+        requests do not make the samples depend on their arrival order. Call under ``self._lock``."""
+        if getattr(self, "_step_key", None) is None:
+            return self.generator  # before the first weight sync / step announcement
+        key = hashlib.sha256(repr(prompt_ids).encode()).digest()[:16]
+        k = self._requests_seen.get(key, 0)
+        self._requests_seen[key] = k + 1
+        return torch.Generator().manual_seed(_mix_seed(*self._step_key, int.from_bytes(key, "little"), k))
+
     @torch.no_grad()
-    def _generate_sync(self, prompt_ids: list[int], sampling_params: dict) -> tuple[list[int], list[float], str]:
+    def _generate_sync(
+        self, prompt_ids: list[int], sampling_params: dict, generator: torch.Generator | None = None
+    ) -> tuple[list[int], list[float], str]:
         temperature = float(sampling_params.get("temperature", 1.0))
         top_k = int(sampling_params.get("top_k", -1) or -1)
         top_p = float(sampling_params.get("top_p", 1.0))
@@ -152,7 +190,9 @@ class HFRolloutServer:
         for _ in range(max_tokens):
             out = self.model(input_ids=input_ids, past_key_values=past, use_cache=True)
             past = out.past_key_values
-            token, logp = sample_next_token(out.logits[:, -1, :], temperature, top_k, top_p, self.generator)
+            token, logp = sample_next_token(
+                out.logits[:, -1, :], temperature, top_k, top_p, generator if generator is not None else self.generator
+            )
             tokens.append(int(token))
             logps.append(float(logp))
             if int(token) in stop_ids:
@@ -178,7 +218,7 @@ class HFRolloutServer:
         async with self._lock:
             version = self.policy_version
             tokens, logps, stop_reason = await asyncio.to_thread(
-                self._generate_sync, prompt_ids, dict(sampling_params)
+                self._generate_sync, prompt_ids, dict(sampling_params), self._request_generator(prompt_ids)
             )
         return TokenOutput(
             token_ids=tokens,
@@ -201,11 +241,15 @@ class HFRolloutServer:
             pending, self._pending = self._pending, {}
             if peft_config is not None and base_sync_done:
                 self._apply_lora(pending, peft_config)
+                self.last_update_kind = "lora"
             else:
                 self._load_full(pending)
+                self.last_update_kind = "full"
+            self.last_update_names = sorted(pending)
             self.policy_version += 1
             if global_steps is not None:
                 self.global_steps = global_steps
+                self._reseed(global_steps)
             return self.policy_version
 
     def _load_full(self, tensors: dict[str, torch.Tensor]) -> None:
@@ -228,7 +272,7 @@ class HFRolloutServer:
         from peft import get_peft_model, set_peft_model_state_dict
 
         if not self._peft_applied:
-            self.model = get_peft_model(self.model, peft_config).eval()
+            self.model = get_peft_model(self.model, as_peft_config(peft_config)).eval()
             self._peft_applied = True
         result = set_peft_model_state_dict(self.model, {k: v.float() for k, v in tensors.items()})
         unexpected = list(getattr(result, "unexpected_keys", []) or [])
@@ -237,6 +281,10 @@ class HFRolloutServer:
 
     def get_policy_version(self) -> int:
         return self.policy_version
+
+    def get_last_update(self) -> dict[str, Any]:
+        """``{"kind": "full"|"lora"|None, "names": [...], "version": int}`` of the latest weight update."""
+        return {"kind": self.last_update_kind, "names": list(self.last_update_names), "version": self.policy_version}
 
     def get_named_parameters(self) -> dict[str, torch.Tensor]:
         """The served weights (merged view for LoRA), for tests and debugging."""
@@ -274,6 +322,7 @@ class HFRolloutServer:
 
     async def set_global_steps(self, global_steps: int):
         self.global_steps = global_steps
+        self._reseed(global_steps)
 
     async def wait_for_requests_to_drain(self):
         async with self._lock:  # acquiring the lock means no generate is running
@@ -284,6 +333,12 @@ class HFRolloutServer:
 
     async def stop_profile(self):
         return None
+
+
+def _mix_seed(*parts: int) -> int:
+    """A 63-bit seed from integers (stable across processes, unlike ``hash``)."""
+    digest = hashlib.sha256(",".join(str(int(p)) for p in parts).encode()).digest()
+    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
 
 
 def _server_actor_name(replica_rank: int, node_rank: int = 0) -> str:

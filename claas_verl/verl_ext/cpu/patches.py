@@ -5,7 +5,10 @@ rollout modules at that moment fails (they resolve the platform at import time,
 and half of verl is not importable yet). So the plugin installs *post-import
 hooks*: each registration below runs right after the verl module it touches
 finishes importing (or at once, if it already has). Nothing runs on GPU
-platforms except ``register_hf_rollout`` (harmless: it only adds a name).
+platforms except ``register_hf_rollout`` (harmless: it only adds a name); the
+P2 and P4 wrappers are installed everywhere but check the platform when called
+(the platform cannot be resolved while verl is still importing) and defer to
+verl's own function off the CPU platform.
 
 Public extension points used (no patch): ``PlatformRegistry.register``,
 ``RolloutReplicaRegistry.register``, ``EngineRegistry.register``.
@@ -24,6 +27,12 @@ P3. ``verl.workers.engine.fsdp.transformer_impl.CPUOffloadPolicy`` — FSDP2
     ``CPUOffloadPolicy(pin_memory=True)``; pinning needs an accelerator. Only
     inside our CPU engine's ``_build_fsdp_module`` the name is swapped for a
     ``pin_memory=False`` factory, then restored.
+P4. ``verl.utils.model.load_valuehead_model`` — the PPO critic's loader
+    hard-codes ``attn_implementation="flash_attention_2"`` (both its
+    ``AutoModelForTokenClassification`` path and its trl fallback), so a value
+    model cannot be built without flash-attn. On the CPU platform only, the
+    wrapper loads the same ``AutoModelForTokenClassification`` with ``sdpa``;
+    elsewhere verl's function runs unchanged.
 """
 
 from __future__ import annotations
@@ -125,9 +134,34 @@ def register_cpu_fsdp_engines(transformer_impl_module) -> None:
         EngineRegistry.register(model_type=model_type, backend=["fsdp", "fsdp2"], device="cpu")(engine_cls)
 
 
+VALUEHEAD_LOADER = "load_valuehead_model"
+
+
+def patch_valuehead_attention(model_module) -> None:
+    """P4: on the CPU platform, build verl's value model with sdpa attention instead of flash-attn."""
+    original = getattr(model_module, VALUEHEAD_LOADER)
+    if getattr(original, "_claas_cpu_patch", False):
+        return
+
+    @functools.wraps(original)
+    def load_valuehead_model(local_path, torch_dtype, model_config, trust_remote_code):
+        if not on_cpu_platform():
+            return original(local_path, torch_dtype, model_config, trust_remote_code)
+        from transformers import AutoModelForTokenClassification
+
+        return AutoModelForTokenClassification.from_pretrained(
+            pretrained_model_name_or_path=local_path, torch_dtype=torch_dtype, config=model_config,
+            attn_implementation="sdpa", trust_remote_code=trust_remote_code,
+        )
+
+    load_valuehead_model._claas_cpu_patch = True
+    setattr(model_module, VALUEHEAD_LOADER, load_valuehead_model)
+
+
 def install_hooks() -> None:
     """Called by the plugin at ``import verl`` time: schedule every registration above."""
     when_imported("verl.workers.rollout.base", register_hf_rollout_class)
     when_imported("verl.workers.rollout.replica", register_hf_replica)
     when_imported("verl.workers.engine_workers", patch_process_group_backend)
     when_imported("verl.workers.engine.fsdp.transformer_impl", register_cpu_fsdp_engines)
+    when_imported("verl.utils.model", patch_valuehead_attention)  # P4 (checks the platform at call time)

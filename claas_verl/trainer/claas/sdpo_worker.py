@@ -1,0 +1,312 @@
+"""SDPO inside verl's actor worker: EMA teacher over the LoRA adapter, teacher top-K on the re-prompted context.
+
+SPEC A.3.3. The SDPO loss needs, per response token, the student's full-vocabulary log-probs at its top-K ids
+(with grad) and the EMA teacher's at the same ids on the feedback re-prompted context x'. verl's engine shows
+a model's full logits only to a loss function's logits-processor form, so one update step runs as:
+
+1. **pre-pass** (:meth:`ClaasSdpoTrainingWorker.train_mini_batch`, no grad, student weights): the student's
+   top-K ids on (x, y);
+2. **teacher pass** (EMA LoRA swapped into the same module, :meth:`EmaTeacher.swapped_into`): the teacher's
+   full-vocabulary log-probs at those ids on (x', y), its log-prob of y_j (``pg+jsd``) and, with
+   ``is_reference=ema_teacher``, its sequence log-prob of y on the student context x;
+   both are added to the batch as K separate per-token fields (a ``[B, T, K]`` field does not survive verl's
+   nested-tensor utilities), then
+3. verl's own ``train_mini_batch`` runs the update with :class:`ClaasSdpoLoss`: its logits processor returns the
+   differentiable student log-probs at the stored ids (K packed fields), its loss calls
+   :func:`claas_verl.losses.sdpo.sdpo_loss`;
+4. after an APPLIED optimizer step with a finite gradient norm: ``θ_T ← (1−τ)θ_T + τθ`` over the LoRA tensors.
+   A step whose minibatch has no self-distillation token (``gjs`` mode) is skipped (SPEC A.2.4).
+
+The student's top-K ids come from a padded forward before the update and are then FIXED for the update forward:
+the parameters are the same (one optimizer step per sampled minibatch), so they are the student's top-K up to
+float noise between the two forward layouts; student and teacher are always compared at the same ids.
+
+Every private verl name used here is listed in :mod:`claas_verl.trainer.claas.verl_couplings`.
+Memory note: the pre/teacher passes materialise ``[rows, L, V]`` fp32 logits per engine micro-batch (no
+chunking yet), fine for the tiny CPU model and small micro-batches.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+from verl.single_controller.base.decorator import Dispatch, register
+from verl.utils import tensordict_utils as tu
+from verl.workers.engine_workers import ActorRolloutRefWorker, TrainingWorker
+
+from claas_verl.distill import topk_logprobs
+from claas_verl.losses.sdpo import EmaTeacher, sdpo_loss
+from claas_verl.losses.seq_is import seq_is_clipped_loss
+from claas_verl.trainer.claas import verl_couplings as vc
+from claas_verl.trainer.claas.tq_fields import HAS_FEEDBACK_FIELD, TEACHER_PROMPT_FIELD
+
+logger = logging.getLogger(__name__)
+
+IDS = "sdpo_ids_"  # student top-K ids, response layout, one field per j
+TEACHER_LP = "sdpo_tlp_"  # EMA-teacher log-probs at those ids on x', response layout
+TEACHER_LP_Y = "sdpo_tlp_y"  # EMA-teacher log-prob of the sampled token on x' (pg+jsd)
+IS_REF = "sdpo_is_ref"  # [B] EMA-teacher sequence log-prob of y on x (is_reference=ema_teacher)
+CURRENT_LP = "sdpo_clp_"  # differentiable student log-probs at the stored ids, packed layout
+
+
+def _names(prefix: str, k: int) -> list[str]:
+    return [f"{prefix}{j}" for j in range(k)]
+
+
+def _padded(x: torch.Tensor, fill=0) -> torch.Tensor:
+    return x.to_padded_tensor(fill) if getattr(x, "is_nested", False) else x
+
+
+def _rows(x: torch.Tensor) -> list[torch.Tensor]:
+    return list(x.unbind()) if getattr(x, "is_nested", False) else list(x)
+
+
+def _lengths(data) -> tuple[torch.Tensor, torch.Tensor]:
+    """(prompt+response lengths, response lengths) of a no-padding batch."""
+    ids = data["input_ids"]
+    if not getattr(ids, "is_nested", False):
+        raise ValueError("the CLaaS SDPO update needs verl's no-padding batch layout (nested input_ids)")
+    mask = data["response_mask"]
+    resp = mask.offsets().diff() if getattr(mask, "is_nested", False) else mask.new_full((mask.shape[0],),
+                                                                                          mask.shape[1])
+    return ids.offsets().diff().cpu(), resp.cpu()
+
+
+def response_positions(seq_lens: torch.Tensor, resp_lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor,
+                                                                                   torch.Tensor]:
+    """Packed positions predicting each response token (logits at i predict token i+1), and their (row, col)."""
+    ends = seq_lens.long().cumsum(0)
+    idx, rows, cols = [], [], []
+    for b in range(seq_lens.shape[0]):
+        r = int(resp_lens[b])
+        start = int(ends[b]) - r - 1
+        idx.append(torch.arange(start, start + r))
+        rows.append(torch.full((r,), b, dtype=torch.long))
+        cols.append(torch.arange(r))
+    return torch.cat(idx), torch.cat(rows), torch.cat(cols)
+
+
+def _as_response_field(values: list[torch.Tensor], like: torch.Tensor) -> torch.Tensor:
+    """Per-row ``[R_b]`` tensors in the layout of ``response_mask`` (nested jagged, or right-padded ``[B, T]``)."""
+    if getattr(like, "is_nested", False):
+        return torch.nested.nested_tensor([v.contiguous() for v in values], layout=torch.jagged)
+    out = torch.zeros((len(values), like.shape[1]), dtype=values[0].dtype)
+    for b, v in enumerate(values):
+        out[b, : v.shape[0]] = v
+    return out
+
+
+@torch.no_grad()
+def response_logprobs(module, sequences: list[torch.Tensor], resp_lens: list[int], device) -> list[torch.Tensor]:
+    """Full-vocabulary log-softmax at the response positions, ``[R_b, V]`` fp32 per row (one padded forward)."""
+    L = max(int(s.shape[0]) for s in sequences)
+    ids = torch.zeros((len(sequences), L), dtype=torch.long)
+    attn = torch.zeros((len(sequences), L), dtype=torch.long)
+    for b, s in enumerate(sequences):
+        ids[b, : s.shape[0]] = s
+        attn[b, : s.shape[0]] = 1
+    pos = torch.arange(L).expand(len(sequences), L)
+    logits = module(input_ids=ids.to(device), attention_mask=attn.to(device), position_ids=pos.to(device),
+                    use_cache=False).logits
+    out = []
+    for b, s in enumerate(sequences):
+        n, r = int(s.shape[0]), int(resp_lens[b])
+        out.append(torch.log_softmax(logits[b, n - r - 1: n - 1].float(), dim=-1).cpu())
+    return out
+
+
+class ClaasSdpoLoss:
+    """verl loss callable of the SDPO update (both call forms of verl's engine; see the module docstring)."""
+
+    def __init__(self, sdpo: dict, actor_config: Any):
+        self.cfg = dict(sdpo)
+        self.actor_config = actor_config
+        self.k: int = int(self.cfg["topk"])
+        self.global_sd_tokens: float = 0.0  # Σ m·sd_mask over the global minibatch, set before each update
+        self.global_tokens: float = 0.0
+
+    def __call__(self, model_output=None, data=None, dp_group=None, student_logits=None, **_: Any):
+        if student_logits is not None:
+            return self.process_logits(student_logits, data)
+        return self.update_loss(model_output, data)
+
+    def process_logits(self, logits: torch.Tensor, data) -> dict[str, torch.Tensor]:
+        """Packed ``[1, N, V]`` logits -> K packed fields: differentiable log π_θ at the stored top-K ids."""
+        seq, resp = _lengths(data)
+        stored = torch.stack([_padded(data[n]) for n in _names(IDS, self.k)], dim=-1).long()  # [B, T_r, K]
+        idx, rows, cols = response_positions(seq, resp)
+        packed = torch.zeros((logits.shape[1], self.k), dtype=torch.long, device=logits.device)
+        packed[idx.to(logits.device)] = stored[rows, cols].to(logits.device)
+        lp = topk_logprobs(logits, packed[None])  # [1, N, K] fp32, full-vocabulary normalised, with grad
+        return {name: lp[..., j] for j, name in enumerate(_names(CURRENT_LP, self.k))}
+
+    def _to_response(self, packed: torch.Tensor, seq, resp) -> torch.Tensor:
+        idx, rows, cols = response_positions(seq, resp)
+        out = packed.new_zeros((seq.shape[0], int(resp.max()), *packed.shape[1:]))
+        return out.index_put((rows.to(out.device), cols.to(out.device)), packed[idx.to(packed.device)])
+
+    def update_loss(self, model_output, data):
+        from verl.utils.metric import AggregationType, Metric
+
+        c = self.cfg
+        seq, resp = _lengths(data)
+        s_k = self._to_response(torch.stack([model_output[n].values() for n in _names(CURRENT_LP, self.k)], -1),
+                                seq, resp)  # [B, T_r, K] with grad
+        log_prob = self._to_response(model_output["log_probs"].values(), seq, resp)  # [B, T_r] with grad
+        dev = s_k.device
+        t_k = torch.stack([_padded(data[n]) for n in _names(TEACHER_LP, self.k)], dim=-1).to(dev)
+        mask = _padded(data["response_mask"]).to(dev).bool()
+        width = mask.shape[1]
+        s_k, log_prob = s_k[:, :width], log_prob[:, :width]
+        sd = data[HAS_FEEDBACK_FIELD].to(dev).view(-1).bool()
+        behaviour = _padded(data["old_log_probs"] if "old_log_probs" in data.keys() else data["rollout_log_probs"])
+        is_ref = data[IS_REF].to(dev).float().view(-1) if c["is_reference"] == "ema_teacher" else behaviour.to(dev)
+        dp_size = int(data["dp_size"]) if "dp_size" in data.keys() else 1
+        # s_k/t_k hold the FULL-vocabulary log-probs at the student's K ids: sdpo_loss's top-K over these K columns
+        # selects all of them and its tail bucket log(1 − Σ_K p) is the same as over V (GJS is order-free).
+        loss, metrics = sdpo_loss(
+            s_k, t_k, log_prob, is_ref, mask, sd, mode="gjs", alpha=c["alpha"], topk=self.k,
+            add_tail=c["add_tail"], is_clip=c["is_clip"], ratio_mode=c["ratio_mode"], loss_agg_mode="token-mean",
+            global_sd_tokens=max(self.global_sd_tokens, 1.0), dp_size=dp_size,
+        )
+        if c["mode"] == "pg+jsd":
+            # Same formula as sdpo_loss(mode="pg+jsd"): A_j = sg(ℓT(y_j) − ℓS(y_j)); the teacher's log-prob of y_j
+            # is carried as its own field because y_j need not be among the student's top-K ids.
+            t_y = _padded(data[TEACHER_LP_Y]).to(dev).float()[:, :width]
+            adv = (t_y - log_prob.detach().float()) * mask.float()
+            pg, pg_metrics = seq_is_clipped_loss(
+                log_prob, behaviour.to(dev), adv, mask, ratio_mode=c["ratio_mode"],
+                clip_ratio_low=self.actor_config.clip_ratio_low, clip_ratio_high=self.actor_config.clip_ratio_high,
+                clip_ratio_c=self.actor_config.clip_ratio_c, loss_agg_mode="token-mean",
+                global_tokens=max(self.global_tokens, 1.0), dp_size=dp_size,
+            )
+            loss = pg + c["jsd_coef"] * loss
+            metrics.update(pg_metrics)
+            metrics["actor/sdpo_pg_loss"] = float(pg.detach())
+        out = {"sdpo/loss": Metric(value=loss.detach(), aggregation=AggregationType.SUM)}
+        out.update(Metric.from_dict(metrics, aggregation=AggregationType.MEAN))
+        return loss, out
+
+
+class ClaasSdpoTrainingWorker(TrainingWorker):
+    """verl's training worker with the SDPO pre-pass, teacher pass, update and EMA step (module docstring)."""
+
+    sdpo: dict | None = None
+    ema: EmaTeacher | None = None
+    probe: dict | None = None
+
+    def sdpo_setup(self, sdpo: dict, actor_config: Any) -> None:
+        self.sdpo = dict(sdpo)
+        self.ema = EmaTeacher(self.engine.module, tau=float(sdpo["tau"]), scope="lora")  # θ_T = θ⁰
+        self.loss_fn_sdpo = ClaasSdpoLoss(sdpo, actor_config)
+        self.set_loss_fn(self.loss_fn_sdpo)
+        self.probe = {"ema_updates": 0, "steps_applied": 0, "steps_skipped": 0}
+
+    def train_mini_batch(self, data):
+        if self.sdpo is None:
+            raise ValueError("ClaasSdpoTrainingWorker: claas_sdpo_setup was not called (the CLaaS trainer does it)")
+        loss_fn = self.loss_fn_sdpo
+        n_sd, n_tok = self._add_teacher_fields(data)
+        loss_fn.global_sd_tokens, loss_fn.global_tokens = n_sd, n_tok
+        tu.assign_non_tensor(data, distillation_use_topk=True)  # verl then calls the logits-processor form
+        skip = self.sdpo["mode"] == "gjs" and n_sd == 0  # SPEC A.2.4: no training signal -> no optimizer step
+        with vc.shadow_optimizer_step(self.engine, skip=skip) as step:
+            output = super().train_mini_batch(data)
+        applied = step["applied"]
+        self.probe["steps_applied" if applied else "steps_skipped"] += 1
+        if applied:
+            self._ema_step()
+        return output
+
+    # ------------------------------------------------------------------ passes
+    def _add_teacher_fields(self, data) -> tuple[float, float]:
+        c, k = self.sdpo, 1
+        module = vc.engine_module(self.engine)
+        seq, resp = _lengths(data)
+        full = _rows(data["input_ids"])
+        teacher_prompts = _rows(data[TEACHER_PROMPT_FIELD])
+        has_fb = data[HAS_FEEDBACK_FIELD].view(-1).cpu()
+        responses = [s[-int(r):].cpu() for s, r in zip(full, resp.tolist())]
+        teacher_seqs = [torch.cat([p.cpu(), y]) for p, y in zip(teacher_prompts, responses)]
+        resp_l = resp.tolist()
+        rows = max(1, int(getattr(self.engine_config, "micro_batch_size_per_gpu", None) or len(full)))
+        device = vc.module_device(module)
+        ids, t_lp, t_y, is_ref = [], [], [], []
+        with self.engine.eval_mode(), torch.no_grad():
+            for a in range(0, len(full), rows):
+                sl = slice(a, a + rows)
+                s_lp = response_logprobs(module, [x.cpu() for x in full[sl]], resp_l[sl], device)
+                kk = min(int(c["topk"]), s_lp[0].shape[-1])
+                k = kk
+                ids += [x.topk(kk, dim=-1).indices for x in s_lp]
+                del s_lp
+            with self.ema.swapped_into(module):
+                for a in range(0, len(full), rows):
+                    sl = slice(a, a + rows)
+                    tl = response_logprobs(module, teacher_seqs[sl], resp_l[sl], device)
+                    for x, i, y in zip(tl, ids[sl], responses[sl]):
+                        t_lp.append(x.gather(-1, i))
+                        t_y.append(x.gather(-1, y.long()[:, None]).squeeze(-1))
+                    if c["is_reference"] == "ema_teacher":
+                        sl_lp = response_logprobs(module, [x.cpu() for x in full[sl]], resp_l[sl], device)
+                        is_ref += [x.gather(-1, y.long()[:, None]).sum() for x, y in zip(sl_lp, responses[sl])]
+        like = data["response_mask"]
+        for j in range(k):
+            data[f"{IDS}{j}"] = _as_response_field([i[:, j] for i in ids], like)
+            data[f"{TEACHER_LP}{j}"] = _as_response_field([t[:, j].float() for t in t_lp], like)
+        data[TEACHER_LP_Y] = _as_response_field([t.float() for t in t_y], like)
+        if is_ref:
+            data[IS_REF] = torch.stack(is_ref).float()
+        self.loss_fn_sdpo.k = k
+        counts = torch.tensor([float((resp * (has_fb > 0)).sum()), float(resp.sum())], dtype=torch.float64)
+        return vc.all_reduce_sum(counts)
+
+    def _ema_step(self) -> None:
+        module = vc.engine_module(self.engine)
+        before = _lora_sum(self.ema.params.values())
+        self.ema.update(module)
+        student = _lora_sum(p for n, p in module.named_parameters() if "lora_" in n)
+        self.probe.update(ema_updates=self.ema.num_updates, teacher_sum_before=before,
+                          teacher_sum_after=_lora_sum(self.ema.params.values()), student_sum=student,
+                          tau=self.ema.tau)
+
+
+def _lora_sum(tensors) -> float:
+    """Σ of every element of the (local shards of the) LoRA tensors: θ_T' = (1−τ)θ_T + τθ is linear, so the sums obey
+    the same relation exactly (up to float rounding); the probe the end-to-end test checks."""
+    total = 0.0
+    for t in tensors:
+        t = t.to_local() if hasattr(t, "to_local") else t
+        total += float(t.detach().double().sum())
+    return total
+
+
+class ClaasSdpoWorker(ActorRolloutRefWorker):
+    """verl's hybrid actor/rollout worker whose actor runs the SDPO update (registered methods below)."""
+
+    actor_worker_cls = ClaasSdpoTrainingWorker
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def claas_sdpo_setup(self, sdpo: dict) -> bool:
+        from verl.utils.config import omega_conf_to_dataclass
+
+        if self.actor is None:
+            raise ValueError("the CLaaS SDPO worker needs the actor role (actor_rollout)")
+        self.actor.sdpo_setup(sdpo, omega_conf_to_dataclass(self.config.actor))
+        return True
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def claas_sdpo_probe(self) -> dict:
+        """EMA-teacher bookkeeping of the last update (sums of the LoRA tensors, counts of applied steps)."""
+        return dict(self.actor.probe or {})
+
+
+def ema_relation_error(probe: dict) -> float:
+    """|T' − ((1−τ)T + τS)| / max(1, |T'|) from a probe: ≈ 0 iff the last EMA step moved θ_T toward θ by τ."""
+    tau = probe["tau"]
+    expect = (1 - tau) * probe["teacher_sum_before"] + tau * probe["student_sum"]
+    return abs(probe["teacher_sum_after"] - expect) / max(1.0, abs(probe["teacher_sum_after"]))
+
+

@@ -1,0 +1,105 @@
+"""EVERY place where the CLaaS trainer touches a private verl 0.9.1 name, in one module.
+
+Public extension points used elsewhere (no coupling): ``register_trainer``, the custom v1 sampler,
+``TrainingWorker.set_loss_fn``, ``register`` / ``Dispatch`` for worker methods.
+
+Private names (each listed in :data:`COUPLINGS`; ``tests/trainer_claas/test_claas_verl_couplings.py`` fails
+loudly when a verl upgrade moves one of them):
+
+* ``PPOTrainer._init_resource_pool_mgr``: wrapped (SDPO only) so the roles verl maps to
+  ``ActorRolloutRefWorker`` get :class:`~claas_verl.trainer.claas.sdpo_worker.ClaasSdpoWorker`.
+* ``PPOTrainer.role_worker_mapping`` / ``actor_rollout_wg`` (instance attributes set by verl).
+* ``ActorRolloutRefWorker.actor_worker_cls``: class-attribute hook selecting the SDPO training worker.
+* ``TrainingWorker.train_mini_batch``: overridden (pre-pass + teacher pass before verl's update, EMA after).
+* ``BaseEngine.optimizer_step``: shadowed by an instance attribute during one update, to record whether the
+  step was applied (finite gradient norm) and to skip it when the minibatch carries no SDPO signal.
+* ``BaseEngine.eval_mode`` and the FSDP engine's ``module`` attribute: the no-grad pre/teacher forwards.
+* the non-tensor batch key ``distillation_use_topk``: makes verl's FSDP engine call the installed loss as a
+  logits processor ``fn(student_logits=[1, N, V], data=micro_batch)`` (``prepare_model_outputs``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+
+import torch
+
+COUPLINGS: tuple[tuple[str, str, str], ...] = (
+    ("verl.trainer.ppo.v1.trainer_base", "PPOTrainer", "_init_resource_pool_mgr"),
+    ("verl.workers.engine_workers", "ActorRolloutRefWorker", "actor_worker_cls"),
+    ("verl.workers.engine_workers", "TrainingWorker", "train_mini_batch"),
+    ("verl.workers.engine.base", "BaseEngine", "optimizer_step"),
+    ("verl.workers.engine.base", "BaseEngine", "eval_mode"),
+    ("verl.workers.engine.fsdp.transformer_impl", "FSDPEngineWithLMHead", "prepare_model_outputs"),
+)
+# (method whose source must mention the string, string): checked against verl's source by the test.
+SOURCE_MARKERS: tuple[tuple[str, str, str, str], ...] = (
+    ("verl.workers.engine.fsdp.transformer_impl", "FSDPEngineWithLMHead", "prepare_model_outputs",
+     "distillation_use_topk"),
+    ("verl.workers.engine.fsdp.transformer_impl", "FSDPEngineWithLMHead", "prepare_model_outputs",
+     "logits_processor_func(student_logits="),
+    ("verl.trainer.ppo.v1.trainer_base", "PPOTrainer", "_init_resource_pool_mgr", "self.role_worker_mapping"),
+)
+
+
+def use_sdpo_worker(trainer) -> None:
+    """After verl's ``_init_resource_pool_mgr``: the actor roles run the SDPO worker class."""
+    import ray
+    from verl.trainer.ppo.utils import Role
+
+    from claas_verl.trainer.claas.sdpo_worker import ClaasSdpoWorker
+
+    for role in (Role.ActorRollout, Role.ActorRolloutRef, Role.Actor):
+        if role in trainer.role_worker_mapping:
+            trainer.role_worker_mapping[role] = ray.remote(ClaasSdpoWorker)
+
+
+def actor_worker_group(trainer):
+    return trainer.actor_rollout_wg
+
+
+def engine_module(engine) -> torch.nn.Module:
+    return engine.module
+
+
+def module_device(module) -> torch.device:
+    p = next(module.parameters())
+    return p.to_local().device if hasattr(p, "to_local") else p.device
+
+
+@contextlib.contextmanager
+def shadow_optimizer_step(engine, skip: bool):
+    """For one update: record whether verl's ``optimizer_step`` applied a finite step; with ``skip`` do not step.
+
+    Yields a dict whose ``applied`` is True iff an optimizer step ran with a finite gradient norm (verl skips
+    non-finite ones itself). A skipped step clears the gradients and reports grad norm 0.
+    """
+    original = engine.optimizer_step
+    state = {"applied": False, "grad_norm": None}
+
+    def optimizer_step():
+        if skip:
+            engine.optimizer_zero_grad()
+            state["grad_norm"] = 0.0
+            return 0.0
+        grad_norm = original()
+        g = float(grad_norm)
+        state["grad_norm"] = g
+        state["applied"] = math.isfinite(g)
+        return grad_norm
+
+    engine.optimizer_step = optimizer_step
+    try:
+        yield state
+    finally:
+        del engine.optimizer_step  # the instance attribute shadowed the class method
+
+
+def all_reduce_sum(counts: torch.Tensor) -> tuple[float, ...]:
+    """Σ over data-parallel ranks (the default process group) of a small CPU tensor."""
+    dist = torch.distributed
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        counts = counts.clone()
+        dist.all_reduce(counts)
+    return tuple(float(x) for x in counts)
