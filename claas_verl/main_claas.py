@@ -13,14 +13,13 @@ Example (CPU, a few minutes on 2 cores)::
 
 from __future__ import annotations
 
-import os
-from pathlib import Path
-
 import hydra
 import ray
 from verl.trainer.main_ppo import TaskRunnerV1, run_ppo
 
-RECIPES_DIR = os.environ.get("CLAAS_RECIPES_DIR", str(Path(__file__).resolve().parents[1] / "recipes"))
+from claas_verl.paths import recipes_dir
+
+RECIPES_DIR = str(recipes_dir())
 
 
 class _ClaasTaskRunner(TaskRunnerV1.__ray_actor_class__):
@@ -46,10 +45,6 @@ def main(config) -> None:
     from verl.utils.config import validate_config
     from verl.utils.device import auto_set_device
 
-    if not os.path.isdir(RECIPES_DIR):
-        raise FileNotFoundError(
-            f"recipes directory {RECIPES_DIR} not found; set CLAAS_RECIPES_DIR to the repository's recipes/"
-        )
     auto_set_device(config)
     validate_config(config=config, use_reference_policy=need_reference_policy(config), use_critic=need_critic(config))
     run_ppo(config, task_runner_class=ClaasTaskRunner)

@@ -4,22 +4,11 @@
 teacher, and the models each stage must keep; ``python -m claas_verl.plan`` prints it for a recipe.
 """
 
-import os
-from pathlib import Path
-
+from claas_verl.paths import recipes_dir  # re-exported: the plan command and the trainers share it
 from claas_verl.schedule.build import allowed_models, build_plan, check_plan_setting, plan_from_config
 from claas_verl.schedule.config import ScheduleConfig, count_blocks
 from claas_verl.schedule.plan import Plan, Step, compute_held, expert, student
 from claas_verl.schedule.spread import spread
-
-
-def recipes_dir() -> Path:
-    """The Hydra recipes folder: ``$CLAAS_VERL_RECIPES`` if set, else ``<repo root>/recipes``."""
-    env = os.environ.get("CLAAS_VERL_RECIPES")
-    if env:
-        return Path(env).resolve()
-    return Path(__file__).resolve().parents[2] / "recipes"
-
 
 __all__ = [
     "Plan", "Step", "ScheduleConfig", "build_plan", "plan_from_config", "check_plan_setting", "allowed_models",

@@ -134,6 +134,9 @@ class ClaasSdpoLoss:
 
     def process_logits(self, logits: torch.Tensor, data) -> dict[str, torch.Tensor]:
         """Packed ``[1, N, V]`` logits -> K packed fields: differentiable log π_θ at the stored top-K ids."""
+        if int(tu.get_non_tensor_data(data=data, key="sp_size", default=1) or 1) > 1:
+            raise ValueError("the CLaaS SDPO loss does not support Ulysses sequence parallelism; set "
+                             "actor_rollout_ref.actor.ulysses_sequence_parallel_size=1")
         seq, resp = _lengths(data)
         stored = torch.stack([_padded(data[n]) for n in _names(IDS, self.k)], dim=-1).long()  # [B, T_r, K]
         idx, rows, cols = response_positions(seq, resp)
