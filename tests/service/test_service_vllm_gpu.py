@@ -15,21 +15,22 @@ import subprocess
 import sys
 import time
 
+import httpx
 import pytest
 import torch
+from peft import LoraConfig, PeftModel, get_peft_model
+from service_helpers import USER, big_buffer, recompute_logprob, running_service
+from transformers import AutoModelForCausalLM
 
-pytestmark = pytest.mark.gpu
+from claas_verl.service import ClaasServiceClient, OpenAIBackend
+from claas_verl.tiny import ensure_tiny
 
-if importlib.util.find_spec("vllm") is None or not torch.cuda.is_available():
-    pytest.skip("needs CUDA and vllm", allow_module_level=True)
-
-import httpx  # noqa: E402
-from peft import LoraConfig, PeftModel, get_peft_model  # noqa: E402
-from service_helpers import USER, big_buffer, recompute_logprob, running_service  # noqa: E402
-from transformers import AutoModelForCausalLM  # noqa: E402
-
-from claas_verl.service import ClaasServiceClient, OpenAIBackend  # noqa: E402
-from claas_verl.tiny import ensure_tiny  # noqa: E402
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(
+        importlib.util.find_spec("vllm") is None or not torch.cuda.is_available(), reason="needs CUDA and vllm"
+    ),
+]
 
 # vLLM's fp32 kernels differ from HF's CPU ones by rounding only; per token ~1e-5, so 1e-3 on a short sum.
 TOL = 1e-3
