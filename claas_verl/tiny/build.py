@@ -4,7 +4,7 @@ Layout of OUT_DIR (a contract used by tests, recipes and demos)::
 
     manifest.json                       version, seed, domains, paths (relative), sizes
     student/                            HF model + tokenizer + generation_config.json
-    experts/<domain>/                   same architecture and tokenizer, student + task vector
+    experts/<domain>/                   same architecture and tokenizer, student fine-tuned on the domain
     data/<domain>/{train,test}.parquet  logic, math, code, safety, if, arith
 
 The bundle is built in a sibling temporary directory and renamed into place, and builds
@@ -20,18 +20,32 @@ import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from claas_verl.tiny.data import ALL_DATA_DOMAINS, ARITH_DOMAIN, MOPD_DOMAINS, corpus_texts, make_split, write_parquet
+from claas_verl.tiny.data import (
+    ALL_DATA_DOMAINS,
+    ARITH_DOMAIN,
+    MOPD_DOMAINS,
+    corpus_texts,
+    make_split,
+    stable_seed,
+    write_parquet,
+)
 
 # Bump whenever the bundle's content changes (architecture, tokenizer, data, experts):
 # ensure_tiny() then rebuilds stale bundles instead of serving them.
-TINY_VERSION = "1"
+TINY_VERSION = "2"  # 2: pretrained student, fine-tuned experts (was random + noise)
 DEFAULT_DIR = "/tmp/claas_verl_tiny"
 ENV_DIR = "CLAAS_TINY_DIR"
 VOCAB_SIZE = 1024
 N_TRAIN = 128
 N_TEST = 32
-EXPERT_REL_NORM = 0.1
 MARKER_LOGIT_BOOST = 2.0
+# A random student is nearly uniform over the vocabulary, so top-k distillation covers a
+# negligible share of its mass; a brief deterministic pretraining on the bundle's own chat
+# corpus (prompts + reference answers of every domain, all tokens) makes it peaked.
+PRETRAIN = dict(steps=150, lr=3e-3, batch_size=16)
+# Each expert: the pretrained student fine-tuned on its domain's reference answers (response
+# tokens only), so τ_d is a real task vector rather than noise.
+EXPERT_FT = dict(steps=40, lr=3e-3, batch_size=16)
 REWARDS_MODULE = Path(__file__).with_name("rewards.py")
 
 
@@ -147,7 +161,7 @@ def _build_locked(out_dir: Path, seed: int) -> TinyPaths:
 def _build_into(root: Path, seed: int) -> None:
     import torch
 
-    from claas_verl.tiny.model import build_student, make_expert, marker_token_ids, save_model
+    from claas_verl.tiny.model import build_student, make_expert, marker_token_ids, save_model, train_lm
     from claas_verl.tiny.tokenizer import EOT_TOKEN, IM_END, special_token_ids, train_tokenizer
 
     root.mkdir(parents=True)
@@ -163,23 +177,38 @@ def _build_into(root: Path, seed: int) -> None:
     ids = special_token_ids(tokenizer)
     eos_ids = [ids[IM_END], ids[EOT_TOKEN]]  # chat EOS first (config.eos_token_id), then document end
 
+    def examples(rows):  # (prompt ids, reference + <|im_end|> ids) in the chat format of the recipes
+        out = []
+        for r in rows:
+            prompt = tokenizer.apply_chat_template(r["prompt"], add_generation_prompt=True, tokenize=False)
+            out.append((tokenizer.encode(prompt, add_special_tokens=False),
+                        tokenizer.encode(r["extra_info"]["reference"] + IM_END, add_special_tokens=False)))
+        return out
+
+    train_examples = {d: examples(splits[d][0]) for d in ALL_DATA_DOMAINS}
     # The model's own threads would fight the other processes on a small shared machine,
-    # and one thread keeps the float reductions reproducible.
+    # and one thread plus deterministic kernels keep the float reductions (and so the saved
+    # bytes) reproducible.
     n_threads = torch.get_num_threads()
+    was_deterministic = torch.are_deterministic_algorithms_enabled()
     torch.set_num_threads(1)
+    torch.use_deterministic_algorithms(True)
     try:
         student = build_student(len(tokenizer), eos_ids, ids[EOT_TOKEN], seed)
+        corpus = [ex for d in ALL_DATA_DOMAINS for ex in train_examples[d]]
+        train_lm(student, corpus, **PRETRAIN, seed=stable_seed("claas_tiny.pretrain", seed),
+                 prompt_loss=True, pad_token_id=ids[EOT_TOKEN])
         save_model(student, tokenizer, paths.student)
         markers = {}
         for d in MOPD_DOMAINS:
-            prompts = [tokenizer.apply_chat_template(r["prompt"], add_generation_prompt=True, tokenize=False)
-                       for r in splits[d][0][:16]]
-            prompt_ids = [tokenizer.encode(p, add_special_tokens=False) for p in prompts]
+            prompt_ids = [p for p, _ in train_examples[d][:16]]
             markers[d] = marker_token_ids(tokenizer, d)
-            expert = make_expert(student, d, seed, EXPERT_REL_NORM, markers[d], prompt_ids, MARKER_LOGIT_BOOST)
+            expert = make_expert(student, d, seed, train_examples[d], **EXPERT_FT, pad_token_id=ids[EOT_TOKEN],
+                                 marker_ids=markers[d], prompt_ids=prompt_ids, marker_logit_boost=MARKER_LOGIT_BOOST)
             save_model(expert, tokenizer, paths.experts[d])
     finally:
         torch.set_num_threads(n_threads)
+        torch.use_deterministic_algorithms(was_deterministic)
 
     rel = lambda p: str(p.relative_to(root))  # noqa: E731 - manifest paths are relative to OUT_DIR
     manifest = {
@@ -201,7 +230,8 @@ def _build_into(root: Path, seed: int) -> None:
             "test_rows": N_TEST,
         },
         "tokens": {"eos_token_ids": eos_ids, "pad_token_id": ids[EOT_TOKEN], "special": ids},
-        "experts": {"rel_norm": EXPERT_REL_NORM, "marker_logit_boost": MARKER_LOGIT_BOOST, "marker_ids": markers},
+        "pretrain": PRETRAIN,
+        "experts": {"finetune": EXPERT_FT, "marker_logit_boost": MARKER_LOGIT_BOOST, "marker_ids": markers},
     }
     # Written last: its presence (with the right version) is what marks the bundle complete.
     (root / "manifest.json").write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")

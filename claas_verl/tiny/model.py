@@ -1,25 +1,22 @@
 """The tiny Qwen2 student and its per-domain experts.
 
-Student: a randomly initialised ``Qwen2ForCausalLM`` (hidden 64, 4 layers, 4 heads, 2 KV
-heads, tied embeddings, float32), about 0.2 M parameters, seeded with ``torch.manual_seed``.
+Student: a ``Qwen2ForCausalLM`` (hidden 64, 4 layers, 4 heads, 2 KV heads, tied embeddings,
+float32), about 0.2 M parameters, seeded with ``torch.manual_seed`` and then briefly pretrained
+(:func:`train_lm`, see ``build.PRETRAIN``) on the bundle's own chat corpus, so its next-token
+distributions are peaked (top-4 mass ~0.8-0.95 on sampled answers) rather than near-uniform.
 
-Expert of domain d (the "teacher" of MOPD stage d): the student plus a seeded task vector
+Expert of domain d (the "teacher" of MOPD stage d): a copy of the student fine-tuned on d's
+train reference answers (response tokens only, ``build.EXPERT_FT``), so the task vector
+τ_d = θ_E − θ_S is a real fine-tuning delta. Training is single-threaded with deterministic
+kernels and seeded batch order, so builds are byte-identical. On top, the expert *prefers* a
+few domain marker tokens: their (tied) output-embedding rows move along the mean final hidden
+state of the expert on the domain's prompts, which raises their logits by about
+``marker_logit_boost`` there. The student's probability of those markers is a cheap
+forgetting probe.
 
-    θ_E = θ_S + τ_d,   ‖τ_d[p]‖ = rel_norm · ‖θ_S[p]‖  for every parameter tensor p,
-
-with τ_d[p] ∝ Gaussian noise drawn from a generator seeded by a SHA-256 of (seed, d), so
-experts are deterministic, differ per domain, and sit close to the student (distillation
-can close the gap in a few steps). On top, the expert *prefers* a few domain marker tokens:
-their (tied) output-embedding rows move along the mean final hidden state of the expert on
-the domain's prompts, which raises their logits by about ``marker_logit_boost`` there. The
-student's probability of those markers is thus a cheap forgetting probe.
-
-A tensor that is zero in the student (the attention biases at init) stays zero: a relative
-size has no meaning there.
-
-Measured for seed 0 (tests/tiny/test_tiny_model.py): student→expert KL on domain test prompts
-0.05–0.08 nats/token; five AdamW steps at lr 3e-4 on KL(expert‖student) halve it (0.085 → 0.038
-on code); larger Adam steps overshoot at first (lr 1e-3: 0.085 → 0.119 → … → 0.053 by step 6).
+Measured for seed 0 (tests/tiny/test_tiny_model.py): student→expert KL over domain prompt
+positions 1.0-2.6 nats/token; five AdamW steps at lr 3e-4 on KL(expert‖student) on code
+prompts: 4.02 → 1.70.
 """
 
 from __future__ import annotations
@@ -96,15 +93,19 @@ def marker_token_ids(tokenizer, domain: str) -> list[int]:
     return ids
 
 
-def make_expert(student, domain: str, seed: int, rel_norm: float, marker_ids: Sequence[int] = (),
+def make_expert(student, domain: str, seed: int, examples: Sequence[tuple[Sequence[int], Sequence[int]]],
+                steps: int, lr: float, batch_size: int, pad_token_id: int, marker_ids: Sequence[int] = (),
                 prompt_ids: Sequence[Sequence[int]] = (), marker_logit_boost: float = 2.0):
-    """Return a new model: ``student`` + the seeded task vector of ``domain`` (+ marker boost).
+    """Return a new model: ``student`` fine-tuned on ``domain``'s (prompt, reference) pairs,
+    plus the marker boost. The task vector τ_d = θ_E − θ_S is thus a real fine-tuning delta.
 
     Args:
-        student: the tiny student (left unchanged).
-        domain: name hashed into the task-vector seed.
+        student: the (pretrained) tiny student (left unchanged).
+        domain: name hashed into the fine-tuning seed (batch order).
         seed: the build seed.
-        rel_norm: ‖τ[p]‖ / ‖θ_S[p]‖ per parameter tensor.
+        examples: (prompt ids, reference-response ids) of the domain's train split.
+        steps, lr, batch_size: AdamW fine-tuning on the response tokens (see :func:`train_lm`).
+        pad_token_id: id used to pad batches (masked out).
         marker_ids: token ids the expert should prefer.
         prompt_ids: tokenised domain prompts used to find the mean final hidden state.
         marker_logit_boost: approximate logit increase of each marker at those prompts.
@@ -113,15 +114,10 @@ def make_expert(student, domain: str, seed: int, rel_norm: float, marker_ids: Se
 
     import torch
 
-    if rel_norm < 0:
-        raise ValueError(f"rel_norm={rel_norm} must be >= 0")
-    expert = copy.deepcopy(student).eval()
-    gen = torch.Generator().manual_seed(stable_seed("claas_tiny.expert", seed, domain))
+    expert = copy.deepcopy(student)
+    train_lm(expert, examples, steps, lr, batch_size, stable_seed("claas_tiny.expert", seed, domain),
+             prompt_loss=False, pad_token_id=pad_token_id)
     with torch.no_grad():
-        # named_parameters() yields a tied tensor once; sorted names fix the draw order.
-        for _, p in sorted(expert.named_parameters(), key=lambda kv: kv[0]):
-            noise = torch.randn(p.shape, generator=gen, dtype=torch.float32)
-            p.add_(noise * (rel_norm * p.norm() / noise.norm().clamp_min(1e-12)))
         if marker_ids and len(prompt_ids) and marker_logit_boost:
             h = _mean_final_hidden(expert, prompt_ids)
             # Logit of token t is h·e_t; adding c·h/‖h‖² to e_t adds ≈ c at hidden states near h.
@@ -131,6 +127,44 @@ def make_expert(student, domain: str, seed: int, rel_norm: float, marker_ids: Se
             for tid in marker_ids:
                 emb[tid].add_(h * (marker_logit_boost / h.pow(2).sum().clamp_min(1e-12)))
     return expert
+
+
+def train_lm(model, examples: Sequence[tuple[Sequence[int], Sequence[int]]], steps: int, lr: float,
+             batch_size: int, seed: int, prompt_loss: bool, pad_token_id: int):
+    """Deterministic AdamW next-token training of ``model`` in place; returns the last loss.
+
+    ``examples`` are (prompt ids, response ids) pairs; the loss covers response tokens, and
+    prompt tokens too when ``prompt_loss``. Batches are drawn with a generator seeded by
+    ``seed`` (sampling without replacement within a batch). Callers run this with one thread
+    and ``torch.use_deterministic_algorithms(True)`` so the weights are byte-reproducible.
+    """
+    import torch
+
+    if steps < 0 or batch_size < 1 or not examples:
+        raise ValueError(f"steps={steps}, batch_size={batch_size}, {len(examples)} examples: need >=0, >=1, >=1")
+    gen = torch.Generator().manual_seed(seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    model.train()
+    loss = torch.tensor(float("nan"))
+    for _ in range(steps):
+        idx = torch.randperm(len(examples), generator=gen)[:batch_size].tolist()
+        batch = [(list(examples[i][0]), list(examples[i][1])) for i in idx]
+        width = max(len(a) + len(b) for a, b in batch)
+        x = torch.full((len(batch), width), pad_token_id)
+        att = torch.zeros(len(batch), width, dtype=torch.long)
+        labels = torch.full((len(batch), width), -100)
+        for row, (a, b) in enumerate(batch):
+            seq = torch.tensor(a + b)
+            x[row, : len(seq)] = seq
+            att[row, : len(seq)] = 1
+            start = 0 if prompt_loss else len(a)
+            labels[row, start : len(seq)] = seq[start:]
+        loss = model(input_ids=x, attention_mask=att, labels=labels).loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    model.eval()
+    return float(loss.detach())
 
 
 def _mean_final_hidden(model, prompt_ids) -> torch.Tensor:

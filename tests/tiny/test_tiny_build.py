@@ -19,9 +19,20 @@ MODEL_FILES = ("model.safetensors", "config.json", "generation_config.json", "to
                "tokenizer_config.json", "chat_template.jinja")
 
 
+@pytest.fixture(scope="module", autouse=True)
+def quick_training():
+    """Every bundle this module builds uses a few training steps instead of the real 150 + 40 (≈40 s a build):
+    the checks here are about layout, determinism, locking and rebuild rules, which the step count does not
+    change. The real bundle's content is checked in test_tiny_model.py."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(build, "PRETRAIN", {**build.PRETRAIN, "steps": 3})
+        mp.setattr(build, "EXPERT_FT", {**build.EXPERT_FT, "steps": 2})
+        yield
+
+
 @pytest.fixture(scope="module")
-def shared():
-    return ensure_tiny()
+def shared(tmp_path_factory):
+    return ensure_tiny(tmp_path_factory.mktemp("shared") / "tiny")
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,5 @@
-"""Tiny student and experts: architecture, offline load + generate, task-vector size, KL > 0, distillable."""
+"""Tiny student and experts: architecture, offline load + generate, peaked student, task-vector size, KL > 0,
+distillable."""
 
 import json
 import os
@@ -107,20 +108,35 @@ def test_generation_stops_at_eos(student, tok):
     assert out[0, -1].item() == tok.eos_token_id and out.shape[1] == ids.shape[1] + 1
 
 
-def test_expert_task_vector_norm(student, experts, tiny):
-    rel_norm = read_manifest(tiny.root)["experts"]["rel_norm"]
+def test_expert_task_vector_is_a_small_finetuning_delta(student, experts):
+    # Experts are the student fine-tuned for a few dozen steps: every weight matrix moves,
+    # but the model as a whole by a fraction of its size (measured for seed 0: whole-model
+    # relative delta ‖θ_E − θ_S‖/‖θ_S‖ 0.20-0.27 across domains).
     s = dict(student.named_parameters())
     for domain, expert in experts.items():
+        num = sum((pe - s[n]).pow(2).sum() for n, pe in expert.named_parameters())
+        den = sum(s[n].pow(2).sum() for n, _ in expert.named_parameters())
+        total = (num / den).sqrt().item()
+        assert 0.01 < total < 0.5, (domain, total)
         for name, pe in expert.named_parameters():
-            if not s[name].any():  # zero-initialised attention biases get no task vector
-                assert torch.equal(pe, s[name]), (domain, name)
-                continue
-            ratio = ((pe - s[name]).norm() / s[name].norm()).item()
-            if name == "model.embed_tokens.weight":
-                # noise (rel_norm) plus the marker rows' boost: a little more, never much more
-                assert rel_norm - 1e-4 < ratio < 1.5 * rel_norm, (domain, name, ratio)
-            else:
-                assert abs(ratio - rel_norm) < 1e-4, (domain, name, ratio)
+            if pe.dim() == 2:
+                assert not torch.equal(pe, s[name]), (domain, name)
+
+
+@torch.no_grad()
+def test_student_is_peaked_not_uniform(tiny, tok, student):
+    # Pretraining on the bundle corpus: at assistant-turn positions the top-4 tokens carry
+    # most of the mass (a random 1024-token model would give ~4/1024), so top-k
+    # distillation covers the distribution. Measured for seed 0: ~0.8-0.95.
+    for domain in ("logic", "math", "code"):
+        df = pd.read_parquet(tiny.test[domain])
+        masses = []
+        for msgs in df.prompt[:8]:
+            ids = torch.tensor([tok.encode(tok.apply_chat_template(list(msgs), tokenize=False,
+                                                                   add_generation_prompt=True),
+                                           add_special_tokens=False)])
+            masses.append(student(ids).logits[0, -1].softmax(-1).topk(4).values.sum())
+        assert torch.stack(masses).mean() > 0.5, (domain, torch.stack(masses).mean().item())
 
 
 def test_experts_differ_from_each_other(experts):
@@ -135,7 +151,9 @@ def test_experts_differ_from_each_other(experts):
 def test_student_to_expert_kl_is_clearly_positive(tiny, tok, student, experts):
     for domain, expert in experts.items():
         kl = _mean_kl(student, expert, _prompt_ids(tiny, tok, domain)).item()
-        assert 0.01 < kl < 1.0, (domain, kl)  # measurable, yet close enough to distil quickly
+        # Over prompt positions (the experts were tuned on responses only, so prompts drift
+        # freely); measured for seed 0: 1.0-2.6 nats/token. Clearly measurable, not absurd.
+        assert 0.1 < kl < 5.0, (domain, kl)
         assert _mean_kl(expert, expert, _prompt_ids(tiny, tok, domain, n=2)).item() == pytest.approx(0.0, abs=1e-6)
 
 
@@ -146,7 +164,8 @@ def test_expert_prefers_its_domain_markers(tiny, tok, student, experts):
         ids = torch.cat([p[0] for p in _prompt_ids(tiny, tok, domain)]).unsqueeze(0)
         p_s = student(ids).logits.softmax(-1)[..., markers[domain]].sum(-1).mean()
         p_e = expert(ids).logits.softmax(-1)[..., markers[domain]].sum(-1).mean()
-        assert p_e > 3 * p_s, (domain, p_e.item(), p_s.item())
+        # measured for seed 0: p_e / p_s = 2.2 (logic), 1.8 (math), 4.2 (code), 11 (safety), 5.3 (if)
+        assert p_e > 1.5 * p_s, (domain, p_e.item(), p_s.item())
 
 
 def test_distillation_reduces_kl_in_a_few_steps(tiny, tok, student, experts):
@@ -165,7 +184,7 @@ def test_distillation_reduces_kl_in_a_few_steps(tiny, tok, student, experts):
         opt.step()
     with torch.no_grad():
         after = _mean_kl(teacher, model, prompts).item()
-    assert after < 0.6 * before, (before, after)  # measured: 0.085 -> 0.038 for seed 0
+    assert after < 0.6 * before, (before, after)  # measured: 4.02 -> 1.70 for seed 0
 
 
 def test_config_files_are_hf_format(tiny):
