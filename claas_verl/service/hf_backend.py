@@ -43,7 +43,7 @@ class HFBackend(ChatBackend):
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         # Imported here: the rollout module pulls in verl, which CPU tests of the rest of the service do not need.
-        from claas_verl.verl_ext.cpu.hf_rollout import sample_next_token
+        from claas_verl.verl_ext.cpu.hf_rollout import eos_token_ids, sample_next_token
 
         if default_max_tokens < 1:
             raise ValueError(f"default_max_tokens must be >= 1, got {default_max_tokens}")
@@ -56,7 +56,7 @@ class HFBackend(ChatBackend):
         self.model_name = model_name
         self.default_max_tokens = int(default_max_tokens)
         self.max_model_len = getattr(self.model.config, "max_position_embeddings", None)
-        self.eos_token_ids = self._eos_ids()
+        self.eos_token_ids = set(eos_token_ids(self.model, self.tokenizer))
         self._generator = torch.Generator().manual_seed(int(seed))
         self._lock = threading.Lock()
         self._version = int(policy_version)
@@ -64,15 +64,6 @@ class HFBackend(ChatBackend):
         if adapter_path is not None:
             self._load_adapter_locked(str(adapter_path), self._version)
 
-    def _eos_ids(self) -> set[int]:
-        ids: set[int] = set()
-        for src in (getattr(self.model, "generation_config", None), self.model.config):
-            eos = getattr(src, "eos_token_id", None)
-            if eos is not None:
-                ids.update([eos] if isinstance(eos, int) else list(eos))
-        if self.tokenizer.eos_token_id is not None:
-            ids.add(int(self.tokenizer.eos_token_id))
-        return ids
 
     # ------------------------------------------------------------------ interface
     @property

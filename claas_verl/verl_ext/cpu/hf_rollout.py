@@ -41,6 +41,18 @@ ROLLOUT_NAME = "hf"
 _BUCKET_BYTES = 64 << 20
 
 
+def eos_token_ids(model, tokenizer=None) -> list[int]:
+    """Every id that ends a generation: the model's generation config and config, plus the tokenizer's EOS."""
+    ids: set[int] = set()
+    for src in (getattr(model, "generation_config", None), model.config):
+        eos = getattr(src, "eos_token_id", None)
+        if eos is not None:
+            ids.update([eos] if isinstance(eos, int) else list(eos))
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    return sorted(ids)
+
+
 def sample_next_token(
     logits: torch.Tensor, temperature: float, top_k: int = -1, top_p: float = 1.0, generator=None
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -131,15 +143,7 @@ class HFRolloutServer:
         self.last_update_kind: str | None = None
 
     def _eos_token_ids(self) -> list[int]:
-        ids: set[int] = set()
-        for src in (getattr(self.model, "generation_config", None), self.model.config):
-            eos = getattr(src, "eos_token_id", None)
-            if eos is not None:
-                ids.update([eos] if isinstance(eos, int) else list(eos))
-        tok = getattr(self.model_config, "tokenizer", None)
-        if tok is not None and tok.eos_token_id is not None:
-            ids.add(int(tok.eos_token_id))
-        return sorted(ids)
+        return eos_token_ids(self.model, getattr(self.model_config, "tokenizer", None))
 
     # ------------------------------------------------------------------ generation
     def _max_tokens(self, n_prompt: int, sampling_params: dict) -> int:
