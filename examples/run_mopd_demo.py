@@ -67,6 +67,7 @@ def main() -> None:
     for name in dirs:
         print(S.forgetting_table(rows[name], title=name))
         print()
+    rows = {name: S.stage_end_rows(rs) for name, rs in rows.items()}
     last = {name: max(int(r["stage"]) for r in rs) for name, rs in rows.items()}
     final = {name: {r["domain"]: r["kl"] for r in rs if int(r["stage"]) == last[name]} for name, rs in rows.items()}
     print("final students, KL to each expert (lower is better):")

@@ -1,6 +1,7 @@
 """CLaaS asynchronous replay buffer (SPEC A.1).
 
-``ReplayEntry``/``ScenarioEntry`` (entries), ``ReplayBuffer`` (plain class, no Ray) and, imported lazily so that
+``ReplayEntry``/``ScenarioEntry`` (entries), ``PackedEntries`` (columnar wire format of a batch of steps),
+``ReplayBuffer`` (plain class, no Ray) and, imported lazily so that
 ``import claas_verl.replay`` never pulls in Ray, ``AsyncReplayBuffer`` (the asyncio actor body) and
 ``ReplayBufferActor``/``make_replay_actor`` (the Ray actor).
 """
@@ -13,6 +14,7 @@ from claas_verl.replay.entry import (
     ScenarioEntry,
     aggregate_scenario_reward,
 )
+from claas_verl.replay.packed import PackedEntries, wire_format
 from claas_verl.replay.snapshot import load_snapshot, save_snapshot
 
 _LAZY_RAY = ("AsyncReplayBuffer", "ReplayBufferActor", "make_replay_actor")
@@ -20,6 +22,7 @@ _LAZY_RAY = ("AsyncReplayBuffer", "ReplayBufferActor", "make_replay_actor")
 __all__ = [
     "AsyncReplayBuffer",
     "ENTRY_UNITS",
+    "PackedEntries",
     "SCENARIO_REWARD_AGGS",
     "ReplayBuffer",
     "ReplayBufferActor",
@@ -31,6 +34,7 @@ __all__ = [
     "make_replay_actor",
     "save_snapshot",
     "validate_replay_sizes",
+    "wire_format",
 ]
 
 

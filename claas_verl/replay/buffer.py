@@ -32,6 +32,7 @@ from typing import Any
 import numpy as np
 
 from claas_verl.replay.entry import ENTRY_UNITS, ReplayEntry, ScenarioEntry, _is_int
+from claas_verl.replay.packed import PackedEntries
 
 _STATE_FORMAT = 1
 _COUNTERS = (
@@ -141,7 +142,7 @@ class ReplayBuffer:
 
     # ------------------------------------------------------------------ mutations
     def add(self, entry_or_entries: Any) -> int:
-        """Insert one entry or a list of entries; return how many were accepted.
+        """Insert one entry, a list of entries or a :class:`PackedEntries` batch; return how many were accepted.
 
         All or nothing on bad input: every entry is validated first, and a malformed one raises ``ValueError``
         ("entries[i]: field ...") with nothing inserted. Then, in order: reward ``None`` -> dropped (counted);
@@ -152,17 +153,23 @@ class ReplayBuffer:
         and counted in ``dropped_stale``: Algorithm 1 would evict it at the next update, and sampling it before
         then would exceed the staleness bound. Finally FIFO-evict down to ``b_max``.
         """
+        owned = False  # True when the entries were built here (no defensive copies needed)
         try:
-            if isinstance(entry_or_entries, (ReplayEntry, ScenarioEntry)):
+            if isinstance(entry_or_entries, PackedEntries):
+                if self.entry_unit != "step":
+                    raise ValueError("PackedEntries holds step entries but this buffer has entry_unit='scenario'; "
+                                     "add a list of ScenarioEntry instead")
+                batch, owned = entry_or_entries.to_entries(), True  # validated column-wise
+            elif isinstance(entry_or_entries, (ReplayEntry, ScenarioEntry)):
                 batch = [entry_or_entries]
             elif isinstance(entry_or_entries, (list, tuple)):
                 batch = list(entry_or_entries)
             else:
                 raise ValueError(
-                    f"add expects a {self._entry_type.__name__} or a list of them, "
+                    f"add expects a {self._entry_type.__name__}, a list of them or (step unit) a PackedEntries, "
                     f"got {type(entry_or_entries).__name__}"
                 )
-            for i, entry in enumerate(batch):
+            for i, entry in enumerate([] if owned else batch):
                 if not isinstance(entry, self._entry_type):
                     raise ValueError(
                         f"entries[{i}] is a {type(entry).__name__} but this buffer has entry_unit="
@@ -193,9 +200,10 @@ class ReplayBuffer:
                 # would evict it unused, and sampling it before then would break the staleness bound.
                 self._counters["dropped_stale"] += 1
                 continue
-            stored = copy.copy(entry)
+            stored = entry if owned else copy.copy(entry)
             stored.P, stored.seq = version, self._next_seq
-            stored.metadata = dict(stored.metadata)  # the caller may keep editing its dict
+            if not owned:
+                stored.metadata = dict(stored.metadata)  # the caller may keep editing its dict
             self._next_seq += 1
             self._slots.append(_Slot(stored))
             self._uids.add(stored.uid)

@@ -174,6 +174,15 @@ class ReplayEntry:
         if self.seq is not None and (not _is_int(self.seq) or self.seq < 0):
             raise ValueError(f"seq must be None or an int >= 0 (it is set by the buffer), got {self.seq!r}")
 
+    @classmethod
+    def from_validated(cls, **fields: Any) -> ReplayEntry:
+        """Build an entry from fields that were ALREADY checked (all of them, with the types ``__post_init__``
+        produces), skipping the per-field checks. Used by ``PackedEntries.to_entries`` after its vectorised
+        validation; anything else should call the constructor."""
+        entry = cls.__new__(cls)
+        entry.__dict__.update(fields)
+        return entry
+
     def resolve_version(self, current_k: int) -> int:
         """P of this entry, or the buffer's current update count when the producer gave none (SPEC A.1.1)."""
         return current_k if self.P is None else int(self.P)

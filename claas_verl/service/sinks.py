@@ -12,6 +12,8 @@ import time
 from collections import Counter
 from typing import Any
 
+from claas_verl.replay.packed import wire_format
+
 
 class LocalBufferSink:
     """Adds to a plain :class:`~claas_verl.replay.ReplayBuffer` in the caller's thread (it is fast), under a lock."""
@@ -52,7 +54,7 @@ class ActorSink:
         self.last_error: str | None = None
 
     def submit(self, entries: list) -> None:
-        ref = self.handle.add.remote(entries)
+        ref = self.handle.add.remote(wire_format(entries))  # one columnar batch when they are steps
         with self._lock:
             self._in_flight += 1
             self._counts["submitted"] += len(entries)

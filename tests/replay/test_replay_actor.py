@@ -10,7 +10,7 @@ import time
 import pytest
 import ray
 
-from claas_verl.replay import ReplayBufferActor, ReplayEntry, make_replay_actor
+from claas_verl.replay import PackedEntries, ReplayBufferActor, ReplayEntry, make_replay_actor
 
 
 def _entry(uid, P=None, reward=1.0):
@@ -29,6 +29,7 @@ def test_concurrent_producers_and_consumer_lose_and_duplicate_nothing(ray_sessio
 
     @ray.remote(num_cpus=1)
     def produce(buffer, producer_id):
+        from claas_verl.replay import PackedEntries
         from claas_verl.replay import ReplayEntry as Entry
 
         accepted = 0
@@ -44,6 +45,8 @@ def test_concurrent_producers_and_consumer_lose_and_duplicate_nothing(ray_sessio
                 )
                 for i in range(batch_size)
             ]
+            if producer_id % 2:  # odd producers send the columnar wire format, even ones lists of entries
+                batch = PackedEntries.from_entries(batch)
             accepted += ray.get(buffer.add.remote(batch))
             if b == 0:
                 accepted += ray.get(buffer.add.remote(batch))  # a retried add: every uid is skipped
@@ -75,6 +78,16 @@ def test_concurrent_producers_and_consumer_lose_and_duplicate_nothing(ray_sessio
         ray.get(actor.add.remote([_entry("fine"), bad]))
     assert ray.get(actor.size.remote()) == total
     assert ray.get(actor.stats.remote())["rejected_batches"] == 1
+    packed = PackedEntries.from_entries([_entry("fine"), _entry("negative-logprob")])
+    packed.behaviour_logprob[1] = 0.5  # an NLL where a log-prob belongs
+    with pytest.raises(ValueError, match=r"entries\[1\] \(uid='negative-logprob'\): behaviour_logprob"):
+        ray.get(actor.add.remote(packed))
+    assert ray.get(actor.size.remote()) == total
+    assert ray.get(actor.stats.remote())["rejected_batches"] == 2
+    # packed entries come back as ordinary entries with the same tokens
+    assert ray.get(actor.add.remote(PackedEntries.from_entries([_entry("packed-ok")]))) == 1
+    back = [e for e in ray.get(actor.entries.remote()) if e.uid == "packed-ok"][0]
+    assert back.prompt_ids.tolist() == [1, 2, 3] and back.response_ids.tolist() == [4, 5] and back.n_tokens == 2
     ray.kill(actor)
 
 

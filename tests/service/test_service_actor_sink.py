@@ -12,7 +12,7 @@ import time
 import ray
 from service_helpers import USER, running_service
 
-from claas_verl.replay import ReplayBufferActor
+from claas_verl.replay import PackedEntries, ReplayBufferActor
 from claas_verl.service import ActorSink, ChatBackend, ClaasServiceClient, Generation, make_sink
 
 
@@ -83,7 +83,8 @@ class SlowActorHandle:
 
                 def finish():
                     time.sleep(outer.delay_s)
-                    outer.received.extend(entries)
+                    # the sink ships step entries as one columnar batch, as a real actor receives them
+                    outer.received.extend(entries.to_entries() if isinstance(entries, PackedEntries) else entries)
                     fut.set_result(len(entries))
 
                 threading.Thread(target=finish, daemon=True).start()

@@ -38,7 +38,7 @@ def test_replay_kl_forgets_less_than_seq(mopd_run, mopd_plan, fast):
     final = {}
     for name, d in (("seq", seq_dir), ("rkl", rkl_dir)):
         rows = read_jsonl(d / "forgetting.jsonl")
-        final[name] = {r["domain"]: r["kl"] for r in rows if r["stage"] == 3}
+        final[name] = {r["domain"]: r["kl"] for r in rows if r["stage"] == 3 and r["at"] == "end"}
     assert final["rkl"]["logic"] < final["seq"]["logic"], final
 
 

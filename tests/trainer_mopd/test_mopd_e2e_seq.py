@@ -4,7 +4,8 @@ One short run (shorter responses and fewer held-out prompts than the recipe; the
 ``steps.jsonl`` equals the plan step by step (stage, kind, domain, block, teacher), every stage starts with a
 fresh AdamW state (the optimizer's step count is 1 after each stage's first update and grows inside the stage),
 the stage-final students M_1..M_3 exist in Hugging Face format and differ from π_0 and from each other, every
-checkpoint has its ``mopd_state.json``, and the forgetting table has one row per stage end and learned domain.
+checkpoint has its ``mopd_state.json``, the forgetting table has one row per stage end and learned domain, and
+during every stage the held-out KL from the student to the new domain's expert falls.
 """
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ import torch
 
 
 def test_tiny_seq_runs_the_plan_end_to_end(tiny_dir, mopd_run, mopd_plan, fast):
-    run_dir, log = mopd_run("mopd/tiny_seq", "seq", *fast)
+    # 8 held-out prompts per domain (FAST has 2) so that the start/end KL of a stage is not sampling noise
+    run_dir, log = mopd_run("mopd/tiny_seq", "seq", *fast, "mopd.eval.prompts=8")
     plan = mopd_plan("mopd/tiny_seq")
     steps = read_jsonl(run_dir / "steps.jsonl")
     # 1. the audit trail is the plan, step by step (4 logic + 3 math + 3 code new-domain steps)
@@ -46,11 +48,20 @@ def test_tiny_seq_runs_the_plan_end_to_end(tiny_dir, mopd_run, mopd_plan, fast):
         assert state["stage"] == stage and state["stage_complete"] and state["snapshots"] == list(range(1, stage + 1))
     # 5. forgetting table: after stage k, one row per learned domain
     rows = read_jsonl(run_dir / "forgetting.jsonl")
-    assert [(r["stage"], r["domain"]) for r in rows] == [
+    ends = [r for r in rows if r["at"] == "end"]
+    assert [(r["stage"], r["domain"]) for r in ends] == [
         (1, "logic"), (2, "logic"), (2, "math"), (3, "logic"), (3, "math"), (3, "code")]
     assert all(math.isfinite(r["kl"]) for r in rows)  # top-k restricted: may be < 0 (q not renormalised)
-    assert "| after stage |" in (run_dir / "forgetting.md").read_text()
-
+    table = (run_dir / "forgetting.md").read_text()
+    assert "| after stage |" in table and "| stage | taught domain |" in table
+    # 6. each stage learns its domain: KL(student || E_k) on E_k's held-out prompts falls from the stage's start
+    #    (measured before its first update) to its end
+    starts = {r["stage"]: r for r in rows if r["at"] == "start"}
+    assert [(s, r["domain"], r["global_step"]) for s, r in sorted(starts.items())] == [
+        (1, "logic", 0), (2, "math", 4), (3, "code", 7)]
+    for r in ends:
+        if r["stage"] in starts and r["domain"] == starts[r["stage"]]["domain"]:
+            assert r["kl"] < starts[r["stage"]]["kl"], (starts[r["stage"]], r)
 
 def read_jsonl(path):
     return [json.loads(x) for x in path.read_text().splitlines() if x.strip()]

@@ -97,9 +97,10 @@ def test_existing_snapshots(tmp_path):
 
 def test_forgetting_table_layout(tmp_path):
     rows = [
-        {"stage": 1, "domain": "logic", "kl": 0.25, "score": 0.5},
-        {"stage": 2, "domain": "logic", "kl": 0.375, "score": None},
-        {"stage": 2, "domain": "math", "kl": 0.125, "score": 1.0},
+        {"stage": 1, "at": "start", "domain": "logic", "kl": 0.75, "score": None},
+        {"stage": 1, "at": "end", "domain": "logic", "kl": 0.25, "score": 0.5},
+        {"stage": 2, "at": "end", "domain": "logic", "kl": 0.375, "score": None},
+        {"stage": 2, "at": "end", "domain": "math", "kl": 0.125, "score": 1.0},
     ]
     S.append_forgetting(str(tmp_path), rows)
     table = S.forgetting_table(S.read_forgetting(str(tmp_path)), title="seq")
@@ -108,4 +109,37 @@ def test_forgetting_table_layout(tmp_path):
     assert lines[1] == "| after stage | KL to E[logic] (score) | KL to E[math] (score) |"
     assert lines[3] == "| 1 | 0.2500 (0.50) |  |"
     assert lines[4] == "| 2 | 0.3750 | 0.1250 (1.00) |"
+    assert lines[6] == "| stage | taught domain | KL to its expert at stage start | at stage end | change |"
+    assert lines[8] == "| 1 | logic | 0.7500 | 0.2500 (0.50) | -0.5000 |"
+    assert len(lines) == 9
     assert S.forgetting_table([]) == "(no stage has ended yet)"
+    assert S.forgetting_table(rows[:1]) == "(no stage has ended yet)"
+
+
+def test_forgetting_rows_are_replaced_not_duplicated_when_a_resumed_run_measures_again(tmp_path):
+    S.append_forgetting(str(tmp_path), [{"stage": 1, "at": "end", "domain": "logic", "kl": 0.5, "score": None},
+                                        {"stage": 2, "at": "start", "domain": "math", "kl": 0.9, "score": None}])
+    S.append_forgetting(str(tmp_path), [{"stage": 2, "at": "start", "domain": "math", "kl": 0.8, "score": None}])
+    rows = S.read_forgetting(str(tmp_path))
+    assert [(r["stage"], r["at"], r["domain"], r["kl"]) for r in rows] == [
+        (1, "end", "logic", 0.5), (2, "start", "math", 0.8)]
+    assert S.stage_end_rows(rows) == rows[:1]
+    with pytest.raises(ValueError, match="'at' must be one of"):
+        S.append_forgetting(str(tmp_path), [{"stage": 3, "at": "middle", "domain": "code", "kl": 0.1}])
+    assert len(S.read_forgetting(str(tmp_path))) == 2  # a rejected row changes nothing
+
+
+def test_taught_domains_are_the_new_or_joint_domains_of_a_stage():
+    steps = [
+        {"stage": 1, "kind": "new", "domain": "logic"},
+        {"stage": 2, "kind": "new", "domain": "math"},
+        {"stage": 2, "kind": "replay", "domain": "logic"},
+        {"stage": 3, "kind": "recovery", "domain": "logic"},
+        {"stage": 4, "kind": "joint", "domain": "code"},
+        {"stage": 4, "kind": "joint", "domain": "math"},
+        {"stage": 4, "kind": "joint", "domain": "code"},
+    ]
+    assert S.taught_domains(steps, 1) == ["logic"]
+    assert S.taught_domains(steps, 2) == ["math"]
+    assert S.taught_domains(steps, 3) == []
+    assert S.taught_domains(steps, 4) == ["code", "math"]

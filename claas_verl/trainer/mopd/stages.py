@@ -15,8 +15,10 @@ Pure python (no verl, no ray, no torch), so every rule here is unit-tested direc
   ``steps.discarded.jsonl`` (they belong to work that the checkpoint does not contain).
 * **Resume state.** ``<run>/global_step_<N>/mopd_state.json`` next to verl's own checkpoint files: plan
   position, stage, the snapshots that exist and a fingerprint of the plan (a resumed run must run the same plan).
-* **Forgetting table.** ``<run>/forgetting.jsonl`` (one row per stage end and learned domain) and
-  ``forgetting.md`` (the table printed at the end).
+* **Forgetting table.** ``<run>/forgetting.jsonl``: one row per stage end and learned domain (``at: "end"``)
+  plus, before each stage's first update, one row per domain the stage teaches (``at: "start"``), so a user sees
+  both what a stage learned (start -> end KL to its expert) and what later stages forgot. ``forgetting.md`` holds
+  both tables.
 """
 
 from __future__ import annotations
@@ -104,6 +106,18 @@ def stage_bounds(plan_steps: list[dict]) -> dict[int, tuple[int, int]]:
     return out
 
 
+def taught_domains(plan_steps: list[dict], stage: int) -> list[str]:
+    """Domains a stage learns from their experts (``new`` steps; every domain in joint MOPD), first-seen order.
+
+    Replay and recovery steps are not counted: they keep old domains, which the stage-end rows already track.
+    """
+    seen: list[str] = []
+    for s in plan_steps:
+        if s["stage"] == stage and s["kind"] in ("new", "joint") and s["domain"] not in seen:
+            seen.append(s["domain"])
+    return seen
+
+
 def learned_domains(plan_steps: list[dict], upto_index: int) -> list[str]:
     """Domains trained on by plan steps 0..upto_index, in first-seen order."""
     seen: list[str] = []
@@ -183,10 +197,32 @@ def existing_snapshots(paths: ModelPaths, max_stage: int) -> list[int]:
 
 
 # ---------------------------------------------------------------------------------------------- forgetting
+FORGETTING_POINTS = ("start", "end")
+
+
+def _forgetting_key(r: dict) -> tuple:
+    return int(r["stage"]), r.get("at", "end"), r["domain"]
+
+
 def append_forgetting(run_dir: str, rows: list[dict]) -> None:
-    with open(os.path.join(run_dir, FORGETTING_JSONL), "a") as f:
-        for r in rows:
-            f.write(json.dumps({k: _jsonable(v) if k not in ("domain", "label") else v for k, v in r.items()}) + "\n")
+    """Add rows (each with ``stage``, ``at`` in {start, end}, ``domain``, ``kl``, ``score``, ``global_step``).
+
+    A row replaces an earlier one with the same ``(stage, at, domain)``: a run resumed from the checkpoint before
+    an evaluation evaluates again, and the table must hold one measurement per cell, the one that the resumed
+    run's weights produced.
+    """
+    for r in rows:
+        if r.get("at", "end") not in FORGETTING_POINTS:
+            raise ValueError(f"forgetting row 'at' must be one of {FORGETTING_POINTS}, got {r.get('at')!r}")
+    os.makedirs(run_dir, exist_ok=True)  # the first stage-start rows come before verl's first checkpoint
+    new_keys = {_forgetting_key(r) for r in rows}
+    kept = [r for r in read_forgetting(run_dir) if _forgetting_key(r) not in new_keys]
+    tmp = os.path.join(run_dir, FORGETTING_JSONL + ".tmp")
+    with open(tmp, "w") as f:
+        for r in [*kept, *rows]:
+            f.write(json.dumps({k: _jsonable(v) if k not in ("domain", "label", "at") else v for k, v in r.items()})
+                    + "\n")
+    os.replace(tmp, os.path.join(run_dir, FORGETTING_JSONL))
 
 
 def read_forgetting(run_dir: str) -> list[dict]:
@@ -196,35 +232,47 @@ def read_forgetting(run_dir: str) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def forgetting_table(rows: list[dict], title: str = "") -> str:
-    """Markdown table: one line per stage end, one column per domain, cells ``KL (score)``.
+def stage_end_rows(rows: list[dict]) -> list[dict]:
+    """The rows measured on stage-final students (the forgetting table proper)."""
+    return [r for r in rows if r.get("at", "end") == "end"]
 
-    ``KL`` is the mean student-weighted top-k KL from the stage-final student to the domain's expert on the
-    domain's held-out prompts (lower is better); ``score`` is the mean reward when the domain has one.
+
+def _cell(r: dict | None) -> str:
+    if r is None:
+        return ""
+    kl, score = r.get("kl"), r.get("score")
+    txt = "nan" if kl is None else f"{kl:.4f}"
+    return txt if score is None else f"{txt} ({score:.2f})"
+
+
+def forgetting_table(rows: list[dict], title: str = "") -> str:
+    """Markdown: the forgetting table (one line per stage end, one column per domain, cells ``KL (score)``), then,
+    when start rows exist, what each stage learned (KL to the taught domain's expert at its start and end).
+
+    ``KL`` is the mean student-weighted top-k KL from the student to the domain's expert on the domain's held-out
+    prompts, on the student's own samples (lower is better); ``score`` is the mean reward when the domain has one.
     """
-    if not rows:
+    ends = stage_end_rows(rows)
+    if not ends:
         return "(no stage has ended yet)"
     domains: list[str] = []
-    for r in rows:
+    for r in ends:
         if r["domain"] not in domains:
             domains.append(r["domain"])
-    stages = sorted({int(r["stage"]) for r in rows})
-    cell = {(int(r["stage"]), r["domain"]): r for r in rows}
+    cell = {(int(r["stage"]), r["domain"]): r for r in ends}
     lines = [f"### {title}"] if title else []
     lines.append("| after stage | " + " | ".join(f"KL to E[{d}] (score)" for d in domains) + " |")
     lines.append("|---|" + "---|" * len(domains))
-    for st in stages:
-        parts = []
-        for d in domains:
-            r = cell.get((st, d))
-            if r is None:
-                parts.append("")
-                continue
-            kl = r.get("kl")
-            score = r.get("score")
-            txt = "nan" if kl is None else f"{kl:.4f}"
-            if score is not None:
-                txt += f" ({score:.2f})"
-            parts.append(txt)
-        lines.append(f"| {st} | " + " | ".join(parts) + " |")
+    for st in sorted({int(r["stage"]) for r in ends}):
+        lines.append(f"| {st} | " + " | ".join(_cell(cell.get((st, d))) for d in domains) + " |")
+    starts = [r for r in rows if r.get("at") == "start"]
+    if starts:
+        lines += ["", "| stage | taught domain | KL to its expert at stage start | at stage end | change |",
+                  "|---|---|---|---|---|"]
+        for r in starts:
+            end = cell.get((int(r["stage"]), r["domain"]))
+            change = ""
+            if end is not None and end.get("kl") is not None and r.get("kl") is not None:
+                change = f"{end['kl'] - r['kl']:+.4f}"
+            lines.append(f"| {r['stage']} | {r['domain']} | {_cell(r)} | {_cell(end)} | {change} |")
     return "\n".join(lines)

@@ -160,6 +160,8 @@ class MOPDTrainer(MOPDTrainerCouplings, PPOTrainerSync):
         if self._stage == step["stage"]:
             return
         first_step_of_stage = S.step_index(self.global_steps, len(self.plan_steps)) == self.bounds[step["stage"]][0]
+        if first_step_of_stage and self.eval_enabled:
+            self.evaluate_stage_start(step["stage"])
         self._begin_stage(step["stage"], fresh_optimizer=first_step_of_stage)
 
     def _begin_stage(self, stage: int, fresh_optimizer: bool):
@@ -379,7 +381,24 @@ class MOPDTrainer(MOPDTrainerCouplings, PPOTrainerSync):
         self._stage = None
 
     # ================================================================= forgetting
+    def evaluate_stage_start(self, stage: int):
+        """Before a stage's first update: KL from the student to the expert of every domain the stage teaches.
+
+        With the stage-end rows this shows what the stage learned (the KL should fall from here to the stage end)
+        next to what later stages forget. Measured again when a run resumes from the checkpoint before it.
+        """
+        rows = []
+        for d in S.taught_domains(self.plan_steps, stage):
+            if d not in self.eval_datasets:
+                continue
+            kl, score = self._eval_domain(d, version=self.global_steps - 1)
+            rows.append({"stage": stage, "at": "start", "global_step": self.global_steps - 1, "domain": d,
+                         "kl": kl, "score": score})
+            print(f"[mopd] stage {stage} starts: KL(student || E[{d}]) = {kl:.4f}, score {score:.3f}")
+        self._write_forgetting(rows)
+
     def evaluate_forgetting(self):
+        """At a stage end: KL from the stage-final student to the expert of every domain learned so far."""
         gs = self.global_steps
         step = self.current_step(gs)
         rows = []
@@ -387,28 +406,39 @@ class MOPDTrainer(MOPDTrainerCouplings, PPOTrainerSync):
             if d not in self.eval_datasets:
                 continue
             kl, score = self._eval_domain(d)
-            rows.append({"stage": step["stage"], "global_step": gs, "domain": d, "kl": kl, "score": score})
+            rows.append({"stage": step["stage"], "at": "end", "global_step": gs, "domain": d, "kl": kl,
+                         "score": score})
             print(f"[mopd] forgetting after stage {step['stage']}: KL(student || E[{d}]) = {kl:.4f}, score {score:.3f}")
-        if rows:
-            S.append_forgetting(self.run_dir, rows)
-            table = S.forgetting_table(S.read_forgetting(self.run_dir), title=self.config.trainer.experiment_name)
-            with open(os.path.join(self.run_dir, S.FORGETTING_MD), "w") as f:
-                f.write(table + "\n")
+        self._write_forgetting(rows)
         # the next stage (if any) loads its own teachers
         self._stage = None
 
-    def _eval_domain(self, domain: str) -> tuple[float, float]:
+    def _write_forgetting(self, rows: list[dict]):
+        if not rows:
+            return
+        S.append_forgetting(self.run_dir, rows)
+        table = S.forgetting_table(S.read_forgetting(self.run_dir), title=self.config.trainer.experiment_name)
+        with open(os.path.join(self.run_dir, S.FORGETTING_MD), "w") as f:
+            f.write(table + "\n")
+
+    def _eval_domain(self, domain: str, version: int | None = None) -> tuple[float, float]:
+        """Sample the student on ``domain``'s held-out prompts; return (top-k KL to its expert, mean score).
+
+        ``version``: the weight version the rollout replicas serve (default ``global_steps``; at a stage start the
+        current step has not updated yet, so it is ``global_steps - 1``).
+        """
+        version = self.global_steps if version is None else version
         ds = self.eval_datasets[domain]
         rows = range(min(self.eval_prompts, len(ds)))
         batch_dict = collate_fn([ds[i] for i in rows])
         batch_dict["uid"] = np.array([str(uuid.uuid4()) for _ in rows], dtype=object)
         batch = tu.get_tensordict(batch_dict)
-        tu.assign_non_tensor_data(batch, "global_steps", self.global_steps)
+        tu.assign_non_tensor_data(batch, "global_steps", version)
         tu.assign_non_tensor_data(batch, "validate", True)
-        tags = [{"is_prompt": True, "status": "pending", "global_steps": self.global_steps} for _ in rows]
+        tags = [{"is_prompt": True, "status": "pending", "global_steps": version} for _ in rows]
         tq.kv_batch_put(keys=list(batch["uid"]), partition_id="val", tags=tags)
         self.agent_loop_manager.generate_sequences(batch)
-        meta, _ = self.replay_buffer.sample(global_steps=self.global_steps, partition_id="val", batch_size=len(rows))
+        meta, _ = self.replay_buffer.sample(global_steps=version, partition_id="val", batch_size=len(rows))
         self.checkpoint_manager.sleep_replicas()
         try:
             meta = self._balance_batch(meta, metrics={})
@@ -422,7 +452,7 @@ class MOPDTrainer(MOPDTrainerCouplings, PPOTrainerSync):
             score = float(_padded(scores["rm_scores"]).sum(-1)[sel].mean())
         finally:
             tq.kv_clear(keys=meta.keys, partition_id=meta.partition_id)
-            self.checkpoint_manager.update_weights(self.global_steps)
+            self.checkpoint_manager.update_weights(version)
         return kl, score
 
 
