@@ -12,6 +12,7 @@ from claas_verl.distill.topk import (
     stds_from_moments,
     student_topk,
     teacher_logprobs_at,
+    topk_binned_kl,
     topk_distill_loss,
     topk_distill_loss_from_logprobs,
     topk_logprobs,
@@ -31,6 +32,7 @@ __all__ = [
     "topk_distill_loss",
     "topk_distill_loss_from_logprobs",
     "topk_logprobs",
+    "topk_binned_kl",
     "topk_rewards",
     "topk_weighted_kl",
 ]

@@ -205,6 +205,33 @@ def topk_weighted_kl(
     return masked_mean(-r.sum(dim=-1), mask)
 
 
+def topk_binned_kl(
+    student_logp_topk: torch.Tensor, teacher_logp_topk: torch.Tensor, mask: torch.Tensor
+) -> torch.Tensor:
+    """Logging: KL from student to teacher over ``K + 1`` outcomes (the student's top-k ids, and "any other token").
+
+    Per valid position, with ``p = exp(S)``, ``q = exp(Q)`` (full-vocabulary probabilities at the top-k ids) and the
+    tail masses ``p̄ = 1 − Σ_v p``, ``q̄ = 1 − Σ_v q``::
+
+        KL_bin[t] = Σ_v p[t,v]·(S[t,v] − Q[t,v]) + p̄·log(p̄ / q̄)
+
+    Merging outcomes never increases a KL (data-processing inequality), so ``0 <= KL_bin <= KL(π_s || π_t)`` over
+    the full vocabulary, with equality when the top-k hold all of the student's mass. It needs nothing beyond what
+    the token channel already has (S and Q, ``[B, T, K]``), and, unlike :func:`topk_weighted_kl` (renormalised
+    weights, no tail), it is never negative, which is what a forgetting table wants. This is a claas_verl addition,
+    not a quantity of 003. Returns the 0-d fp32 token-mean over ``mask`` (0 for an empty mask).
+    """
+    topk_rewards(student_logp_topk, teacher_logp_topk, mask)  # the same shape/mask/finiteness checks
+    S, Q = student_logp_topk.detach().float(), teacher_logp_topk.detach().float()
+    head = (S.exp() * (S - Q)).sum(dim=-1)
+    # tail masses from log Σ p, via expm1 for accuracy when the top-k hold nearly everything; rounding can push
+    # Σ p a hair above 1, hence the clamps (the teacher's tail is floored so that p̄ > 0 never divides by zero)
+    p_tail = (-torch.expm1(torch.logsumexp(S, dim=-1))).clamp(min=0.0)
+    q_tail = (-torch.expm1(torch.logsumexp(Q, dim=-1))).clamp(min=torch.finfo(torch.float32).tiny)
+    kl = head + torch.xlogy(p_tail, p_tail) - torch.xlogy(p_tail, q_tail)
+    return masked_mean(torch.where(mask.bool(), kl, torch.zeros_like(kl)), mask)
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # B.2.2 per-domain normalised advantages
 

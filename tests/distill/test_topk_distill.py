@@ -10,6 +10,7 @@ from claas_verl.distill import (
     domain_normalized_advantages,
     student_topk,
     teacher_logprobs_at,
+    topk_binned_kl,
     topk_distill_loss,
     topk_logprobs,
     topk_rewards,
@@ -67,6 +68,42 @@ def test_rewards_hand_computed():
     torch.testing.assert_close(r, torch.tensor([[[2 / 3 * math.log(0.5), 0.0]]], dtype=torch.float32))
     # weighted KL = Σ w (S − Q) = −Σ r = 0.462098
     assert topk_weighted_kl(S, Q, torch.ones(1, 1)).item() == pytest.approx(-2 / 3 * math.log(0.5), rel=1e-6)
+
+
+def test_binned_kl_hand_computed():
+    # p = (0.5, 0.25 | tail 0.25), q = (0.25, 0.25 | tail 0.5):
+    # 0.5·log 2 + 0.25·log 1 + 0.25·log(0.25/0.5) = 0.25·log 2 = 0.173287...
+    S = torch.tensor([[[math.log(0.5), math.log(0.25)]]])
+    Q = torch.tensor([[[math.log(0.25), math.log(0.25)]]])
+    assert topk_binned_kl(S, Q, torch.ones(1, 1)).item() == pytest.approx(0.25 * math.log(2), rel=1e-6)
+
+
+def test_binned_kl_is_a_lower_bound_of_the_full_kl_and_exact_at_full_k():
+    torch.manual_seed(0)
+    B, T, V = 3, 5, 12
+    z_s, z_t = torch.randn(B, T, V) * 2, torch.randn(B, T, V) * 2
+    mask = torch.ones(B, T)
+    mask[1, 3:] = 0
+    log_p, log_q = F.log_softmax(z_s, -1), F.log_softmax(z_t, -1)
+    full = ((log_p.exp() * (log_p - log_q)).sum(-1) * mask).sum() / mask.sum()
+    previous = -1.0
+    for K in (1, 3, 6, V):
+        ids, S = student_topk(z_s, K)
+        binned = topk_binned_kl(S, teacher_logprobs_at(z_t, ids), mask).item()
+        assert 0.0 <= binned <= full.item() * (1 + 1e-5)
+        assert binned >= previous * (1 - 1e-5)  # refining the bins (a larger top-k) never lowers it
+        previous = binned
+    assert previous == pytest.approx(full.item(), rel=1e-5)  # K = V: no tail, the full KL
+
+
+def test_binned_kl_stays_non_negative_where_the_renormalised_topk_kl_does_not():
+    # p = (0.5, 0.25 | 0.25), q = (0.6, 0.3 | 0.1): the teacher is MORE confident on both student candidates.
+    # weighted: 2/3·log(5/6) + 1/3·log(5/6) = log(5/6) < 0; binned: 0.75·log(5/6) + 0.25·log(2.5) = 0.092330...
+    S = torch.tensor([[[math.log(0.5), math.log(0.25)]]])
+    Q = torch.tensor([[[math.log(0.6), math.log(0.3)]]])
+    one = torch.ones(1, 1)
+    assert topk_weighted_kl(S, Q, one).item() == pytest.approx(math.log(5 / 6), rel=1e-6)
+    assert topk_binned_kl(S, Q, one).item() == pytest.approx(0.75 * math.log(5 / 6) + 0.25 * math.log(2.5), rel=1e-5)
 
 
 def test_reward_zero_when_teacher_equals_student_and_zero_on_padding():

@@ -17,7 +17,8 @@ import torch
 
 
 def test_tiny_seq_runs_the_plan_end_to_end(tiny_dir, mopd_run, mopd_plan, fast):
-    # 8 held-out prompts per domain (FAST has 2) so that the start/end KL of a stage is not sampling noise
+    # 8 held-out prompts per domain (FAST has 2), 4 sampled responses each, so that the start/end KL of a stage
+    # is not sampling noise
     run_dir, log = mopd_run("mopd/tiny_seq", "seq", *fast, "mopd.eval.prompts=8")
     plan = mopd_plan("mopd/tiny_seq")
     steps = read_jsonl(run_dir / "steps.jsonl")
@@ -52,16 +53,19 @@ def test_tiny_seq_runs_the_plan_end_to_end(tiny_dir, mopd_run, mopd_plan, fast):
     assert [(r["stage"], r["domain"]) for r in ends] == [
         (1, "logic"), (2, "logic"), (2, "math"), (3, "logic"), (3, "math"), (3, "code")]
     assert all(math.isfinite(r["kl"]) for r in rows)  # top-k restricted: may be < 0 (q not renormalised)
+    assert all(r["kl_binned"] >= 0 for r in rows)  # the (k+1)-bin KL is a KL: never negative
     table = (run_dir / "forgetting.md").read_text()
     assert "| after stage |" in table and "| stage | taught domain |" in table
-    # 6. each stage learns its domain: KL(student || E_k) on E_k's held-out prompts falls from the stage's start
-    #    (measured before its first update) to its end
+    # 6. each stage learns its domain: KL(student || E_k) on E_k's held-out prompts (8 prompts x 4 sampled
+    #    responses) falls from the stage's start (measured before its first update) to its end, both as 003 logs
+    #    it and as the (k+1)-bin lower bound of the full-vocabulary KL
     starts = {r["stage"]: r for r in rows if r["at"] == "start"}
     assert [(s, r["domain"], r["global_step"]) for s, r in sorted(starts.items())] == [
         (1, "logic", 0), (2, "math", 4), (3, "code", 7)]
     for r in ends:
         if r["stage"] in starts and r["domain"] == starts[r["stage"]]["domain"]:
             assert r["kl"] < starts[r["stage"]]["kl"], (starts[r["stage"]], r)
+            assert r["kl_binned"] < starts[r["stage"]]["kl_binned"], (starts[r["stage"]], r)
 
 def read_jsonl(path):
     return [json.loads(x) for x in path.read_text().splitlines() if x.strip()]

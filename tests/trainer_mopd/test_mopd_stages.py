@@ -97,8 +97,8 @@ def test_existing_snapshots(tmp_path):
 
 def test_forgetting_table_layout(tmp_path):
     rows = [
-        {"stage": 1, "at": "start", "domain": "logic", "kl": 0.75, "score": None},
-        {"stage": 1, "at": "end", "domain": "logic", "kl": 0.25, "score": 0.5},
+        {"stage": 1, "at": "start", "domain": "logic", "kl": 0.75, "kl_binned": 1.5, "score": None},
+        {"stage": 1, "at": "end", "domain": "logic", "kl": 0.25, "kl_binned": 0.5, "score": 0.5},
         {"stage": 2, "at": "end", "domain": "logic", "kl": 0.375, "score": None},
         {"stage": 2, "at": "end", "domain": "math", "kl": 0.125, "score": 1.0},
     ]
@@ -109,8 +109,9 @@ def test_forgetting_table_layout(tmp_path):
     assert lines[1] == "| after stage | KL to E[logic] (score) | KL to E[math] (score) |"
     assert lines[3] == "| 1 | 0.2500 (0.50) |  |"
     assert lines[4] == "| 2 | 0.3750 | 0.1250 (1.00) |"
-    assert lines[6] == "| stage | taught domain | KL to its expert at stage start | at stage end | change |"
-    assert lines[8] == "| 1 | logic | 0.7500 | 0.2500 (0.50) | -0.5000 |"
+    assert lines[6] == ("| stage | taught domain | KL to its expert at stage start | at stage end | change "
+                        "| (k+1)-bin KL start → end |")
+    assert lines[8] == "| 1 | logic | 0.7500 | 0.2500 (0.50) | -0.5000 | 1.5000 → 0.5000 |"
     assert len(lines) == 9
     assert S.forgetting_table([]) == "(no stage has ended yet)"
     assert S.forgetting_table(rows[:1]) == "(no stage has ended yet)"

@@ -250,7 +250,9 @@ def forgetting_table(rows: list[dict], title: str = "") -> str:
     when start rows exist, what each stage learned (KL to the taught domain's expert at its start and end).
 
     ``KL`` is the mean student-weighted top-k KL from the student to the domain's expert on the domain's held-out
-    prompts, on the student's own samples (lower is better); ``score`` is the mean reward when the domain has one.
+    prompts, on the student's own samples (lower is better; it can be negative, since the weights are renormalised
+    over the top-k); ``score`` is the mean reward when the domain has one. Rows that carry ``kl_binned`` (the
+    (k+1)-bin KL, a non-negative lower bound of the full-vocabulary KL) show it in the start/end table.
     """
     ends = stage_end_rows(rows)
     if not ends:
@@ -267,12 +269,14 @@ def forgetting_table(rows: list[dict], title: str = "") -> str:
         lines.append(f"| {st} | " + " | ".join(_cell(cell.get((st, d))) for d in domains) + " |")
     starts = [r for r in rows if r.get("at") == "start"]
     if starts:
-        lines += ["", "| stage | taught domain | KL to its expert at stage start | at stage end | change |",
-                  "|---|---|---|---|---|"]
+        lines += ["", "| stage | taught domain | KL to its expert at stage start | at stage end | change "
+                      "| (k+1)-bin KL start → end |", "|---|---|---|---|---|---|"]
         for r in starts:
-            end = cell.get((int(r["stage"]), r["domain"]))
-            change = ""
-            if end is not None and end.get("kl") is not None and r.get("kl") is not None:
+            end = cell.get((int(r["stage"]), r["domain"])) or {}
+            change = binned = ""
+            if end.get("kl") is not None and r.get("kl") is not None:
                 change = f"{end['kl'] - r['kl']:+.4f}"
-            lines.append(f"| {r['stage']} | {r['domain']} | {_cell(r)} | {_cell(end)} | {change} |")
+            if end.get("kl_binned") is not None and r.get("kl_binned") is not None:
+                binned = f"{r['kl_binned']:.4f} → {end['kl_binned']:.4f}"
+            lines.append(f"| {r['stage']} | {r['domain']} | {_cell(r)} | {_cell(end or None)} | {change} | {binned} |")
     return "\n".join(lines)

@@ -43,7 +43,13 @@ from verl.utils.py_functional import rename_dict
 from verl.workers.utils.padding import response_from_nested, response_to_nested
 
 from claas_verl.align import separator_token_ids
-from claas_verl.distill import domain_normalized_advantages, domain_stds, topk_rewards, topk_weighted_kl
+from claas_verl.distill import (
+    domain_normalized_advantages,
+    domain_stds,
+    topk_binned_kl,
+    topk_rewards,
+    topk_weighted_kl,
+)
 from claas_verl.schedule import plan_from_config
 from claas_verl.trainer.mopd import fields as F
 from claas_verl.trainer.mopd import stages as S
@@ -259,6 +265,7 @@ class MOPDTrainer(MOPDTrainerCouplings, PPOTrainerSync):
         tq.kv_batch_put(keys=batch.keys, partition_id=batch.partition_id, fields=tu.get_tensordict(out))
         metrics.update({
             "mopd/kl_topk": float(topk_weighted_kl(Sx, Q, mask)),
+            "mopd/kl_binned": float(topk_binned_kl(Sx, Q, mask)),
             "mopd/adv_sigma": stats["scale"],
             "mopd/reward_count": stats["count"],
             "mopd/stage": step["stage"],
@@ -391,9 +398,10 @@ class MOPDTrainer(MOPDTrainerCouplings, PPOTrainerSync):
         for d in S.taught_domains(self.plan_steps, stage):
             if d not in self.eval_datasets:
                 continue
-            kl, score = self._eval_domain(d, version=self.global_steps - 1)
+            measured = self._eval_domain(d, version=self.global_steps - 1)
+            kl, score = measured["kl"], measured["score"]
             rows.append({"stage": stage, "at": "start", "global_step": self.global_steps - 1, "domain": d,
-                         "kl": kl, "score": score})
+                         **measured})
             print(f"[mopd] stage {stage} starts: KL(student || E[{d}]) = {kl:.4f}, score {score:.3f}")
         self._write_forgetting(rows)
 
@@ -405,9 +413,9 @@ class MOPDTrainer(MOPDTrainerCouplings, PPOTrainerSync):
         for d in S.learned_domains(self.plan_steps, gs - 1):
             if d not in self.eval_datasets:
                 continue
-            kl, score = self._eval_domain(d)
-            rows.append({"stage": step["stage"], "at": "end", "global_step": gs, "domain": d, "kl": kl,
-                         "score": score})
+            measured = self._eval_domain(d)
+            kl, score = measured["kl"], measured["score"]
+            rows.append({"stage": step["stage"], "at": "end", "global_step": gs, "domain": d, **measured})
             print(f"[mopd] forgetting after stage {step['stage']}: KL(student || E[{d}]) = {kl:.4f}, score {score:.3f}")
         self._write_forgetting(rows)
         # the next stage (if any) loads its own teachers
@@ -421,8 +429,10 @@ class MOPDTrainer(MOPDTrainerCouplings, PPOTrainerSync):
         with open(os.path.join(self.run_dir, S.FORGETTING_MD), "w") as f:
             f.write(table + "\n")
 
-    def _eval_domain(self, domain: str, version: int | None = None) -> tuple[float, float]:
-        """Sample the student on ``domain``'s held-out prompts; return (top-k KL to its expert, mean score).
+    def _eval_domain(self, domain: str, version: int | None = None) -> dict[str, float]:
+        """Sample the student on ``domain``'s held-out prompts; return ``kl`` (the student-weighted top-k KL to the
+        domain's expert, as 003 logs it), ``kl_binned`` (the (k+1)-bin KL, a non-negative lower bound of the
+        full-vocabulary KL) and ``score`` (mean reward).
 
         ``version``: the weight version the rollout replicas serve (default ``global_steps``; at a stage start the
         current step has not updated yet, so it is ``global_steps - 1``).
@@ -448,12 +458,13 @@ class MOPDTrainer(MOPDTrainerCouplings, PPOTrainerSync):
             Sx, Q, mask, _ = self._teacher_q(meta, f"expert:{domain}")
             sel = torch.as_tensor(real)
             kl = float(topk_weighted_kl(Sx[sel], Q[sel], mask[sel]))
+            kl_binned = float(topk_binned_kl(Sx[sel], Q[sel], mask[sel]))
             scores = tq.kv_batch_get(keys=meta.keys, partition_id=meta.partition_id, select_fields=["rm_scores"])
             score = float(_padded(scores["rm_scores"]).sum(-1)[sel].mean())
         finally:
             tq.kv_clear(keys=meta.keys, partition_id=meta.partition_id)
             self.checkpoint_manager.update_weights(version)
-        return kl, score
+        return {"kl": kl, "kl_binned": kl_binned, "score": score}
 
 
 __all__ = ["MOPDTrainer"]
