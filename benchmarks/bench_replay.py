@@ -171,8 +171,8 @@ class NoOpBuffer:
         return 0
 
 
-def run_round(actor, producers, n_prod: int, args, round_id: int) -> tuple[float, np.ndarray, int]:
-    """n_prod producers add while the driver samples M and calls on_update; return (entries/s, latencies, n)."""
+def run_round(actor, producers, n_prod: int, args, round_id: int) -> dict:
+    """n_prod producers add while the driver samples M and calls on_update; return the round's figures."""
     refs = [p.run.remote(actor, args.batches, round_id, args.inflight) for p in producers[:n_prod]]
     t0 = time.perf_counter()
     latencies = []
@@ -188,7 +188,9 @@ def run_round(actor, producers, n_prod: int, args, round_id: int) -> tuple[float
         time.sleep(args.consumer_sleep_ms / 1e3)
     elapsed = time.perf_counter() - t0
     accepted = sum(ray.get(refs))
-    return accepted / elapsed, np.array(latencies) if latencies else np.array([np.nan]), accepted
+    lat = np.array(latencies) if latencies else np.array([np.nan])
+    return {"rate": accepted / elapsed, "accepted": accepted, "samples": len(latencies),
+            "p50": float(np.percentile(lat, 50)), "p99": float(np.percentile(lat, 99))}
 
 
 def bench_actor(args) -> None:
@@ -204,23 +206,20 @@ def bench_actor(args) -> None:
         for target in (actor, noop):
             ray.get(producers[0].run.remote(target, 2, -1, 1))  # warm-up
         for round_id, n_prod in enumerate(args.producers):
-            rate, lat, accepted = run_round(actor, producers, n_prod, args, round_id)
-            p50, p99 = np.percentile(lat, 50), np.percentile(lat, 99)
+            r = run_round(actor, producers, n_prod, args, round_id)
             print(
-                f"producers={n_prod}: {accepted} entries = {rate:,.0f} entries/s "
-                f"({rate / TARGET_ENTRIES_PER_S:.2f}x target {TARGET_ENTRIES_PER_S:,}); sample M={args.m} latency "
-                f"p50 {p50:.2f} ms p99 {p99:.2f} ms over {len(lat)} samples "
-                f"(p99 {p99 / TARGET_P99_MS:.2f}x target {TARGET_P99_MS} ms)"
+                f"producers={n_prod}: {r['accepted']} entries = {r['rate']:,.0f} entries/s "
+                f"({r['rate'] / TARGET_ENTRIES_PER_S:.2f}x target {TARGET_ENTRIES_PER_S:,}); sample M={args.m} "
+                f"latency p50 {r['p50']:.2f} ms p99 {r['p99']:.2f} ms over {r['samples']} samples "
+                f"(p99 {r['p99'] / TARGET_P99_MS:.2f}x target {TARGET_P99_MS} ms)"
             )
-            if args.skip_noop:
-                continue
-            n_rate, n_lat, _ = run_round(noop, producers, n_prod, args, round_id)
-            n_p50, n_p99 = np.percentile(n_lat, 50), np.percentile(n_lat, 99)
-            print(
-                f"    no-op actor, same traffic (the Ray floor here): {n_rate:,.0f} entries/s, sample p50 "
-                f"{n_p50:.2f} ms p99 {n_p99:.2f} ms -> replay actor at {rate / n_rate:.2f}x the floor's "
-                f"throughput, {p99 / n_p99:.2f}x its p99"
-            )
+            if not args.skip_noop:
+                f = run_round(noop, producers, n_prod, args, round_id)
+                print(
+                    f"    no-op actor, same traffic (the Ray floor here): {f['rate']:,.0f} entries/s, sample p50 "
+                    f"{f['p50']:.2f} ms p99 {f['p99']:.2f} ms -> replay actor at {r['rate'] / f['rate']:.2f}x the "
+                    f"floor's throughput, {r['p99'] / f['p99']:.2f}x its p99"
+                )
         s = ray.get(actor.stats.remote())
         print(
             f"actor stats: size={s['size']} inserted={s['inserted']} evicted_fifo={s['evicted_fifo']} "

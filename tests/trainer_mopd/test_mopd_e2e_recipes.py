@@ -41,11 +41,11 @@ def test_replay_kl_against_seq_with_the_same_seeds(mopd_run, mopd_plan, fast):
     steps = read_jsonl(rkl_dir / "steps.jsonl")
     seq_steps = read_jsonl(seq_dir / "steps.jsonl")
     assert _as_plan(steps) == mopd_plan("mopd/tiny_replay_kl")
-    # 1. same seeds: stage 1 (identical plans) is the same computation in both runs
+    # 1. same seeds: stage 1 (identical plans) is the same computation in both runs, equal up to the order of
+    #    float reductions across the two worker processes (observed differences ~1e-7 relative)
     for a, b in zip(seq_steps[:4], steps[:4]):
-        assert a["metrics"]["mopd/kl_topk"] == b["metrics"]["mopd/kl_topk"]
-        # the gradient norm is an all-reduced float sum: equal up to reduction order
-        assert a["metrics"]["actor/grad_norm"] == pytest.approx(b["metrics"]["actor/grad_norm"], rel=1e-5)
+        for key in ("mopd/kl_topk", "mopd/adv_sigma", "actor/grad_norm"):
+            assert a["metrics"][key] == pytest.approx(b["metrics"][key], rel=1e-5), key
     # 2. replay steps are taught by the FROZEN previous-stage student M_{k-1}: the student has hardly moved on the
     #    replayed domain's prompts since M_{k-1}, so its KL to that teacher is tiny, far below the KL of any
     #    new-domain step to its expert (a wrong teacher, e.g. the logic expert, would give about 0.7)
