@@ -20,14 +20,19 @@ python -c "import vllm" || { echo "vllm is not installed: pip install -e '.[gpu]
 python -m claas_verl.tiny make "$CLAAS_TINY_DIR"
 rm -rf "${CLAAS_OUT_DIR:?}/${NAME}"
 
+# the tiny models on one shared GPU: a small vLLM cache and token budgets (both runs)
+GPU_SIZES=(
+  actor_rollout_ref.rollout.gpu_memory_utilization=0.3
+  actor_rollout_ref.actor.ppo_max_token_len_per_gpu=4096
+  actor_rollout_ref.ref.log_prob_max_token_len_per_gpu=4096
+  actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu=4096
+)
+
 python -m claas_verl.main_mopd --config-name mopd/tiny_replay_kl '+verl@_global_=gpu' \
   trainer.experiment_name="$NAME" trainer.n_gpus_per_node="${N_GPUS:-1}" \
   trainer.total_training_steps=2 trainer.save_freq=-1 trainer.resume_mode=disable \
   mopd.domains.logic.num_blocks=1 mopd.eval.prompts=2 \
-  actor_rollout_ref.rollout.gpu_memory_utilization=0.3 \
-  actor_rollout_ref.actor.ppo_max_token_len_per_gpu=4096 \
-  actor_rollout_ref.ref.log_prob_max_token_len_per_gpu=4096 \
-  actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu=4096 \
+  "${GPU_SIZES[@]}" \
   "$@"
 
 python - <<PY
@@ -47,10 +52,7 @@ if [ "${SMOKE_FSAR:-1}" != "0" ]; then
     trainer.experiment_name="${NAME}_fsar" trainer.n_gpus_per_node="${N_GPUS:-1}" \
     trainer.save_freq=-1 trainer.resume_mode=disable \
     'mopd.order=[logic,math]' mopd.domains.logic.num_blocks=1 mopd.eval.enabled=false mopd.signal.ratio=2.0 \
-    actor_rollout_ref.rollout.gpu_memory_utilization=0.3 \
-    actor_rollout_ref.actor.ppo_max_token_len_per_gpu=4096 \
-    actor_rollout_ref.ref.log_prob_max_token_len_per_gpu=4096 \
-    actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu=4096 \
+    "${GPU_SIZES[@]}" \
     "$@"
   python - <<PY
 import json, pathlib

@@ -173,6 +173,17 @@ def topk_rewards(student_logp_topk: torch.Tensor, teacher_logp_topk: torch.Tenso
     Returns:
         ``r [B, T, K]`` fp32, exactly 0 on padding.
     """
+    S, Q, valid = _checked_topk_pair(student_logp_topk, teacher_logp_topk, mask)
+    w = torch.softmax(S, dim=-1)
+    r = w * (Q - S)
+    return torch.where(valid, r, torch.zeros_like(r))
+
+
+def _checked_topk_pair(
+    student_logp_topk: torch.Tensor, teacher_logp_topk: torch.Tensor, mask: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Validate S and Q ``[B, T, K]`` against ``mask``; return them detached in fp32 and the ``[B, T, K]`` valid
+    mask. Raises on shape mismatch or on a non-finite value at a valid position."""
     S, Q = student_logp_topk, teacher_logp_topk
     if S.dim() != 3 or S.shape != Q.shape:
         raise ValueError(
@@ -188,9 +199,7 @@ def topk_rewards(student_logp_topk: torch.Tensor, teacher_logp_topk: torch.Tenso
             "at a student candidate (e.g. a vocabulary mask) makes r infinite; mask such logits with a large finite "
             "negative value instead"
         )
-    w = torch.softmax(S, dim=-1)
-    r = w * (Q - S)
-    return torch.where(valid, r, torch.zeros_like(r))
+    return S, Q, valid
 
 
 def topk_weighted_kl(
@@ -221,8 +230,7 @@ def topk_binned_kl(
     weights, no tail), it is never negative, which is what a forgetting table wants. This is a claas_verl addition,
     not a quantity of 003. Returns the 0-d fp32 token-mean over ``mask`` (0 for an empty mask).
     """
-    topk_rewards(student_logp_topk, teacher_logp_topk, mask)  # the same shape/mask/finiteness checks
-    S, Q = student_logp_topk.detach().float(), teacher_logp_topk.detach().float()
+    S, Q, _ = _checked_topk_pair(student_logp_topk, teacher_logp_topk, mask)
     head = (S.exp() * (S - Q)).sum(dim=-1)
     # tail masses from log Σ p, via expm1 for accuracy when the top-k hold nearly everything; rounding can push
     # Σ p a hair above 1, hence the clamps (the teacher's tail is floored so that p̄ > 0 never divides by zero)

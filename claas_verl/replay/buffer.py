@@ -153,32 +153,8 @@ class ReplayBuffer:
         and counted in ``dropped_stale``: Algorithm 1 would evict it at the next update, and sampling it before
         then would exceed the staleness bound. Finally FIFO-evict down to ``b_max``.
         """
-        owned = False  # True when the entries were built here (no defensive copies needed)
         try:
-            if isinstance(entry_or_entries, PackedEntries):
-                if self.entry_unit != "step":
-                    raise ValueError("PackedEntries holds step entries but this buffer has entry_unit='scenario'; "
-                                     "add a list of ScenarioEntry instead")
-                batch, owned = entry_or_entries.to_entries(), True  # validated column-wise
-            elif isinstance(entry_or_entries, (ReplayEntry, ScenarioEntry)):
-                batch = [entry_or_entries]
-            elif isinstance(entry_or_entries, (list, tuple)):
-                batch = list(entry_or_entries)
-            else:
-                raise ValueError(
-                    f"add expects a {self._entry_type.__name__}, a list of them or (step unit) a PackedEntries, "
-                    f"got {type(entry_or_entries).__name__}"
-                )
-            for i, entry in enumerate([] if owned else batch):
-                if not isinstance(entry, self._entry_type):
-                    raise ValueError(
-                        f"entries[{i}] is a {type(entry).__name__} but this buffer has entry_unit="
-                        f"{self.entry_unit!r} and holds {self._entry_type.__name__}"
-                    )
-                try:
-                    entry.validate()
-                except ValueError as exc:
-                    raise ValueError(f"entries[{i}] (uid={getattr(entry, 'uid', None)!r}): {exc}") from exc
+            batch, owned = self._checked_batch(entry_or_entries)
         except ValueError:
             self._counters["rejected_batches"] += 1
             raise
@@ -217,6 +193,35 @@ class ReplayBuffer:
             del self._slots[:overflow]
             self._counters["evicted_fifo"] += overflow
         return accepted
+
+    def _checked_batch(self, entry_or_entries: Any) -> tuple[list, bool]:
+        """The validated list of entries to insert, and whether they were built here (so ``add`` may store them
+        without defensive copies). Raises ``ValueError`` naming the entry and field; nothing is stored."""
+        if isinstance(entry_or_entries, PackedEntries):
+            if self.entry_unit != "step":
+                raise ValueError("PackedEntries holds step entries but this buffer has entry_unit='scenario'; "
+                                 "add a list of ScenarioEntry instead")
+            return entry_or_entries.to_entries(), True  # validated column-wise, fresh objects
+        if isinstance(entry_or_entries, (ReplayEntry, ScenarioEntry)):
+            batch = [entry_or_entries]
+        elif isinstance(entry_or_entries, (list, tuple)):
+            batch = list(entry_or_entries)
+        else:
+            raise ValueError(
+                f"add expects a {self._entry_type.__name__}, a list of them or (step unit) a PackedEntries, "
+                f"got {type(entry_or_entries).__name__}"
+            )
+        for i, entry in enumerate(batch):
+            if not isinstance(entry, self._entry_type):
+                raise ValueError(
+                    f"entries[{i}] is a {type(entry).__name__} but this buffer has entry_unit="
+                    f"{self.entry_unit!r} and holds {self._entry_type.__name__}"
+                )
+            try:
+                entry.validate()
+            except ValueError as exc:
+                raise ValueError(f"entries[{i}] (uid={getattr(entry, 'uid', None)!r}): {exc}") from exc
+        return batch, False
 
     def sample(self, m: int) -> list:
         """Draw ``m`` distinct entries uniformly without replacement (SPEC A.1.6); return shallow copies.

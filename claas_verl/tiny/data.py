@@ -209,31 +209,32 @@ def make_split(domain: str, n_train: int, n_test: int, seed: int = 0) -> tuple[l
         raise ValueError(f"domain={domain!r} is unknown; use one of {sorted(_GENERATORS)}")
     if n_train < 1 or n_test < 1:
         raise ValueError(f"n_train={n_train}, n_test={n_test}: both must be >= 1")
-    gen = _GENERATORS[domain]
-    test_rng = random.Random(stable_seed("claas_tiny.data", seed, domain, "test"))
-    test, seen, misses = [], set(), 0
-    while len(test) < n_test:
-        question, truth, reference = gen(test_rng)
-        if question in seen:
-            misses += 1
-            if misses > _MAX_MISSES:
-                raise ValueError(f"domain {domain!r} has fewer than n_test={n_test} distinct prompts; lower n_test")
-            continue
-        misses = 0
-        seen.add(question)
-        test.append(_row(domain, "test", len(test), question, truth, reference))
-    train_rng = random.Random(stable_seed("claas_tiny.data", seed, domain, "train"))
-    train, misses = [], 0
-    while len(train) < n_train:
-        question, truth, reference = gen(train_rng)
-        if question in seen:
-            misses += 1
-            if misses > _MAX_MISSES:
-                raise ValueError(f"domain {domain!r}: no train prompts left outside the test split; lower n_test")
-            continue
-        misses = 0
-        train.append(_row(domain, "train", len(train), question, truth, reference))
+    test_questions: set[str] = set()
+    test = _draw(domain, "test", n_test, seed, exclude=test_questions, remember=True,
+                 exhausted=f"domain {domain!r} has fewer than n_test={n_test} distinct prompts; lower n_test")
+    train = _draw(domain, "train", n_train, seed, exclude=test_questions, remember=False,
+                  exhausted=f"domain {domain!r}: no train prompts left outside the test split; lower n_test")
     return train, test
+
+
+def _draw(domain: str, split: str, n: int, seed: int, exclude: set[str], remember: bool, exhausted: str) -> list:
+    """``n`` rows of ``split`` from the domain's generator (seeded per split), skipping questions in ``exclude``;
+    with ``remember`` each drawn question joins ``exclude`` (test questions are distinct, and kept out of train)."""
+    gen = _GENERATORS[domain]
+    rng = random.Random(stable_seed("claas_tiny.data", seed, domain, split))
+    rows, misses = [], 0
+    while len(rows) < n:
+        question, truth, reference = gen(rng)
+        if question in exclude:
+            misses += 1
+            if misses > _MAX_MISSES:
+                raise ValueError(exhausted)
+            continue
+        misses = 0
+        if remember:
+            exclude.add(question)
+        rows.append(_row(domain, split, len(rows), question, truth, reference))
+    return rows
 
 
 def write_parquet(rows: list[dict], path: Path) -> None:

@@ -272,11 +272,9 @@ def forgetting_table(rows: list[dict], title: str = "") -> str:
         lines += ["", "| stage | taught domain | KL to its expert at stage start | at stage end | change "
                       "| (k+1)-bin KL start → end |", "|---|---|---|---|---|---|"]
         for r in starts:
-            end = cell.get((int(r["stage"]), r["domain"])) or {}
-            change = binned = ""
-            if end.get("kl") is not None and r.get("kl") is not None:
-                change = f"{end['kl'] - r['kl']:+.4f}"
-            if end.get("kl_binned") is not None and r.get("kl_binned") is not None:
-                binned = f"{r['kl_binned']:.4f} → {end['kl_binned']:.4f}"
-            lines.append(f"| {r['stage']} | {r['domain']} | {_cell(r)} | {_cell(end or None)} | {change} | {binned} |")
+            end = cell.get((int(r["stage"]), r["domain"]))
+            both = {k: end is not None and end.get(k) is not None and r.get(k) is not None for k in ("kl", "kl_binned")}
+            change = f"{end['kl'] - r['kl']:+.4f}" if both["kl"] else ""
+            binned = f"{r['kl_binned']:.4f} → {end['kl_binned']:.4f}" if both["kl_binned"] else ""
+            lines.append(f"| {r['stage']} | {r['domain']} | {_cell(r)} | {_cell(end)} | {change} | {binned} |")
     return "\n".join(lines)

@@ -394,32 +394,28 @@ class MOPDTrainer(MOPDTrainerCouplings, PPOTrainerSync):
         With the stage-end rows this shows what the stage learned (the KL should fall from here to the stage end)
         next to what later stages forget. Measured again when a run resumes from the checkpoint before it.
         """
-        rows = []
-        for d in S.taught_domains(self.plan_steps, stage):
-            if d not in self.eval_datasets:
-                continue
-            measured = self._eval_domain(d, version=self.global_steps - 1)
-            kl, score = measured["kl"], measured["score"]
-            rows.append({"stage": stage, "at": "start", "global_step": self.global_steps - 1, "domain": d,
-                         **measured})
-            print(f"[mopd] stage {stage} starts: KL(student || E[{d}]) = {kl:.4f}, score {score:.3f}")
-        self._write_forgetting(rows)
+        # the current step has not updated yet: the replicas serve the weights of global step - 1
+        self._evaluate(stage, "start", S.taught_domains(self.plan_steps, stage), self.global_steps - 1)
 
     def evaluate_forgetting(self):
         """At a stage end: KL from the stage-final student to the expert of every domain learned so far."""
         gs = self.global_steps
-        step = self.current_step(gs)
-        rows = []
-        for d in S.learned_domains(self.plan_steps, gs - 1):
-            if d not in self.eval_datasets:
-                continue
-            measured = self._eval_domain(d)
-            kl, score = measured["kl"], measured["score"]
-            rows.append({"stage": step["stage"], "at": "end", "global_step": gs, "domain": d, **measured})
-            print(f"[mopd] forgetting after stage {step['stage']}: KL(student || E[{d}]) = {kl:.4f}, score {score:.3f}")
-        self._write_forgetting(rows)
+        self._evaluate(self.current_step(gs)["stage"], "end", S.learned_domains(self.plan_steps, gs - 1), gs)
         # the next stage (if any) loads its own teachers
         self._stage = None
+
+    def _evaluate(self, stage: int, at: str, domains: list[str], version: int):
+        """Measure ``domains`` (those with held-out prompts) at weight ``version``; append the rows, rewrite the
+        tables."""
+        rows = []
+        for d in domains:
+            if d not in self.eval_datasets:
+                continue
+            measured = self._eval_domain(d, version)
+            rows.append({"stage": stage, "at": at, "global_step": version, "domain": d, **measured})
+            print(f"[mopd] stage {stage} {at}: KL(student || E[{d}]) = {measured['kl']:.4f} "
+                  f"(binned {measured['kl_binned']:.4f}), score {measured['score']:.3f}")
+        self._write_forgetting(rows)
 
     def _write_forgetting(self, rows: list[dict]):
         if not rows:
@@ -429,15 +425,13 @@ class MOPDTrainer(MOPDTrainerCouplings, PPOTrainerSync):
         with open(os.path.join(self.run_dir, S.FORGETTING_MD), "w") as f:
             f.write(table + "\n")
 
-    def _eval_domain(self, domain: str, version: int | None = None) -> dict[str, float]:
+    def _eval_domain(self, domain: str, version: int) -> dict[str, float]:
         """Sample the student on ``domain``'s held-out prompts; return ``kl`` (the student-weighted top-k KL to the
         domain's expert, as 003 logs it), ``kl_binned`` (the (k+1)-bin KL, a non-negative lower bound of the
         full-vocabulary KL) and ``score`` (mean reward).
 
-        ``version``: the weight version the rollout replicas serve (default ``global_steps``; at a stage start the
-        current step has not updated yet, so it is ``global_steps - 1``).
+        ``version``: the weight version the rollout replicas serve (tags the rollout and the weight re-sync).
         """
-        version = self.global_steps if version is None else version
         ds = self.eval_datasets[domain]
         rows = range(min(self.eval_prompts, len(ds)))
         batch_dict = collate_fn([ds[i] for i in rows])
