@@ -1,154 +1,343 @@
-"""Grader zygote: a clean stdlib-only interpreter that forks one sandboxed child per grading call.
+"""Sandbox zygote: a clean stdlib-only interpreter that forks one jailed child per call (issue 13).
 
-Started by :mod:`claas_verl.envs.sandbox` as ``python -I -S <this file>`` with an
-empty environment (no inherited secrets), in a private temp directory. It never
-runs grader code itself: each request forks a child that
+Started by :mod:`claas_verl.envs.sandbox` as ``python -I -S <this file> <config json>``, normally under
+``unshare --net --pid --fork --mount --mount-proc`` so that this process is PID 1 of a fresh PID
+namespace, in a network namespace with no usable interface (only ``lo``, down) and a private mount
+namespace. It never runs untrusted code itself. Per request it opens a *fresh* result pipe and forks a
+child that, before touching the request's code:
 
-1. points stdin/stdout/stderr at /dev/null (a grader's prints cannot corrupt the protocol),
-2. sets rlimits: CPU seconds, address space, no file writes (FSIZE 0), no new
-   processes (NPROC 0), no core dumps,
-3. blocks the network twice: ``socket.socket``/``create_connection``/… replaced by
-   a function that raises, and an audit hook (irremovable) that rejects every
-   ``socket.*``, process-spawning, ``ctypes`` and file-writing event,
-4. execs the grader source in a fresh namespace and calls ``grade_output_correct``
-   with the visible output (plus the user context if it takes two positional
-   parameters), and sends ``{"ok": true, "value": bool}`` or an error back.
+1. starts its own session / process group (the wall-clock kill is ``killpg``),
+2. points fd 0 and 2 at ``/dev/null``, fd 1 at ``/dev/null`` (grader) or at a capture pipe (program),
+   moves its result pipe to fd 3 and closes every other descriptor (the zygote's protocol pipes included),
+3. ``chroot``\\ s into an empty read-only directory (no file, no ``/proc``, no device is visible; only the
+   modules preloaded below can be imported) when it has the right to,
+4. drops to ``nobody`` (uid/gid 65534, no supplementary groups) when started as root,
+5. sets rlimits: CPU seconds, address space, no file writes (FSIZE 0), no processes (NPROC 0), few fds,
+   no core dumps,
+6. sets ``no_new_privs`` and loads a seccomp filter that fails process creation (fork/vfork/clone/clone3,
+   execve/execveat), sockets (socket/socketpair/connect/bind/listen/accept), file creation and write-opens,
+   ptrace/process_vm_*, kill, mount/namespace/chroot/keyring/bpf/io_uring calls,
+7. runs the code and writes *one* JSON reply that carries the call's nonce to fd 3, then ``_exit``\\ s.
 
-The zygote kills the child at the wall-clock limit. A fresh fork per call keeps
-graders from leaking state (monkeypatches, globals) into each other at ~ms cost.
-Protocol on stdin/stdout: 4-byte big-endian length + UTF-8 JSON, one reply per request.
-This file imports only the standard library: it runs outside the venv.
+The zygote reads at most ``max_output_bytes`` from the result and capture pipes, kills the child's process
+group at the wall-clock limit or when the output limit is crossed, and answers the parent with a reply that
+echoes the request nonce. Child replies are validated (JSON object, the call's nonce, typed fields); anything
+else is reported as an error of that call, never passed on. Since each call has its own pipe and the zygote's
+pipes are closed in the child, no call can write into another call's verdict.
+
+Protocol with the parent on fd 0/1: 4-byte big-endian length + UTF-8 JSON, one reply per request.
+This file imports only the standard library (and libseccomp through the pyseccomp file given in the config):
+it runs outside the venv.
 """
 
-# The modules marked F401 are preloaded: a grader importing them hits sys.modules (no file access, no cost per call).
+# The modules marked F401 are preloaded: code in the jail can import only what is already in sys.modules.
+import abc  # noqa: F401
+import array  # noqa: F401
+import base64  # noqa: F401
+import binascii  # noqa: F401
+import bisect  # noqa: F401
+import calendar  # noqa: F401
+import cmath  # noqa: F401
 import collections  # noqa: F401
+import collections.abc  # noqa: F401
+import copy  # noqa: F401
+import ctypes
+import dataclasses  # noqa: F401
 import datetime  # noqa: F401
+import decimal  # noqa: F401
 import difflib  # noqa: F401
+import enum  # noqa: F401
+import fractions  # noqa: F401
 import functools  # noqa: F401
+import hashlib  # noqa: F401
+import heapq  # noqa: F401
+import html  # noqa: F401
+import importlib.util
 import inspect
+import io
 import itertools  # noqa: F401
 import json
 import math  # noqa: F401
+import numbers  # noqa: F401
+import operator  # noqa: F401
 import os
+import random  # noqa: F401
 import re  # noqa: F401
 import resource
 import select
 import signal
-import socket
+import statistics  # noqa: F401
 import string  # noqa: F401
 import struct
 import sys
 import textwrap  # noqa: F401
 import time
+import traceback  # noqa: F401
+import types  # noqa: F401
+import typing  # noqa: F401
 import unicodedata  # noqa: F401
 
-_BLOCKED_EVENT_PREFIXES = (
-    "socket.", "subprocess.", "os.system", "os.exec", "os.posix_spawn", "os.spawn", "os.fork", "os.forkpty",
-    "os.kill", "os.killpg", "ctypes.", "os.remove", "os.rename", "os.rmdir", "os.unlink", "os.truncate",
-    "shutil.", "pty.", "webbrowser.", "urllib.", "http.", "ftplib.", "smtplib.", "telnetlib.",
+unicodedata.normalize("NFKC", "x")  # load the unicode database now, not in the jail
+
+NOBODY = 65534
+_PR_SET_NO_NEW_PRIVS = 38
+_RESULT_FD = 3
+_MAX_ERROR_CHARS = 2000
+
+# errno values: EPERM 1, EACCES 13, ENOSYS 38
+_DENY_EPERM = (
+    "fork", "vfork", "clone", "execve", "execveat",
+    "socket", "socketpair", "connect", "bind", "listen", "accept", "accept4",
+    "ptrace", "process_vm_readv", "process_vm_writev", "kill", "tkill",
+    "mount", "umount2", "pivot_root", "chroot", "unshare", "setns",
+    "keyctl", "add_key", "request_key", "bpf", "perf_event_open", "userfaultfd",
+    "io_uring_setup", "io_uring_enter", "io_uring_register",
+    "creat", "mkdir", "mkdirat", "unlink", "unlinkat", "rename", "renameat", "renameat2", "link", "linkat",
+    "symlink", "symlinkat", "chmod", "fchmod", "fchmodat", "chown", "fchown", "fchownat", "lchown",
+    "truncate", "ftruncate", "mknod", "mknodat", "setxattr", "lsetxattr", "fsetxattr",
+    "init_module", "finit_module", "delete_module", "kexec_load", "reboot", "swapon", "swapoff",
+    "open_by_handle_at", "name_to_handle_at", "setuid", "setgid", "setreuid", "setregid", "setresuid",
+    "setresgid", "setgroups", "personality",
 )
-_WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_TRUNC
+_DENY_ENOSYS = ("clone3", "openat2")  # their flags live in a struct the filter cannot read: glibc falls back
+_WRITE_OPEN_BITS = (os.O_WRONLY, os.O_RDWR, os.O_CREAT, os.O_TRUNC, os.O_APPEND)
 
 
-def _audit(event, args):
-    if event.startswith(_BLOCKED_EVENT_PREFIXES):
-        raise PermissionError(f"sandbox: '{event}' is not allowed in a grader")
-    if event == "open":
-        mode = args[1] if len(args) > 1 else None
-        flags = args[2] if len(args) > 2 else 0
-        writes_by_mode = isinstance(mode, str) and any(c in mode for c in "wax+")
-        if writes_by_mode or (isinstance(flags, int) and flags & _WRITE_FLAGS):
-            raise PermissionError("sandbox: opening files for writing is not allowed in a grader")
+def _load_seccomp(path):
+    if not path:
+        return None
+    spec = importlib.util.spec_from_file_location("pyseccomp", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
 
 
-def _no_network(*_args, **_kwargs):
-    raise PermissionError("sandbox: network access is not allowed in a grader")
+def _build_filter(sc):
+    f = sc.SyscallFilter(defaction=sc.ALLOW)
+    for name in _DENY_EPERM:
+        try:
+            f.add_rule(sc.ERRNO(1), name)
+        except Exception:  # noqa: BLE001 - a syscall this architecture does not have (e.g. fork on arm64)
+            pass
+    for name in _DENY_ENOSYS:
+        try:
+            f.add_rule(sc.ERRNO(38), name)
+        except Exception:  # noqa: BLE001
+            pass
+    for name, flags_arg in (("open", 1), ("openat", 2)):
+        for bit in _WRITE_OPEN_BITS:
+            try:
+                f.add_rule(sc.ERRNO(13), name, sc.Arg(flags_arg, sc.MASKED_EQ, bit, bit))
+            except Exception:  # noqa: BLE001
+                pass
+    return f
 
 
-def _seal(cpu_s, memory_mb):
-    devnull = os.open(os.devnull, os.O_RDWR)
-    for fd in (0, 1, 2):
-        os.dup2(devnull, fd)
-    resource.setrlimit(resource.RLIMIT_CPU, (cpu_s, cpu_s + 1))
-    mem = memory_mb * 1024 * 1024
-    resource.setrlimit(resource.RLIMIT_AS, (mem, mem))
-    resource.setrlimit(resource.RLIMIT_FSIZE, (0, 0))
-    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+class _Jail:
+    """What every child applies to itself after fork (see the module docstring)."""
+
+    def __init__(self, cfg):
+        self.root = cfg.get("root")  # empty directory to chroot into, or None
+        self.drop_uid = bool(cfg.get("drop_uid")) and os.geteuid() == 0
+        sc = _load_seccomp(cfg.get("pyseccomp"))
+        self.filter = _build_filter(sc) if sc is not None else None
+        self.libc = ctypes.CDLL(None, use_errno=True)
+        self.devnull = os.open(os.devnull, os.O_RDWR)  # kept open: the jail has no /dev
+
+    def enter(self, result_w, stdout_fd, cpu_s, memory_mb):
+        os.setsid()
+        os.dup2(self.devnull, 0)
+        os.dup2(stdout_fd if stdout_fd is not None else self.devnull, 1)
+        os.dup2(self.devnull, 2)
+        os.dup2(result_w, _RESULT_FD)
+        os.closerange(_RESULT_FD + 1, resource.getrlimit(resource.RLIMIT_NOFILE)[0])
+        if self.root:
+            os.chroot(self.root)
+            os.chdir("/")
+        if self.drop_uid:
+            os.setgroups([])
+            os.setresgid(NOBODY, NOBODY, NOBODY)
+            os.setresuid(NOBODY, NOBODY, NOBODY)
+        resource.setrlimit(resource.RLIMIT_CPU, (cpu_s, cpu_s + 1))
+        mem = memory_mb * 1024 * 1024
+        resource.setrlimit(resource.RLIMIT_AS, (mem, mem))
+        resource.setrlimit(resource.RLIMIT_FSIZE, (0, 0))
+        resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+        resource.setrlimit(resource.RLIMIT_NOFILE, (16, 16))
+        try:
+            resource.setrlimit(resource.RLIMIT_NPROC, (0, 0))
+        except (ValueError, OSError):
+            pass  # does not bind root; the seccomp filter is what stops process creation
+        if self.libc.prctl(_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0:
+            raise OSError(ctypes.get_errno(), "prctl(PR_SET_NO_NEW_PRIVS) failed")
+        if self.filter is not None:
+            self.filter.load()
+
+
+def _call_grader(fn, output, context):
     try:
-        resource.setrlimit(resource.RLIMIT_NPROC, (0, 0))
-    except (ValueError, OSError):
-        pass  # some kernels refuse lowering NPROC for root; the audit hook still blocks fork/spawn
-    for name in ("socket", "create_connection", "create_server", "socketpair", "fromfd", "getaddrinfo"):
-        setattr(socket, name, _no_network)
-    # `import _socket` directly would bypass the patch above, but not the audit hook: _socket raises socket.__new__
-    sys.addaudithook(_audit)
+        params = list(inspect.signature(fn).parameters.values())
+        two = (len([p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]) >= 2
+               or any(p.kind == p.VAR_POSITIONAL for p in params))
+    except (TypeError, ValueError):
+        two = False
+    return fn(output, context) if two else fn(output)
 
 
-def _grade(req):
-    _seal(int(req["cpu_s"]), int(req["memory_mb"]))
+def _run_grader(req):
     ns = {"__name__": "ih_grader", "__builtins__": __builtins__}
     exec(compile(req["source"], "<grader>", "exec"), ns)
     fn = ns.get("grade_output_correct")
     if not callable(fn):
         return {"ok": False, "error": "grader source defines no callable grade_output_correct"}
-    try:
-        params = [p for p in inspect.signature(fn).parameters.values()
-                  if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-        two = len(params) >= 2 or any(p.kind == p.VAR_POSITIONAL for p in inspect.signature(fn).parameters.values())
-    except (TypeError, ValueError):
-        two = False
-    value = fn(req["output"], req["context"]) if two else fn(req["output"])
+    value = _call_grader(fn, req["output"], req["context"])
     if type(value) is not bool:
         return {"ok": False, "error": f"grade_output_correct returned {type(value).__name__}, expected bool"}
     return {"ok": True, "value": value}
 
 
-def _child(req, w):
+def _err(e):
+    return f"{type(e).__name__}: {e}"[:_MAX_ERROR_CHARS]
+
+
+def _run_program(req):
+    """``mode`` io: run as __main__ on stdin (stdout is captured by the zygote); call / assert: run tests."""
+    mode = req["mode"]
+    if mode == "io":
+        sys.stdin = io.StringIO(req["stdin"])
+        ns = {"__name__": "__main__", "__builtins__": __builtins__}
+        try:
+            exec(compile(req["source"], "<program>", "exec"), ns)
+        except SystemExit as e:
+            if e.code not in (None, 0):
+                return {"ok": False, "error": f"SystemExit: {e.code!r}"[:_MAX_ERROR_CHARS]}
+        finally:
+            sys.stdout.flush()
+        return {"ok": True}
+    ns = {"__name__": "solution", "__builtins__": __builtins__}
+    exec(compile(req["source"], "<program>", "exec"), ns)
+    results = []
+    for test in req["tests"]:
+        try:
+            if mode == "call":
+                value = ns[test["fn"]](*test["args"])
+                results.append({"ok": True, "value": json.dumps(value, sort_keys=True, default=repr)})
+            else:  # assert
+                exec(compile(test["code"], "<test>", "exec"), ns)
+                results.append({"ok": True})
+        except BaseException as e:  # noqa: BLE001 - a failing test, not a failing sandbox
+            results.append({"ok": False, "error": _err(e)})
+    return {"ok": True, "results": results}
+
+
+def _child(jail, req, result_w, stdout_fd):
     try:
-        reply = _grade(req)
-    except BaseException as e:  # noqa: BLE001 - any grader failure is a reported error, never a crash of the pool
-        reply = {"ok": False, "error": f"{type(e).__name__}: {e}"[:2000]}
-    data = json.dumps(reply).encode()
-    while data:
-        data = data[os.write(w, data):]
-    os._exit(0)
+        jail.enter(result_w, stdout_fd, int(req["cpu_s"]), int(req["memory_mb"]))
+    except BaseException as e:  # noqa: BLE001 - the jail could not be built: say so, run nothing
+        reply = {"ok": False, "error": f"sandbox setup failed: {_err(e)}", "sandbox_failure": True}
+    else:
+        try:
+            reply = _run_grader(req) if req["kind"] == "grade" else _run_program(req)
+        except BaseException as e:  # noqa: BLE001 - any failure of the code is a reported error
+            reply = {"ok": False, "error": _err(e)}
+    reply["nonce"] = req["nonce"]
+    try:
+        data = json.dumps(reply).encode()
+    except BaseException as e:  # noqa: BLE001
+        data = json.dumps({"ok": False, "error": f"unencodable reply: {_err(e)}", "nonce": req["nonce"]}).encode()
+    try:
+        while data:
+            data = data[os.write(_RESULT_FD, data):]
+    finally:
+        os._exit(0)
 
 
-def _serve_one(req):
-    r, w = os.pipe()
+def _kill_group(pid):
+    for kill in (os.killpg, os.kill):
+        try:
+            kill(pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
+def _validate(buf, nonce, kind):
+    """The child's frame -> a reply dict, or an error string when it is not a well-formed frame for this call."""
+    try:
+        reply = json.loads(buf.decode())
+    except ValueError:
+        return None
+    if not isinstance(reply, dict) or reply.get("nonce") != nonce or not isinstance(reply.get("ok"), bool):
+        return None
+    if not reply["ok"]:
+        return {"ok": False, "error": str(reply.get("error", "error"))[:_MAX_ERROR_CHARS],
+                "sandbox_failure": reply.get("sandbox_failure") is True}
+    if kind == "grade":
+        return {"ok": True, "value": reply["value"]} if isinstance(reply.get("value"), bool) else None
+    if "results" in reply:
+        res = reply["results"]
+        if not isinstance(res, list) or not all(isinstance(r, dict) and isinstance(r.get("ok"), bool) for r in res):
+            return None
+        return {"ok": True, "results": [
+            {"ok": r["ok"], "value": str(r["value"])} if r["ok"] and "value" in r
+            else {"ok": r["ok"], "error": str(r.get("error", ""))[:_MAX_ERROR_CHARS]} if not r["ok"]
+            else {"ok": True} for r in res]}
+    return {"ok": True}
+
+
+def _serve_one(jail, req):
+    result_r, result_w = os.pipe()
+    cap_r = cap_w = None
+    if req["kind"] == "program" and req["mode"] == "io":
+        cap_r, cap_w = os.pipe()
     pid = os.fork()
     if pid == 0:
-        os.close(r)
-        _child(req, w)
-    os.close(w)
+        os.close(result_r)
+        if cap_r is not None:
+            os.close(cap_r)
+        _child(jail, req, result_w, cap_w)
+    os.close(result_w)
+    if cap_w is not None:
+        os.close(cap_w)
+    limit = int(req["max_output_bytes"])
     deadline = time.monotonic() + float(req["timeout_s"])
-    buf, timed_out = b"", False
-    while True:
+    bufs = {result_r: b""}
+    if cap_r is not None:
+        bufs[cap_r] = b""
+    open_fds, why = set(bufs), None
+    while open_fds:
         left = deadline - time.monotonic()
-        if left <= 0 or not select.select([r], [], [], left)[0]:
-            timed_out = True
+        ready = select.select(list(open_fds), [], [], left)[0] if left > 0 else []
+        if not ready:
+            why = f"timeout: exceeded {req['timeout_s']}s wall clock"
             break
-        chunk = os.read(r, 65536)
-        if not chunk:
-            break
-        buf += chunk
-    os.close(r)
-    if timed_out:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+        for fd in ready:
+            chunk = os.read(fd, 65536)
+            if not chunk:
+                open_fds.discard(fd)
+                continue
+            bufs[fd] += chunk
+            if len(bufs[fd]) > limit:
+                why = f"output limit: more than {limit} bytes"
+                open_fds.clear()
+                break
+    if why is not None:
+        _kill_group(pid)
     _, status = os.waitpid(pid, 0)
-    if timed_out:
-        return {"ok": False, "error": f"timeout: grader exceeded {req['timeout_s']}s wall clock"}
-    try:
-        return json.loads(buf.decode())
-    except ValueError:
+    for fd in bufs:
+        os.close(fd)
+    if why is not None:
+        return {"ok": False, "error": why}
+    reply = _validate(bufs[result_r], req["nonce"], req["kind"])
+    if reply is None:
         if os.WIFSIGNALED(status):
             sig = signal.Signals(os.WTERMSIG(status)).name
-            why = "cpu time limit" if sig == "SIGXCPU" else f"killed by {sig}"
-            return {"ok": False, "error": f"grader process died: {why}"}
-        return {"ok": False, "error": f"grader process died without a reply (status {status})"}
+            return {"ok": False, "error": "process died: " + ("cpu time limit" if sig == "SIGXCPU" else f"killed by {sig}")}
+        if bufs[result_r]:
+            return {"ok": False, "error": "malformed or forged reply frame", "sandbox_failure": True}
+        return {"ok": False, "error": f"process exited without a reply (status {status})"}
+    if cap_r is not None:
+        reply["stdout"] = bufs[cap_r].decode("utf-8", "replace")
+    return reply
 
 
 def _read_exact(fd, n):
@@ -161,10 +350,26 @@ def _read_exact(fd, n):
     return buf
 
 
+def _handle(jail, body):
+    req = json.loads(body.decode())
+    try:
+        reply = _serve_one(jail, req)
+    except Exception as e:  # noqa: BLE001 - reported to the parent as a sandbox failure of this call
+        reply = {"ok": False, "error": f"zygote error: {_err(e)}", "sandbox_failure": True}
+    reply["nonce"] = req["nonce"]
+    return reply
+
+
 def main():
+    cfg = json.loads(sys.argv[1])
     inp, out = os.dup(0), os.dup(1)
     devnull = os.open(os.devnull, os.O_RDWR)
-    os.dup2(devnull, 1)  # stray prints from this process can never reach the protocol channel
+    for fd in (0, 1):
+        os.dup2(devnull, fd)  # stray prints from this process can never reach the protocol channel
+    os.close(devnull)
+    jail = _Jail(cfg)
+    hello = json.dumps({"ready": True, "pid": os.getpid(), "seccomp": jail.filter is not None}).encode()
+    os.write(out, struct.pack(">I", len(hello)) + hello)
     while True:
         hdr = _read_exact(inp, 4)
         if hdr is None:
@@ -172,8 +377,8 @@ def main():
         body = _read_exact(inp, struct.unpack(">I", hdr)[0])
         if body is None:
             return
-        reply = json.dumps(_serve_one(json.loads(body.decode()))).encode()
-        data = struct.pack(">I", len(reply)) + reply
+        data = json.dumps(_handle(jail, body)).encode()
+        data = struct.pack(">I", len(data)) + data
         while data:
             data = data[os.write(out, data):]
 
