@@ -31,6 +31,8 @@ it runs outside the venv.
 """
 
 # The modules marked F401 are preloaded: code in the jail can import only what is already in sys.modules.
+import _posixsubprocess  # noqa: F401 - see socket
+import _socket  # noqa: F401 - see socket
 import abc  # noqa: F401
 import array  # noqa: F401
 import base64  # noqa: F401
@@ -47,8 +49,10 @@ import datetime  # noqa: F401
 import decimal  # noqa: F401
 import difflib  # noqa: F401
 import enum  # noqa: F401
+import errno  # noqa: F401
 import fractions  # noqa: F401
 import functools  # noqa: F401
+import gc  # noqa: F401
 import hashlib  # noqa: F401
 import heapq  # noqa: F401
 import html  # noqa: F401
@@ -66,9 +70,11 @@ import re  # noqa: F401
 import resource
 import select
 import signal
+import socket  # noqa: F401 - preloaded so that attacks meet the OS barriers, not a missing module
 import statistics  # noqa: F401
 import string  # noqa: F401
 import struct
+import subprocess  # noqa: F401 - see socket
 import sys
 import textwrap  # noqa: F401
 import time
@@ -331,7 +337,8 @@ def _serve_one(jail, req):
     if reply is None:
         if os.WIFSIGNALED(status):
             sig = signal.Signals(os.WTERMSIG(status)).name
-            return {"ok": False, "error": "process died: " + ("cpu time limit" if sig == "SIGXCPU" else f"killed by {sig}")}
+            why = "cpu time limit" if sig == "SIGXCPU" else f"killed by {sig}"
+            return {"ok": False, "error": f"process died: {why}"}
         if bufs[result_r]:
             return {"ok": False, "error": "malformed or forged reply frame", "sandbox_failure": True}
         return {"ok": False, "error": f"process exited without a reply (status {status})"}

@@ -372,6 +372,12 @@ class GraderSandbox:
         with self._lock:
             self._kill()
 
+    def __enter__(self) -> GraderSandbox:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
     def __del__(self):
         try:
             self._kill()
@@ -454,6 +460,12 @@ class GraderPool:
                 self._executor = None
         for sb in self._all:
             sb.close()
+
+    def __enter__(self) -> GraderPool:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
 
 _SHARED: dict[tuple[SandboxLimits, int], GraderPool] = {}

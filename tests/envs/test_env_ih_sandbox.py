@@ -1,7 +1,6 @@
-"""Sandboxed IH-Challenge graders and the JSONL loader (issue #8 (b), SPEC A.1.4)."""
+"""Sandboxed IH-Challenge graders and the JSONL loader (issue #8 (b), SPEC A.1.4); attacks: test_env_sandbox_attacks."""
 
 import json
-import os
 import time
 from pathlib import Path
 
@@ -58,40 +57,7 @@ def test_crash_and_non_bool_raise_grader_error(sandbox, src, msg):
         sandbox.run(src, "out")
 
 
-def test_network_is_blocked(sandbox):
-    via_module = (
-        "import socket\n"
-        "def grade_output_correct(output):\n"
-        "    socket.create_connection(('127.0.0.1', 9))\n"
-        "    return True\n"
-    )
-    via_c_module = (  # bypasses the patched `socket` module: the audit hook must still stop it
-        "import _socket\n"
-        "def grade_output_correct(output):\n"
-        "    _socket.socket()\n"
-        "    return True\n"
-    )
-    for src in (via_module, via_c_module):
-        with pytest.raises(GraderError, match="(?i)network|not allowed"):
-            sandbox.run(src, "out")
-
-
-def test_no_processes_no_file_writes_no_secrets(sandbox, tmp_path):
-    spawn = "import subprocess\ndef grade_output_correct(output):\n    subprocess.run(['true'])\n    return True\n"
-    with pytest.raises(GraderError, match="not allowed"):
-        sandbox.run(spawn, "out")
-    target = tmp_path / "pwned.txt"
-    write = f"def grade_output_correct(output):\n    open({str(target)!r}, 'w').write('x')\n    return True\n"
-    with pytest.raises(GraderError, match="not allowed"):
-        sandbox.run(write, "out")
-    assert not target.exists()
-    os.environ["CLAAS_TEST_SECRET_TOKEN"] = "hunter2"
-    try:
-        sandbox.close()  # the next call starts a fresh zygote, after the variable was set
-        leak = "import os\ndef grade_output_correct(output):\n    return 'CLAAS_TEST_SECRET_TOKEN' in os.environ\n"
-        assert sandbox.run(leak, "out") is False
-    finally:
-        del os.environ["CLAAS_TEST_SECRET_TOKEN"]
+# Network, process, file and secret attacks: tests/envs/test_env_sandbox_attacks.py.
 
 
 def test_timeout_and_cpu_limit_then_sandbox_still_works():
