@@ -8,9 +8,12 @@ Use from a recipe::
 
 ``compute_score(data_source, solution_str, ground_truth, extra_info=None) -> float`` returns
 1.0 for a correct answer and 0.0 otherwise. Any ``<think>…</think>`` block is removed first,
-so only the final answer is graded. ``openai/gsm8k`` rows (the ``arith`` domain) are handed
-to verl's own scorer so a recipe can mix them with the tiny domains. This file imports
-nothing from claas_verl, because verl loads it by path.
+so only the final answer is graded. ``claas_tiny/code`` rows whose ground truth is a JSON test
+specification (``{"tests": [...]}``, see :mod:`claas_verl.envs.code_reward`) run the response's program
+against those tests in the OS sandbox of :mod:`claas_verl.envs.sandbox`; other code rows are output
+prediction, graded by string match. ``openai/gsm8k`` rows (the ``arith`` domain) are handed
+to verl's own scorer so a recipe can mix them with the tiny domains. verl loads this file by path,
+so it imports claas_verl only inside the program-running path.
 """
 
 from __future__ import annotations
@@ -46,8 +49,20 @@ def _math(answer: str, truth: str) -> float:
 
 
 def _code(answer: str, truth: str) -> float:
-    blocks = _CODE_BLOCK.findall(answer)
+    if truth.lstrip().startswith("{"):  # a test specification: run the program (claas_verl.envs.code_reward)
+        return _run_code_tests(answer, truth)
+    blocks = _CODE_BLOCK.findall(answer)  # output prediction: string match, nothing runs
     return float(bool(blocks) and blocks[-1].strip() == truth)
+
+
+def _run_code_tests(answer: str, truth: str) -> float:
+    # Imported here only: verl loads this file by path, and only program-running rows need the sandbox.
+    # verl's reward loop needs a float, so a sandbox failure (reward None in SPEC A.1.4, counted and logged
+    # by the sandbox) scores 0.0 here; a machine that cannot isolate raises SandboxUnavailable instead.
+    from claas_verl.envs.code_reward import code_reward
+
+    reward = code_reward(answer, truth)
+    return 0.0 if reward is None else reward
 
 
 def _safety(answer: str, truth: str) -> float:
