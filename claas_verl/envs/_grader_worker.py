@@ -3,21 +3,25 @@
 Started by :mod:`claas_verl.envs.sandbox` as ``python -I -S <this file> <config json>``, normally under
 ``unshare --net --pid --fork --mount --mount-proc`` so that this process is PID 1 of a fresh PID
 namespace, in a network namespace with no usable interface (only ``lo``, down) and a private mount
-namespace. It never runs untrusted code itself. Per request it opens a *fresh* result pipe and forks a
-child that, before touching the request's code:
+namespace. It never runs untrusted code itself. It keeps one *spare* child forked ahead of time, with a
+fresh request pipe, result pipe and stdout pipe; the spare jails itself at once and only then waits for its
+request, so neither the fork nor the jail is on a call's path. The spare, before it reads anything of the call:
 
 1. starts its own session / process group (the wall-clock kill is ``killpg``),
-2. points fd 0 and 2 at ``/dev/null``, fd 1 at ``/dev/null`` (grader) or at a capture pipe (program),
-   moves its result pipe to fd 3 and closes every other descriptor (the zygote's protocol pipes included),
+2. points fd 0 and 2 at ``/dev/null`` and fd 1 at its stdout pipe, puts its result pipe on fd 3 and its
+   request pipe on fd 4 (closed once read), and closes every other descriptor (the zygote's protocol pipes
+   included),
 3. ``chroot``\\ s into an empty read-only directory (no file, no ``/proc``, no device is visible; only the
    modules preloaded below can be imported) when it has the right to,
-4. drops to ``nobody`` (uid/gid 65534, no supplementary groups) when started as root,
+4. drops to ``nobody`` (uid/gid 65534, no supplementary groups) when started as root, and asks to be
+   killed when the zygote dies (``PR_SET_PDEATHSIG``),
 5. sets rlimits: CPU seconds, address space, no file writes (FSIZE 0), no processes (NPROC 0), few fds,
    no core dumps,
 6. sets ``no_new_privs`` and loads a seccomp filter that fails process creation (fork/vfork/clone/clone3,
    execve/execveat), sockets (socket/socketpair/connect/bind/listen/accept), file creation and write-opens,
-   ptrace/process_vm_*, kill, mount/namespace/chroot/keyring/bpf/io_uring calls,
-7. runs the code and writes *one* JSON reply that carries the call's nonce to fd 3, then ``_exit``\\ s.
+   ptrace/process_vm_*, kill, mount/namespace/chroot/keyring/bpf/io_uring calls, uid changes,
+7. reads its one request, runs the code and writes *one* JSON reply that carries the call's nonce to fd 3,
+   then ``_exit``\\ s. A grader's stdout is drained and dropped; a program's (IO tests) is returned.
 
 The zygote reads at most ``max_output_bytes`` from the result and capture pipes, kills the child's process
 group at the wall-clock limit or when the output limit is crossed, and answers the parent with a reply that
@@ -25,7 +29,10 @@ echoes the request nonce. Child replies are validated (JSON object, the call's n
 else is reported as an error of that call, never passed on. Since each call has its own pipe and the zygote's
 pipes are closed in the child, no call can write into another call's verdict.
 
-Protocol with the parent on fd 0/1: 4-byte big-endian length + UTF-8 JSON, one reply per request.
+Protocol with the parent on fd 0/1: a request is a length-prefixed (4-byte big-endian) JSON header (nonce,
+kind, mode, limits) and a length-prefixed payload (code and inputs, JSON) that only the child parses; the
+zygote hands the payload over and zeroes its buffer before forking the next spare, so a call never inherits
+an earlier call's code or inputs. A reply is one length-prefixed JSON object.
 This file imports only the standard library (and libseccomp through the pyseccomp file given in the config):
 it runs outside the venv.
 """
@@ -50,6 +57,7 @@ import decimal  # noqa: F401
 import difflib  # noqa: F401
 import enum  # noqa: F401
 import errno  # noqa: F401
+import fcntl
 import fractions  # noqa: F401
 import functools  # noqa: F401
 import gc  # noqa: F401
@@ -86,8 +94,11 @@ import unicodedata  # noqa: F401
 unicodedata.normalize("NFKC", "x")  # load the unicode database now, not in the jail
 
 NOBODY = 65534
+_PR_SET_PDEATHSIG = 1
 _PR_SET_NO_NEW_PRIVS = 38
 _RESULT_FD = 3
+_REQUEST_FD = 4
+_READY_TIMEOUT_S = 30.0
 _MAX_ERROR_CHARS = 2000
 
 # errno values: EPERM 1, EACCES 13, ENOSYS 38
@@ -145,18 +156,22 @@ class _Jail:
     def __init__(self, cfg):
         self.root = cfg.get("root")  # empty directory to chroot into, or None
         self.drop_uid = bool(cfg.get("drop_uid")) and os.geteuid() == 0
+        self.cpu_s, self.memory_mb = int(cfg["cpu_s"]), int(cfg["memory_mb"])
         sc = _load_seccomp(cfg.get("pyseccomp"))
         self.filter = _build_filter(sc) if sc is not None else None
         self.libc = ctypes.CDLL(None, use_errno=True)
         self.devnull = os.open(os.devnull, os.O_RDWR)  # kept open: the jail has no /dev
 
-    def enter(self, result_w, stdout_fd, cpu_s, memory_mb):
+    def enter(self, req_r, result_w, stdout_w):
         os.setsid()
+        # move the three pipe ends out of the way first, so that no dup2 below clobbers another one
+        high = [fcntl.fcntl(fd, fcntl.F_DUPFD, 64) for fd in (stdout_w, result_w, req_r)]
         os.dup2(self.devnull, 0)
-        os.dup2(stdout_fd if stdout_fd is not None else self.devnull, 1)
+        os.dup2(high[0], 1)
         os.dup2(self.devnull, 2)
-        os.dup2(result_w, _RESULT_FD)
-        os.closerange(_RESULT_FD + 1, resource.getrlimit(resource.RLIMIT_NOFILE)[0])
+        os.dup2(high[1], _RESULT_FD)
+        os.dup2(high[2], _REQUEST_FD)
+        os.closerange(_REQUEST_FD + 1, resource.getrlimit(resource.RLIMIT_NOFILE)[0])
         if self.root:
             os.chroot(self.root)
             os.chdir("/")
@@ -164,8 +179,10 @@ class _Jail:
             os.setgroups([])
             os.setresgid(NOBODY, NOBODY, NOBODY)
             os.setresuid(NOBODY, NOBODY, NOBODY)
-        resource.setrlimit(resource.RLIMIT_CPU, (cpu_s, cpu_s + 1))
-        mem = memory_mb * 1024 * 1024
+        # after the uid change, which clears it: the child dies with the zygote even outside a PID namespace
+        self.libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        resource.setrlimit(resource.RLIMIT_CPU, (self.cpu_s, self.cpu_s + 1))
+        mem = self.memory_mb * 1024 * 1024
         resource.setrlimit(resource.RLIMIT_AS, (mem, mem))
         resource.setrlimit(resource.RLIMIT_FSIZE, (0, 0))
         resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
@@ -236,22 +253,34 @@ def _run_program(req):
     return {"ok": True, "results": results}
 
 
-def _child(jail, req, result_w, stdout_fd):
+def _child(jail, req_r, result_w, stdout_w):
+    """A spare: jail itself, say ``R`` on fd 3 (or ``E`` + why, and exit), wait for its one request on fd 4,
+    run it, answer on fd 3, exit. The ready byte is read by the zygote before any request is handed over,
+    so untrusted code can never fake a setup failure."""
     try:
-        jail.enter(result_w, stdout_fd, int(req["cpu_s"]), int(req["memory_mb"]))
+        jail.enter(req_r, result_w, stdout_w)
     except BaseException as e:  # noqa: BLE001 - the jail could not be built: say so, run nothing
-        reply = {"ok": False, "error": f"sandbox setup failed: {_err(e)}", "sandbox_failure": True}
-    else:
         try:
-            reply = _run_grader(req) if req["kind"] == "grade" else _run_program(req)
-        except BaseException as e:  # noqa: BLE001 - any failure of the code is a reported error
-            reply = {"ok": False, "error": _err(e)}
-    reply["nonce"] = req["nonce"]
+            os.write(result_w, b"E" + _err(e).encode("utf-8", "replace"))
+        finally:
+            os._exit(0)
+    os.write(_RESULT_FD, b"R")
+    nonce = None
+    try:
+        hdr = _read_exact(_REQUEST_FD, 4)
+        req = json.loads(_read_exact(_REQUEST_FD, struct.unpack(">I", hdr)[0]).decode())
+        os.close(_REQUEST_FD)
+        nonce = req["nonce"]
+        reply = _run_grader(req) if req["kind"] == "grade" else _run_program(req)
+    except BaseException as e:  # noqa: BLE001 - any failure of the code is a reported error
+        reply = {"ok": False, "error": _err(e)}
+    reply["nonce"] = nonce
     try:
         data = json.dumps(reply).encode()
     except BaseException as e:  # noqa: BLE001
-        data = json.dumps({"ok": False, "error": f"unencodable reply: {_err(e)}", "nonce": req["nonce"]}).encode()
+        data = json.dumps({"ok": False, "error": f"unencodable reply: {_err(e)}", "nonce": nonce}).encode()
     try:
+        sys.stdout.flush()
         while data:
             data = data[os.write(_RESULT_FD, data):]
     finally:
@@ -275,8 +304,7 @@ def _validate(buf, nonce, kind):
     if not isinstance(reply, dict) or reply.get("nonce") != nonce or not isinstance(reply.get("ok"), bool):
         return None
     if not reply["ok"]:
-        return {"ok": False, "error": str(reply.get("error", "error"))[:_MAX_ERROR_CHARS],
-                "sandbox_failure": reply.get("sandbox_failure") is True}
+        return {"ok": False, "error": str(reply.get("error", "error"))[:_MAX_ERROR_CHARS]}
     if kind == "grade":
         return {"ok": True, "value": reply["value"]} if isinstance(reply.get("value"), bool) else None
     if "results" in reply:
@@ -290,27 +318,65 @@ def _validate(buf, nonce, kind):
     return {"ok": True}
 
 
-def _serve_one(jail, req):
-    result_r, result_w = os.pipe()
-    cap_r = cap_w = None
-    if req["kind"] == "program" and req["mode"] == "io":
-        cap_r, cap_w = os.pipe()
-    pid = os.fork()
-    if pid == 0:
-        os.close(result_r)
-        if cap_r is not None:
-            os.close(cap_r)
-        _child(jail, req, result_w, cap_w)
-    os.close(result_w)
-    if cap_w is not None:
-        os.close(cap_w)
+class _Spare:
+    """A forked child that has jailed itself and waits for its request (fork and jail are off the call's path)."""
+
+    def __init__(self, jail):
+        req_r, self.req_w = os.pipe()
+        self.result_r, result_w = os.pipe()
+        self.cap_r, cap_w = os.pipe()
+        self.pid = os.fork()
+        if self.pid == 0:
+            _child(jail, req_r, result_w, cap_w)
+        for fd in (req_r, result_w, cap_w):
+            os.close(fd)
+
+    def discard(self):
+        _kill_group(self.pid)
+        os.waitpid(self.pid, 0)
+        for fd in (self.req_w, self.result_r, self.cap_r):
+            os.close(fd)
+
+
+def _await_ready(spare):
+    """None when the spare jailed itself (it wrote ``R``), else why not: a sandbox failure, no code has run."""
+    if not select.select([spare.result_r], [], [], _READY_TIMEOUT_S)[0]:
+        return f"sandbox: the jail was not ready within {_READY_TIMEOUT_S}s"
+    first = os.read(spare.result_r, 1)
+    if first == b"R":
+        return None
+    rest = os.read(spare.result_r, _MAX_ERROR_CHARS) if first else b""
+    return "sandbox: jail setup failed: " + rest.decode("utf-8", "replace")
+
+
+def _hand_over(spare, payload):
+    """Write the payload to the ready spare's request pipe, then zero it: no later spare inherits its content."""
+    view = memoryview(payload)
+    try:
+        why = _await_ready(spare)
+        if why is not None:
+            return why
+        os.write(spare.req_w, struct.pack(">I", len(payload)))
+        while view:  # the spare reads as we write; a dead spare makes this fail (EPIPE), not hang
+            view = view[os.write(spare.req_w, view):]
+        return None
+    except OSError as e:
+        return f"sandbox: could not hand the request over: {e}"
+    finally:
+        view.release()
+        payload[:] = bytes(len(payload))
+        os.close(spare.req_w)
+
+
+def _serve_one(spare, req, why):
+    """Collect the frame and stdout of ``spare`` (its request handed over) within the limits, reap it."""
+    kind = req["kind"]
+    keep_stdout = kind == "program" and req["mode"] == "io"
     limit = int(req["max_output_bytes"])
     deadline = time.monotonic() + float(req["timeout_s"])
-    bufs = {result_r: b""}
-    if cap_r is not None:
-        bufs[cap_r] = b""
-    open_fds, why = set(bufs), None
-    while open_fds:
+    bufs = {spare.result_r: b"", spare.cap_r: b""}
+    open_fds = set(bufs)
+    while open_fds and why is None:
         left = deadline - time.monotonic()
         ready = select.select(list(open_fds), [], [], left)[0] if left > 0 else []
         if not ready:
@@ -321,30 +387,45 @@ def _serve_one(jail, req):
             if not chunk:
                 open_fds.discard(fd)
                 continue
+            if fd == spare.cap_r and not keep_stdout:
+                continue  # a grader's prints: drained and dropped
             bufs[fd] += chunk
             if len(bufs[fd]) > limit:
                 why = f"output limit: more than {limit} bytes"
-                open_fds.clear()
                 break
     if why is not None:
-        _kill_group(pid)
-    _, status = os.waitpid(pid, 0)
+        _kill_group(spare.pid)
+    _, status = os.waitpid(spare.pid, 0)
     for fd in bufs:
         os.close(fd)
     if why is not None:
-        return {"ok": False, "error": why}
-    reply = _validate(bufs[result_r], req["nonce"], req["kind"])
+        return {"ok": False, "error": why, "sandbox_failure": why.startswith("sandbox:")}
+    reply = _validate(bufs[spare.result_r], req["nonce"], kind)
     if reply is None:
         if os.WIFSIGNALED(status):
             sig = signal.Signals(os.WTERMSIG(status)).name
             why = "cpu time limit" if sig == "SIGXCPU" else f"killed by {sig}"
             return {"ok": False, "error": f"process died: {why}"}
-        if bufs[result_r]:
-            return {"ok": False, "error": "malformed or forged reply frame", "sandbox_failure": True}
+        if bufs[spare.result_r]:
+            return {"ok": False, "error": "malformed or forged reply frame", "forged": True}
         return {"ok": False, "error": f"process exited without a reply (status {status})"}
-    if cap_r is not None:
-        reply["stdout"] = bufs[cap_r].decode("utf-8", "replace")
+    if keep_stdout and reply["ok"]:
+        reply["stdout"] = bufs[spare.cap_r].decode("utf-8", "replace")
     return reply
+
+
+def _read_into(fd, n):
+    """``n`` bytes into a fresh bytearray (no intermediate bytes objects left on the heap), or None at EOF."""
+    buf = bytearray(n)
+    view, got = memoryview(buf), 0
+    while got < n:
+        k = os.readv(fd, [view[got:]])
+        if not k:
+            view.release()
+            return None
+        got += k
+    view.release()
+    return buf
 
 
 def _read_exact(fd, n):
@@ -357,16 +438,6 @@ def _read_exact(fd, n):
     return buf
 
 
-def _handle(jail, body):
-    req = json.loads(body.decode())
-    try:
-        reply = _serve_one(jail, req)
-    except Exception as e:  # noqa: BLE001 - reported to the parent as a sandbox failure of this call
-        reply = {"ok": False, "error": f"zygote error: {_err(e)}", "sandbox_failure": True}
-    reply["nonce"] = req["nonce"]
-    return reply
-
-
 def main():
     cfg = json.loads(sys.argv[1])
     inp, out = os.dup(0), os.dup(1)
@@ -377,18 +448,30 @@ def main():
     jail = _Jail(cfg)
     hello = json.dumps({"ready": True, "pid": os.getpid(), "seccomp": jail.filter is not None}).encode()
     os.write(out, struct.pack(">I", len(hello)) + hello)
+    spare = _Spare(jail)
     while True:
+        # frame: 4-byte length + header JSON (nonce, kind, mode, limits), 4-byte length + payload (the code,
+        # its inputs; only the child parses it)
         hdr = _read_exact(inp, 4)
-        if hdr is None:
+        header = None if hdr is None else _read_exact(inp, struct.unpack(">I", hdr)[0])
+        size = None if header is None else _read_exact(inp, 4)
+        payload = None if size is None else _read_into(inp, struct.unpack(">I", size)[0])
+        if payload is None:
+            spare.discard()
             return
-        body = _read_exact(inp, struct.unpack(">I", hdr)[0])
-        if body is None:
-            return
-        data = json.dumps(_handle(jail, body)).encode()
+        req = json.loads(header.decode())
+        current = spare
+        why = _hand_over(current, payload)
+        spare = _Spare(jail)  # the next call's spare forks and jails while this one runs
+        try:
+            reply = _serve_one(current, req, why)
+        except Exception as e:  # noqa: BLE001 - reported to the parent as a sandbox failure of this call
+            reply = {"ok": False, "error": f"zygote error: {_err(e)}", "sandbox_failure": True}
+        reply["nonce"] = req["nonce"]
+        data = json.dumps(reply).encode()
         data = struct.pack(">I", len(data)) + data
         while data:
             data = data[os.write(out, data):]
-
 
 if __name__ == "__main__":
     main()

@@ -22,8 +22,12 @@ Instead of ``system_prompt``/``user_turns`` a line may carry OpenAI-style
 the system messages are joined into the system prompt, user messages become
 the turns, assistant messages are ignored (the defender's replies are generated).
 
-Graders run in the sandbox of :mod:`claas_verl.envs.sandbox` (separate process,
-time/memory limits, no network, stdlib only). They receive the *visible* reply
+Graders run in the OS sandbox of :mod:`claas_verl.envs.sandbox` (per call: own network and PID
+namespaces, empty chroot, uid nobody, seccomp, time/memory/output limits; stdlib only), in a process-wide
+pool of ``n_workers`` sandboxes so concurrent rollouts grade in parallel. :class:`IHChallengeEnv` refuses
+to load (``SandboxUnavailable``) on a machine that cannot isolate them, unless the ``sandbox`` config sets
+``allow_weak_isolation: true``. A grader failure of any kind, sandbox failures included, is reward None
+(SPEC A.1.4). They receive the *visible* reply
 (thinking stripped) and, if they take two positional parameters, the
 concatenated user messages up to the graded turn (001 App.). Grader source is
 compiled (not run) at load time so a syntax error is reported with its line.
@@ -38,7 +42,7 @@ from pathlib import Path
 from typing import Any
 
 from claas_verl.envs.base import DEFAULT_MAX_TURNS, GENERIC_FAIL_FEEDBACK, Environment, Scenario
-from claas_verl.envs.sandbox import DEFAULT_LIMITS, SandboxedVerifier, SandboxLimits
+from claas_verl.envs.sandbox import DEFAULT_LIMITS, SandboxedVerifier, SandboxLimits, require_isolation, shared_pool
 
 FIELD_ALIASES: dict[str, tuple[str, ...]] = {
     "id": ("id", "scenario_id", "uid", "name"),
@@ -140,16 +144,21 @@ def load_ih_challenge_jsonl(path: str | Path, max_turns: int = DEFAULT_MAX_TURNS
 
 
 class IHChallengeEnv(Environment):
-    """Scenarios from an IH-Challenge-style JSONL file; ``close()`` stops this process's grader sandboxes."""
+    """Scenarios from an IH-Challenge-style JSONL file; ``close()`` stops this process's grader sandboxes.
+
+    ``n_workers``: sandboxes in the process-wide grading pool (parallel grading); ``limits``: per-call limits
+    and the weak-isolation opt-in. Fails fast with ``SandboxUnavailable`` on a machine that cannot isolate.
+    """
 
     name = "ih_challenge"
 
     def __init__(self, path: str | Path, max_turns: int = DEFAULT_MAX_TURNS,
                  limits: SandboxLimits = DEFAULT_LIMITS, n_workers: int = 1):
+        if not (isinstance(n_workers, int) and n_workers >= 1):
+            raise ValueError(f"ih_challenge: n_workers must be an int >= 1 (grader sandboxes), got {n_workers!r}")
+        require_isolation(limits)
         self.limits, self.n_workers = limits, n_workers
         super().__init__(load_ih_challenge_jsonl(path, max_turns, limits, n_workers))
 
     def close(self) -> None:
-        from claas_verl.envs.sandbox import shared_pool
-
         shared_pool(self.limits, self.n_workers).close()

@@ -7,7 +7,8 @@ What a call gets (see :mod:`claas_verl.envs._grader_worker` for the mechanics)
 --------------------------------------------------------------------------------
 Each :class:`GraderSandbox` starts one *zygote* (``python -I -S``: no site-packages, empty environment) under
 ``unshare --net --pid --fork --mount --mount-proc`` (as root; ``--user --map-root-user`` is added otherwise),
-which forks one child per call. The child, before running anything of the call:
+which keeps one child forked and jailed ahead of each call (fork and jail cost are off the call's path).
+The child, before it reads anything of the call:
 
 - lives in a network namespace with no usable interface and a PID namespace where it sees no other process;
 - ``chroot``\\ s into an empty read-only directory: no file of the host (no ``/proc/<pid>/environ``, no
@@ -15,8 +16,8 @@ which forks one child per call. The child, before running anything of the call:
 - runs as ``nobody`` (uid/gid 65534) when the trainer runs as root, with ``no_new_privs``;
 - has a seccomp filter (libseccomp through ``pyseccomp``) that fails fork/clone/exec, every socket call,
   write-opens and file creation, ptrace, kill, mount/namespace calls (``_grader_worker._DENY_EPERM``);
-- holds exactly four descriptors: ``/dev/null`` on 0 and 2, ``/dev/null`` or a capture pipe on 1, and a
-  result pipe created for this call on 3;
+- holds exactly four descriptors: ``/dev/null`` on 0 and 2, a stdout pipe on 1 (dropped for graders,
+  compared for programs) and a result pipe created for this call on 3;
 - has rlimits on CPU seconds, address space, file size (0), processes (0), descriptors and core dumps;
 - is killed with its whole process group at the wall-clock limit, or when its output exceeds
   ``max_output_bytes``.
@@ -30,7 +31,7 @@ the zygote is recycled so the next call starts clean. :meth:`GraderSandbox.run` 
 
 Where the kernel refuses namespaces, or ``pyseccomp``/libseccomp is missing, a sandbox refuses to start
 (:class:`SandboxUnavailable`) unless ``SandboxLimits(allow_weak_isolation=True)`` (recipe:
-``env.sandbox.allow_weak_isolation: true``) opts in; it then runs with what is left (chroot, uid drop,
+``+claas.env.kwargs.sandbox.allow_weak_isolation=true``) opts in; it then runs with what is left (chroot, uid drop,
 seccomp, rlimits, as available) and logs a warning at every zygote start.
 
 Graders
@@ -193,6 +194,20 @@ def probe_isolation() -> IsolationSupport:
     return IsolationSupport((), seccomp, root, detail)
 
 
+def require_isolation(limits: SandboxLimits = DEFAULT_LIMITS,
+                      isolation: IsolationSupport | None = None) -> IsolationSupport:
+    """The machine's isolation support; :class:`SandboxUnavailable` when it is weak and ``limits`` did not opt in."""
+    iso = isolation if isolation is not None else probe_isolation()
+    if not iso.strong and not limits.allow_weak_isolation:
+        raise SandboxUnavailable(
+            "refusing to run untrusted code: this machine lacks " + "; ".join(iso.missing())
+            + ". Fix the machine (run as root or allow unprivileged user namespaces; install pyseccomp), or "
+            "accept weaker isolation explicitly with SandboxLimits(allow_weak_isolation=True) "
+            "(recipe: +claas.env.kwargs.sandbox.allow_weak_isolation=true)."
+        )
+    return iso
+
+
 def _clean_env() -> dict[str, str]:
     # Nothing from the parent environment (API keys, tokens, proxies) reaches the zygote.
     return {"PATH": os.defpath, "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8"}
@@ -203,13 +218,14 @@ class SandboxStats:
     """Counters of one sandbox (or a pool's sum). ``sandbox_failures``: protocol/setup failures (reward None)."""
 
     calls: int = 0
-    code_errors: int = 0  # the untrusted code failed: exception, timeout, limit, non-bool
-    sandbox_failures: int = 0
+    code_errors: int = 0  # the untrusted code failed: exception, timeout, limit, non-bool, forged frame
+    forged_frames: int = 0  # of which: the code wrote a malformed or foreign frame on its result pipe
+    sandbox_failures: int = 0  # the trusted side failed: zygote/protocol/jail setup (reward None)
     restarts: int = 0
 
     def __add__(self, other: SandboxStats) -> SandboxStats:
-        return SandboxStats(*(getattr(self, f) + getattr(other, f) for f in ("calls", "code_errors",
-                                                                              "sandbox_failures", "restarts")))
+        names = ("calls", "code_errors", "forged_frames", "sandbox_failures", "restarts")
+        return SandboxStats(*(getattr(self, f) + getattr(other, f) for f in names))
 
 
 class _SandboxFailure(Exception):
@@ -225,14 +241,7 @@ class GraderSandbox:
 
     def __init__(self, limits: SandboxLimits = DEFAULT_LIMITS, isolation: IsolationSupport | None = None):
         self.limits = limits
-        self.isolation = isolation if isolation is not None else probe_isolation()
-        if not self.isolation.strong and not limits.allow_weak_isolation:
-            raise SandboxUnavailable(
-                "refusing to run untrusted code: this machine lacks " + "; ".join(self.isolation.missing())
-                + ". Fix the machine (run as root or allow unprivileged user namespaces; install pyseccomp), or "
-                "accept weaker isolation explicitly with SandboxLimits(allow_weak_isolation=True) "
-                "(recipe: env.sandbox.allow_weak_isolation=true)."
-            )
+        self.isolation = require_isolation(limits, isolation)
         self._lock = threading.Lock()
         self._proc: subprocess.Popen | None = None
         self._root: str | None = None
@@ -254,7 +263,8 @@ class GraderSandbox:
         self._root = tempfile.mkdtemp(prefix="claas_jail_") if can_chroot else None
         if self._root is not None:
             os.chmod(self._root, 0o555)
-        cfg = {"root": self._root, "drop_uid": iso.root, "pyseccomp": iso.seccomp_path}
+        cfg = {"root": self._root, "drop_uid": iso.root, "pyseccomp": iso.seccomp_path,
+               "cpu_s": self.limits.cpu_s, "memory_mb": self.limits.memory_mb}
         cmd = [*iso.unshare_args, sys.executable, "-I", "-S", _WORKER, json.dumps(cfg)]
         self._proc = subprocess.Popen(
             cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
@@ -309,15 +319,17 @@ class GraderSandbox:
         """One request -> the zygote's validated reply. Raises only :class:`GraderError` (sandbox failures counted)."""
         nonce = secrets.token_hex(16)
         lim = self.limits
-        body = json.dumps({**req, "nonce": nonce, "timeout_s": lim.timeout_s, "cpu_s": lim.cpu_s,
-                           "memory_mb": lim.memory_mb, "max_output_bytes": lim.max_output_bytes}).encode()
+        header = json.dumps({"nonce": nonce, "kind": req["kind"], "mode": req.get("mode"),
+                             "timeout_s": lim.timeout_s, "max_output_bytes": lim.max_output_bytes}).encode()
+        payload = json.dumps({**req, "nonce": nonce}).encode()
+        frame = struct.pack(">I", len(header)) + header + struct.pack(">I", len(payload)) + payload
         with self._lock:
             self.stats.calls += 1
             try:
                 if self._proc is None or self._proc.poll() is not None:
                     self._kill()
                     self._start()
-                self._proc.stdin.write(struct.pack(">I", len(body)) + body)
+                self._proc.stdin.write(frame)
                 self._proc.stdin.flush()
                 reply = self._read_frame(time.monotonic() + lim.timeout_s + _PARENT_MARGIN_S)
                 if reply.get("nonce") != nonce:
@@ -334,6 +346,7 @@ class GraderSandbox:
                     self.stats.sandbox_failures += 1
                 else:
                     self.stats.code_errors += 1
+                    self.stats.forged_frames += bool(reply.get("forged"))
             return reply
 
     # -- public ----------------------------------------------------------------------------------

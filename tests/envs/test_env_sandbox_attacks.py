@@ -146,9 +146,10 @@ def test_network_is_unreachable(sb, listener, how):
 
 def test_secret_in_another_process_environment_is_unreadable(sb):
     secret = "s3cr3t-" + os.urandom(6).hex()
-    victim = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"],
-                              env={**os.environ, "CLAAS_TRAINER_SECRET": secret})
+    victim = subprocess.Popen([sys.executable, "-c", "import time; print('up', flush=True); time.sleep(60)"],
+                              env={**os.environ, "CLAAS_TRAINER_SECRET": secret}, stdout=subprocess.PIPE)
     try:
+        assert victim.stdout.readline() == b"up\n"
         with open(f"/proc/{victim.pid}/environ", "rb") as f:
             assert secret.encode() in f.read()  # readable from outside: the attack is meaningful
         src = grader(f"""
@@ -348,3 +349,27 @@ def test_pool_grades_in_parallel_and_stays_aligned():
 
 def test_errno_module_is_available_in_the_jail(sb):
     assert sb.run(grader(f"return errno.EPERM == {errno.EPERM}", "import errno"), "x") is True
+
+
+def test_ih_challenge_env_refuses_on_a_machine_without_namespaces(monkeypatch, caplog):
+    from pathlib import Path
+
+    from claas_verl.envs import make_environment
+    from claas_verl.envs import sandbox as sandbox_mod
+
+    sample = Path(__file__).resolve().parents[2] / "examples" / "data" / "ih_challenge_sample.jsonl"
+    real = probe_isolation()
+    monkeypatch.setattr(sandbox_mod, "probe_isolation", lambda: IsolationSupport((), real.seccomp_path, real.root,
+                                                                                   "forced by the test"))
+    with pytest.raises(SandboxUnavailable, match="allow_weak_isolation"):
+        make_environment("ih_challenge", path=sample)
+    weak = {"timeout_s": 10.0, "cpu_s": 2, "memory_mb": 256, "allow_weak_isolation": True}
+    with caplog.at_level("WARNING", logger="claas_verl.envs.sandbox"):
+        env = make_environment("ih_challenge", path=sample, n_workers=2, sandbox=weak)
+        try:
+            s1 = env.scenarios()[0]
+            assert s1.grade("I cannot share that.", 0) == Grade(1.0, None)
+            assert s1.grade("It is b l u e f i n 4 2", 1).reward == 0.0
+        finally:
+            env.close()
+    assert any("WEAK ISOLATION" in r.getMessage() for r in caplog.records)
