@@ -34,6 +34,8 @@ setup(
         "pandas",
         "filelock",
         "matplotlib",
+        # seccomp filter of the grader sandbox (ctypes bindings to the system's libseccomp.so.2)
+        "pyseccomp>=0.1.2",
     ],
     extras_require={
         "test": ["pytest>=8", "hypothesis>=6", "ruff==0.14.*"],

@@ -1,7 +1,7 @@
 """Sandbox zygote: a clean stdlib-only interpreter that forks one jailed child per call (issue 13).
 
 Started by :mod:`claas_verl.envs.sandbox` as ``python -I -S <this file> <config json>``, normally under
-``unshare --net --pid --fork --mount --mount-proc`` so that this process is PID 1 of a fresh PID
+``unshare --net --pid --ipc --fork --mount --mount-proc`` so that this process is PID 1 of a fresh PID
 namespace, in a network namespace with no usable interface (only ``lo``, down) and a private mount
 namespace. It never runs untrusted code itself. It keeps one *spare* child forked ahead of time, with a
 fresh request pipe, result pipe and stdout pipe; the spare jails itself at once and only then waits for its
@@ -105,7 +105,8 @@ _MAX_ERROR_CHARS = 2000
 _DENY_EPERM = (
     "fork", "vfork", "clone", "execve", "execveat",
     "socket", "socketpair", "connect", "bind", "listen", "accept", "accept4",
-    "ptrace", "process_vm_readv", "process_vm_writev", "kill", "tkill",
+    "ptrace", "process_vm_readv", "process_vm_writev", "kill", "tkill", "rt_sigqueueinfo", "rt_tgsigqueueinfo",
+    "pidfd_open", "pidfd_send_signal", "pidfd_getfd", "shmget", "shmat", "msgget", "msgsnd", "semget", "mq_open",
     "mount", "umount2", "pivot_root", "chroot", "unshare", "setns",
     "keyctl", "add_key", "request_key", "bpf", "perf_event_open", "userfaultfd",
     "io_uring_setup", "io_uring_enter", "io_uring_register",
@@ -129,8 +130,10 @@ def _load_seccomp(path):
     return mod
 
 
-def _build_filter(sc):
+def _build_filter(sc, own_pid):
     f = sc.SyscallFilter(defaction=sc.ALLOW)
+    # signals only to itself: no call can stop or kill the spare that will serve the next call
+    f.add_rule(sc.ERRNO(1), "tgkill", sc.Arg(0, sc.NE, own_pid))
     for name in _DENY_EPERM:
         try:
             f.add_rule(sc.ERRNO(1), name)
@@ -157,8 +160,8 @@ class _Jail:
         self.root = cfg.get("root")  # empty directory to chroot into, or None
         self.drop_uid = bool(cfg.get("drop_uid")) and os.geteuid() == 0
         self.cpu_s, self.memory_mb = int(cfg["cpu_s"]), int(cfg["memory_mb"])
-        sc = _load_seccomp(cfg.get("pyseccomp"))
-        self.filter = _build_filter(sc) if sc is not None else None
+        self.seccomp = _load_seccomp(cfg.get("pyseccomp"))
+        self.filter = _build_filter(self.seccomp, os.getpid()) if self.seccomp is not None else None  # a check
         self.libc = ctypes.CDLL(None, use_errno=True)
         self.devnull = os.open(os.devnull, os.O_RDWR)  # kept open: the jail has no /dev
 
@@ -193,8 +196,8 @@ class _Jail:
             pass  # does not bind root; the seccomp filter is what stops process creation
         if self.libc.prctl(_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0:
             raise OSError(ctypes.get_errno(), "prctl(PR_SET_NO_NEW_PRIVS) failed")
-        if self.filter is not None:
-            self.filter.load()
+        if self.seccomp is not None:
+            _build_filter(self.seccomp, os.getpid()).load()
 
 
 def _call_grader(fn, output, context):

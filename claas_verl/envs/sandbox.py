@@ -6,7 +6,7 @@ Two kinds of untrusted code run here, never in the trainer's process: per-scenar
 What a call gets (see :mod:`claas_verl.envs._grader_worker` for the mechanics)
 --------------------------------------------------------------------------------
 Each :class:`GraderSandbox` starts one *zygote* (``python -I -S``: no site-packages, empty environment) under
-``unshare --net --pid --fork --mount --mount-proc`` (as root; ``--user --map-root-user`` is added otherwise),
+``unshare --net --pid --ipc --fork --mount --mount-proc`` (as root; ``--user --map-root-user`` is added otherwise),
 which keeps one child forked and jailed ahead of each call (fork and jail cost are off the call's path).
 The child, before it reads anything of the call:
 
@@ -15,7 +15,8 @@ The child, before it reads anything of the call:
   ``/etc``, no ``/dev``) is visible, and only the modules the zygote preloaded can be imported;
 - runs as ``nobody`` (uid/gid 65534) when the trainer runs as root, with ``no_new_privs``;
 - has a seccomp filter (libseccomp through ``pyseccomp``) that fails fork/clone/exec, every socket call,
-  write-opens and file creation, ptrace, kill, mount/namespace calls (``_grader_worker._DENY_EPERM``);
+  write-opens and file creation, ptrace, signals to any other process, SysV IPC, mount/namespace calls
+  (``_grader_worker._DENY_EPERM``), so a call cannot touch the spare that waits to serve the next one;
 - holds exactly four descriptors: ``/dev/null`` on 0 and 2, a stdout pipe on 1 (dropped for graders,
   compared for programs) and a result pipe created for this call on 3;
 - has rlimits on CPU seconds, address space, file size (0), processes (0), descriptors and core dumps;
@@ -98,7 +99,7 @@ logger = logging.getLogger(__name__)
 _WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_grader_worker.py")
 _PARENT_MARGIN_S = 5.0  # extra wall time granted to the zygote itself (fork + reap) before it is presumed hung
 _START_TIMEOUT_S = 60.0
-_UNSHARE_ROOT = ("--net", "--pid", "--fork", "--mount", "--mount-proc", "--kill-child")
+_UNSHARE_ROOT = ("--net", "--pid", "--ipc", "--fork", "--mount", "--mount-proc", "--kill-child")
 _UNSHARE_USER = ("--user", "--map-root-user", *_UNSHARE_ROOT)
 
 
