@@ -61,7 +61,8 @@ Programs (the code domain)
   ``__eq__``, patch ``AssertionError``): use :class:`CallTest`/:class:`IOTest` where the reward matters.
 
 All call and assertion tests of one ``run_program`` share one jailed process and the ``timeout_s``
-budget; each IO test has its own. :class:`ProgramResult` has ``status`` (``passed``, ``failed``,
+budget; each IO test has its own. ``GraderPool(n).run_programs([(source, tests), ...])`` runs many programs
+n at a time (evaluation sets). :class:`ProgramResult` has ``status`` (``passed``, ``failed``,
 ``timeout``, ``sandbox_error``), ``passed`` / ``total`` test counts, per-test ``details`` and ``reward``:
 1.0 when every test passed, 0.0 otherwise, None on a sandbox failure (SPEC A.1.4: never trained on).
 A program that crashes, times out or prints too much fails its tests (reward 0.0): that is the model's fault.
@@ -97,7 +98,9 @@ from claas_verl.envs.base import GraderError, Verdict
 logger = logging.getLogger(__name__)
 
 _WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_grader_worker.py")
-_PARENT_MARGIN_S = 5.0  # extra wall time granted to the zygote itself (fork + reap) before it is presumed hung
+# wall time granted to the zygote beyond the call's own limit before it is presumed hung: up to
+# _grader_worker._READY_TIMEOUT_S (10 s) waiting for a spare that is still jailing itself, plus reaping
+_PARENT_MARGIN_S = 15.0
 _START_TIMEOUT_S = 60.0
 _UNSHARE_ROOT = ("--net", "--pid", "--ipc", "--fork", "--mount", "--mount-proc", "--kill-child")
 _UNSHARE_USER = ("--user", "--map-root-user", *_UNSHARE_ROOT)
@@ -309,7 +312,7 @@ class GraderSandbox:
 
     def _read_frame(self, deadline: float) -> dict:
         n = struct.unpack(">I", self._read_exact(4, deadline))[0]
-        if n > self.limits.max_output_bytes + (1 << 16):
+        if n > 8 * self.limits.max_output_bytes + (1 << 16):  # JSON escaping grows text up to 6x
             raise _SandboxFailure(f"zygote frame of {n} bytes exceeds the output limit")
         reply = json.loads(self._read_exact(n, deadline).decode())
         if not isinstance(reply, dict):
@@ -434,11 +437,15 @@ class GraderPool:
     def run_program(self, source: str, tests: Sequence[Any]) -> ProgramResult:
         return _run_program_on(self.run_raw_program, source, tests)
 
-    def map(self, calls: Iterable[tuple[str, str, str]]) -> list[bool | GraderError]:
-        """Grade ``(source, output, context)`` triples in parallel; each result is a bool or the GraderError."""
+    def _pool_map(self, fn, items):
         with self._exec_lock:
             if self._executor is None:
                 self._executor = ThreadPoolExecutor(self.n_workers, thread_name_prefix="claas-grader")
+            executor = self._executor
+        return list(executor.map(fn, items))
+
+    def map(self, calls: Iterable[tuple[str, str, str]]) -> list[bool | GraderError]:
+        """Grade ``(source, output, context)`` triples in parallel; each result is a bool or the GraderError."""
 
         def one(c):
             try:
@@ -446,7 +453,14 @@ class GraderPool:
             except GraderError as e:
                 return e
 
-        return list(self._executor.map(one, list(calls)))
+        return self._pool_map(one, list(calls))
+
+    def run_programs(self, jobs: Iterable[tuple[str, Sequence[Any]]]) -> list[ProgramResult]:
+        """``run_program`` for many ``(source, tests)`` pairs, up to ``n_workers`` at a time, in input order."""
+        jobs = list(jobs)
+        for _source, tests in jobs:  # malformed tests are the caller's bug: report before anything runs
+            _check_tests(tests)
+        return self._pool_map(lambda job: self.run_program(*job), jobs)
 
     def start(self) -> None:
         """Start every zygote now (in parallel), so the first grading calls do not pay the start-up."""

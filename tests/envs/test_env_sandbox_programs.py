@@ -144,3 +144,18 @@ def test_code_reward_and_tiny_compute_score():
     assert tests == ["assert f() == 1", CallTest("f", (1,), 2, 0.1)] and timeout is None
     with pytest.raises(ValueError, match="tests\\[0\\]"):
         parse_tests({"tests": [{"input": 1}]})
+
+
+def test_run_programs_in_parallel_keeps_order(pool):
+    jobs = [(ADD, [CallTest("add", (i, 1), i + 1 + (i % 3 == 0))]) for i in range(6)]
+    assert [r.all_passed for r in pool.run_programs(jobs)] == [i % 3 != 0 for i in range(6)]
+    with pytest.raises(ValueError, match="tests\\[0\\]"):
+        pool.run_programs([(ADD, [CallTest("add", (1, 1), 2)]), (ADD, [42])])
+
+
+def test_escaped_output_cannot_turn_a_failure_into_reward_none():
+    """stdout full of control characters grows ~6x as JSON; still a plain wrong answer (0.0), not None."""
+    with GraderPool(1, SandboxLimits(timeout_s=8.0, cpu_s=2, memory_mb=256, max_output_bytes=1 << 14)) as p:
+        r = p.run_program("import sys\nsys.stdout.write('\\x01' * 16000)\n", [IOTest("", "x")])
+        assert (r.status, r.reward, r.details) == ("failed", 0.0, ("wrong output",))
+        assert p.stats.sandbox_failures == 0
