@@ -302,7 +302,7 @@ def _validate(buf, nonce, kind):
     """The child's frame -> a reply dict, or an error string when it is not a well-formed frame for this call."""
     try:
         reply = json.loads(buf.decode())
-    except ValueError:
+    except (ValueError, RecursionError):  # RecursionError: a frame nested thousands deep
         return None
     if not isinstance(reply, dict) or reply.get("nonce") != nonce or not isinstance(reply.get("ok"), bool):
         return None

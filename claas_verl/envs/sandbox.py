@@ -669,7 +669,7 @@ def _run_program_on(send, source: str, tests: Sequence[Any]) -> ProgramResult:
             else:
                 try:
                     got = json.loads(r["value"])
-                except ValueError:
+                except (ValueError, RecursionError):  # RecursionError: nested thousands deep
                     details[i] = "unreadable return value"
                     continue
                 if _close(got, _json_roundtrip(tests[i].expected), float(tests[i].atol)):

@@ -159,3 +159,12 @@ def test_escaped_output_cannot_turn_a_failure_into_reward_none():
         r = p.run_program("import sys\nsys.stdout.write('\\x01' * 16000)\n", [IOTest("", "x")])
         assert (r.status, r.reward, r.details) == ("failed", 0.0, ("wrong output",))
         assert p.stats.sandbox_failures == 0
+
+
+def test_deeply_nested_values_and_frames_are_failures_not_crashes(pool):
+    deep = "def f():\n    return eval('[' * 5000 + ']' * 5000)\n"  # json.dumps in the jail hits the recursion limit
+    assert pool.run_program(deep, [CallTest("f", (), [])]).status == "failed"
+    nested_frame = "import os\nos.write(3, b'[' * 60000)\nos._exit(0)\n"
+    r = pool.run_program(nested_frame, [CallTest("f", (), 1)])
+    assert (r.status, r.reward) == ("failed", 0.0) and "forged" in r.details[0]
+    assert pool.stats.sandbox_failures == 0
