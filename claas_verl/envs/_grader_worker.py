@@ -284,6 +284,8 @@ def _child(jail, req_r, result_w, stdout_w):
         data = json.dumps({"ok": False, "error": f"unencodable reply: {_err(e)}", "nonce": nonce}).encode()
     try:
         sys.stdout.flush()
+        os.close(1)  # stdout is complete before the frame: the zygote need not wait for this process to exit
+        data = struct.pack(">I", len(data)) + data
         while data:
             data = data[os.write(_RESULT_FD, data):]
     finally:
@@ -371,15 +373,27 @@ def _hand_over(spare, payload):
         os.close(spare.req_w)
 
 
-def _serve_one(spare, req, why):
-    """Collect the frame and stdout of ``spare`` (its request handed over) within the limits, reap it."""
+def _frame_complete(buf):
+    return len(buf) >= 4 and len(buf) >= 4 + struct.unpack(">I", buf[:4])[0]
+
+
+def _serve_one(spare, req, why, zombies):
+    """Collect the frame and stdout of ``spare`` (its request handed over) within the limits.
+
+    The child's frame is length-prefixed and written after it closed its stdout, so the reply goes back as
+    soon as both are complete; the child is then killed and reaped later (``zombies``), off the call's path.
+    """
     kind = req["kind"]
     keep_stdout = kind == "program" and req["mode"] == "io"
     limit = int(req["max_output_bytes"])
     deadline = time.monotonic() + float(req["timeout_s"])
-    bufs = {spare.result_r: b"", spare.cap_r: b""}
-    open_fds = set(bufs)
-    while open_fds and why is None:
+    res, cap = spare.result_r, spare.cap_r
+    bufs = {res: b"", cap: b""}
+    open_fds = {res, cap}
+    while why is None:
+        done = _frame_complete(bufs[res]) and (cap not in open_fds or not keep_stdout)
+        if done or not open_fds:
+            break
         left = deadline - time.monotonic()
         ready = select.select(list(open_fds), [], [], left)[0] if left > 0 else []
         if not ready:
@@ -390,31 +404,46 @@ def _serve_one(spare, req, why):
             if not chunk:
                 open_fds.discard(fd)
                 continue
-            if fd == spare.cap_r and not keep_stdout:
+            if fd == cap and not keep_stdout:
                 continue  # a grader's prints: drained and dropped
             bufs[fd] += chunk
             if len(bufs[fd]) > limit:
                 why = f"output limit: more than {limit} bytes"
                 break
-    if why is not None:
-        _kill_group(spare.pid)
-    _, status = os.waitpid(spare.pid, 0)
     for fd in bufs:
         os.close(fd)
+    if why is not None or _frame_complete(bufs[res]):
+        _kill_group(spare.pid)
+        zombies.append(spare.pid)
+        status = None
+    else:  # no complete frame and both pipes closed: the process is exiting; its status says why
+        _, status = os.waitpid(spare.pid, 0)
     if why is not None:
         return {"ok": False, "error": why, "sandbox_failure": why.startswith("sandbox:")}
-    reply = _validate(bufs[spare.result_r], req["nonce"], kind)
+    frame = bufs[res]
+    reply = _validate(frame[4:], req["nonce"], kind) if _frame_complete(frame) else None
     if reply is None:
-        if os.WIFSIGNALED(status):
+        if status is not None and os.WIFSIGNALED(status):
             sig = signal.Signals(os.WTERMSIG(status)).name
             why = "cpu time limit" if sig == "SIGXCPU" else f"killed by {sig}"
             return {"ok": False, "error": f"process died: {why}"}
-        if bufs[spare.result_r]:
+        if frame:
             return {"ok": False, "error": "malformed or forged reply frame", "forged": True}
         return {"ok": False, "error": f"process exited without a reply (status {status})"}
     if keep_stdout and reply["ok"]:
-        reply["stdout"] = bufs[spare.cap_r].decode("utf-8", "replace")
+        reply["stdout"] = bufs[cap].decode("utf-8", "replace")
     return reply
+
+
+def _reap(zombies):
+    """Reap the killed children that have exited by now (WNOHANG); keep the others for later."""
+    for pid in list(zombies):
+        try:
+            done, _ = os.waitpid(pid, os.WNOHANG)
+        except ChildProcessError:
+            done = pid
+        if done:
+            zombies.remove(pid)
 
 
 def _read_into(fd, n):
@@ -451,7 +480,7 @@ def main():
     jail = _Jail(cfg)
     hello = json.dumps({"ready": True, "pid": os.getpid(), "seccomp": jail.filter is not None}).encode()
     os.write(out, struct.pack(">I", len(hello)) + hello)
-    spare = _Spare(jail)
+    spare, zombies = _Spare(jail), []
     while True:
         # frame: 4-byte length + header JSON (nonce, kind, mode, limits), 4-byte length + payload (the code,
         # its inputs; only the child parses it)
@@ -467,7 +496,7 @@ def main():
         why = _hand_over(current, payload)
         spare = _Spare(jail)  # the next call's spare forks and jails while this one runs
         try:
-            reply = _serve_one(current, req, why)
+            reply = _serve_one(current, req, why, zombies)
         except Exception as e:  # noqa: BLE001 - reported to the parent as a sandbox failure of this call
             reply = {"ok": False, "error": f"zygote error: {_err(e)}", "sandbox_failure": True}
         reply["nonce"] = req["nonce"]
@@ -475,6 +504,7 @@ def main():
         data = struct.pack(">I", len(data)) + data
         while data:
             data = data[os.write(out, data):]
+        _reap(zombies)
 
 if __name__ == "__main__":
     main()
