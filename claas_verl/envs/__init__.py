@@ -15,11 +15,22 @@ from claas_verl.envs.factory import make_environment
 from claas_verl.envs.icl import ICLFeedbackMemory
 from claas_verl.envs.ih_challenge import IHChallengeEnv, load_ih_challenge_jsonl, parse_scenario
 from claas_verl.envs.rule_following import RuleFollowingEnv, RuleSetVerifier
-from claas_verl.envs.sandbox import GraderPool, GraderSandbox, SandboxedVerifier, SandboxLimits
+from claas_verl.envs.sandbox import (
+    CallTest,
+    GraderPool,
+    GraderSandbox,
+    IOTest,
+    ProgramResult,
+    SandboxedVerifier,
+    SandboxLimits,
+    SandboxUnavailable,
+    run_program,
+)
 from claas_verl.envs.stream import ScenarioStream
 from claas_verl.envs.thinking import strip_thinking
 
 __all__ = [
+    "CallTest", "IOTest", "ProgramResult", "SandboxUnavailable", "run_program",
     "DEFAULT_MAX_TURNS", "Environment", "Grade", "GraderError", "GraderPool", "GraderSandbox", "ICLFeedbackMemory",
     "IHChallengeEnv", "RuleFollowingEnv", "RuleSetVerifier", "SandboxLimits", "SandboxedVerifier", "Scenario",
     "ScenarioStream", "Verdict", "Verifier", "grade_response", "load_ih_challenge_jsonl", "make_environment",
