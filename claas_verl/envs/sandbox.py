@@ -7,7 +7,7 @@ What a call gets (see :mod:`claas_verl.envs._grader_worker` for the mechanics)
 --------------------------------------------------------------------------------
 Each :class:`GraderSandbox` starts one *zygote* (``python -I -S``: no site-packages, empty environment) under
 ``unshare --net --pid --ipc --fork --mount --mount-proc`` (as root; ``--user --map-root-user`` is added otherwise),
-which keeps one child forked and jailed ahead of each call (fork and jail cost are off the call's path).
+which keeps one spare child forked and jailed ahead of each call (forked while the previous call runs).
 The child, before it reads anything of the call:
 
 - lives in a network namespace with no usable interface and a PID namespace where it sees no other process;
@@ -24,11 +24,16 @@ The child, before it reads anything of the call:
   ``max_output_bytes``.
 
 Verdicts cannot be forged across calls or shifted: every call has its own result pipe and a random nonce, the
-zygote accepts one JSON frame carrying that nonce and the parent accepts only a zygote reply echoing the
-request nonce. Anything else (a dead or hung zygote, a bad frame, a nonce mismatch) is a *sandbox failure*:
-the call raises :class:`GraderError` (reward None, SPEC A.1.4), :attr:`GraderSandbox.stats` counts it, and
-the zygote is recycled so the next call starts clean. :meth:`GraderSandbox.run` raises nothing but
-:class:`GraderError` once the sandbox is up.
+zygote accepts one length-prefixed JSON frame carrying that nonce, and the parent accepts only a zygote reply
+echoing the request nonce. A trusted-side failure (a dead or hung zygote, a bad zygote frame, a nonce
+mismatch, a jail that could not be set up) is a *sandbox failure*: the call raises :class:`GraderError`
+(reward None, SPEC A.1.4), ``stats.sandbox_failures`` counts it, and the zygote is recycled so the next call
+starts clean. A malformed or foreign frame written by the code itself is that code's failure
+(``stats.forged_frames``): reward None for a grader, 0.0 for a program, so a program cannot turn a wrong
+answer into a dropped sample. :meth:`GraderSandbox.run` raises nothing but :class:`GraderError` once the
+sandbox is up. Known limit: a call's process is a fork of the zygote, so it may find fragments of earlier
+calls' *replies* (verdicts, error texts, a program's stdout) in freed memory; request payloads (code,
+outputs, contexts) are zeroed before the next fork, and expected test values never reach the zygote.
 
 Where the kernel refuses namespaces, or ``pyseccomp``/libseccomp is missing, a sandbox refuses to start
 (:class:`SandboxUnavailable`) unless ``SandboxLimits(allow_weak_isolation=True)`` (recipe:
