@@ -1,0 +1,129 @@
+"""Ray object-store side of the reference path (see ``refs.py``): put a batch once, fetch sampled rows directly.
+
+- :func:`put_batch` (producers): validate a batch of step entries, ``ray.put`` its ONE token buffer and return the
+  :class:`~claas_verl.replay.refs.RefBatch` to send to the replay actor's ``add``.
+- :func:`fetch_entries` (the trainer): turn what ``sample`` returned into full :class:`ReplayEntry` objects with one
+  ``ray.get`` of the distinct batch buffers (zero-copy views on the trainer's node).
+- :func:`adopt_refs` (the actor): take ownership of producer-owned buffers, so they outlive their producer.
+- :func:`materialize_state` (snapshots): a buffer state whose EntryRefs are replaced by full entries.
+
+Ray is imported inside the functions, so importing this module stays light.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from claas_verl.replay.entry import ReplayEntry
+from claas_verl.replay.packed import PackedEntries
+from claas_verl.replay.refs import BatchHandle, EntryRef, RefBatch
+
+
+def put_batch(entries: Sequence | PackedEntries) -> RefBatch | list:
+    """What a producer sends on the reference path.
+
+    Step entries (a list of :class:`ReplayEntry` or a :class:`PackedEntries`) are packed, validated here in full
+    (the actor checks only the metadata: it never sees the tokens) and their token buffer is put into the object
+    store once; the caller gets a :class:`RefBatch`. Anything else (scenario entries, an empty list) is returned
+    unchanged, to be sent by copy. Raises ``ValueError`` naming the entry and field on bad input.
+    """
+    import ray
+
+    if isinstance(entries, PackedEntries):
+        packed = entries
+    else:
+        entries = list(entries)
+        if not entries or not all(type(e) is ReplayEntry for e in entries):
+            return entries
+        packed = PackedEntries.from_entries(entries)
+    packed.validate()
+    ref = ray.put(packed.tokens)
+    node_id = ray.get_runtime_context().get_node_id()
+    return RefBatch(handle=BatchHandle(ref, packed.tokens.shape[0], node_id), columns=packed.without_tokens())
+
+
+def fetch_entries(items: Sequence | None) -> list | None:
+    """Full entries for what ``sample``/``sample_when_ready``/``entries`` returned (``None`` passes through).
+
+    :class:`~claas_verl.replay.refs.EntryRef` items are rebuilt from their batch buffers, fetched with ONE
+    ``ray.get`` straight from the object store (each distinct batch once); entries held by copy are returned as
+    they are. The order is kept.
+    """
+    if items is None:
+        return None
+    handles: dict[int, BatchHandle] = {}
+    for item in items:
+        if isinstance(item, EntryRef):
+            handles.setdefault(id(item.handle), item.handle)
+    if not handles:
+        return list(items)
+    import ray
+
+    keys = list(handles)
+    buffers = dict(zip(keys, ray.get([handles[k].ref for k in keys])))
+    return [item.materialize(buffers[id(item.handle)]) if isinstance(item, EntryRef) else item for item in items]
+
+
+def materialize_state(state: dict) -> dict:
+    """A copy of a ``ReplayBuffer.state_dict()`` whose EntryRefs are full entries (tokens fetched from the object
+    store), so that a snapshot holds everything and a restarted actor loses nothing that was snapshotted."""
+    slots = state["slots"]
+    refs = [entry for entry, *_ in slots if isinstance(entry, EntryRef)]
+    if not refs:
+        return state
+    full = iter(fetch_entries(refs))
+    # Detach from the object store: the views would otherwise pin the batch buffers while the snapshot exists.
+    out = []
+    for entry, *rest in slots:
+        if isinstance(entry, EntryRef):
+            e = next(full)
+            e.prompt_ids, e.response_ids = e.prompt_ids.copy(), e.response_ids.copy()
+            e.prompt_ids.flags.writeable = e.response_ids.flags.writeable = False
+            entry = e
+        out.append((entry, *rest))
+    return {**state, "slots": out}
+
+
+_adopt_task = None
+
+
+def adopt_refs(handles: Sequence[BatchHandle]) -> None:
+    """Make the calling process the owner of the handles' buffers by one no-op task per node that returns them.
+
+    Ray frees an object when its owner (the process that put it) dies, so a buffer put by a producer would be lost
+    with the producer. A task's return values are owned by the caller, so the actor submits ONE task per node
+    (scheduled on the node holding the buffers) that returns its arguments; each handle's ``ref`` is swapped for
+    the new reference at once (the fetch of a not-yet-finished one waits for the task). The bytes are copied once,
+    inside the object store of their node, by the task's worker: never through the caller. ``max_retries=0`` turns
+    off lineage pinning, so the producer's copy is freed as soon as the task has run.
+    """
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    global _adopt_task
+    if _adopt_task is None:
+        _adopt_task = ray.remote(num_cpus=0, max_retries=0)(_identity)
+    by_node: dict[Any, list[BatchHandle]] = {}
+    for h in handles:
+        by_node.setdefault(h.node_id, []).append(h)
+    for node_id, group in by_node.items():
+        options: dict[str, Any] = {"num_returns": len(group)}
+        if node_id is not None:
+            options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(node_id, soft=True)
+        new = _adopt_task.options(**options).remote(*[h.ref for h in group])
+        for h, ref in zip(group, [new] if len(group) == 1 else new):
+            h.ref = ref
+
+
+def _identity(*buffers):
+    return buffers[0] if len(buffers) == 1 else buffers
+
+
+def object_store_bytes_used() -> int:
+    """Bytes the cluster's object stores hold now (as reported by the raylets; updates within ~1 s)."""
+    import ray
+    from ray._private.internal_api import get_memory_info_reply, get_state_from_address
+
+    reply = get_memory_info_reply(get_state_from_address(ray.get_runtime_context().gcs_address))
+    return int(reply.store_stats.object_store_bytes_used)
