@@ -26,7 +26,9 @@ def put_batch(entries: Sequence | PackedEntries) -> RefBatch | list:
     Step entries (a list of :class:`ReplayEntry` or a :class:`PackedEntries`) are packed, validated here in full
     (the actor checks only the metadata: it never sees the tokens) and their token buffer is put into the object
     store once; the caller gets a :class:`RefBatch`. Anything else (scenario entries, an empty list) is returned
-    unchanged, to be sent by copy. Raises ``ValueError`` naming the entry and field on bad input.
+    unchanged, to be sent by copy. Without a Ray session there is no object store (an in-process handle): step
+    entries are then sent by copy as one ``PackedEntries``. Raises ``ValueError`` naming the entry and field on bad
+    input.
     """
     import ray
 
@@ -37,6 +39,8 @@ def put_batch(entries: Sequence | PackedEntries) -> RefBatch | list:
         if not entries or not all(type(e) is ReplayEntry for e in entries):
             return entries
         packed = PackedEntries.from_entries(entries)
+    if not ray.is_initialized():
+        return packed
     packed.validate()
     ref = ray.put(packed.tokens)
     node_id = ray.get_runtime_context().get_node_id()
@@ -85,39 +89,43 @@ def materialize_state(state: dict) -> dict:
     return {**state, "slots": out}
 
 
-_adopt_task = None
+class _Adopter:
+    """Returns its arguments: a call's return values are owned by the caller, so the replay actor calling
+    ``keep`` becomes the owner of copies of producer-owned buffers (one long-lived instance per node)."""
+
+    def keep(self, *buffers):
+        return buffers[0] if len(buffers) == 1 else buffers
+
+
+_adopters: dict = {}
 
 
 def adopt_refs(handles: Sequence[BatchHandle]) -> None:
-    """Make the calling process the owner of the handles' buffers by one no-op task per node that returns them.
+    """Make the calling process the owner of the handles' buffers; swap each handle's ``ref`` for the new one.
 
     Ray frees an object when its owner (the process that put it) dies, so a buffer put by a producer would be lost
-    with the producer. A task's return values are owned by the caller, so the actor submits ONE task per node
-    (scheduled on the node holding the buffers) that returns its arguments; each handle's ``ref`` is swapped for
-    the new reference at once (the fetch of a not-yet-finished one waits for the task). The bytes are copied once,
-    inside the object store of their node, by the task's worker: never through the caller. ``max_retries=0`` turns
-    off lineage pinning, so the producer's copy is freed as soon as the task has run.
+    with the producer. Return values are owned by the caller, so the caller (the replay actor) sends the buffers to
+    an ``_Adopter`` actor on their node (one call per node for all pending handles) that returns them: the bytes are
+    copied once, inside that node's object store, by the adopter's process, never through the caller. The new refs
+    are usable at once (a fetch waits for the call); the producer's copies are freed when the call has run. An
+    actor, not a task: a ``num_cpus=0`` task per adoption round would start worker processes under load.
     """
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-    global _adopt_task
-    if _adopt_task is None:
-        _adopt_task = ray.remote(num_cpus=0, max_retries=0)(_identity)
     by_node: dict[Any, list[BatchHandle]] = {}
     for h in handles:
         by_node.setdefault(h.node_id, []).append(h)
     for node_id, group in by_node.items():
-        options: dict[str, Any] = {"num_returns": len(group)}
-        if node_id is not None:
-            options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(node_id, soft=True)
-        new = _adopt_task.options(**options).remote(*[h.ref for h in group])
+        adopter = _adopters.get(node_id)
+        if adopter is None:
+            options: dict[str, Any] = {"num_cpus": 0, "max_restarts": -1}
+            if node_id is not None:
+                options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(node_id, soft=True)
+            adopter = _adopters[node_id] = ray.remote(_Adopter).options(**options).remote()
+        new = adopter.keep.options(num_returns=len(group)).remote(*[h.ref for h in group])
         for h, ref in zip(group, [new] if len(group) == 1 else new):
             h.ref = ref
-
-
-def _identity(*buffers):
-    return buffers[0] if len(buffers) == 1 else buffers
 
 
 def object_store_bytes_used() -> int:

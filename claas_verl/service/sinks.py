@@ -12,7 +12,7 @@ import time
 from collections import Counter
 from typing import Any
 
-from claas_verl.replay.packed import wire_format
+from claas_verl.replay.store import put_batch
 
 
 class LocalBufferSink:
@@ -54,11 +54,19 @@ class ActorSink:
         self.last_error: str | None = None
 
     def submit(self, entries: list) -> None:
-        ref = self.handle.add.remote(wire_format(entries))  # one columnar batch when they are steps
+        n = len(entries)
+        try:
+            batch = put_batch(entries)  # steps: validated, tokens put into the object store once (by reference)
+        except ValueError as exc:  # refused before sending: counted, never raised into the chat path
+            with self._lock:
+                self._counts["submitted"] += n
+                self._counts["errors"] += n
+                self.last_error = repr(exc)
+            return
+        ref = self.handle.add.remote(batch)
         with self._lock:
             self._in_flight += 1
-            self._counts["submitted"] += len(entries)
-        n = len(entries)
+            self._counts["submitted"] += n
 
         def on_done(fut) -> None:
             with self._lock:
