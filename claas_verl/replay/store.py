@@ -2,6 +2,7 @@
 
 - :func:`put_batch` (producers): validate a batch of step entries, ``ray.put`` its ONE token buffer and return the
   :class:`~claas_verl.replay.refs.RefBatch` to send to the replay actor's ``add``.
+- :func:`send_format` (producers): ``put_batch`` for a Ray actor handle, the copy format for an in-process one.
 - :func:`fetch_entries` (the trainer): turn what ``sample`` returned into full :class:`ReplayEntry` objects with one
   ``ray.get`` of the distinct batch buffers (zero-copy views on the trainer's node).
 - :func:`adopt_refs` (the actor): take ownership of producer-owned buffers, so they outlive their producer.
@@ -16,7 +17,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from claas_verl.replay.entry import ReplayEntry
-from claas_verl.replay.packed import PackedEntries
+from claas_verl.replay.packed import PackedEntries, wire_format
 from claas_verl.replay.refs import BatchHandle, EntryRef, RefBatch
 
 
@@ -45,6 +46,18 @@ def put_batch(entries: Sequence | PackedEntries) -> RefBatch | list:
     ref = ray.put(packed.tokens)
     node_id = ray.get_runtime_context().get_node_id()
     return RefBatch(handle=BatchHandle(ref, packed.tokens.shape[0], node_id), columns=packed.without_tokens())
+
+
+def send_format(handle: Any, entries: Sequence) -> RefBatch | PackedEntries | list:
+    """What to send to ``handle.add.remote``: by reference (:func:`put_batch`) when ``handle`` is a Ray actor handle,
+    else (an in-process stand-in, which has no object store to read from) by copy as ``wire_format`` does."""
+    try:
+        from ray.actor import ActorHandle
+    except ImportError:  # Ray not installed: nothing can be held by reference
+        ActorHandle = ()  # noqa: N806
+    if isinstance(handle, ActorHandle):
+        return put_batch(entries)
+    return wire_format(entries)
 
 
 def fetch_entries(items: Sequence | None) -> list | None:

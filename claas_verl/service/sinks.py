@@ -1,7 +1,8 @@
 """Where recorded entries go: a local ``ReplayBuffer`` (tests, single process) or a ``ReplayBufferActor`` handle.
 
 A sink's ``submit(entries)`` never waits for the buffer: the chat response must not pay for the write. The actor
-sink fires ``handle.add.remote(entries)`` and counts the outcome when the call completes (Ray runs the callback on
+sink puts the steps' tokens into Ray's object store once and fires ``handle.add.remote`` with the reference
+(``claas_verl.replay.store.send_format``) and counts the outcome when the call completes (Ray runs the callback on
 its own thread); ``flush`` waits for the writes in flight, for tests and shutdown.
 """
 
@@ -12,7 +13,7 @@ import time
 from collections import Counter
 from typing import Any
 
-from claas_verl.replay.store import put_batch
+from claas_verl.replay.store import send_format
 
 
 class LocalBufferSink:
@@ -56,7 +57,7 @@ class ActorSink:
     def submit(self, entries: list) -> None:
         n = len(entries)
         try:
-            batch = put_batch(entries)  # steps: validated, tokens put into the object store once (by reference)
+            batch = send_format(self.handle, entries)  # Ray actor: steps put into the object store once, by reference
         except ValueError as exc:  # refused before sending: counted, never raised into the chat path
             with self._lock:
                 self._counts["submitted"] += n

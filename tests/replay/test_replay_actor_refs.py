@@ -10,7 +10,16 @@ import numpy as np
 import pytest
 import ray
 
-from claas_verl.replay import EntryRef, RefBatch, ReplayEntry, fetch_entries, make_replay_actor, put_batch
+from claas_verl.replay import (
+    EntryRef,
+    PackedEntries,
+    RefBatch,
+    ReplayEntry,
+    fetch_entries,
+    make_replay_actor,
+    put_batch,
+    send_format,
+)
 from claas_verl.replay.store import object_store_bytes_used
 
 
@@ -58,6 +67,9 @@ def test_rows_come_from_the_object_store_and_outlive_their_producer(ray_session)
         i = int(e.uid.split("-")[1])
         assert e.prompt_ids.tolist() == [7, i] and e.response_ids.tolist() == [i] * 4 and e.P == 0
     assert fetch_entries(None) is None
+    # what the CLaaS producer and the chat sink send: by reference to a Ray actor, by copy to an in-process stand-in
+    assert isinstance(send_format(actor, _entries("x", 2)), RefBatch)
+    assert isinstance(send_format(object(), _entries("x", 2)), PackedEntries)
 
     # The producer dies. The adopted batch is owned by the replay actor and stays readable; the batch left with its
     # producer (adopt=False) is lost with it: what adoption is for.
