@@ -89,6 +89,9 @@ class Producer:
     def ping(self) -> bool:
         return True
 
+    def pid(self) -> int:
+        return os.getpid()
+
     def run(self, buffer, n_batches: int, round_id: int, inflight: int, by_ref: bool) -> dict:
         """Send n_batches, keeping at most ``inflight`` adds unacknowledged (1 = wait for each)."""
         accepted, pending, put_s = 0, [], 0.0
@@ -125,6 +128,9 @@ class NoOpBuffer:
 
     async def size(self) -> int:
         return 0
+
+    async def pid(self) -> int:
+        return os.getpid()
 
 
 def rss_bytes() -> int:
@@ -180,10 +186,49 @@ def bench_actor_cpu(args) -> None:
               f"sample+pickle/update) -> ceiling {args.batch / per_batch:,.0f} entries/s on one core")
 
 
-def run_round(design: str, actor, producers, n_prod: int, args, round_id: int) -> dict:
+class CpuMeter:
+    """CPU seconds spent by the driver and its descendant processes (the local Ray cluster: gcs, raylet, workers),
+    grouped as actor / producers / driver / raylet / other (gcs, the adopter, idle workers). One node only."""
+
+    def __init__(self, actor_pids: set, producer_pids: set):
+        import psutil
+
+        self.psutil = psutil
+        self.groups = {"actor": actor_pids, "producers": producer_pids, "driver": {os.getpid()}}
+
+    def _group(self, proc) -> str:
+        for name, pids in self.groups.items():
+            if proc.pid in pids:
+                return name
+        try:
+            return "raylet" if "raylet" in proc.name() else "other"
+        except self.psutil.Error:
+            return "other"
+
+    def sample(self) -> dict:
+        out: dict = {}
+        me = self.psutil.Process()
+        for proc in [me, *me.children(recursive=True)]:
+            try:
+                t = proc.cpu_times()
+                out[proc.pid] = (self._group(proc), t.user + t.system)
+            except self.psutil.Error:
+                pass
+        return out
+
+    @staticmethod
+    def delta(before: dict, after: dict) -> dict:
+        groups: dict = {}
+        for pid, (group, cpu) in after.items():
+            groups[group] = groups.get(group, 0.0) + cpu - before.get(pid, (group, 0.0))[1]
+        return groups
+
+
+def run_round(design: str, actor, producers, n_prod: int, args, round_id: int, meter=None) -> dict:
     """n_prod producers add while the driver samples M (and, by reference, fetches the rows) and calls
     on_update; return the round's figures."""
     by_ref = design == "reference"
+    cpu0 = meter.sample() if meter else None
     refs = [p.run.remote(actor, args.batches, round_id, args.inflight, by_ref) for p in producers[:n_prod]]
     t0 = time.perf_counter()
     latencies = []
@@ -204,9 +249,11 @@ def run_round(design: str, actor, producers, n_prod: int, args, round_id: int) -
     accepted = sum(r["accepted"] for r in results)
     put_ms = 1e3 * sum(r["put_s"] for r in results) / max(1, sum(r["batches"] for r in results))
     lat = np.array(latencies) if latencies else np.array([np.nan])
+    n_batches = sum(r["batches"] for r in results)
+    cpu = {g: 1e3 * v / n_batches for g, v in meter.delta(cpu0, meter.sample()).items()} if meter else {}
     return {"design": design, "producers": n_prod, "entries_per_s": accepted / elapsed,
             "sample_p99_ms": float(np.percentile(lat, 99)), "sample_p50_ms": float(np.percentile(lat, 50)),
-            "samples": len(latencies), "accepted": accepted, "put_ms_per_batch": put_ms}
+            "samples": len(latencies), "accepted": accepted, "put_ms_per_batch": put_ms, "cpu_ms_per_batch": cpu}
 
 
 def bench_designs(args, nodes: int, producer_options: dict) -> list[dict]:
@@ -217,13 +264,20 @@ def bench_designs(args, nodes: int, producer_options: dict) -> list[dict]:
         for p in range(max(args.producers))
     ]
     ray.get([p.ping.remote() for p in producers] + [actor.size.remote(), noop.size.remote()])  # start-up
+    meter = None
+    if nodes == 1:
+        actor_pids = {ray.get(actor.__ray_call__.remote(lambda self: os.getpid())), ray.get(noop.pid.remote())}
+        meter = CpuMeter(actor_pids, set(ray.get([p.pid.remote() for p in producers])))
     for target, by_ref in ((actor, True), (actor, False), (noop, False)):
         ray.get(producers[0].run.remote(target, 2, -1 - by_ref, 1, by_ref))  # warm-up
+    # ... including the adopter actor the replay actor starts on first adoption (fetching waits for it)
+    fetch_entries(ray.get(actor.sample_when_ready.remote(args.m, 120.0)))
+    ray.get(actor.on_update.remote())
     rows = []
     for round_id, n_prod in enumerate(args.producers):
         by_design = {}
         for design in args.designs:
-            r = run_round(design, noop if design == "noop" else actor, producers, n_prod, args, round_id)
+            r = run_round(design, noop if design == "noop" else actor, producers, n_prod, args, round_id, meter)
             r["nodes"] = nodes
             by_design[design] = r
             rows.append(r)
@@ -231,6 +285,10 @@ def bench_designs(args, nodes: int, producer_options: dict) -> list[dict]:
             print(f"  [{nodes} node{'s' if nodes > 1 else ''}] {design:9s} producers={n_prod}: "
                   f"{r['entries_per_s']:8,.0f} entries/s; sample M={args.m} p50 {r['sample_p50_ms']:6.2f} ms "
                   f"p99 {r['sample_p99_ms']:6.2f} ms over {r['samples']} samples{put}")
+            if r["cpu_ms_per_batch"]:
+                c = r["cpu_ms_per_batch"]
+                print("      CPU ms per batch: " + ", ".join(f"{g} {c.get(g, 0.0):.2f}" for g in
+                      ("producers", "actor", "driver", "raylet", "other")) + f" (total {sum(c.values()):.2f})")
         if "noop" in by_design:
             floor = by_design["noop"]["entries_per_s"]
             print("    -> vs the noop floor: " + ", ".join(
