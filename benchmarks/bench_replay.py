@@ -270,9 +270,13 @@ def bench_designs(args, nodes: int, producer_options: dict) -> list[dict]:
         meter = CpuMeter(actor_pids, set(ray.get([p.pid.remote() for p in producers])))
     for target, by_ref in ((actor, True), (actor, False), (noop, False)):
         ray.get(producers[0].run.remote(target, 2, -1 - by_ref, 1, by_ref))  # warm-up
-    # ... including the adopter actor the replay actor starts on first adoption (fetching waits for it)
+    # ... including the adopter actor the replay actor starts on first adoption (fetching waits for it), then one
+    # unrecorded round per design: the first rounds pay for worker start-ups and imports
     fetch_entries(ray.get(actor.sample_when_ready.remote(args.m, 120.0)))
     ray.get(actor.on_update.remote())
+    warm = argparse.Namespace(**{**vars(args), "batches": 3})
+    for design in args.designs:
+        run_round(design, noop if design == "noop" else actor, producers, max(args.producers), warm, -10)
     rows = []
     for round_id, n_prod in enumerate(args.producers):
         by_design = {}
