@@ -4,9 +4,10 @@ Entries by reference (default for producers that use ``store.put_batch``): the a
 :class:`~claas_verl.replay.refs.RefBatch` (columns + the object reference of the batch's token buffer) and stores
 EntryRefs; ``sample`` returns EntryRefs and the trainer fetches the rows from the object store itself
 (``store.fetch_entries``). Token bytes never pass through this process (except to write a snapshot, which must hold
-them). The buffer takes ownership of each buffer (``store.adopt_refs``, batched every ``adopt_every_s``) so an entry
-outlives the producer that put it; eviction drops the last reference and the object store frees the bytes. Lists of
-entries and ``PackedEntries`` (the copy path) are still accepted.
+them). The buffer takes ownership of each buffer (``store.adopt_refs``, batched every ``adopt_every_s``; the reference
+is swapped once the actor-owned copy exists) so an entry outlives the producer that put it; eviction drops the last
+reference and the object store frees the bytes. Lists of entries and ``PackedEntries`` (the copy path) are still
+accepted.
 
 Concurrency: an *async* actor with two concurrency groups, each its own event loop on its own thread (Ray runs the
 groups of an async actor that way): the default group serves producers (``add``), the ``consumer`` group the
@@ -130,11 +131,28 @@ class AsyncReplayBuffer:
         from claas_verl.replay.store import adopt_refs
 
         try:
-            adopt_refs(handles)  # submits the tasks and swaps the refs; no waiting
-            self._adopted_batches += len(handles)
+            pending = adopt_refs(handles)  # submits one adopter call per node; no waiting here
         except Exception as exc:  # the producer-owned refs stay valid while their producers live
             self._adopt_errors += 1
             self._last_adopt_error = repr(exc)
+            return
+        asyncio.get_running_loop().run_in_executor(None, self._finish_adoption, pending)
+
+    def _finish_adoption(self, pending) -> None:
+        """Worker thread: wait for each adopter call, then swap the handles to the actor-owned copies (readers never
+        wait for an adoption in flight; a failed call leaves the producer-owned refs in place, counted)."""
+        for group, new_refs, marker in pending:
+            try:
+                ray.get(marker)
+            except Exception as exc:
+                with self._lock:
+                    self._adopt_errors += 1
+                    self._last_adopt_error = repr(exc)
+                continue
+            with self._lock:
+                for h, ref in zip(group, new_refs):
+                    h.ref = ref  # the producer's copy is freed once no reader holds it
+                self._adopted_batches += len(group)
 
     # ------------------------------------------------------------------ buffer API
     async def add(self, entries) -> int:

@@ -104,24 +104,27 @@ def materialize_state(state: dict) -> dict:
 
 class _Adopter:
     """Returns its arguments: a call's return values are owned by the caller, so the replay actor calling
-    ``keep`` becomes the owner of copies of producer-owned buffers (one long-lived instance per node)."""
+    ``keep`` becomes the owner of copies of producer-owned buffers (one long-lived instance per node). The last
+    return value is a small marker (inline, never in the object store): getting it says the copies exist without
+    fetching them."""
 
     def keep(self, *buffers):
-        return buffers[0] if len(buffers) == 1 else buffers
+        return (*buffers, True)
 
 
 _adopters: dict = {}
 
 
-def adopt_refs(handles: Sequence[BatchHandle]) -> None:
-    """Make the calling process the owner of the handles' buffers; swap each handle's ``ref`` for the new one.
+def adopt_refs(handles: Sequence[BatchHandle]) -> list[tuple[list[BatchHandle], list, Any]]:
+    """Start taking ownership of the handles' buffers; return ``(handles, new_refs, marker)`` per node.
 
     Ray frees an object when its owner (the process that put it) dies, so a buffer put by a producer would be lost
     with the producer. Return values are owned by the caller, so the caller (the replay actor) sends the buffers to
     an ``_Adopter`` actor on their node (one call per node for all pending handles) that returns them: the bytes are
-    copied once, inside that node's object store, by the adopter's process, never through the caller. The new refs
-    are usable at once (a fetch waits for the call); the producer's copies are freed when the call has run. An
-    actor, not a task: a ``num_cpus=0`` task per adoption round would start worker processes under load.
+    copied once, inside that node's object store, by the adopter's process, never through the caller. Nothing is
+    swapped here: once ``ray.get(marker)`` returns, the caller swaps each ``handle.ref`` for its new ref (until then
+    readers keep using the producer's copy and never wait for the adopter). An actor, not a task: a ``num_cpus=0``
+    task per adoption round starts worker processes under load.
     """
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
@@ -129,6 +132,7 @@ def adopt_refs(handles: Sequence[BatchHandle]) -> None:
     by_node: dict[Any, list[BatchHandle]] = {}
     for h in handles:
         by_node.setdefault(h.node_id, []).append(h)
+    out = []
     for node_id, group in by_node.items():
         adopter = _adopters.get(node_id)
         if adopter is None:
@@ -136,9 +140,9 @@ def adopt_refs(handles: Sequence[BatchHandle]) -> None:
             if node_id is not None:
                 options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(node_id, soft=True)
             adopter = _adopters[node_id] = ray.remote(_Adopter).options(**options).remote()
-        new = adopter.keep.options(num_returns=len(group)).remote(*[h.ref for h in group])
-        for h, ref in zip(group, [new] if len(group) == 1 else new):
-            h.ref = ref
+        *new, marker = adopter.keep.options(num_returns=len(group) + 1).remote(*[h.ref for h in group])
+        out.append((group, new, marker))
+    return out
 
 
 def object_store_bytes_used() -> int:
