@@ -1,7 +1,8 @@
 """The CLaaS replay buffer as a plain Python class (SPEC A.1, Algorithm 1 of [S2]). No Ray import.
 
-State (SPEC A.1.2): the entries in insertion order, the update counter ``k`` and, in the Ray actor, one event loop
-that serialises every call (the "one lock shared by the two processes").
+State (SPEC A.1.2): the entries in insertion order (``ReplayEntry``, or ``EntryRef`` for entries held by reference),
+the update counter ``k`` and, in the Ray actor, one lock that serialises every call (the "one lock shared by the two
+processes").
 
 Lifetime rules:
 - FIFO: after every ``add``, ``while len > b_max: pop oldest`` (SPEC A.1.3 step 4).

@@ -20,6 +20,10 @@ The entries that :meth:`PackedEntries.to_entries` returns hold read-only VIEWS o
 when the last entry of the batch is evicted; FIFO and age eviction remove a batch's entries together, so at most
 one batch per eviction boundary outlives its evicted part.
 
+On the reference path (``store.put_batch``) the producer validates the whole batch, puts ``tokens`` into Ray's object
+store and sends the columns without their tokens (:meth:`PackedEntries.without_tokens`); the actor builds EntryRefs
+from them (:meth:`PackedEntries.to_entry_refs`), checking every column but never reading a token.
+
 No Ray, no torch, no verl imports here.
 """
 
