@@ -1,6 +1,8 @@
 """CLaaS asynchronous replay buffer (SPEC A.1).
 
 ``ReplayEntry``/``ScenarioEntry`` (entries), ``PackedEntries`` (columnar wire format of a batch of steps),
+``EntryRef``/``RefBatch`` (entries held by reference: tokens in Ray's object store),
+``put_batch``/``send_format``/``fetch_entries`` (producer and trainer side of the reference path; Ray imported on call),
 ``ReplayBuffer`` (plain class, no Ray) and, imported lazily so that
 ``import claas_verl.replay`` never pulls in Ray, ``AsyncReplayBuffer`` (the asyncio actor body) and
 ``ReplayBufferActor``/``make_replay_actor`` (the Ray actor).
@@ -15,14 +17,19 @@ from claas_verl.replay.entry import (
     aggregate_scenario_reward,
 )
 from claas_verl.replay.packed import PackedEntries, wire_format
+from claas_verl.replay.refs import BatchHandle, EntryRef, RefBatch
 from claas_verl.replay.snapshot import load_snapshot, save_snapshot
+from claas_verl.replay.store import fetch_entries, put_batch, send_format
 
 _LAZY_RAY = ("AsyncReplayBuffer", "ReplayBufferActor", "make_replay_actor")
 
 __all__ = [
     "AsyncReplayBuffer",
+    "BatchHandle",
     "ENTRY_UNITS",
+    "EntryRef",
     "PackedEntries",
+    "RefBatch",
     "SCENARIO_REWARD_AGGS",
     "ReplayBuffer",
     "ReplayBufferActor",
@@ -30,9 +37,12 @@ __all__ = [
     "ScenarioEntry",
     "aggregate_scenario_reward",
     "expected_entries_per_split",
+    "fetch_entries",
     "load_snapshot",
     "make_replay_actor",
+    "put_batch",
     "save_snapshot",
+    "send_format",
     "validate_replay_sizes",
     "wire_format",
 ]

@@ -1,7 +1,8 @@
 """The CLaaS replay buffer as a plain Python class (SPEC A.1, Algorithm 1 of [S2]). No Ray import.
 
-State (SPEC A.1.2): the entries in insertion order, the update counter ``k`` and, in the Ray actor, one event loop
-that serialises every call (the "one lock shared by the two processes").
+State (SPEC A.1.2): the entries in insertion order (``ReplayEntry``, or ``EntryRef`` for entries held by reference),
+the update counter ``k`` and, in the Ray actor, one lock that serialises every call (the "one lock shared by the two
+processes").
 
 Lifetime rules:
 - FIFO: after every ``add``, ``while len > b_max: pop oldest`` (SPEC A.1.3 step 4).
@@ -33,6 +34,7 @@ import numpy as np
 
 from claas_verl.replay.entry import ENTRY_UNITS, ReplayEntry, ScenarioEntry, _is_int
 from claas_verl.replay.packed import PackedEntries
+from claas_verl.replay.refs import EntryRef, RefBatch
 
 _STATE_FORMAT = 1
 _COUNTERS = (
@@ -115,6 +117,9 @@ class ReplayBuffer:
         self.b_max, self.b_min, self.a_max = int(b_max), int(b_min), int(a_max)
         self.entry_unit = entry_unit
         self._entry_type = ReplayEntry if entry_unit == "step" else ScenarioEntry
+        # A step buffer also holds EntryRef (entries held by reference, refs.py); Algorithm 1 reads only uid,
+        # reward, P and seq, which both carry.
+        self._stored_types = (ReplayEntry, EntryRef) if entry_unit == "step" else (ScenarioEntry,)
         self._rng = random.Random(seed)
         self._k = 0
         self._next_seq = 0
@@ -142,7 +147,8 @@ class ReplayBuffer:
 
     # ------------------------------------------------------------------ mutations
     def add(self, entry_or_entries: Any) -> int:
-        """Insert one entry, a list of entries or a :class:`PackedEntries` batch; return how many were accepted.
+        """Insert one entry, a list of entries, a :class:`PackedEntries` batch or (reference path) a
+        :class:`~claas_verl.replay.refs.RefBatch`; return how many were accepted.
 
         All or nothing on bad input: every entry is validated first, and a malformed one raises ``ValueError``
         ("entries[i]: field ...") with nothing inserted. Then, in order: reward ``None`` -> dropped (counted);
@@ -197,12 +203,14 @@ class ReplayBuffer:
     def _checked_batch(self, entry_or_entries: Any) -> tuple[list, bool]:
         """The validated list of entries to insert, and whether they were built here (so ``add`` may store them
         without defensive copies). Raises ``ValueError`` naming the entry and field; nothing is stored."""
-        if isinstance(entry_or_entries, PackedEntries):
+        if isinstance(entry_or_entries, (PackedEntries, RefBatch)):
             if self.entry_unit != "step":
-                raise ValueError("PackedEntries holds step entries but this buffer has entry_unit='scenario'; "
-                                 "add a list of ScenarioEntry instead")
-            return entry_or_entries.to_entries(), True  # validated column-wise, fresh objects
-        if isinstance(entry_or_entries, (ReplayEntry, ScenarioEntry)):
+                raise ValueError(f"{type(entry_or_entries).__name__} holds step entries but this buffer has "
+                                 "entry_unit='scenario'; add a list of ScenarioEntry instead")
+            if isinstance(entry_or_entries, RefBatch):
+                return entry_or_entries.to_entry_refs(), True  # validated column-wise, fresh objects
+            return entry_or_entries.to_entries(), True
+        if isinstance(entry_or_entries, (ReplayEntry, ScenarioEntry, EntryRef)):
             batch = [entry_or_entries]
         elif isinstance(entry_or_entries, (list, tuple)):
             batch = list(entry_or_entries)
@@ -212,7 +220,7 @@ class ReplayBuffer:
                 f"got {type(entry_or_entries).__name__}"
             )
         for i, entry in enumerate(batch):
-            if not isinstance(entry, self._entry_type):
+            if not isinstance(entry, self._stored_types):
                 raise ValueError(
                     f"entries[{i}] is a {type(entry).__name__} but this buffer has entry_unit="
                     f"{self.entry_unit!r} and holds {self._entry_type.__name__}"
@@ -249,6 +257,15 @@ class ReplayBuffer:
         self._counters["sampled"] += m
         self._counters["sample_calls"] += 1
         return out
+
+    def batch_handles(self) -> list:
+        """The distinct batch handles that stored EntryRefs point to, oldest first (reference path)."""
+        seen: dict = {}
+        for s in self._slots:
+            h = getattr(s.entry, "handle", None)
+            if h is not None:
+                seen.setdefault(id(h), h)
+        return list(seen.values())
 
     def on_update(self) -> int:
         """``k += 1`` then evict every entry with ``k - P > a_max`` (strict); return how many were evicted."""
@@ -322,7 +339,7 @@ class ReplayBuffer:
                 )
         slots = []
         for i, (entry, uses, last_used_k, draws) in enumerate(state["slots"]):
-            if not isinstance(entry, self._entry_type):
+            if not isinstance(entry, self._stored_types):
                 raise ValueError(f"state slots[{i}] holds a {type(entry).__name__}, expected {self._entry_type}")
             entry.validate()
             slots.append(_Slot(entry, uses, last_used_k, draws))

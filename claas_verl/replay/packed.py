@@ -20,11 +20,16 @@ The entries that :meth:`PackedEntries.to_entries` returns hold read-only VIEWS o
 when the last entry of the batch is evicted; FIFO and age eviction remove a batch's entries together, so at most
 one batch per eviction boundary outlives its evicted part.
 
+On the reference path (``store.put_batch``) the producer validates the whole batch, puts ``tokens`` into Ray's object
+store and sends the columns without their tokens (:meth:`PackedEntries.without_tokens`); the actor builds EntryRefs
+from them (:meth:`PackedEntries.to_entry_refs`), checking every column but never reading a token.
+
 No Ray, no torch, no verl imports here.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -103,8 +108,13 @@ class PackedEntries:
         return int(self.tokens.nbytes)
 
     # ------------------------------------------------------------------ consumer side
-    def validate(self) -> None:
-        """Vectorised checks of every column; ``ValueError`` naming ``entries[i].<field>`` and the fix."""
+    def validate(self, token_count: int | None = None) -> None:
+        """Vectorised checks of every column; ``ValueError`` naming ``entries[i].<field>`` and the fix.
+
+        ``token_count``: the batch's tokens live elsewhere (the reference path: ``tokens`` is empty and the buffer,
+        checked by the producer before it was put into the object store, holds ``token_count`` ids); the lengths
+        are checked against it and the token contents are not checked here.
+        """
         if not isinstance(self.prompt_lens, np.ndarray) or self.prompt_lens.ndim != 1:
             raise ValueError("prompt_lens must be a 1-D array with one length per entry")
         n = self.prompt_lens.shape[0]  # every other column must agree with it
@@ -123,7 +133,9 @@ class PackedEntries:
                 raise ValueError(f"{name} must hold integers, got dtype {getattr(self, name).dtype}")
         if self.has_reward.dtype != bool:
             raise ValueError(f"has_reward must be a bool array, got dtype {self.has_reward.dtype}")
-        if not isinstance(self.tokens, np.ndarray) or self.tokens.dtype != np.int32 or self.tokens.ndim != 1:
+        if token_count is None and (
+            not isinstance(self.tokens, np.ndarray) or self.tokens.dtype != np.int32 or self.tokens.ndim != 1
+        ):
             raise ValueError("tokens must be a 1-D int32 array (build batches with PackedEntries.from_entries)")
 
         def first_bad(mask: np.ndarray, field: str, why: str) -> None:
@@ -134,9 +146,10 @@ class PackedEntries:
         first_bad(self.prompt_lens < 0, "prompt_ids", "has a negative length")
         first_bad(self.response_lens < 1, "response_ids", "is empty; a response has at least its EOS token")
         total = int(self.prompt_lens.sum() + self.response_lens.sum())
-        if total != self.tokens.shape[0]:
-            raise ValueError(f"tokens holds {self.tokens.shape[0]} ids but the lengths add up to {total}")
-        if total and int(self.tokens.min()) < 0:
+        held = self.tokens.shape[0] if token_count is None else int(token_count)
+        if total != held:
+            raise ValueError(f"tokens holds {held} ids but the lengths add up to {total}")
+        if token_count is None and total and int(self.tokens.min()) < 0:
             ends = np.cumsum(self.prompt_lens + self.response_lens)
             i = int(np.searchsorted(ends, int(np.flatnonzero(self.tokens < 0)[0]), side="right"))
             raise ValueError(f"entries[{i}] (uid={self.uid[i]!r}): token ids must be >= 0; strip padding")
@@ -194,6 +207,37 @@ class PackedEntries:
             ))
             start = end
         return out
+
+
+    def without_tokens(self) -> PackedEntries:
+        """The same columns with an empty token buffer (the header a producer sends on the reference path)."""
+        return dataclasses.replace(self, tokens=_NO_TOKENS)
+
+    def to_entry_refs(self, handle) -> list:
+        """Validate the columns against ``handle.n_ids`` and build one :class:`~claas_verl.replay.refs.EntryRef`
+        per row, all sharing ``handle`` (the reference path: no token is read or copied)."""
+        from claas_verl.replay.refs import EntryRef
+
+        self.validate(token_count=handle.n_ids)
+        starts = np.concatenate([[0], np.cumsum(self.prompt_lens + self.response_lens)[:-1]]).tolist()
+        plens, rlens = self.prompt_lens.tolist(), self.response_lens.tolist()
+        lps, rewards, has = self.behaviour_logprob.tolist(), self.reward.tolist(), self.has_reward.tolist()
+        sids, steps, versions = self.scenario_id.tolist(), self.step_idx.tolist(), self.P.tolist()
+        out = []
+        for i, start in enumerate(starts[: len(plens)]):
+            ref = EntryRef.__new__(EntryRef)  # fields validated column-wise above
+            ref.__dict__.update(
+                scenario_id=sids[i], handle=handle, offset=start, prompt_len=plens[i], n_tokens=rlens[i],
+                behaviour_logprob=lps[i], reward=rewards[i] if has[i] else None, uid=self.uid[i],
+                step_idx=None if steps[i] < 0 else steps[i], feedback=self.feedback[i], domain=self.domain[i],
+                metadata=dict(self.metadata[i]), P=None if versions[i] < 0 else versions[i], seq=None,
+            )
+            out.append(ref)
+        return out
+
+
+_NO_TOKENS = np.zeros(0, np.int32)
+_NO_TOKENS.flags.writeable = False
 
 
 def wire_format(entries: Sequence) -> PackedEntries | list:

@@ -1,7 +1,8 @@
 """Where recorded entries go: a local ``ReplayBuffer`` (tests, single process) or a ``ReplayBufferActor`` handle.
 
 A sink's ``submit(entries)`` never waits for the buffer: the chat response must not pay for the write. The actor
-sink fires ``handle.add.remote(entries)`` and counts the outcome when the call completes (Ray runs the callback on
+sink puts the steps' tokens into Ray's object store once and fires ``handle.add.remote`` with the reference
+(``claas_verl.replay.store.send_format``) and counts the outcome when the call completes (Ray runs the callback on
 its own thread); ``flush`` waits for the writes in flight, for tests and shutdown.
 """
 
@@ -12,7 +13,7 @@ import time
 from collections import Counter
 from typing import Any
 
-from claas_verl.replay.packed import wire_format
+from claas_verl.replay.store import send_format
 
 
 class LocalBufferSink:
@@ -54,11 +55,19 @@ class ActorSink:
         self.last_error: str | None = None
 
     def submit(self, entries: list) -> None:
-        ref = self.handle.add.remote(wire_format(entries))  # one columnar batch when they are steps
+        n = len(entries)
+        try:
+            batch = send_format(self.handle, entries)  # Ray actor: steps put into the object store once, by reference
+        except ValueError as exc:  # refused before sending: counted, never raised into the chat path
+            with self._lock:
+                self._counts["submitted"] += n
+                self._counts["errors"] += n
+                self.last_error = repr(exc)
+            return
+        ref = self.handle.add.remote(batch)
         with self._lock:
             self._in_flight += 1
-            self._counts["submitted"] += len(entries)
-        n = len(entries)
+            self._counts["submitted"] += n
 
         def on_done(fut) -> None:
             with self._lock:

@@ -10,7 +10,14 @@ import time
 import pytest
 import ray
 
-from claas_verl.replay import PackedEntries, ReplayBufferActor, ReplayEntry, make_replay_actor
+from claas_verl.replay import (
+    PackedEntries,
+    ReplayBufferActor,
+    ReplayEntry,
+    load_snapshot,
+    make_replay_actor,
+    put_batch,
+)
 
 
 def _entry(uid, P=None, reward=1.0):
@@ -96,9 +103,13 @@ def test_kill_and_restart_resumes_from_last_snapshot(ray_session, tmp_path):
     actor = make_replay_actor(
         b_max=50, b_min=2, a_max=3, seed=1, snapshot_path=path, snapshot_every_s=0.2, max_restarts=1
     )
-    assert ray.get(actor.add.remote([_entry(f"a{i}") for i in range(4)])) == 4
+    assert ray.get(actor.add.remote([_entry(f"a{i}") for i in range(3)])) == 3
+    assert ray.get(actor.add.remote(put_batch([_entry("a3")]))) == 1  # held by reference: the snapshot fetches it
+    assert ray.get(actor.stats.remote())["ref_batches"] == 1
     ray.get(actor.on_update.remote())
     assert ray.get(actor.save.remote()) == path
+    on_disk = {e.uid: e for e, *_ in load_snapshot(path)["slots"]}
+    assert isinstance(on_disk["a3"], ReplayEntry) and on_disk["a3"].response_ids.tolist() == [4, 5]
     saved = ray.get(actor.stats.remote())
     # The periodic snapshot picks up later changes without an explicit save.
     ray.get(actor.add.remote([_entry("late0"), _entry("late1")]))
@@ -122,7 +133,9 @@ def test_kill_and_restart_resumes_from_last_snapshot(ray_session, tmp_path):
         time.sleep(0.2)
     assert restored["restored_from_snapshot"] is True
     assert restored["size"] == 6 and restored["update_count"] == 1 == saved["update_count"]
-    assert {e.uid for e in ray.get(actor.entries.remote())} == {"a0", "a1", "a2", "a3", "late0", "late1"}
+    back = {e.uid: e for e in ray.get(actor.entries.remote())}
+    assert set(back) == {"a0", "a1", "a2", "a3", "late0", "late1"}
+    assert back["a3"].prompt_ids.tolist() == [1, 2, 3] and back["a3"].P == 0  # the by-reference entry survived
     # the resumed buffer keeps its versions: a0..a3 (P=0) age out at k=4, late0/1 (P=1) at k=5
     for _ in range(3):
         ray.get(actor.on_update.remote())

@@ -1,11 +1,22 @@
-"""Property tests: random add/sample/update sequences against a tiny reference model of SPEC A.1."""
+"""Property tests: random add/sample/update sequences (sequential, then concurrent from three threads) against a
+tiny reference model of SPEC A.1."""
 
+import asyncio
+import random
+import threading
 from collections import Counter
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from claas_verl.replay import ReplayBuffer, ReplayEntry
+from claas_verl.replay import (
+    AsyncReplayBuffer,
+    BatchHandle,
+    PackedEntries,
+    RefBatch,
+    ReplayBuffer,
+    ReplayEntry,
+)
 
 
 class ReferenceBuffer:
@@ -116,3 +127,115 @@ def test_buffer_matches_reference_model(b_min, extra, a_max, ops, seed):
         # the CLaaS lifetime bound: no entry is used in more than A_max+1 distinct updates
         assert s["max_uses"] <= a_max + 1
         assert s["max_age"] <= a_max
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Concurrent add / sample / update, as the Ray actor runs them: AsyncReplayBuffer called from three event loops on
+# three threads (Ray gives each concurrency group of an async actor its own loop and thread). Every buffer call runs
+# under the actor's lock, so the order in which a logging buffer records them is a linearization; replaying that order
+# on the reference model must explain every result, in particular every sample (no entry sampled after its eviction,
+# each with the P it was stored with, k - P <= a_max at the k the sample saw).
+
+
+class _LoggingBuffer(ReplayBuffer):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.log = []
+
+    def add(self, batch):
+        cols = batch.columns if isinstance(batch, RefBatch) else batch
+        specs = [(u, float(r) if h else None, None if p < 0 else int(p))
+                 for u, r, h, p in zip(cols.uid, cols.reward, cols.has_reward, cols.P)]
+        n = super().add(batch)
+        self.log.append(("add", specs, n))
+        return n
+
+    def sample(self, m):
+        got = super().sample(m)
+        self.log.append(("sample", [(e.uid, e.P) for e in got], self.update_count))
+        return got
+
+    def on_update(self):
+        n = super().on_update()
+        self.log.append(("update", n))
+        return n
+
+
+def _batch(tag, n, versions, rewards, by_ref):
+    entries = [
+        ReplayEntry(uid=f"{tag}-{i}", scenario_id=0, prompt_ids=[1], response_ids=[2, i], behaviour_logprob=-1.0,
+                    reward=rewards[i], P=versions[i])
+        for i in range(n)
+    ]
+    packed = PackedEntries.from_entries(entries)
+    if not by_ref:
+        return packed
+    return RefBatch(handle=BatchHandle(object(), packed.tokens.shape[0]), columns=packed.without_tokens())
+
+
+@settings(max_examples=12, deadline=None)
+@given(b_min=st.integers(1, 4), extra=st.integers(0, 6), a_max=st.integers(0, 2), seed=st.integers(0, 1000))
+def test_concurrent_add_sample_update_is_linearizable_against_the_model(b_min, extra, a_max, seed):
+    b_max = b_min + extra
+    buf = AsyncReplayBuffer(b_max, b_min, a_max, seed=seed)
+    buf._buffer = _LoggingBuffer(b_max, b_min, a_max, seed=seed)
+    rng = random.Random(seed)
+    plans = [[(rng.randint(1, 3), rng.random() < 0.5) for _ in range(12)] for _ in range(2)]
+    errors = []
+
+    def run(coro_fn):
+        def target():
+            try:
+                asyncio.run(coro_fn())
+            except BaseException as exc:  # surfaced below
+                errors.append(exc)
+        return threading.Thread(target=target)
+
+    def producer(p):
+        async def go():
+            r = random.Random(seed * 31 + p)
+            for b, (n, by_ref) in enumerate(plans[p]):
+                versions = [r.choice([None, 0, 1, 2, 3]) for _ in range(n)]
+                rewards = [None if r.random() < 0.15 else 1.0 for _ in range(n)]
+                await buf.add(_batch(f"p{p}b{b}", n, versions, rewards, by_ref))
+                await asyncio.sleep(0)
+        return go
+
+    async def sampler():
+        for i in range(15):
+            m = 1 + i % b_min
+            got = await buf.sample_when_ready(m, 0.02)
+            if got is not None:
+                assert len({e.uid for e in got}) == m
+            await asyncio.sleep(0)
+
+    async def updater():
+        for _ in range(6):
+            await buf.on_update()
+            await asyncio.sleep(0.001)
+
+    threads = [run(producer(0)), run(producer(1)), run(sampler), run(updater)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert not errors, errors
+
+    ref = ReferenceBuffer(b_max, b_min, a_max)
+    for op in buf._buffer.log:
+        if op[0] == "add":
+            assert ref.add(op[1]) == op[2]
+        elif op[0] == "sample":
+            stored = {it["uid"]: it["P"] for it in ref.items}
+            assert op[2] == ref.k and len(stored) >= b_min
+            for uid, p in op[1]:
+                assert uid in stored and stored[uid] == p, f"{uid} sampled but not stored (or with another P)"
+                assert ref.k - p <= a_max
+            ref.record_sample({uid for uid, _ in op[1]})
+        else:
+            assert ref.on_update() == op[1]
+    assert [(e.uid, e.P) for e in buf._buffer.entries()] == [(it["uid"], it["P"]) for it in ref.items]
+    s = buf._buffer.stats()
+    assert (s["inserted"], s["evicted_fifo"], s["evicted_age"], s["update_count"]) == (
+        ref.inserted, ref.evicted_fifo, ref.evicted_age, 6)
+    assert s["uses_at_eviction"] == dict(ref.uses_at_eviction) and s["max_uses"] <= a_max + 1

@@ -32,7 +32,7 @@ from typing import Any
 
 from claas_verl.envs.base import Grade, Scenario
 from claas_verl.replay.entry import ReplayEntry
-from claas_verl.replay.packed import wire_format
+from claas_verl.replay.store import send_format
 
 # (request_id, prompt_ids, sampling_params) -> object with token_ids, log_probs, extra_fields (verl's TokenOutput)
 GenerateFn = Callable[[str, list, dict], Awaitable[Any]]
@@ -254,7 +254,7 @@ class RolloutProducer:
         if not entries or self.replay is None:
             return
         self.stats.entries_sent += len(entries)
-        self.stats.entries_accepted += int(await self.replay.add.remote(wire_format(entries)))
+        self.stats.entries_accepted += int(await self.replay.add.remote(send_format(self.replay, entries)))
         if self.ema_stats is not None:
             with self.ema_lock:  # SPEC A.3.1: the EMA sees every inserted (non-None) reward, at insertion time
                 self.ema_stats.update_many(e.reward for e in entries)

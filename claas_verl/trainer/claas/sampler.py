@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 import ray
 
+from claas_verl.replay.store import fetch_entries
 from claas_verl.trainer.claas.tq_fields import entry_fields, entry_tag, replay_key
 
 
@@ -60,7 +61,8 @@ class ClaasReplaySampler:
             )
         if self.replay is None:
             raise RuntimeError("ClaasReplaySampler.sample before bind(replay_actor): the CLaaS trainer binds it")
-        entries = ray.get(self.replay.sample_when_ready.remote(int(batch_size)))
+        # EntryRefs: the rows are fetched from the object store here, not through the actor
+        entries = fetch_entries(ray.get(self.replay.sample_when_ready.remote(int(batch_size))))
         keys = [replay_key() for _ in entries]
         fields = list_of_dict_to_tensordict([entry_fields(e, self.data_source, sdpo=self.sdpo) for e in entries])
         tags = [entry_tag(e) for e in entries]

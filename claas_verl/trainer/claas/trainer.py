@@ -267,7 +267,9 @@ class ClaasTrainer(PPOTrainer):
             logger.warning(msg)
             warnings.warn(msg, UserWarning, stacklevel=2)
 
-        self.replay = make_replay_actor(c.b_max, c.b_min, c.a_max, seed=c.seed, max_restarts=0)
+        # Entries arrive by reference (the producer puts each batch's tokens into the object store). The producer
+        # runs in this process, which outlives the actor (max_restarts=0), so the buffers need no adoption copy.
+        self.replay = make_replay_actor(c.b_max, c.b_min, c.a_max, seed=c.seed, max_restarts=0, adopt=False)
         self.replay_buffer.bind(self.replay, data_source=f"claas/{c.env.name}", sdpo=c.algorithm == "sdpo")
 
         self._ema_lock = threading.Lock()
