@@ -53,7 +53,7 @@ from claas_verl.distill import (
 from claas_verl.schedule import plan_from_config
 from claas_verl.trainer.mopd import fields as F
 from claas_verl.trainer.mopd import stages as S
-from claas_verl.trainer.mopd.alignment import AUX_KEY, REGION_IDS, WINDOW, aux_config, response_regions
+from claas_verl.trainer.mopd.alignment import AUX_KEY, aux_config, region_fields
 from claas_verl.trainer.mopd.verl_couplings import MOPDTrainerCouplings
 from claas_verl.trainer.mopd.workers import TEACHER_KEY, MOPDWorker
 
@@ -279,11 +279,8 @@ class MOPDTrainer(MOPDTrainerCouplings, PPOTrainerSync):
             self._separators = separator_token_ids(self.tokenizer)
         data = tq.kv_batch_get(keys=batch.keys, partition_id=batch.partition_id,
                                select_fields=["input_ids", "response_mask"])
-        mask_nested = data["response_mask"]
-        responses = _padded(response_from_nested(data["input_ids"], mask_nested))
-        mask = _padded(mask_nested)
-        rid, win = response_regions(responses, mask, self._separators, self.aux)
-        out = {REGION_IDS: response_to_nested(rid, mask_nested), WINDOW: response_to_nested(win, mask_nested)}
+        # regions from the response ids themselves (not response_from_nested, which shifts ids by one)
+        out, rid, win = region_fields(data["input_ids"], data["response_mask"], self._separators, self.aux)
         tq.kv_batch_put(keys=batch.keys, partition_id=batch.partition_id, fields=tu.get_tensordict(out))
         metrics["mopd/regions_per_response"] = float((rid.amax(-1) + 1).clamp(min=0).float().mean())
         metrics["mopd/window_tokens"] = float(win.sum())
