@@ -41,7 +41,6 @@ class AuxConfig:
         drop_trailing: B.4 [CHOICE] flag: drop a final region that does not end with a separator.
         kinds: plan step kinds that run the balanced update: replay steps (SPEC B.6). Recovery steps use the token
             loss only (SPEC B.8, 003 §5); ``aux_kinds: [replay, recovery]`` is an explicit deviation.
-        micro_batch_size: responses per micro-batch of the alignment passes (B.7 weights n_resp(mb)/n_resp).
         combine: ``"fsar"`` (eq. 10 then eq. 9) or ``"1:1:1"`` (003 Table 4: ``g_tok + ‖g_tok‖ĝ_SATS +
             ‖g_tok‖ĝ_other``, with SATS and exactly one of VR / hidden).
     """
@@ -53,7 +52,6 @@ class AuxConfig:
     layers: tuple[int, ...] | None = None
     drop_trailing: bool = False
     kinds: tuple[str, ...] = ("replay",)
-    micro_batch_size: int = 8
     combine: str = "fsar"
 
     @property
@@ -67,7 +65,7 @@ class AuxConfig:
         return {
             "terms": list(self.terms), "ratio": self.ratio, "rho": self.rho, "window": self.window,
             "layers": None if self.layers is None else list(self.layers), "drop_trailing": self.drop_trailing,
-            "kinds": list(self.kinds), "micro_batch_size": self.micro_batch_size, "combine": self.combine,
+            "kinds": list(self.kinds), "combine": self.combine,
         }
 
     @classmethod
@@ -76,10 +74,10 @@ class AuxConfig:
         signal = {t: t in d["terms"] for t in SIGNAL_TERMS}
         signal.update({k: d[k] for k in ("ratio", "rho", "window", "layers", "drop_trailing", "combine")})
         signal["aux_kinds"] = d["kinds"]
-        return aux_config(signal, micro_batch_size=int(d["micro_batch_size"]))
+        return aux_config(signal)
 
 
-def aux_config(signal: Mapping | None, micro_batch_size: int = 8) -> AuxConfig:
+def aux_config(signal: Mapping | None) -> AuxConfig:
     """Parse ``mopd.signal``; a bad value raises ValueError naming the key."""
     signal = dict(signal or {})
     terms = tuple(t for t in SIGNAL_TERMS if signal.get(t))
@@ -114,10 +112,8 @@ def aux_config(signal: Mapping | None, micro_batch_size: int = 8) -> AuxConfig:
     if combine == "1:1:1" and (terms[:1] != ("sats",) or len(terms) != 2):
         raise ValueError("mopd.signal.combine='1:1:1' (003 Table 4) needs sats=true and exactly one of vr / hidden; "
                          f"got terms {list(terms)}")
-    if int(micro_batch_size) < 1:
-        raise ValueError(f"micro batch size of the alignment passes must be >= 1, got {micro_batch_size}")
     return AuxConfig(terms, ratio, rho, window, layers, bool(signal.get("drop_trailing", False)), kinds,
-                     int(micro_batch_size), combine)
+                     combine)
 
 
 def check_layers(cfg: AuxConfig, num_layers: int) -> list[int]:
@@ -179,19 +175,20 @@ def aux_micro_batches(
     region_ids: torch.Tensor,
     window: torch.Tensor,
     response_lengths: torch.Tensor,
-    micro_batch_size: int,
+    groups: list[list[int]],
     pad_id: int = 0,
 ) -> list[AuxMicroBatch]:
-    """Consecutive micro-batches of ``micro_batch_size`` rows (same split on teacher and student).
+    """One padded micro-batch per row group: the SAME micro-batches as the token pass (SPEC B.6/B.7).
 
     Args:
         sequences: per row, the unpadded prompt + response ids ``[L_b]`` (response = last ``R_b`` tokens).
         region_ids, window: ``[B, T_r]`` response layout (right padded; -1 / 0 beyond ``R_b``).
         response_lengths: ``[B]`` ``R_b``.
-        micro_batch_size: rows per micro-batch (the last may be shorter).
+        groups: the row indices of each micro-batch, as verl's engine partitions the update batch
+            (:func:`claas_verl.trainer.mopd.workers.update_row_groups`); every row exactly once.
 
     Returns:
-        Micro-batches in row order; positions are ``0..L_b-1`` (right padding, masked).
+        Micro-batches in group order; positions are ``0..L_b-1`` (right padding, masked).
     """
     B = len(sequences)
     if region_ids.shape != window.shape or region_ids.shape[0] != B or response_lengths.shape[0] != B:
@@ -199,9 +196,13 @@ def aux_micro_batches(
             f"{REGION_IDS} {tuple(region_ids.shape)}, {WINDOW} {tuple(window.shape)} and {B} sequences / "
             f"{tuple(response_lengths.shape)} response lengths disagree: region fields of another batch"
         )
+    flat = sorted(b for g in groups for b in g)
+    if flat != list(range(B)):
+        raise ValueError(f"micro-batch row groups {groups} must cover the {B} rows exactly once")
     out = []
-    for lo in range(0, B, micro_batch_size):
-        rows = range(lo, min(B, lo + micro_batch_size))
+    for rows in groups:
+        if not rows:
+            continue
         T = max(int(sequences[b].numel()) for b in rows)
         ids = torch.full((len(rows), T), pad_id, dtype=torch.long)
         am = torch.zeros((len(rows), T), dtype=torch.long)
@@ -219,6 +220,13 @@ def aux_micro_batches(
         pos = torch.arange(T, dtype=torch.long).expand(len(rows), T).clone()
         out.append(AuxMicroBatch(ids, am, pos, StepRegions(rid, win, num), len(rows)))
     return out
+
+
+def consecutive_groups(num_rows: int, size: int) -> list[list[int]]:
+    """Rows ``0..num_rows-1`` in consecutive groups of ``size`` (the last may be shorter)."""
+    if size < 1:
+        raise ValueError(f"micro-batch size must be >= 1, got {size}")
+    return [list(range(lo, min(num_rows, lo + size))) for lo in range(0, num_rows, size)]
 
 
 def batch_fingerprint(sequences: list[torch.Tensor]) -> str:

@@ -93,11 +93,10 @@ class MOPDTrainer(MOPDTrainerCouplings, PPOTrainerSync):
                 f"{self.block_size}: every step trains exactly one block"
             )
         actor = config.actor_rollout_ref.actor
-        signal = mopd.get("signal") or {}
-        # replay/recovery steps of FSAR/SATS/OPRD recipes: alignment terms + balanced update (SPEC B.3-B.7)
-        self.aux = aux_config(
-            signal, micro_batch_size=int(signal.get("micro_batch_size") or actor.get("ppo_micro_batch_size_per_gpu")
-                                         or 1))
+        S.check_one_update_per_step(self.block_size, actor.get("ppo_mini_batch_size"), actor.get("ppo_epochs"))
+        self.teacher_dtype = S.check_teacher_dtype(mopd.train.get("teacher_dtype", S.TEACHER_DTYPES[0]))
+        # replay steps of FSAR/SATS/OPRD recipes: alignment terms + balanced update (SPEC B.3-B.7)
+        self.aux = aux_config(mopd.get("signal") or {})
         if self.aux.enabled and actor.get("strategy") not in ("fsdp2",):
             raise ValueError(f"mopd.signal enables {list(self.aux.terms)}: the balanced update needs "
                              f"actor_rollout_ref.actor.strategy=fsdp2, got {actor.get('strategy')!r}")
@@ -177,7 +176,7 @@ class MOPDTrainer(MOPDTrainerCouplings, PPOTrainerSync):
         for name, path in specs.items():
             if not os.path.exists(os.path.join(path, "config.json")):
                 raise ValueError(f"teacher {name} of stage {stage}: no Hugging Face model at {path}")
-        loaded = self.actor_rollout_wg.mopd_set_teachers(specs)[0]
+        loaded = self.actor_rollout_wg.mopd_set_teachers(specs, self.teacher_dtype)[0]
         dropped = 0
         if fresh_optimizer and self.config.mopd.train.get("fresh_optimizer_per_stage", True):
             dropped = self.actor_rollout_wg.mopd_reset_optimizer()[0]
@@ -444,7 +443,8 @@ class MOPDTrainer(MOPDTrainerCouplings, PPOTrainerSync):
         try:
             meta = self._balance_batch(meta, metrics={})
             real = np.array([not t.get("is_padding", False) for t in meta.tags])
-            self.actor_rollout_wg.mopd_set_teachers({f"expert:{domain}": self.paths.path(f"expert:{domain}")})
+            self.actor_rollout_wg.mopd_set_teachers({f"expert:{domain}": self.paths.path(f"expert:{domain}")},
+                                                    self.teacher_dtype)
             self.mopd_student_topk(meta, {})
             Sx, Q, mask, _ = self._teacher_q(meta, f"expert:{domain}")
             sel = torch.as_tensor(real)
