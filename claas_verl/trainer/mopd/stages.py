@@ -224,8 +224,40 @@ def existing_snapshots(paths: ModelPaths, max_stage: int) -> list[int]:
     return [j for j in range(1, max_stage + 1) if os.path.exists(os.path.join(paths.snapshot(j), "config.json"))]
 
 
+def reconcile_snapshots(recorded: list[int], existing: list[int], stage: int, stage_complete: bool
+                        ) -> tuple[list[int], list[int], list[int]]:
+    """Resume: compare the snapshots a checkpoint recorded with those on disk.
+
+    Returns ``(missing, recopy, stale)``: ``missing`` = snapshots the resumed run needs (every finished stage's
+    M_j, recorded or required) that are gone and cannot be rebuilt; ``recopy`` = the checkpoint's own stage
+    snapshot when the run was killed between the save and the copy (rebuilt from the checkpoint's HF export);
+    ``stale`` = snapshots on disk the checkpoint did not record, of stages the resumed run will run again (left by
+    work after the checkpoint; they must not be taken for this run's M_j).
+    """
+    finished = set(range(1, stage + (1 if stage_complete else 0)))
+    gone = sorted((set(recorded) | finished) - set(existing))
+    recopy = [j for j in gone if stage_complete and j == stage]
+    missing = [j for j in gone if j not in recopy]
+    stale = sorted(j for j in set(existing) - set(recorded) if j not in finished)
+    return missing, recopy, stale
+
+
+def skipped_update(metrics: dict[str, Any]) -> bool:
+    """verl skips the AdamW step (and zeroes the gradients) when the gradient norm is not finite."""
+    g = metrics.get("actor/grad_norm")
+    try:
+        return g is not None and not math.isfinite(float(g))
+    except (TypeError, ValueError):
+        return False
+
+
 # ---------------------------------------------------------------------------------------------- forgetting
 FORGETTING_POINTS = ("start", "end")
+
+
+def stage_end_measured(rows: list[dict], stage: int) -> bool:
+    """Whether ``forgetting.jsonl`` holds the stage-end evaluation of ``stage`` (a crash can lose it)."""
+    return any(int(r["stage"]) == stage and r.get("at", "end") == "end" for r in rows)
 
 
 def _forgetting_key(r: dict) -> tuple:

@@ -104,6 +104,7 @@ class MOPDTrainer(MOPDTrainerCouplings, PPOTrainerSync):
         self._stage: int | None = None  # stage whose teachers are loaded (None: none yet)
         self._resumed_mid_stage = False
         self._saved_at = -1
+        self._pending_end_eval: tuple[int, int] | None = None  # (stage, its last global step) to evaluate on resume
 
     # ================================================================= verl wiring
     def mopd_use_worker_class(self):
@@ -161,6 +162,12 @@ class MOPDTrainer(MOPDTrainerCouplings, PPOTrainerSync):
     # ================================================================= stage boundaries
     def on_step_begin(self):
         super().on_step_begin()
+        if self._pending_end_eval is not None:  # the stage-end evaluation a crash lost (the weights are M_stage)
+            stage, gs = self._pending_end_eval
+            self._pending_end_eval = None
+            print(f"[mopd] resumed after stage {stage} ended: re-running its lost stage-end forgetting evaluation")
+            self._evaluate(stage, "end", S.learned_domains(self.plan_steps, gs - 1), gs)
+            self._stage = None
         step = self.current_step()
         if self._stage == step["stage"]:
             return
@@ -314,6 +321,10 @@ class MOPDTrainer(MOPDTrainerCouplings, PPOTrainerSync):
     def mopd_record_step(self, metrics: dict, global_step: int):
         step = self.current_step(global_step)
         metrics["mopd/optimizer_steps_in_stage"] = getattr(self, "_optim_steps", -1)
+        # verl zeroes the gradients and skips AdamW when the norm is not finite (it only prints a warning)
+        metrics["mopd/update_skipped"] = int(S.skipped_update(metrics))
+        if metrics["mopd/update_skipped"]:
+            logger.warning(f"MOPD step {global_step}: non-finite gradient norm, optimizer update skipped")
         keep = {k: v for k, v in metrics.items() if k.startswith(("mopd/", "actor/", "response_length/mean",
                                                                     "critic/score/mean", "timing_s/step"))}
         S.append_step(self.run_dir, global_step, step, keep)
@@ -371,15 +382,29 @@ class MOPDTrainer(MOPDTrainerCouplings, PPOTrainerSync):
                 f"the checkpoint {self._step_dir(gs)} was written for a different plan; resume with the same recipe "
                 "or set trainer.resume_mode=disable"
             )
-        missing = [j for j in range(1, state["stage"] + (1 if state["stage_complete"] else 0))
-                   if not os.path.exists(os.path.join(self.paths.snapshot(j), "config.json"))]
-        if missing and state["stage_complete"] and missing == [state["stage"]]:
-            self._snapshot(state["stage"], gs)  # killed between the save and the copy
-            missing = []
+        existing = S.existing_snapshots(self.paths, max(self.bounds))
+        missing, recopy, stale = S.reconcile_snapshots(state.get("snapshots", []), existing, state["stage"],
+                                                       state["stage_complete"])
         if missing:
-            raise ValueError(f"resume needs stage snapshots {missing} under {self.paths.snapshot(0)[:-2]}")
+            raise ValueError(
+                f"the checkpoint {self._step_dir(gs)} recorded stage snapshots {state.get('snapshots')} but "
+                f"{missing} are gone from {os.path.dirname(self.paths.snapshot(1))}: restore them or resume from an "
+                "earlier checkpoint (trainer.resume_from_path)"
+            )
+        for j in recopy:
+            self._snapshot(j, gs)  # killed between the save and the copy
+        for j in stale:  # written by work after this checkpoint: this run makes its own M_j again
+            src = self.paths.snapshot(j)
+            dst = os.path.join(os.path.dirname(src), "discarded", f"student_{j}.after_step_{gs}")
+            shutil.rmtree(dst, ignore_errors=True)
+            os.makedirs(os.path.dirname(dst), exist_ok=True)
+            os.replace(src, dst)
+            print(f"[mopd] snapshot M_{j} was not recorded by checkpoint {gs} (later, discarded work): moved to {dst}")
         dropped = S.truncate_steps(self.run_dir, gs)
         print(f"[mopd] resumed at global step {gs} (stage {state['stage']}); {dropped} later audit lines discarded")
+        if (state["stage_complete"] and self.eval_enabled and gs < len(self.plan_steps)
+                and not S.stage_end_measured(S.read_forgetting(self.run_dir), state["stage"])):
+            self._pending_end_eval = (state["stage"], gs)  # a crash lost it: measured before the next step
         # the next step's on_step_begin loads the teachers; a stage that is not finished keeps its optimizer
         self._stage = None
 
