@@ -354,13 +354,13 @@ class HostBalancer:
         for i, g in enumerate(G):
             if g is None:
                 continue
-            dt = _acc_dtype(g)
-            gg = g.to(dt)
-            acc[0] += torch.sum(gg * gg).to(torch.float64)
+            gg = g.to(_acc_dtype(g)).reshape(-1)
+            acc[0] += torch.dot(gg, gg).to(torch.float64)  # dot: no temporary of the parameter's size
             if with_host:
                 for j, H in ((1, self.T), (2, self.U)):
                     if H is not None and H[i] is not None:
-                        acc[j] += torch.sum(gg * H[i].to(dev, non_blocking=True).to(dt)).to(torch.float64)
+                        acc[j] += torch.dot(gg, H[i].to(dev, non_blocking=True).to(gg.dtype).reshape(-1)).to(
+                            torch.float64)
         if _do_sync(self.sync):
             torch.distributed.all_reduce(acc, op=torch.distributed.ReduceOp.SUM, group=self.group)
         return [float(v) for v in acc.cpu()]

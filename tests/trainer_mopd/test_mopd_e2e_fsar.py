@@ -14,14 +14,15 @@ import math
 import pytest
 
 SHORT = ("mopd.order=[logic,math]", "mopd.domains.logic.num_blocks=1", "mopd.recovery.enabled=true",
-         "mopd.recovery.blocks_per_domain=1", "mopd.eval.enabled=false", "mopd.signal.ratio=2.0")
+         "mopd.recovery.blocks_per_domain=1", "mopd.setting=S2", "mopd.eval.enabled=false",
+         "mopd.signal.ratio=2.0")
 PLAN_KEYS = ("stage", "kind", "domain", "block", "teacher")
 
 
 def test_fsar_replay_step_logs_balanced_gradients_at_the_configured_ratio(mopd_run, mopd_plan, fast):
     run_dir, log = mopd_run("mopd/tiny_fsar_shared", "fsar", *fast, *SHORT)
     steps = [json.loads(x) for x in (run_dir / "steps.jsonl").read_text().splitlines() if x.strip()]
-    assert [{k: s[k] for k in PLAN_KEYS} for s in steps] == mopd_plan("mopd/tiny_fsar_shared", *SHORT[:4])
+    assert [{k: s[k] for k in PLAN_KEYS} for s in steps] == mopd_plan("mopd/tiny_fsar_shared", *SHORT[:5])
     replay = [s for s in steps if s["kind"] == "replay"]
     assert [(s["stage"], s["domain"], s["teacher"]) for s in replay] == [(2, "logic", "student:1")]
     m = replay[0]["metrics"]
