@@ -173,6 +173,10 @@ def teacher_training_config(worker_config, model_path: str, teacher_dtype: str =
         ref.ppo_micro_batch_size_per_gpu = ref.pop("log_prob_micro_batch_size_per_gpu", None)
         ref.use_dynamic_bsz = ref.pop("log_prob_use_dynamic_bsz", False)
         ref.ppo_max_token_len_per_gpu = ref.pop("log_prob_max_token_len_per_gpu", None)
+        if ref.get("fsdp_config") is not None:  # the teacher's weights (SPEC B.1), see the docstring
+            if ref.fsdp_config.get("mixed_precision") is None:
+                ref.fsdp_config.mixed_precision = {}
+            ref.fsdp_config.mixed_precision.param_dtype = "bf16" if teacher_dtype == "bf16" else "fp32"
     model = deepcopy(worker_config.model)
     with open_dict(model):
         model.path = model_path
@@ -189,9 +193,6 @@ def teacher_training_config(worker_config, model_path: str, teacher_dtype: str =
         checkpoint_config=ref_config.checkpoint,
         profiler_config=None,
     )
-    mp = dict(cfg.engine_config.mixed_precision or {})
-    mp["param_dtype"] = "bf16" if teacher_dtype == "bf16" else "fp32"
-    cfg.engine_config.mixed_precision = mp
     cfg.engine_config.forward_only = True
     cfg.engine_config.use_dynamic_bsz = ref.use_dynamic_bsz
     cfg.engine_config.infer_max_token_len_per_gpu = ref.ppo_max_token_len_per_gpu
