@@ -293,9 +293,14 @@ def _grad_locals(params) -> list:
     return [None if p.grad is None else _local(p.grad) for p in params]
 
 
-def _to_host(x: torch.Tensor, scale: float | None = None) -> torch.Tensor:
-    """A host copy of ``x`` (pinned when ``x`` is on CUDA, so the later device copies can overlap)."""
-    out = torch.empty(x.shape, dtype=x.dtype, device="cpu", pin_memory=x.is_cuda)
+def _to_host(x: torch.Tensor, scale: float | None = None, buffers: dict | None = None, key=None) -> torch.Tensor:
+    """A host copy of ``x`` (pinned when ``x`` is on CUDA). With ``buffers``, the host tensor stored under ``key``
+    is reused when its shape and dtype match (pinned allocation costs about a second per GB: once, not per step)."""
+    out = None if buffers is None else buffers.get(key)
+    if out is None or out.shape != x.shape or out.dtype != x.dtype:
+        out = torch.empty(x.shape, dtype=x.dtype, device="cpu", pin_memory=x.is_cuda)
+        if buffers is not None:
+            buffers[key] = out
     out.copy_(x)
     return out if scale is None else out.mul_(scale)
 
@@ -322,11 +327,12 @@ class HostBalancer:
         <hidden pass>; info = hb.finish("hid")      # .grad now holds g
 
     ``take_*`` clear ``.grad`` after reading it. Device memory beyond the one ``.grad`` vector: one parameter's
-    host copy at a time. Host memory: two gradient vectors (g_tok and s).
+    host copy at a time. Host memory: two gradient vectors (g_tok and s); pass the same ``buffers`` dict every step
+    to reuse them (the caller owns it; its tensors are overwritten by the next step).
     """
 
     def __init__(self, params, *, variant: str = "fsar", ratio: float = 1.0, rho: float = 2.0,
-                 sync: bool | None = None, group=None):
+                 sync: bool | None = None, group=None, buffers: dict | None = None):
         if variant not in ("fsar", "1:1:1"):
             raise ValueError(f"variant must be 'fsar' or '1:1:1', got {variant!r}")
         self.params = list(params)
@@ -340,6 +346,7 @@ class HostBalancer:
         self.norms: dict[str, float] = {}
         self.cos_pooled = 0.0
         self.pooled: list[str] = []
+        self.buffers = buffers
 
     # ---------------------------------------------------------------- passes
     def _device(self) -> torch.device:
@@ -375,7 +382,7 @@ class HostBalancer:
             raise ValueError("take_token called twice in one step")
         G = _grad_locals(self.params)
         self.tt = self._products(G, with_host=False)[0]
-        self.T = [None if g is None else _to_host(g) for g in G]
+        self.T = [None if g is None else _to_host(g, None, self.buffers, ("tok", i)) for i, g in enumerate(G)]
         self._clear()
         self.norms["tok"] = math.sqrt(max(self.tt, 0.0))
         return self.norms["tok"]
@@ -402,7 +409,7 @@ class HostBalancer:
                 if g is None:
                     continue
                 if self.U[i] is None:
-                    self.U[i] = _to_host(g, inv)
+                    self.U[i] = _to_host(g, inv, self.buffers, ("s", i))
                 else:
                     self.U[i].add_(g.to("cpu"), alpha=inv)
         self.pooled.append(name)

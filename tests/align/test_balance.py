@@ -250,7 +250,8 @@ def _rand_grads(seed, shapes=((4, 3), (5,), (2, 2)), none_at=None):
 def test_host_balancer_equals_balance_of_combine_aux(terms, ratio):
     tok, gs = _rand_grads(0), {"sats": _rand_grads(1), "vr": _rand_grads(2, none_at=1), "hid": _rand_grads(3)}
     params = [torch.nn.Parameter(torch.zeros(t.shape, dtype=torch.float64)) for t in tok]
-    hb = HostBalancer(params, ratio=ratio, rho=2.0, sync=False)
+    buffers = {("tok", 0): torch.full((4, 3), 7.0, dtype=torch.float64)}  # reused host storage of an earlier step
+    hb = HostBalancer(params, ratio=ratio, rho=2.0, sync=False, buffers=buffers)
     _set(params, tok)
     hb.take_token()
     for name in [t for t in terms if t != "hid"]:
@@ -270,6 +271,7 @@ def test_host_balancer_equals_balance_of_combine_aux(terms, ratio):
     for k in ("s_norm", "cos_u_hid", "cos_sats_vr", "sats_norm", "vr_norm", "hid_norm"):
         assert info[k] == pytest.approx(ainfo[k], rel=1e-10, abs=1e-12), k
     assert info["final_norm"] == pytest.approx(math.sqrt(sum(float(p.grad.pow(2).sum()) for p in params)), rel=1e-10)
+    assert ("tok", 2) in buffers and (("s", 0) in buffers) == any(t in terms for t in ("sats", "vr"))
 
 
 @pytest.mark.parametrize("other", ["vr", "hid"])

@@ -105,7 +105,10 @@ class MOPDTrainingWorker(TrainingWorker):
         module = engine.module
         params = [p for p in module.parameters() if p.requires_grad]
         sync, group = _reduction(params)
-        hb = HostBalancer(params, variant=cfg.combine, ratio=cfg.ratio, rho=cfg.rho, sync=sync, group=group)
+        if getattr(self, "_host_grads", None) is None:
+            self._host_grads = {}  # g_tok and u on the host (pinned on CUDA), reused step after step
+        hb = HostBalancer(params, variant=cfg.combine, ratio=cfg.ratio, rho=cfg.rho, sync=sync, group=group,
+                          buffers=self._host_grads)
         hb.take_token()
         micro = _micro_batches(data, groups)
         weights = microbatch_weights([mb.n_resp for mb in micro])
