@@ -144,8 +144,8 @@ def test_balanced_step_equals_reference_and_logs_the_ratio(tiny_dir, ratio):
     for g, p in zip(got, ref_model.parameters()):
         if p.grad is None:
             assert g is None or float(g.abs().max()) == 0.0
-        else:
-            torch.testing.assert_close(g, p.grad, rtol=1e-4, atol=1e-7)
+        else:  # fp32, different summation order (the host direction s is accumulated term by term)
+            torch.testing.assert_close(g, p.grad, rtol=1e-4, atol=1e-6 * float(p.grad.abs().max()))
 
 
 def test_balanced_step_refuses_targets_of_another_batch(tiny_dir):
