@@ -11,7 +11,7 @@ claas_verl.main_mopd`` does it). verl's own ``fit`` loop runs unchanged; per glo
    full-vocabulary log-probs (SPEC B.2.1).
 4. ``_compute_advantage``: the step's teacher returns its log-probs at those ids; the driver computes the
    rewards of eq. (4), the per-domain σ and advantages (B.2.2) over the whole step batch, and the logged KL.
-   On replay/recovery steps of recipes with alignment terms (``mopd.signal.{sats,vr,hidden}``), the driver first
+   On replay steps of recipes with alignment terms (``mopd.signal.{sats,vr,hidden}``), the driver first
    computes the step regions from the response ids (stored as two 2-D fields, shared by teacher and student)
    and the teacher forward also keeps its bf16 alignment targets in the (colocated) worker process.
 5. ``_update_actor``: one optimizer update with the ``claas_topk_distill`` loss (B.2.3), no KL, no entropy; on
