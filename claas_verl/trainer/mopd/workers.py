@@ -52,8 +52,8 @@ class MOPDTrainingWorker(TrainingWorker):
     A batch without the non-tensor ``mopd_aux`` trains exactly like verl (one forward/backward pass, clip,
     AdamW step). A batch with it (replay steps of FSAR/SATS/OPRD recipes; recovery steps are token-only, SPEC
     B.8) runs, inside verl's own ``train_batch`` (so lr scheduling and metric post-processing stay verl's), a
-    replacement of the engine's step, :meth:`balanced_engine_step`: verl's token pass, one pass per alignment term, the balanced
-    combination written into ``.grad``, then the engine's ``optimizer_step`` (which clips and steps).
+    replacement of the engine's step, :meth:`balanced_engine_step`: verl's token pass, one pass per alignment
+    term, the balanced combination written into ``.grad``, then the engine's ``optimizer_step`` (clip, step).
     """
 
     # set by MOPDWorker.mopd_teacher_forward: {"fingerprint": str, "targets": [AlignmentSignals per micro-batch]}
