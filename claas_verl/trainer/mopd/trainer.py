@@ -218,8 +218,32 @@ class MOPDTrainer(MOPDTrainerCouplings, PPOTrainerSync):
             F.TOPK_KEY: self.topk,
         }
 
+    def canonical_row_order(self, batch):
+        """Sort the step's rows by their token ids inside each data-parallel rank's share (in place).
+
+        verl's async rollout returns the responses in completion order, and the SPEC B.7 loss (per-micro-batch
+        means) depends on which responses share a micro-batch; a content order makes the update a function of
+        the samples alone (same seeds -> same step; an exact resume). Each rank keeps the rows verl's
+        ``_balance_batch`` gave it (contiguous equal shares), so its token balance is unchanged.
+        """
+        data = tq.kv_batch_get(keys=batch.keys, partition_id=batch.partition_id, select_fields=["input_ids"])
+        rows = [r.cpu().long().numpy().tobytes() for r in data["input_ids"].unbind()]
+        wg = self.actor_rollout_wg
+        ranks = wg._dispatch_info.get("actor") if hasattr(wg, "_dispatch_info") else None
+        dp = max(ranks) + 1 if ranks else 1
+        n = len(rows)
+        if n % dp:
+            raise ValueError(f"{n} rows do not split evenly over {dp} data-parallel ranks")
+        share = n // dp
+        order = []
+        for c in range(dp):
+            order += sorted(range(c * share, (c + 1) * share), key=lambda i: (len(rows[i]), rows[i]))
+        batch.reorder(order)
+        return batch
+
     def mopd_student_topk(self, batch, metrics: dict):
         """Pre-update forward of the training model: store the student's top-κ ids and log-probs S (B.2.1)."""
+        self.canonical_row_order(batch)
         batch.extra_info.update(self._distill_flags(F.PHASE_STUDENT_TOPK))
         self.actor_rollout_wg.compute_log_prob(batch)
         packed = F.names(F.STUDENT_IDS_PACKED, self.topk) + F.names(F.STUDENT_LP_PACKED, self.topk)
@@ -467,10 +491,10 @@ class MOPDTrainer(MOPDTrainerCouplings, PPOTrainerSync):
         self.checkpoint_manager.sleep_replicas()
         try:
             meta = self._balance_batch(meta, metrics={})
-            real = np.array([not t.get("is_padding", False) for t in meta.tags])
             self.actor_rollout_wg.mopd_set_teachers({f"expert:{domain}": self.paths.path(f"expert:{domain}")},
                                                     self.teacher_dtype)
-            self.mopd_student_topk(meta, {})
+            self.mopd_student_topk(meta, {})  # reorders the rows (canonical_row_order): read the tags after it
+            real = np.array([not t.get("is_padding", False) for t in meta.tags])
             Sx, Q, mask, _ = self._teacher_q(meta, f"expert:{domain}")
             sel = torch.as_tensor(real)
             kl = float(topk_weighted_kl(Sx[sel], Q[sel], mask[sel]))
