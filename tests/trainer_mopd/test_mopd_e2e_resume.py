@@ -37,11 +37,11 @@ def test_kill_mid_stage_and_resume_runs_the_remaining_plan(mopd_run, mopd_plan, 
     # samples the same responses and sees the same teacher as the killed run's step 6
     redo, lost = steps[5], discarded[0]
     assert {k: redo[k] for k in plan[0]} == {k: lost[k] for k in plan[0]}
-    for key in ("response_length/mean", "mopd/kl_topk", "mopd/adv_sigma"):
+    # actor/grad_norm: the SPEC B.7 loss (per-micro-batch means) depends on which responses share a micro-batch;
+    # the trainer sorts each step's rows by content (canonical_row_order), so the rollout's completion order
+    # cannot change it
+    for key in ("response_length/mean", "mopd/kl_topk", "mopd/adv_sigma", "actor/grad_norm"):
         assert redo["metrics"][key] == pytest.approx(lost["metrics"][key], rel=1e-5, abs=1e-7), key
-    # the gradient is the SPEC B.7 sum of per-micro-batch token means: it depends on which responses share a
-    # micro-batch, and verl's async rollout hands the same responses back in completion order (measured: 1.3%)
-    assert redo["metrics"]["actor/grad_norm"] == pytest.approx(lost["metrics"]["actor/grad_norm"], rel=0.05)
     counts = [s["metrics"]["mopd/optimizer_steps_in_stage"] for s in steps]
     # step 6 continues stage 2's restored AdamW (its state held 1 step), stage 3 starts fresh
     assert counts == [1, 2, 3, 4, 1, 2, 3, 1, 2, 3]
