@@ -283,3 +283,201 @@ def combine_one_one_one(
     co = nt / no if no >= ZERO_NORM else 0.0
     info.update(sats_coef=cs, other_coef=co)
     return _lincomb({"g_tok": 1.0, "g_sats": cs, "g_other": co}, lists, flat, n), info
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the same combinations streamed over separate backward passes, with one gradient on the device
+
+
+def _grad_locals(params) -> list:
+    return [None if p.grad is None else _local(p.grad) for p in params]
+
+
+def _to_host(x: torch.Tensor, scale: float | None = None, buffers: dict | None = None, key=None) -> torch.Tensor:
+    """A host copy of ``x`` (pinned when ``x`` is on CUDA). With ``buffers``, the host tensor stored under ``key``
+    is reused when its shape and dtype match (pinned allocation costs about a second per GB: once, not per step)."""
+    out = None if buffers is None else buffers.get(key)
+    if out is None or out.shape != x.shape or out.dtype != x.dtype:
+        out = torch.empty(x.shape, dtype=x.dtype, device="cpu", pin_memory=x.is_cuda)
+        if buffers is not None:
+            buffers[key] = out
+    out.copy_(x)
+    return out if scale is None else out.mul_(scale)
+
+
+class HostBalancer:
+    """Eqs. (9)-(10) (or the "1:1:1" variant) over separate backward passes, keeping ONE gradient on the device.
+
+    SPEC B.6: "the SATS pass and the VR pass give u (kept on host), then the hidden pass gives ĝ_hid". The token
+    gradient and the pooled direction ``s = ĝ_SATS + ĝ_VR`` live on the host (one fp32 copy each, pinned on CUDA);
+    every norm and inner product is accumulated pass by pass (local partial sums, one ``all_reduce`` per pass,
+    see the module docstring), so the device holds only the gradient of the pass in flight, plus one parameter's
+    host copy at a time. The last pass (the hidden term, or the "other" term of 1:1:1) stays in ``.grad`` and the
+    final ``g`` is written over it in place:
+
+        g = α_T·g_tok + α_U·s + α_L·g_last
+
+    which is exactly ``balance(g_tok, combine_aux(g_sats, g_vr, g_hid, ρ), r)`` (or ``combine_one_one_one``) with the
+    same zero-norm conventions. Usage per step, with ``params`` the trainable parameters::
+
+        hb = HostBalancer(params, variant="fsar", ratio=r, rho=ρ)
+        <token pass>;  hb.take_token()
+        <SATS pass>;   hb.take_pooled("sats")
+        <VR pass>;     hb.take_pooled("vr")
+        <hidden pass>; info = hb.finish("hid")      # .grad now holds g
+
+    ``take_*`` clear ``.grad`` after reading it. Device memory beyond the one ``.grad`` vector: one parameter's
+    host copy at a time. Host memory: two gradient vectors (g_tok and s); pass the same ``buffers`` dict every step
+    to reuse them (the caller owns it; its tensors are overwritten by the next step).
+    """
+
+    def __init__(self, params, *, variant: str = "fsar", ratio: float = 1.0, rho: float = 2.0,
+                 sync: bool | None = None, group=None, buffers: dict | None = None):
+        if variant not in ("fsar", "1:1:1"):
+            raise ValueError(f"variant must be 'fsar' or '1:1:1', got {variant!r}")
+        self.params = list(params)
+        self.variant, self.ratio, self.sync, self.group = variant, _check_ratio(ratio, "ratio"), sync, group
+        self.rho = float(rho)
+        if not (math.isfinite(self.rho) and self.rho >= 0):
+            raise ValueError(f"rho must be a finite number >= 0; got {rho!r}")
+        self.T: list | None = None
+        self.U: list | None = None
+        self.tt = self.uu = self.tu = 0.0
+        self.norms: dict[str, float] = {}
+        self.cos_pooled = 0.0
+        self.pooled: list[str] = []
+        self.buffers = buffers
+
+    # ---------------------------------------------------------------- passes
+    def _device(self) -> torch.device:
+        for p in self.params:
+            return _local(p).device
+        return torch.device("cpu")
+
+    def _products(self, G: list, with_host: bool) -> list[float]:
+        """[<G,G>, <T,G>, <U,G>] over local shards (host copies moved one parameter at a time), one all-reduce."""
+        dev = self._device()
+        acc = torch.zeros(3, dtype=torch.float64, device=dev)
+        for i, g in enumerate(G):
+            if g is None:
+                continue
+            gg = g.to(_acc_dtype(g)).reshape(-1)
+            acc[0] += torch.dot(gg, gg).to(torch.float64)  # dot: no temporary of the parameter's size
+            if with_host:
+                for j, H in ((1, self.T), (2, self.U)):
+                    if H is not None and H[i] is not None:
+                        acc[j] += torch.dot(gg, H[i].to(dev, non_blocking=True).to(gg.dtype).reshape(-1)).to(
+                            torch.float64)
+        if _do_sync(self.sync):
+            torch.distributed.all_reduce(acc, op=torch.distributed.ReduceOp.SUM, group=self.group)
+        return [float(v) for v in acc.cpu()]
+
+    def _clear(self):
+        for p in self.params:
+            p.grad = None
+
+    def take_token(self) -> float:
+        """g_tok (in ``.grad``) -> host; returns ‖g_tok‖."""
+        if self.T is not None:
+            raise ValueError("take_token called twice in one step")
+        G = _grad_locals(self.params)
+        self.tt = self._products(G, with_host=False)[0]
+        self.T = [None if g is None else _to_host(g, None, self.buffers, ("tok", i)) for i, g in enumerate(G)]
+        self._clear()
+        self.norms["tok"] = math.sqrt(max(self.tt, 0.0))
+        return self.norms["tok"]
+
+    def take_pooled(self, name: str) -> float:
+        """ĝ_name (from ``.grad``) added to the host direction s (ĝ := 0 below 1e-30); returns ‖g_name‖."""
+        if self.T is None:
+            raise ValueError("take_token must come first: g_tok sets the scale of the update")
+        if self.variant == "1:1:1" and self.pooled:
+            raise ValueError("the 1:1:1 variant has one pooled term (SATS); pass the other one to finish()")
+        G = _grad_locals(self.params)
+        gg, tg, ug = self._products(G, with_host=True)
+        n = math.sqrt(max(gg, 0.0))
+        self.norms[name] = n
+        if n >= ZERO_NORM:
+            inv = 1.0 / n
+            if self.pooled:  # cos between the direction so far and this term (cos(SATS, VR) for two terms)
+                self.cos_pooled = ug * inv / math.sqrt(self.uu) if self.uu > 0 else 0.0
+            self.uu += 2.0 * inv * ug + inv * inv * gg
+            self.tu += inv * tg
+            if self.U is None:
+                self.U = [None] * len(G)
+            for i, g in enumerate(G):
+                if g is None:
+                    continue
+                if self.U[i] is None:
+                    self.U[i] = _to_host(g, inv, self.buffers, ("s", i))
+                else:
+                    self.U[i].add_(g.to("cpu"), alpha=inv)
+        self.pooled.append(name)
+        self._clear()
+        return n
+
+    def finish(self, last: str | None = None) -> dict[str, float]:
+        """Combine; with ``last`` the gradient in ``.grad`` is that term's (used in place). Writes g into ``.grad``."""
+        if self.T is None:
+            raise ValueError("take_token must come first")
+        L = _grad_locals(self.params) if last is not None else [None] * len(self.params)
+        ll, tl, ul = self._products(L, with_host=True) if last is not None else (0.0, 0.0, 0.0)
+        nl = math.sqrt(max(ll, 0.0))
+        if last is not None:
+            self.norms[last] = nl
+        inv_l = 1.0 / nl if nl >= ZERO_NORM else 0.0
+        nt = self.norms["tok"]
+        info = {"tok_norm": nt, "ratio": self.ratio, "rho": self.rho}
+        if self.variant == "fsar":
+            s_norm = math.sqrt(max(self.uu, 0.0))
+            inv_s = 1.0 / s_norm if s_norm >= ZERO_NORM else 0.0
+            # g_aux = inv_s·s + ρ·inv_l·g_last
+            cu, cl = inv_s, self.rho * inv_l
+            aux_sq = cu * cu * self.uu + cl * cl * ll + 2 * cu * cl * ul
+            tok_aux = cu * self.tu + cl * tl
+            aux_norm = math.sqrt(max(aux_sq, 0.0))
+            info.update(s_norm=s_norm, cos_u_hid=inv_s * inv_l * ul, cos_sats_vr=self.cos_pooled, aux_norm=aux_norm,
+                        cos_tok_aux=tok_aux / (nt * aux_norm) if nt > 0 and aux_norm >= ZERO_NORM else 0.0)
+            if nt == 0.0:
+                a_t, a_u, a_l, fb, c, a, bc = 0.0, 0.0, 0.0, 2.0, 0.0, 0.0, 0.0
+            elif aux_norm < ZERO_NORM:
+                a_t, a_u, a_l, fb, c, a, bc = 1.0, 0.0, 0.0, 1.0, 0.0, 1.0, 0.0
+            else:
+                a, b = min(1.0, self.ratio), min(1.0, 1.0 / self.ratio)
+                c = nt / aux_norm
+                bc = b * c
+                a_t, a_u, a_l, fb = a, bc * cu, bc * cl, 0.0
+            info.update(scale=c, tok_coef=a, aux_coef=bc, fallback=fb)
+        else:  # 1:1:1: U holds ĝ_SATS (unit, or absent), g_last is the other term
+            if nt == 0.0:
+                a_t = a_u = a_l = 0.0
+            else:
+                a_t, a_u, a_l = 1.0, (nt if self.U is not None else 0.0), nt * inv_l
+            info.update(sats_coef=a_u, other_coef=a_l, other_norm=nl)
+        final_sq = (a_t * a_t * self.tt + a_u * a_u * self.uu + a_l * a_l * ll
+                    + 2 * a_t * a_u * self.tu + 2 * a_t * a_l * tl + 2 * a_u * a_l * ul)
+        info["final_norm"] = math.sqrt(max(final_sq, 0.0))
+        for name in ("sats", "vr", "hid"):
+            info[f"{name}_norm"] = self.norms.get(name, 0.0)
+        self._write(L, a_t, a_u, a_l)
+        self.T = self.U = None
+        return info
+
+    @torch.no_grad()
+    def _write(self, L: list, a_t: float, a_u: float, a_l: float):
+        dev = self._device()
+        for i, p in enumerate(self.params):
+            t = self.T[i] if a_t != 0.0 else None
+            u = self.U[i] if self.U is not None and a_u != 0.0 else None
+            if L[i] is None:
+                if t is None and u is None:  # no term reaches this parameter (or g = 0: zeros where g_tok is)
+                    p.grad = None if self.T[i] is None else torch.zeros_like(p)
+                    continue
+                p.grad = torch.zeros_like(p)  # a DTensor with the parameter's placements under FSDP2
+                out = _local(p.grad)
+            else:
+                out = L[i].mul_(a_l)
+            if t is not None:
+                out.add_(t.to(dev, non_blocking=True).to(out.dtype), alpha=a_t)
+            if u is not None:
+                out.add_(u.to(dev, non_blocking=True).to(out.dtype), alpha=a_u)

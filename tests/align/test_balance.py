@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from claas_verl.align.balance import balance, combine_aux, combine_one_one_one, grad_norm
+from claas_verl.align.balance import HostBalancer, balance, combine_aux, combine_one_one_one, grad_norm
 
 DT = torch.float64
 
@@ -228,3 +228,89 @@ def test_sharded_across_two_simulated_ranks(simulated_ranks):
     # replicated gradients (DDP) must not be reduced: sync=False keeps the local values
     g_local, info_local = balance(tok, aux_full, 1.0, sync=False)
     assert info_local["tok_norm"] == pytest.approx(tok.norm().item(), rel=1e-12)
+
+
+# ------------------------------------------------------------------------------------------ HostBalancer (streamed)
+
+def _set(params, grads):
+    for p, g in zip(params, grads):
+        p.grad = None if g is None else g.clone()
+
+
+def _rand_grads(seed, shapes=((4, 3), (5,), (2, 2)), none_at=None):
+    g = torch.Generator().manual_seed(seed)
+    out = [torch.randn(s, generator=g, dtype=torch.float64) for s in shapes]
+    if none_at is not None:
+        out[none_at] = None
+    return out
+
+
+@pytest.mark.parametrize("terms", [("sats", "vr", "hid"), ("sats",), ("hid",), ("sats", "vr"), ("sats", "hid")])
+@pytest.mark.parametrize("ratio", [1.0, 0.5, 3.0])
+def test_host_balancer_equals_balance_of_combine_aux(terms, ratio):
+    tok, gs = _rand_grads(0), {"sats": _rand_grads(1), "vr": _rand_grads(2, none_at=1), "hid": _rand_grads(3)}
+    params = [torch.nn.Parameter(torch.zeros(t.shape, dtype=torch.float64)) for t in tok]
+    buffers = {("tok", 0): torch.full((4, 3), 7.0, dtype=torch.float64)}  # reused host storage of an earlier step
+    hb = HostBalancer(params, ratio=ratio, rho=2.0, sync=False, buffers=buffers)
+    _set(params, tok)
+    hb.take_token()
+    for name in [t for t in terms if t != "hid"]:
+        _set(params, gs[name])
+        hb.take_pooled(name)
+        assert all(p.grad is None for p in params)  # each pass's gradient leaves the device
+    last = "hid" if "hid" in terms else None
+    if last:
+        _set(params, gs["hid"])
+    info = hb.finish(last)
+    g_aux, ainfo = combine_aux(*(gs[t] if t in terms else None for t in ("sats", "vr", "hid")), rho=2.0, sync=False)
+    ref, binfo = balance(tok, g_aux, ratio, sync=False)
+    for p, r in zip(params, ref):
+        torch.testing.assert_close(p.grad, r, rtol=1e-12, atol=1e-12)
+    for k in ("scale", "tok_norm", "aux_norm", "cos_tok_aux", "final_norm", "fallback"):
+        assert info[k] == pytest.approx(binfo[k], rel=1e-10, abs=1e-12), k
+    for k in ("s_norm", "cos_u_hid", "cos_sats_vr", "sats_norm", "vr_norm", "hid_norm"):
+        assert info[k] == pytest.approx(ainfo[k], rel=1e-10, abs=1e-12), k
+    assert info["final_norm"] == pytest.approx(math.sqrt(sum(float(p.grad.pow(2).sum()) for p in params)), rel=1e-10)
+    assert ("tok", 2) in buffers and (("s", 0) in buffers) == any(t in terms for t in ("sats", "vr"))
+
+
+@pytest.mark.parametrize("other", ["vr", "hid"])
+def test_host_balancer_one_one_one_equals_reference(other):
+    tok, sats, oth = _rand_grads(4), _rand_grads(5), _rand_grads(6, none_at=2)
+    params = [torch.nn.Parameter(torch.zeros(t.shape, dtype=torch.float64)) for t in tok]
+    hb = HostBalancer(params, variant="1:1:1", sync=False)
+    _set(params, tok)
+    hb.take_token()
+    _set(params, sats)
+    hb.take_pooled("sats")
+    with pytest.raises(ValueError, match="one pooled term"):
+        hb.take_pooled(other)
+    _set(params, oth)
+    hb.finish(other)
+    ref, _ = combine_one_one_one(tok, sats, oth, sync=False)
+    for p, r in zip(params, ref):
+        torch.testing.assert_close(p.grad, r, rtol=1e-12, atol=1e-12)
+
+
+def test_host_balancer_edge_cases_match_eq9_conventions():
+    tok, hid = _rand_grads(7), _rand_grads(8)
+    params = [torch.nn.Parameter(torch.zeros(t.shape, dtype=torch.float64)) for t in tok]
+    # aux = 0 (no region, no hidden gradient): g = g_tok
+    hb = HostBalancer(params, sync=False)
+    _set(params, tok)
+    hb.take_token()
+    _set(params, [torch.zeros_like(t) for t in tok])
+    hb.take_pooled("sats")
+    info = hb.finish(None)
+    assert info["fallback"] == 1.0
+    for p, t in zip(params, tok):
+        torch.testing.assert_close(p.grad, t)
+    # g_tok = 0: g = 0
+    hb = HostBalancer(params, sync=False)
+    _set(params, [torch.zeros_like(t) for t in tok])
+    hb.take_token()
+    _set(params, hid)
+    info = hb.finish("hid")
+    assert info["fallback"] == 2.0 and all(float(p.grad.abs().max()) == 0.0 for p in params)
+    with pytest.raises(ValueError, match="take_token must come first"):
+        HostBalancer(params, sync=False).take_pooled("sats")

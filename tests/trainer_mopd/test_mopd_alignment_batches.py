@@ -8,20 +8,34 @@ import torch
 
 from claas_verl.align import step_regions
 from claas_verl.trainer.mopd.alignment import (
+    REGION_IDS,
+    WINDOW,
     AuxConfig,
     aux_config,
     aux_micro_batches,
     batch_fingerprint,
     check_layers,
+    region_fields,
     response_regions,
 )
+from claas_verl.trainer.mopd.fields import response_ids
 
 
 def test_signal_parsing_and_round_trip():
     fsar = aux_config({"sats": True, "vr": True, "hidden": True, "ratio": 0.5, "rho": 2.0, "window": 16,
-                       "layers": "all"}, micro_batch_size=3)
-    assert fsar.terms == ("sats", "vr", "hidden") and fsar.layers is None and fsar.micro_batch_size == 3
-    assert fsar.applies_to("replay") and fsar.applies_to("recovery") and not fsar.applies_to("new")
+                       "layers": "all"})
+    assert fsar.terms == ("sats", "vr", "hidden") and fsar.layers is None and fsar.combine == "fsar"
+    # SPEC B.6/B.8: replay steps only; recovery steps use the token loss only
+    assert fsar.applies_to("replay") and not fsar.applies_to("recovery") and not fsar.applies_to("new")
+    assert aux_config({"hidden": True, "aux_kinds": ["replay", "recovery"]}).applies_to("recovery")
+    with pytest.raises(ValueError, match="mopd.signal.aux_kinds"):
+        aux_config({"hidden": True, "aux_kinds": ["new"]})
+    one = aux_config({"sats": True, "hidden": True, "combine": "1:1:1"})
+    assert AuxConfig.from_dict(one.to_dict()) == one
+    with pytest.raises(ValueError, match="1:1:1"):
+        aux_config({"sats": True, "vr": True, "hidden": True, "combine": "1:1:1"})
+    with pytest.raises(ValueError, match="mopd.signal.combine"):
+        aux_config({"sats": True, "combine": "gradnorm"})
     assert AuxConfig.from_dict(fsar.to_dict()) == fsar
     kl = aux_config({"sats": False, "vr": False, "hidden": False})
     assert not kl.enabled and not kl.applies_to("replay")
@@ -56,7 +70,7 @@ def test_micro_batches_place_response_regions_at_sequence_positions():
     rid[1, 1] = 0
     win = (rid >= 0).long()
     lens = torch.tensor([3, 2])
-    one = aux_micro_batches(seqs, rid, win, lens, micro_batch_size=8)
+    one = aux_micro_batches(seqs, rid, win, lens, [[0, 1]])
     assert len(one) == 1
     mb = one[0]
     assert mb.input_ids.tolist() == [[1, 2, 3, 4, 5], [6, 7, 8, 0, 0]]
@@ -64,11 +78,13 @@ def test_micro_batches_place_response_regions_at_sequence_positions():
     assert mb.regions.region_ids.tolist() == [[-1, -1, 0, 0, 1], [-1, 0, 0, -1, -1]]
     assert mb.regions.num_regions.tolist() == [2, 1] and mb.n_resp == 2
     # split into single rows: same regions, each padded to its own length
-    two = aux_micro_batches(seqs, rid, win, lens, micro_batch_size=1)
-    assert [m.input_ids.shape[1] for m in two] == [5, 3]
-    assert two[1].regions.region_ids.tolist() == [[-1, 0, 0]]
+    two = aux_micro_batches(seqs, rid, win, lens, [[1], [0]])  # any partition verl's engine chooses, in its order
+    assert [m.input_ids.shape[1] for m in two] == [3, 5]
+    assert two[0].regions.region_ids.tolist() == [[-1, 0, 0]]
     with pytest.raises(ValueError, match="response length 3 must be in"):
-        aux_micro_batches([torch.tensor([1, 2, 3]), seqs[1]], rid, win, lens, 8)
+        aux_micro_batches([torch.tensor([1, 2, 3]), seqs[1]], rid, win, lens, [[0, 1]])
+    with pytest.raises(ValueError, match="exactly once"):
+        aux_micro_batches(seqs, rid, win, lens, [[0], [0, 1]])
 
 
 def test_fingerprint_is_order_and_content_sensitive():
@@ -76,3 +92,45 @@ def test_fingerprint_is_order_and_content_sensitive():
     assert batch_fingerprint([a, b]) == batch_fingerprint([a.clone(), b.clone()])
     assert batch_fingerprint([a, b]) != batch_fingerprint([b, a])
     assert batch_fingerprint([a, b]) != batch_fingerprint([torch.tensor([1, 2]), torch.tensor([3, 4, 5])])
+
+
+SEP, EOS = 7, 2
+
+
+def test_regions_from_the_trainer_fields_use_the_response_ids_not_the_shifted_ones():
+    """SPEC B.4 through the trainer's plumbing: verl's nested input_ids/response_mask -> region_fields (what the
+    driver stores) -> the worker's padded micro-batch (what teacher and student pool over)."""
+    from verl.utils import tensordict_utils as tu
+
+    from claas_verl.trainer.mopd.workers import _micro_batches
+
+    prompt, response = [5, 6, 9], [11, 12, SEP, 13, 14, SEP, 15, EOS]
+    other_prompt, other_response = [4], [SEP, 21, SEP]
+    nest = lambda xs: torch.nested.as_nested_tensor([torch.tensor(x) for x in xs], layout=torch.jagged)  # noqa: E731
+    input_ids = nest([prompt + response, other_prompt + other_response])
+    mask = nest([[1] * len(response), [1] * len(other_response)])
+    fields, rid, win = region_fields(input_ids, mask, {SEP}, aux_config({"sats": True, "window": 100}))
+    # hand-made regions: [11, 12, SEP] [13, 14, SEP] [15, EOS]; [SEP] [21, SEP]
+    assert rid[0].tolist() == [0, 0, 0, 1, 1, 1, 2, 2]
+    assert rid[1, :3].tolist() == [0, 1, 1]
+    assert [r.tolist() for r in fields[REGION_IDS].unbind()] == [[0, 0, 0, 1, 1, 1, 2, 2], [0, 1, 1]]
+    assert [w.tolist() for w in fields[WINDOW].unbind()] == [[1] * 8, [1] * 3]
+    data = tu.get_tensordict({"input_ids": input_ids, "response_mask": mask, **fields})
+    (mb,) = _micro_batches(data, [[0, 1]])
+    assert mb.regions.region_ids[0].tolist() == [-1, -1, -1, 0, 0, 0, 1, 1, 1, 2, 2]
+    assert mb.regions.region_ids[1].tolist() == [-1, 0, 1, 1] + [-1] * 7
+    assert mb.regions.num_regions.tolist() == [3, 2]
+    # what the shifted ids (verl's response_from_nested, right for log-probs only) would have given
+    from verl.workers.utils.padding import response_from_nested
+
+    shifted = response_from_nested(input_ids, mask).to_padded_tensor(0)
+    wrong, _ = response_regions(shifted, mask.to_padded_tensor(0), {SEP}, aux_config({"sats": True, "window": 100}))
+    assert wrong[0].tolist() == [0, 0, 0, 0, 1, 1, 1, 2]
+
+
+def test_response_ids_are_the_last_response_length_tokens():
+    nest = lambda xs: torch.nested.as_nested_tensor([torch.tensor(x) for x in xs], layout=torch.jagged)  # noqa: E731
+    ids = response_ids(nest([[1, 2, 3, 4], [5, 6]]), nest([[1, 1], [1]]))
+    assert [r.tolist() for r in ids.unbind()] == [[3, 4], [6]]
+    with pytest.raises(ValueError, match="response length 2 must be in"):
+        response_ids(nest([[1, 2]]), nest([[1, 1]]))

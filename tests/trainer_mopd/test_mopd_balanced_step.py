@@ -17,11 +17,11 @@ from verl.utils import tensordict_utils as tu
 
 from claas_verl.align import alignment_losses, alignment_signals, balanced_backward
 from claas_verl.trainer.mopd import alignment as A
-from claas_verl.trainer.mopd.workers import MOPDTrainingWorker, MOPDWorker
+from claas_verl.trainer.mopd.workers import MOPDTrainingWorker, MOPDWorker, update_row_groups
 
 
 def _tok_loss(model, mb: A.AuxMicroBatch) -> torch.Tensor:
-    """A stand-in token loss: mean NLL of the response tokens (window positions) under the model."""
+    """A stand-in token loss ℓ_tok(mb): mean NLL over the micro-batch's response window positions (B.7 form)."""
     logits = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask, position_ids=mb.position_ids,
                    use_cache=False).logits
     lp = torch.log_softmax(logits[:, :-1].float(), -1).gather(-1, mb.input_ids[:, 1:, None])[..., 0]
@@ -30,17 +30,26 @@ def _tok_loss(model, mb: A.AuxMicroBatch) -> torch.Tensor:
 
 
 class _Engine:
+    """verl's engine surface the balanced step uses; its token pass partitions the batch like verl's
+    ``forward_backward_batch`` (``prepare_micro_batches`` on the batch's non-tensor keys) and weights each
+    micro-batch's ℓ_tok by n_resp(mb)/n_resp (what ``MOPDLoss.update_loss`` does, B.7)."""
+
     def __init__(self, model, cfg):
-        self.module, self.scaler, self.cfg, self.stepped = model, None, cfg, None
+        self.module, self.scaler, self.cfg, self.stepped, self.token_groups = model, None, cfg, None, None
 
     def optimizer_zero_grad(self):
         self.module.zero_grad(set_to_none=True)
 
     def forward_backward_batch(self, data, loss_function, forward_only=False):
-        (mb,) = A.aux_micro_batches(*_layout(data), micro_batch_size=64)
-        loss = loss_function(self.module, mb)
-        loss.backward()
-        return {"loss": [float(loss.detach())], "metrics": {}, "model_output": {}}
+        self.token_groups = update_row_groups(data)
+        micro = A.aux_micro_batches(*_layout(data), self.token_groups)
+        n = sum(mb.n_resp for mb in micro)
+        total = 0.0
+        for mb in micro:
+            loss = loss_function(self.module, mb) * (mb.n_resp / n)
+            loss.backward()
+            total += float(loss.detach())
+        return {"loss": [total], "metrics": {}, "model_output": {}}
 
     def optimizer_step(self):
         self.stepped = [None if p.grad is None else p.grad.clone() for p in self.module.parameters()]
@@ -60,11 +69,12 @@ def _layout(data):
     return seqs, rid, win, data["response_mask"].offsets().diff()
 
 
-def _batch(cfg: A.AuxConfig, seed=0):
+def _batch(cfg: A.AuxConfig, seed=0, prompt_lens=(4, 6, 3), response_lens=(7, 5, 9), **partition):
     g = torch.Generator().manual_seed(seed)
-    prompts = [torch.randint(3, 60, (n,), generator=g) for n in (4, 6, 3)]
-    responses = [torch.randint(3, 60, (n,), generator=g) for n in (7, 5, 9)]
+    prompts = [torch.randint(3, 60, (n,), generator=g) for n in prompt_lens]
+    responses = [torch.randint(3, 60, (n,), generator=g) for n in response_lens]
     responses[0][2] = 7  # a separator inside row 0's window
+    responses[-1][-3] = 7
     width = max(len(r) for r in responses)
     padded = torch.stack([torch.nn.functional.pad(r, (0, width - len(r))) for r in responses])
     mask = torch.stack([torch.nn.functional.pad(torch.ones(len(r), dtype=torch.long), (0, width - len(r)))
@@ -78,22 +88,27 @@ def _batch(cfg: A.AuxConfig, seed=0):
         A.WINDOW: nest([win[i, :len(r)] for i, r in enumerate(responses)]),
     })
     tu.assign_non_tensor_data(data, A.AUX_KEY, cfg.to_dict())
+    partition = partition or {"use_dynamic_bsz": False, "micro_batch_size_per_gpu": len(prompt_lens)}
+    tu.assign_non_tensor(data, **partition)
     return data
+
+
+def _held(tiny_dir, data, cfg):
+    """What mopd_teacher_forward keeps for the colocated student: targets on the update's partition."""
+    teacher = AutoModelForCausalLM.from_pretrained(tiny_dir / "experts" / "math", dtype=torch.float32)
+    teacher_worker = type("T", (), {"engine": _Engine(teacher, cfg)})()
+    return MOPDWorker._teacher_targets(None, teacher_worker, data, cfg, update_row_groups(data))
 
 
 @pytest.mark.parametrize("ratio", [1.0, 0.5, 3.0])
 def test_balanced_step_equals_reference_and_logs_the_ratio(tiny_dir, ratio):
     torch.manual_seed(0)
-    cfg = A.aux_config({"sats": True, "vr": True, "hidden": True, "ratio": ratio, "rho": 2.0, "window": 4},
-                       micro_batch_size=64)
+    cfg = A.aux_config({"sats": True, "vr": True, "hidden": True, "ratio": ratio, "rho": 2.0, "window": 4})
     student = AutoModelForCausalLM.from_pretrained(tiny_dir / "student", dtype=torch.float32)
-    teacher = AutoModelForCausalLM.from_pretrained(tiny_dir / "experts" / "math", dtype=torch.float32)
-    data = _batch(cfg)
-
-    # teacher side (what mopd_teacher_forward keeps for the colocated student)
-    teacher_worker = type("T", (), {"engine": _Engine(teacher, cfg)})()
-    held = MOPDWorker._teacher_targets(None, teacher_worker, data, cfg)
-    assert len(held["targets"]) == 1 and held["targets"][0].hidden[0].dtype == torch.bfloat16
+    # verl's dynamic token budget: sequences of 11, 11, 12 tokens, at most 24 per micro-batch -> 2 + 1 rows
+    data = _batch(cfg, use_dynamic_bsz=True, max_token_len_per_gpu=24)
+    held = _held(tiny_dir, data, cfg)
+    assert sorted(len(g) for g in held["groups"]) == [1, 2] and held["targets"][0].hidden[0].dtype == torch.bfloat16
 
     worker = MOPDTrainingWorker.__new__(MOPDTrainingWorker)
     worker.engine = _Engine(student, cfg)
@@ -106,20 +121,21 @@ def test_balanced_step_equals_reference_and_logs_the_ratio(tiny_dir, ratio):
     assert all(m[f"mopd/{t}_loss"] > 0 for t in ("sats", "vr", "hidden"))
     assert worker.mopd_targets is None  # targets are used once
 
-    # reference: the tested building block on the same micro-batch, separate passes
-    (mb,) = A.aux_micro_batches(*_layout(data), micro_batch_size=64)
-    (tgt,) = held["targets"]
+    assert worker.engine.token_groups == held["groups"]  # the token pass ran on the same micro-batches
+    # reference: the tested building block on the same micro-batches (B.7 weights 2/3 and 1/3), separate passes
+    micro = A.aux_micro_batches(*_layout(data), held["groups"])
+    tgt_of = {id(mb): t for mb, t in zip(micro, held["targets"])}
 
     def forward(model, mb):
         return alignment_signals(model, mb.input_ids, mb.attention_mask, mb.regions, position_ids=mb.position_ids,
                                  use_cache=False)
 
     def term(name):
-        return lambda out, mb: alignment_losses(out[1], tgt, mb.regions)[name].loss
+        return lambda out, mb: alignment_losses(out[1], tgt_of[id(mb)], mb.regions)[name].loss
 
     ref_model = AutoModelForCausalLM.from_pretrained(tiny_dir / "student", dtype=torch.float32)
     ref = balanced_backward(
-        ref_model, [mb], [1.0], forward,
+        ref_model, micro, [len(g) / 3 for g in held["groups"]], forward,
         {"tok": lambda out, mb: _tok_loss(ref_model, mb), "sats": term("sats"), "vr": term("vr"),
          "hid": term("hidden")},
         ratio=ratio, rho=2.0, single_forward=False, sync=False,
@@ -128,17 +144,22 @@ def test_balanced_step_equals_reference_and_logs_the_ratio(tiny_dir, ratio):
     for g, p in zip(got, ref_model.parameters()):
         if p.grad is None:
             assert g is None or float(g.abs().max()) == 0.0
-        else:
-            torch.testing.assert_close(g, p.grad, rtol=1e-4, atol=1e-7)
+        else:  # fp32, different summation order (the host direction s is accumulated term by term)
+            torch.testing.assert_close(g, p.grad, rtol=1e-4, atol=1e-6 * float(p.grad.abs().max()))
 
 
 def test_balanced_step_refuses_targets_of_another_batch(tiny_dir):
-    cfg = A.aux_config({"hidden": True, "window": 4}, micro_batch_size=64)
+    cfg = A.aux_config({"hidden": True, "window": 4})
     worker = MOPDTrainingWorker.__new__(MOPDTrainingWorker)
     worker.engine = _Engine(AutoModelForCausalLM.from_pretrained(tiny_dir / "student"), cfg)
-    worker.mopd_targets = {"fingerprint": "3:00000000", "targets": []}
+    worker.mopd_targets = {"fingerprint": "3:00000000", "groups": [[0, 1, 2]], "targets": []}
     with pytest.raises(ValueError, match="other rows than this update batch"):
         worker.balanced_engine_step(_batch(cfg), _tok_loss, cfg)
+    data = _batch(cfg)
+    fingerprint = A.batch_fingerprint(list(data["input_ids"].unbind()))
+    worker.mopd_targets = {"fingerprint": fingerprint, "groups": [[0], [1], [2]], "targets": []}
+    with pytest.raises(ValueError, match="micro-batches"):
+        worker.balanced_engine_step(data, _tok_loss, cfg)
     worker.mopd_targets = None
     with pytest.raises(ValueError, match="without teacher alignment targets"):
         worker.balanced_engine_step(_batch(cfg), _tok_loss, cfg)
@@ -150,10 +171,9 @@ def test_balanced_step_under_fsdp2_matches_the_unsharded_step(tiny_dir, tmp_path
     import torch.distributed as dist
     from torch.distributed.fsdp import fully_shard
 
-    cfg = A.aux_config({"sats": True, "vr": True, "hidden": True, "ratio": 2.0, "window": 4}, micro_batch_size=2)
-    data = _batch(cfg, seed=1)
-    teacher = AutoModelForCausalLM.from_pretrained(tiny_dir / "experts" / "math", dtype=torch.float32)
-    held = MOPDWorker._teacher_targets(None, type("T", (), {"engine": _Engine(teacher, cfg)})(), data, cfg)
+    cfg = A.aux_config({"sats": True, "vr": True, "hidden": True, "ratio": 2.0, "window": 4})
+    data = _batch(cfg, seed=1, use_dynamic_bsz=False, micro_batch_size_per_gpu=1)
+    held = _held(tiny_dir, data, cfg)
 
     def run(model):
         worker = MOPDTrainingWorker.__new__(MOPDTrainingWorker)
@@ -177,3 +197,44 @@ def test_balanced_step_under_fsdp2_matches_the_unsharded_step(tiny_dir, tmp_path
     for a, b in zip(plain, sharded):
         if a is not None:
             torch.testing.assert_close(b.full_tensor(), a, rtol=1e-4, atol=1e-7)
+
+
+@pytest.mark.parametrize("combine", ["fsar", "1:1:1"])
+def test_combined_gradient_is_the_same_for_different_micro_batch_partitions(tiny_dir, combine):
+    """SPEC B.6/B.7: every term over the same micro-batches, each weighted n_resp(mb)/n_resp. With responses of
+    equal length and windows of W tokens (per-micro-batch token means then equal the batch mean), the combined
+    gradient must not depend on how verl partitions the step: 4 rows of 1, 2 rows of 2, one of 4, and verl's
+    dynamic token budget (Karmarkar-Karp over lengths: a different grouping)."""
+    terms = {"sats": True, "vr": True, "hidden": True} if combine == "fsar" else {"sats": True, "hidden": True}
+    cfg = A.aux_config({**terms, "ratio": 1.0, "window": 4, "combine": combine})
+    partitions = [
+        {"use_dynamic_bsz": False, "micro_batch_size_per_gpu": 1},
+        {"use_dynamic_bsz": False, "micro_batch_size_per_gpu": 2},
+        {"use_dynamic_bsz": False, "micro_batch_size_per_gpu": 4},
+        {"use_dynamic_bsz": True, "max_token_len_per_gpu": 30},
+    ]
+    grads, seen = [], []
+    for part in partitions:
+        data = _batch(cfg, seed=2, prompt_lens=(4, 6, 3, 5), response_lens=(8, 8, 8, 8), **part)
+        held = _held(tiny_dir, data, cfg)
+        worker = MOPDTrainingWorker.__new__(MOPDTrainingWorker)
+        worker.engine = _Engine(AutoModelForCausalLM.from_pretrained(tiny_dir / "student", dtype=torch.float32), cfg)
+        worker.mopd_targets = held
+        worker.balanced_engine_step(data, _tok_loss, cfg)
+        grads.append(worker.engine.stepped)
+        seen.append(held["groups"])
+    assert len({str(g) for g in seen}) == 4, seen  # four different partitions
+    flat = [torch.cat([g.flatten() for g in gs if g is not None]) for gs in grads]
+    for other in flat[1:]:  # equal up to float32 reduction order (and the bf16 rounding of the targets)
+        assert float((other - flat[0]).norm() / flat[0].norm()) < 1e-5
+
+
+def test_an_alignment_loss_without_a_gradient_path_raises(tiny_dir):
+    cfg = A.aux_config({"hidden": True, "window": 4})
+    data = _batch(cfg)
+    held = _held(tiny_dir, data, cfg)
+    model = AutoModelForCausalLM.from_pretrained(tiny_dir / "student", dtype=torch.float32)
+    micro = A.aux_micro_batches(*_layout(data), held["groups"])
+    with pytest.raises(ValueError, match="no gradient path"):  # a detached forward stands in for broken taps
+        MOPDTrainingWorker._alignment_pass(model, "hidden", micro, [1.0], held["targets"], [0, 1, 2, 3],
+                                           torch.device("cpu"), torch.no_grad())

@@ -37,6 +37,9 @@ def test_kill_mid_stage_and_resume_runs_the_remaining_plan(mopd_run, mopd_plan, 
     # samples the same responses and sees the same teacher as the killed run's step 6
     redo, lost = steps[5], discarded[0]
     assert {k: redo[k] for k in plan[0]} == {k: lost[k] for k in plan[0]}
+    # actor/grad_norm: the SPEC B.7 loss (per-micro-batch means) depends on which responses share a micro-batch;
+    # the trainer sorts each step's rows by content (canonical_row_order), so the rollout's completion order
+    # cannot change it
     for key in ("response_length/mean", "mopd/kl_topk", "mopd/adv_sigma", "actor/grad_norm"):
         assert redo["metrics"][key] == pytest.approx(lost["metrics"][key], rel=1e-5, abs=1e-7), key
     counts = [s["metrics"]["mopd/optimizer_steps_in_stage"] for s in steps]
@@ -47,3 +50,30 @@ def test_kill_mid_stage_and_resume_runs_the_remaining_plan(mopd_run, mopd_plan, 
 
 def read_jsonl(path):
     return [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+
+
+def test_resume_after_a_stage_end_reruns_the_lost_evaluation_and_sets_stale_snapshots_aside(mopd_run, mopd_plan,
+                                                                                            fast):
+    # run 1: stage 1 (steps 1..4) ends; checkpoint 4, snapshot M_1 and the stage-1 end evaluation are written
+    fast = tuple(x for x in fast if not x.startswith("trainer.save_freq"))
+    run_dir, _ = mopd_run("mopd/tiny_seq", "seq_eval", *fast, "trainer.total_training_steps=4", "trainer.save_freq=-1")
+    rows = read_jsonl(run_dir / "forgetting.jsonl")
+    assert any(r["stage"] == 1 and r["at"] == "end" for r in rows)
+    # a crash right after the checkpoint lost the evaluation; discarded later work left a snapshot M_2 behind
+    kept = [r for r in rows if not (r["stage"] == 1 and r["at"] == "end")]
+    (run_dir / "forgetting.jsonl").write_text("".join(json.dumps(r) + "\n" for r in kept))
+    shutil.copytree(run_dir / "snapshots" / "student_1", run_dir / "snapshots" / "student_2")
+    state = json.loads((run_dir / "global_step_4" / "mopd_state.json").read_text())
+    assert state["stage_complete"] and state["snapshots"] == [1]
+
+    run_dir, log = mopd_run("mopd/tiny_seq", "seq_eval", *fast, "trainer.save_freq=-1")
+    assert "resumed at global step 4 (stage 1)" in log
+    assert "re-running its lost stage-end forgetting evaluation" in log
+    assert "snapshot M_2 was not recorded by checkpoint 4" in log
+    assert (run_dir / "snapshots" / "discarded" / "student_2.after_step_4" / "config.json").exists()
+    rows = read_jsonl(run_dir / "forgetting.jsonl")
+    ends = sorted((r["stage"], r["domain"]) for r in rows if r["at"] == "end")
+    assert ends == [(1, "logic"), (2, "logic"), (2, "math"), (3, "code"), (3, "logic"), (3, "math")]
+    steps = read_jsonl(run_dir / "steps.jsonl")
+    assert [{k: s[k] for k in mopd_plan("mopd/tiny_seq")[0]} for s in steps] == mopd_plan("mopd/tiny_seq")
+    assert (run_dir / "snapshots" / "student_2" / "config.json").exists()  # this run's own M_2

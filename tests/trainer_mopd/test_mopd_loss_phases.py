@@ -24,7 +24,7 @@ def _nested(rows):
     return torch.nested.as_nested_tensor(list(rows), layout=torch.jagged)
 
 
-def _batch(phase: str, extra: dict | None = None) -> TensorDict:
+def _batch(phase: str, extra: dict | None = None, **non_tensor) -> TensorDict:
     g = torch.Generator().manual_seed(0)
     input_ids = _nested(torch.randint(0, V, (n,), generator=g) for n in SEQ)
     td = TensorDict({
@@ -33,7 +33,7 @@ def _batch(phase: str, extra: dict | None = None) -> TensorDict:
         **(extra or {}),
     }, batch_size=[2])
     tu.assign_non_tensor(td, **{F.PHASE_KEY: phase, F.TOPK_KEY: K, "dp_size": 1, "batch_num_tokens": sum(RESPONSES),
-                                 "global_batch_size": 2})
+                                 "global_batch_size": 2, **non_tensor})
     return td
 
 
@@ -72,13 +72,15 @@ def test_teacher_phase_gathers_at_the_stored_ids_of_each_response_token():
     torch.testing.assert_close(q[0], ref[0, 0], rtol=0, atol=1e-6)  # prompt positions use id 0 (ignored later)
 
 
-def test_update_loss_equals_eq5_and_backpropagates_to_the_logits():
+def test_update_loss_equals_eq5_with_the_b7_micro_batch_weight_and_backpropagates_to_the_logits():
     logits = torch.randn(1, sum(SEQ), V, requires_grad=True)
     ids_resp = torch.randint(0, V, (2, max(RESPONSES), K))
     adv = torch.randn(2, max(RESPONSES), K)
     extra = _ids_fields(ids_resp)
     extra.update({f"{F.ADVANTAGES}{j}": _nested(adv[b, :RESPONSES[b], j] for b in range(2)) for j in range(K)})
-    data = _batch(F.PHASE_UPDATE, extra)
+    # this micro-batch (2 responses) is part of an update batch of 6 responses over 2 ranks (3 per rank): B.7 weight
+    # n_resp(mb)/n_resp(rank) = 2/3; verl's global token count (batch_num_tokens) must not enter
+    data = _batch(F.PHASE_UPDATE, extra, dp_size=2, global_batch_size=6, batch_num_tokens=999)
     cfg = types.SimpleNamespace(global_batch_info={}, loss_scale_factor=None, loss_agg_mode="token-mean",
                                 ppo_epochs=1)
     fn = MOPDLoss(actor_config=cfg)
@@ -86,12 +88,12 @@ def test_update_loss_equals_eq5_and_backpropagates_to_the_logits():
     cu = data["input_ids"].offsets()
     model_output = {k: torch.nested.nested_tensor_from_jagged(v[0], cu) for k, v in packed.items()}
     loss, metrics = fn(model_output=model_output, data=data)
-    # eq. (5) by hand: −(1/5) Σ_{5 response tokens} Σ_k A[b,t,k]·log_softmax(z_pos)[ids[b,t,k]]
+    # eq. (5) by hand: −(1/5) Σ_{5 response tokens} Σ_k A[b,t,k]·log_softmax(z_pos)[ids[b,t,k]], times 2/3 (B.7)
     total = 0.0
     rows = [(0, 0), (0, 1), (1, 0), (1, 1), (1, 2)]
     for pos, (b, t) in zip(_packed_idx().tolist(), rows):
         total = total - (adv[b, t] * torch.log_softmax(logits[0, pos], -1)[ids_resp[b, t]]).sum()
-    expect = total / 5
+    expect = total / 5 * (2 / 3)
     torch.testing.assert_close(loss, expect, rtol=1e-6, atol=1e-7)
     loss.backward()
     assert logits.grad[0, [0, 1, 4, 5, 9]].abs().sum() == 0  # prompt positions and the final token get nothing
@@ -106,3 +108,20 @@ def test_non_update_phases_return_zero_loss_and_bad_phase_is_named():
         MOPDLoss()(model_output={}, data=_batch("grpo"))
     with pytest.raises(ValueError, match="teacher loss"):
         MOPDLoss()(model_output={}, data=_batch(F.PHASE_UPDATE))
+
+
+def test_update_loss_refuses_other_aggregations_and_uneven_rank_splits():
+    data = _batch(F.PHASE_UPDATE, _ids_fields(torch.zeros(2, max(RESPONSES), K, dtype=torch.long)))
+    cfg = types.SimpleNamespace(global_batch_info={}, loss_scale_factor=None, loss_agg_mode="seq-mean-token-mean",
+                                ppo_epochs=1)
+    fn = MOPDLoss(actor_config=cfg)
+    packed = fn(student_logits=torch.randn(1, sum(SEQ), V), data=data)
+    cu = data["input_ids"].offsets()
+    model_output = {k: torch.nested.nested_tensor_from_jagged(v[0], cu) for k, v in packed.items()}
+    with pytest.raises(ValueError, match="loss_agg_mode"):
+        fn(model_output=model_output, data=data)
+    from claas_verl.trainer.mopd.loss import microbatch_weight
+
+    assert microbatch_weight(2, 8, 2) == 0.5
+    with pytest.raises(ValueError, match="split evenly"):
+        microbatch_weight(2, 7, 2)

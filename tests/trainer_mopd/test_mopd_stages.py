@@ -144,3 +144,38 @@ def test_taught_domains_are_the_new_or_joint_domains_of_a_stage():
     assert S.taught_domains(steps, 2) == ["math"]
     assert S.taught_domains(steps, 3) == []
     assert S.taught_domains(steps, 4) == ["code", "math"]
+
+
+def test_one_update_per_plan_step_is_enforced_with_the_keys_named():
+    S.check_one_update_per_step(32, 32, 1)
+    with pytest.raises(ValueError, match=r"ppo_mini_batch_size=8 must equal mopd.block_size=32"):
+        S.check_one_update_per_step(32, 8, 1)  # verl would run 4 AdamW steps per plan step
+    with pytest.raises(ValueError, match=r"ppo_epochs"):
+        S.check_one_update_per_step(32, 32, 2)
+    assert S.check_teacher_dtype("fp32_bf16_autocast") == "fp32_bf16_autocast"
+    with pytest.raises(ValueError, match="mopd.train.teacher_dtype"):
+        S.check_teacher_dtype("fp16")
+
+
+def test_resume_reconciles_recorded_and_existing_snapshots():
+    # checkpoint in stage 3 (not complete) recorded M_1, M_2; all there -> nothing to do
+    assert S.reconcile_snapshots([1, 2], [1, 2], 3, False) == ([], [], [])
+    # M_2 recorded but deleted since: cannot be rebuilt
+    assert S.reconcile_snapshots([1, 2], [1], 3, False) == ([2], [], [])
+    # stage-3 end checkpoint, killed before its snapshot copy: rebuilt from the checkpoint
+    assert S.reconcile_snapshots([1, 2], [1, 2], 3, True) == ([], [3], [])
+    # a later run wrote M_3 and M_4 after this checkpoint (then was discarded): stale, not this run's M_j
+    assert S.reconcile_snapshots([1, 2], [1, 2, 3, 4], 3, False) == ([], [], [3, 4])
+    assert S.reconcile_snapshots([1, 2, 3], [1, 2, 3, 4], 3, True) == ([], [], [4])
+
+
+def test_non_finite_grad_norm_marks_a_skipped_update_and_lost_stage_end_evaluations_are_found(tmp_path):
+    assert S.skipped_update({"actor/grad_norm": float("nan")})
+    assert S.skipped_update({"actor/grad_norm": float("inf")})
+    assert not S.skipped_update({"actor/grad_norm": 3.0}) and not S.skipped_update({})
+    rec = S.append_step(str(tmp_path), 4, {"stage": 1, "kind": "new", "domain": "logic", "block": 3,
+                                           "teacher": "expert:logic"},
+                        {"actor/grad_norm": float("nan"), "mopd/update_skipped": 1})
+    assert rec["metrics"] == {"actor/grad_norm": None, "mopd/update_skipped": 1}
+    rows = [{"stage": 1, "at": "end", "domain": "logic"}, {"stage": 2, "at": "start", "domain": "math"}]
+    assert S.stage_end_measured(rows, 1) and not S.stage_end_measured(rows, 2)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import types
 
 import pytest
 import torch
@@ -133,3 +134,30 @@ def test_reset_engine_optimizer_gives_a_fresh_adamw_and_schedule():
     eng.module(torch.ones(1, 3)).sum().backward()
     eng.optimizer.step()
     assert vc.optimizer_step_count(eng) == 1  # the first step of the new stage is AdamW's step 1
+
+
+def test_teacher_precision_follows_mopd_train_teacher_dtype(tiny_dir):
+    """SPEC B.1: teachers keep fp32 weights (FSDP param_dtype fp32) and run under bf16 autocast; verl ties the
+    forward's autocast to param_dtype, so the built engine's autocast dtype is set to bf16 afterwards."""
+    from hydra import compose, initialize_config_dir
+
+    from claas_verl.main_mopd import runtime_args
+    from claas_verl.schedule import recipes_dir
+
+    args = [*runtime_args(["+verl@_global_=gpu"]), "+verl@_global_=gpu", f"claas.tiny_dir={tiny_dir}"]
+    with initialize_config_dir(config_dir=str(recipes_dir()), version_base=None):
+        cfg = compose(config_name="mopd/tiny_fsar_shared", overrides=args)
+    assert cfg.mopd.train.teacher_dtype == "fp32_bf16_autocast"
+    student_mp = cfg.actor_rollout_ref.actor.fsdp_config.mixed_precision
+    assert (student_mp.param_dtype, student_mp.reduce_dtype) == ("bf16", "fp32")  # mapped from mopd.train
+    expert = str(tiny_dir / "experts" / "math")
+    for dtype, param in (("fp32_bf16_autocast", "fp32"), ("bf16", "bf16")):
+        tc = vc.teacher_training_config(cfg.actor_rollout_ref, expert, dtype)
+        assert tc.engine_config.mixed_precision["param_dtype"] == param and tc.engine_config.forward_only
+    engine = types.SimpleNamespace(_autocast_dtype=torch.float32)  # what verl sets for param_dtype fp32
+    vc.apply_teacher_dtype(engine, "fp32")
+    assert engine._autocast_dtype == torch.float32
+    vc.apply_teacher_dtype(engine, "fp32_bf16_autocast")
+    assert engine._autocast_dtype == torch.bfloat16
+    with pytest.raises(ValueError, match="teacher_dtype"):
+        vc.apply_teacher_dtype(types.SimpleNamespace(), "fp32_bf16_autocast")

@@ -23,6 +23,8 @@ REGION_IDS = "mopd_region_ids"  # [B, T_r] long: region index on window position
 WINDOW = "mopd_window"  # [B, T_r] long: 1 on the window W_b (last W valid response tokens)
 AUX_KEY = "mopd_aux"  # non-tensor: the AuxConfig dict of a step that runs the alignment terms
 SIGNAL_TERMS = ("sats", "vr", "hidden")  # names of claas_verl.align.alignment_signals
+COMBINE_VARIANTS = ("fsar", "1:1:1")  # mopd.signal.combine: eq. (10)+(9), or 003 Table 4's 1:1:1
+AUX_STEP_KINDS = ("replay", "recovery")  # new-domain and joint steps never run the alignment terms (SPEC B.6)
 BALANCE_TERM = {"sats": "sats", "vr": "vr", "hidden": "hid"}  # names of claas_verl.align.balanced_backward
 
 
@@ -37,8 +39,10 @@ class AuxConfig:
         window: W, the last W valid response tokens (B.3).
         layers: 0-based layers of every term, or None for all layers.
         drop_trailing: B.4 [CHOICE] flag: drop a final region that does not end with a separator.
-        kinds: plan step kinds that run the balanced update (B.6: every step but new-domain ones).
-        micro_batch_size: responses per micro-batch of the alignment passes (B.7 weights n_resp(mb)/n_resp).
+        kinds: plan step kinds that run the balanced update: replay steps (SPEC B.6). Recovery steps use the token
+            loss only (SPEC B.8, 003 §5); ``aux_kinds: [replay, recovery]`` is an explicit deviation.
+        combine: ``"fsar"`` (eq. 10 then eq. 9) or ``"1:1:1"`` (003 Table 4: ``g_tok + ‖g_tok‖ĝ_SATS +
+            ‖g_tok‖ĝ_other``, with SATS and exactly one of VR / hidden).
     """
 
     terms: tuple[str, ...] = ()
@@ -47,8 +51,8 @@ class AuxConfig:
     window: int = 2000
     layers: tuple[int, ...] | None = None
     drop_trailing: bool = False
-    kinds: tuple[str, ...] = ("replay", "recovery")
-    micro_batch_size: int = 8
+    kinds: tuple[str, ...] = ("replay",)
+    combine: str = "fsar"
 
     @property
     def enabled(self) -> bool:
@@ -61,19 +65,19 @@ class AuxConfig:
         return {
             "terms": list(self.terms), "ratio": self.ratio, "rho": self.rho, "window": self.window,
             "layers": None if self.layers is None else list(self.layers), "drop_trailing": self.drop_trailing,
-            "kinds": list(self.kinds), "micro_batch_size": self.micro_batch_size,
+            "kinds": list(self.kinds), "combine": self.combine,
         }
 
     @classmethod
     def from_dict(cls, d: Mapping) -> AuxConfig:
         """Inverse of :meth:`to_dict` (how the config travels to the workers as non-tensor batch data)."""
         signal = {t: t in d["terms"] for t in SIGNAL_TERMS}
-        signal.update({k: d[k] for k in ("ratio", "rho", "window", "layers", "drop_trailing")})
+        signal.update({k: d[k] for k in ("ratio", "rho", "window", "layers", "drop_trailing", "combine")})
         signal["aux_kinds"] = d["kinds"]
-        return aux_config(signal, micro_batch_size=int(d["micro_batch_size"]))
+        return aux_config(signal)
 
 
-def aux_config(signal: Mapping | None, micro_batch_size: int = 8) -> AuxConfig:
+def aux_config(signal: Mapping | None) -> AuxConfig:
     """Parse ``mopd.signal``; a bad value raises ValueError naming the key."""
     signal = dict(signal or {})
     terms = tuple(t for t in SIGNAL_TERMS if signal.get(t))
@@ -97,11 +101,19 @@ def aux_config(signal: Mapping | None, micro_batch_size: int = 8) -> AuxConfig:
             raise ValueError(f"mopd.signal.layers must be 'all' or a list of 0-based ids, got {layers!r}") from None
         if not layers or layers[0] < 0:
             raise ValueError(f"mopd.signal.layers must be 'all' or non-negative layer ids, got {list(layers)}")
-    kinds = tuple(signal.get("aux_kinds", ("replay", "recovery")))
-    if int(micro_batch_size) < 1:
-        raise ValueError(f"micro batch size of the alignment passes must be >= 1, got {micro_batch_size}")
+    kinds = tuple(signal.get("aux_kinds", ("replay",)))
+    bad = [k for k in kinds if k not in AUX_STEP_KINDS]
+    if bad or not kinds:
+        raise ValueError(f"mopd.signal.aux_kinds must be a non-empty subset of {list(AUX_STEP_KINDS)} (plan step kinds "
+                         f"that run the alignment terms; SPEC B.6/B.8: replay only), got {list(kinds)}")
+    combine = str(signal.get("combine", "fsar"))
+    if combine not in COMBINE_VARIANTS:
+        raise ValueError(f"mopd.signal.combine must be one of {list(COMBINE_VARIANTS)}, got {combine!r}")
+    if combine == "1:1:1" and (terms[:1] != ("sats",) or len(terms) != 2):
+        raise ValueError("mopd.signal.combine='1:1:1' (003 Table 4) needs sats=true and exactly one of vr / hidden; "
+                         f"got terms {list(terms)}")
     return AuxConfig(terms, ratio, rho, window, layers, bool(signal.get("drop_trailing", False)), kinds,
-                     int(micro_batch_size))
+                     combine)
 
 
 def check_layers(cfg: AuxConfig, num_layers: int) -> list[int]:
@@ -118,6 +130,29 @@ def response_regions(responses: torch.Tensor, response_mask: torch.Tensor, separ
     """Driver side: ``(region_ids [B, T_r] long, window [B, T_r] long)`` of the step (SPEC B.3 window, B.4 regions)."""
     reg = step_regions(responses, response_mask, separator_ids, window=cfg.window, drop_trailing=cfg.drop_trailing)
     return reg.region_ids.long(), reg.window_mask.long()
+
+
+def region_fields(input_ids: torch.Tensor, response_mask: torch.Tensor, separator_ids, cfg: AuxConfig):
+    """The driver's step-region fields from verl's nested batch fields (what ``MOPDTrainer`` stores).
+
+    Args:
+        input_ids: nested ``[B, L_b]`` prompt + response ids; response_mask: nested ``[B, R_b]``.
+
+    Returns:
+        ``({REGION_IDS: nested [B, R_b], WINDOW: nested [B, R_b]}, region_ids [B, T_r], window [B, T_r])``,
+        built from the response ids themselves (:func:`claas_verl.trainer.mopd.fields.response_ids`).
+    """
+    from claas_verl.trainer.mopd.fields import response_ids
+
+    ids = response_ids(input_ids, response_mask).to_padded_tensor(0)
+    mask = response_mask.to_padded_tensor(0)
+    rid, win = response_regions(ids, mask, separator_ids, cfg)
+    lens = response_mask.offsets().diff().tolist()
+
+    def nest(x):
+        return torch.nested.as_nested_tensor([x[b, :n] for b, n in enumerate(lens)], layout=torch.jagged)
+
+    return {REGION_IDS: nest(rid), WINDOW: nest(win)}, rid, win
 
 
 @dataclass
@@ -140,19 +175,20 @@ def aux_micro_batches(
     region_ids: torch.Tensor,
     window: torch.Tensor,
     response_lengths: torch.Tensor,
-    micro_batch_size: int,
+    groups: list[list[int]],
     pad_id: int = 0,
 ) -> list[AuxMicroBatch]:
-    """Consecutive micro-batches of ``micro_batch_size`` rows (same split on teacher and student).
+    """One padded micro-batch per row group: the SAME micro-batches as the token pass (SPEC B.6/B.7).
 
     Args:
         sequences: per row, the unpadded prompt + response ids ``[L_b]`` (response = last ``R_b`` tokens).
         region_ids, window: ``[B, T_r]`` response layout (right padded; -1 / 0 beyond ``R_b``).
         response_lengths: ``[B]`` ``R_b``.
-        micro_batch_size: rows per micro-batch (the last may be shorter).
+        groups: the row indices of each micro-batch, as verl's engine partitions the update batch
+            (:func:`claas_verl.trainer.mopd.workers.update_row_groups`); every row exactly once.
 
     Returns:
-        Micro-batches in row order; positions are ``0..L_b-1`` (right padding, masked).
+        Micro-batches in group order; positions are ``0..L_b-1`` (right padding, masked).
     """
     B = len(sequences)
     if region_ids.shape != window.shape or region_ids.shape[0] != B or response_lengths.shape[0] != B:
@@ -160,9 +196,13 @@ def aux_micro_batches(
             f"{REGION_IDS} {tuple(region_ids.shape)}, {WINDOW} {tuple(window.shape)} and {B} sequences / "
             f"{tuple(response_lengths.shape)} response lengths disagree: region fields of another batch"
         )
+    flat = sorted(b for g in groups for b in g)
+    if flat != list(range(B)):
+        raise ValueError(f"micro-batch row groups {groups} must cover the {B} rows exactly once")
     out = []
-    for lo in range(0, B, micro_batch_size):
-        rows = range(lo, min(B, lo + micro_batch_size))
+    for rows in groups:
+        if not rows:
+            continue
         T = max(int(sequences[b].numel()) for b in rows)
         ids = torch.full((len(rows), T), pad_id, dtype=torch.long)
         am = torch.zeros((len(rows), T), dtype=torch.long)
@@ -180,6 +220,13 @@ def aux_micro_batches(
         pos = torch.arange(T, dtype=torch.long).expand(len(rows), T).clone()
         out.append(AuxMicroBatch(ids, am, pos, StepRegions(rid, win, num), len(rows)))
     return out
+
+
+def consecutive_groups(num_rows: int, size: int) -> list[list[int]]:
+    """Rows ``0..num_rows-1`` in consecutive groups of ``size`` (the last may be shorter)."""
+    if size < 1:
+        raise ValueError(f"micro-batch size must be >= 1, got {size}")
+    return [list(range(lo, min(num_rows, lo + size))) for lo in range(0, num_rows, size)]
 
 
 def batch_fingerprint(sequences: list[torch.Tensor]) -> str:

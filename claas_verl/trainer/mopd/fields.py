@@ -90,6 +90,32 @@ def response_positions(seq_lens: torch.Tensor, resp_lens: torch.Tensor) -> tuple
     return cat(idx), (cat(rows), cat(cols))
 
 
+def response_ids(input_ids: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
+    """The response token ids themselves, ``[B, R_b]`` nested: the last ``R_b`` tokens of each packed row.
+
+    Not :func:`verl.workers.utils.padding.response_from_nested`, which shifts left by one (right for the log-probs
+    a model OUTPUTS at the positions predicting the response, wrong for the ids): on ids it would give
+    ``[last prompt token, y_0 .. y_{R-2}]``.
+
+    Args:
+        input_ids: nested (jagged) ``[B, L_b]`` prompt + response ids (verl's no-padding layout).
+        response_mask: nested ``[B, R_b]`` (only its lengths are used).
+    """
+    if not (getattr(input_ids, "is_nested", False) and getattr(response_mask, "is_nested", False)):
+        raise ValueError("response_ids needs verl's no-padding layout: nested input_ids and response_mask")
+    values, ends = input_ids.values(), input_ids.offsets()[1:]
+    lens = response_mask.offsets().diff()
+    if lens.shape != ends.shape:
+        raise ValueError(f"{ends.numel()} input_ids rows but {lens.numel()} response_mask rows")
+    starts = input_ids.offsets()[:-1]
+    rows = []
+    for b, (r, e) in enumerate(zip(lens.tolist(), ends.tolist())):
+        if not 0 < r < e - int(starts[b]):
+            raise ValueError(f"row {b}: response length {r} must be in (0, sequence length {e - int(starts[b])})")
+        rows.append(values[e - r:e])
+    return torch.nested.as_nested_tensor(rows, layout=torch.jagged)
+
+
 def scatter_response_to_packed(values: torch.Tensor, seq_lens, resp_lens, total: int, fill=0) -> torch.Tensor:
     """Response-layout ``[B, T_r, ...]`` (right padded) -> packed ``[total, ...]`` (``fill`` off the response)."""
     idx, (rows, cols) = response_positions(seq_lens, resp_lens)

@@ -16,7 +16,8 @@ The non-tensor ``mopd_phase`` of the batch says what the forward is for:
   ids as κ packed fields; loss 0.
 * ``update`` (the optimizer step): return the differentiable ``log π_θ`` at the stored ids (κ packed fields,
   chunked and checkpointed, so no ``[tokens, V]`` fp32 copy is kept), then the ``claas_topk_distill`` policy
-  loss of SPEC B.2.3 on the re-stacked ``[B, T, κ]`` tensors, through verl's policy-loss registry.
+  loss of SPEC B.2.3 on the re-stacked ``[B, T, κ]`` tensors, through verl's policy-loss registry: the token
+  mean over the micro-batch, weighted ``n_resp(mb)/n_resp`` (SPEC B.7).
 
 The κ values per token travel as κ separate fields (see :mod:`claas_verl.trainer.mopd.fields`).
 """
@@ -54,6 +55,15 @@ def _lengths(data) -> tuple[torch.Tensor, torch.Tensor]:
     if getattr(mask, "is_nested", False):
         return seq, mask.offsets().diff()
     return seq, mask.new_full((mask.shape[0],), mask.shape[1])
+
+
+def microbatch_weight(n_resp_mb: int, global_batch_size, dp_size) -> float:
+    """B.7 weight ``n_resp(mb) / n_resp(rank)`` of a micro-batch; ``global_batch_size`` = responses of the update
+    batch over all ``dp_size`` ranks (verl splits them evenly)."""
+    total, dp = int(global_batch_size), int(dp_size)
+    if total < 1 or dp < 1 or total % dp:
+        raise ValueError(f"global_batch_size={total} responses must split evenly over dp_size={dp} ranks (B.7)")
+    return n_resp_mb * dp / total
 
 
 class MOPDLoss:
@@ -116,6 +126,9 @@ class MOPDLoss:
         cfg = self.actor_config
         if cfg is None:
             raise ValueError("MOPDLoss(actor_config=None) is a teacher loss and cannot run an update")
+        if cfg.loss_agg_mode != "token-mean":
+            raise ValueError(f"actor_rollout_ref.actor.loss_agg_mode={cfg.loss_agg_mode!r}: the MOPD token loss is "
+                             "the per-micro-batch token mean of SPEC B.2.3/B.7; set it to token-mean")
         k = int(_non_tensor(data, F.TOPK_KEY, 0) or 0)
         seq, resp = _lengths(data)
         width = int(resp.max())
@@ -129,17 +142,20 @@ class MOPDLoss:
                 f"MOPD update: advantages {tuple(adv.shape)}, log-probs {tuple(logp.shape)} and response_mask "
                 f"{tuple(mask.shape)} disagree; the stored fields were written for another batch layout"
             )
-        # the same global-batch normalisers verl's ppo_loss hands its policy losses (token-mean over the
-        # valid positions of the whole mini-batch on every DP rank)
-        cfg.global_batch_info["dp_size"] = data["dp_size"]
-        cfg.global_batch_info["batch_num_tokens"] = data["batch_num_tokens"]
-        cfg.global_batch_info["global_batch_size"] = data["global_batch_size"]
+        # SPEC B.7: ℓ_tok(mb) = token mean over THIS micro-batch's valid positions, weighted n_resp(mb)/n_resp
+        # (n_resp = this rank's responses; the FSDP gradient average over ranks then gives n_resp(mb)/n_total).
+        # The alignment passes of a balanced step use the same micro-batches and weights.
+        weight = microbatch_weight(int(resp.shape[0]), data["global_batch_size"], data["dp_size"])
+        cfg.global_batch_info["dp_size"] = 1
+        cfg.global_batch_info["batch_num_tokens"] = max(int(mask.sum()), 1)
+        cfg.global_batch_info["global_batch_size"] = int(resp.shape[0])
         cfg.global_batch_info["loss_scale_factor"] = cfg.loss_scale_factor
         loss_fn = get_policy_loss_fn("claas_topk_distill")
         loss, pg_metrics = loss_fn(
             old_log_prob=None, log_prob=logp, advantages=adv, response_mask=mask,
             loss_agg_mode=cfg.loss_agg_mode, config=cfg,
         )
+        loss = loss * weight
         metrics = {"mopd/tok_loss": Metric(value=loss.detach(), aggregation=AggregationType.SUM)}
         metrics.update(Metric.from_dict(pg_metrics, aggregation=AggregationType.MEAN))
         return loss, metrics

@@ -40,6 +40,34 @@ SNAPSHOT_DIR = "snapshots"
 PLAN_KEYS = ("stage", "kind", "domain", "block", "teacher")
 
 
+def check_one_update_per_step(block_size: int, ppo_mini_batch_size, ppo_epochs) -> None:
+    """SPEC B.1: every plan step makes exactly ONE optimizer update (one epoch, one mini-batch of the block).
+
+    verl runs ``ppo_epochs × block/ppo_mini_batch_size`` AdamW steps per ``update_actor``; anything but one
+    mini-batch of the whole block and one epoch would silently take several steps per plan step.
+    """
+    if ppo_mini_batch_size is None or int(ppo_mini_batch_size) != int(block_size):
+        raise ValueError(
+            f"actor_rollout_ref.actor.ppo_mini_batch_size={ppo_mini_batch_size} must equal mopd.block_size="
+            f"{block_size}: one optimizer update per plan step (SPEC B.1); a smaller value makes verl run several "
+            "AdamW steps per step (the MOPD recipes set it to ${mopd.block_size})"
+        )
+    if ppo_epochs is None or int(ppo_epochs) != 1:
+        raise ValueError(f"actor_rollout_ref.actor.ppo_epochs (mopd.train.ppo_epochs)={ppo_epochs} must be 1: one "
+                         "optimizer update per plan step (SPEC B.1)")
+
+
+# mopd.train.teacher_dtype: SPEC B.1 teachers hold fp32 weights and run under bf16 autocast (GPU recipes);
+# "fp32" runs them in plain fp32 (the CPU runtime), "bf16" casts the weights (FSDP param_dtype=bf16)
+TEACHER_DTYPES = ("fp32_bf16_autocast", "fp32", "bf16")
+
+
+def check_teacher_dtype(value) -> str:
+    if value not in TEACHER_DTYPES:
+        raise ValueError(f"mopd.train.teacher_dtype must be one of {list(TEACHER_DTYPES)}, got {value!r}")
+    return str(value)
+
+
 def plan_fingerprint(plan_steps: list[dict]) -> str:
     """sha256 of the plan's JSON steps (order matters); a resume checks it so a changed recipe cannot resume."""
     blob = json.dumps([{k: s[k] for k in PLAN_KEYS} for s in plan_steps], sort_keys=True).encode()
@@ -196,8 +224,40 @@ def existing_snapshots(paths: ModelPaths, max_stage: int) -> list[int]:
     return [j for j in range(1, max_stage + 1) if os.path.exists(os.path.join(paths.snapshot(j), "config.json"))]
 
 
+def reconcile_snapshots(recorded: list[int], existing: list[int], stage: int, stage_complete: bool
+                        ) -> tuple[list[int], list[int], list[int]]:
+    """Resume: compare the snapshots a checkpoint recorded with those on disk.
+
+    Returns ``(missing, recopy, stale)``: ``missing`` = snapshots the resumed run needs (every finished stage's
+    M_j, recorded or required) that are gone and cannot be rebuilt; ``recopy`` = the checkpoint's own stage
+    snapshot when the run was killed between the save and the copy (rebuilt from the checkpoint's HF export);
+    ``stale`` = snapshots on disk the checkpoint did not record, of stages the resumed run will run again (left by
+    work after the checkpoint; they must not be taken for this run's M_j).
+    """
+    finished = set(range(1, stage + (1 if stage_complete else 0)))
+    gone = sorted((set(recorded) | finished) - set(existing))
+    recopy = [j for j in gone if stage_complete and j == stage]
+    missing = [j for j in gone if j not in recopy]
+    stale = sorted(j for j in set(existing) - set(recorded) if j not in finished)
+    return missing, recopy, stale
+
+
+def skipped_update(metrics: dict[str, Any]) -> bool:
+    """verl skips the AdamW step (and zeroes the gradients) when the gradient norm is not finite."""
+    g = metrics.get("actor/grad_norm")
+    try:
+        return g is not None and not math.isfinite(float(g))
+    except (TypeError, ValueError):
+        return False
+
+
 # ---------------------------------------------------------------------------------------------- forgetting
 FORGETTING_POINTS = ("start", "end")
+
+
+def stage_end_measured(rows: list[dict], stage: int) -> bool:
+    """Whether ``forgetting.jsonl`` holds the stage-end evaluation of ``stage`` (a crash can lose it)."""
+    return any(int(r["stage"]) == stage and r.get("at", "end") == "end" for r in rows)
 
 
 def _forgetting_key(r: dict) -> tuple:

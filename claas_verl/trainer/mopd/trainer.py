@@ -11,7 +11,7 @@ claas_verl.main_mopd`` does it). verl's own ``fit`` loop runs unchanged; per glo
    full-vocabulary log-probs (SPEC B.2.1).
 4. ``_compute_advantage``: the step's teacher returns its log-probs at those ids; the driver computes the
    rewards of eq. (4), the per-domain σ and advantages (B.2.2) over the whole step batch, and the logged KL.
-   On replay/recovery steps of recipes with alignment terms (``mopd.signal.{sats,vr,hidden}``), the driver first
+   On replay steps of recipes with alignment terms (``mopd.signal.{sats,vr,hidden}``), the driver first
    computes the step regions from the response ids (stored as two 2-D fields, shared by teacher and student)
    and the teacher forward also keeps its bf16 alignment targets in the (colocated) worker process.
 5. ``_update_actor``: one optimizer update with the ``claas_topk_distill`` loss (B.2.3), no KL, no entropy; on
@@ -53,7 +53,7 @@ from claas_verl.distill import (
 from claas_verl.schedule import plan_from_config
 from claas_verl.trainer.mopd import fields as F
 from claas_verl.trainer.mopd import stages as S
-from claas_verl.trainer.mopd.alignment import AUX_KEY, REGION_IDS, WINDOW, aux_config, response_regions
+from claas_verl.trainer.mopd.alignment import AUX_KEY, aux_config, region_fields
 from claas_verl.trainer.mopd.verl_couplings import MOPDTrainerCouplings
 from claas_verl.trainer.mopd.workers import TEACHER_KEY, MOPDWorker
 
@@ -93,11 +93,10 @@ class MOPDTrainer(MOPDTrainerCouplings, PPOTrainerSync):
                 f"{self.block_size}: every step trains exactly one block"
             )
         actor = config.actor_rollout_ref.actor
-        signal = mopd.get("signal") or {}
-        # replay/recovery steps of FSAR/SATS/OPRD recipes: alignment terms + balanced update (SPEC B.3-B.7)
-        self.aux = aux_config(
-            signal, micro_batch_size=int(signal.get("micro_batch_size") or actor.get("ppo_micro_batch_size_per_gpu")
-                                         or 1))
+        S.check_one_update_per_step(self.block_size, actor.get("ppo_mini_batch_size"), actor.get("ppo_epochs"))
+        self.teacher_dtype = S.check_teacher_dtype(mopd.train.get("teacher_dtype", S.TEACHER_DTYPES[0]))
+        # replay steps of FSAR/SATS/OPRD recipes: alignment terms + balanced update (SPEC B.3-B.7)
+        self.aux = aux_config(mopd.get("signal") or {})
         if self.aux.enabled and actor.get("strategy") not in ("fsdp2",):
             raise ValueError(f"mopd.signal enables {list(self.aux.terms)}: the balanced update needs "
                              f"actor_rollout_ref.actor.strategy=fsdp2, got {actor.get('strategy')!r}")
@@ -105,6 +104,7 @@ class MOPDTrainer(MOPDTrainerCouplings, PPOTrainerSync):
         self._stage: int | None = None  # stage whose teachers are loaded (None: none yet)
         self._resumed_mid_stage = False
         self._saved_at = -1
+        self._pending_end_eval: tuple[int, int] | None = None  # (stage, its last global step) to evaluate on resume
 
     # ================================================================= verl wiring
     def mopd_use_worker_class(self):
@@ -162,6 +162,12 @@ class MOPDTrainer(MOPDTrainerCouplings, PPOTrainerSync):
     # ================================================================= stage boundaries
     def on_step_begin(self):
         super().on_step_begin()
+        if self._pending_end_eval is not None:  # the stage-end evaluation a crash lost (the weights are M_stage)
+            stage, gs = self._pending_end_eval
+            self._pending_end_eval = None
+            print(f"[mopd] resumed after stage {stage} ended: re-running its lost stage-end forgetting evaluation")
+            self._evaluate(stage, "end", S.learned_domains(self.plan_steps, gs - 1), gs)
+            self._stage = None
         step = self.current_step()
         if self._stage == step["stage"]:
             return
@@ -177,7 +183,7 @@ class MOPDTrainer(MOPDTrainerCouplings, PPOTrainerSync):
         for name, path in specs.items():
             if not os.path.exists(os.path.join(path, "config.json")):
                 raise ValueError(f"teacher {name} of stage {stage}: no Hugging Face model at {path}")
-        loaded = self.actor_rollout_wg.mopd_set_teachers(specs)[0]
+        loaded = self.actor_rollout_wg.mopd_set_teachers(specs, self.teacher_dtype)[0]
         dropped = 0
         if fresh_optimizer and self.config.mopd.train.get("fresh_optimizer_per_stage", True):
             dropped = self.actor_rollout_wg.mopd_reset_optimizer()[0]
@@ -212,8 +218,32 @@ class MOPDTrainer(MOPDTrainerCouplings, PPOTrainerSync):
             F.TOPK_KEY: self.topk,
         }
 
+    def canonical_row_order(self, batch):
+        """Sort the step's rows by their token ids inside each data-parallel rank's share (in place).
+
+        verl's async rollout returns the responses in completion order, and the SPEC B.7 loss (per-micro-batch
+        means) depends on which responses share a micro-batch; a content order makes the update a function of
+        the samples alone (same seeds -> same step; an exact resume). Each rank keeps the rows verl's
+        ``_balance_batch`` gave it (contiguous equal shares), so its token balance is unchanged.
+        """
+        data = tq.kv_batch_get(keys=batch.keys, partition_id=batch.partition_id, select_fields=["input_ids"])
+        rows = [r.cpu().long().numpy().tobytes() for r in data["input_ids"].unbind()]
+        wg = self.actor_rollout_wg
+        ranks = wg._dispatch_info.get("actor") if hasattr(wg, "_dispatch_info") else None
+        dp = max(ranks) + 1 if ranks else 1
+        n = len(rows)
+        if n % dp:
+            raise ValueError(f"{n} rows do not split evenly over {dp} data-parallel ranks")
+        share = n // dp
+        order = []
+        for c in range(dp):
+            order += sorted(range(c * share, (c + 1) * share), key=lambda i: (len(rows[i]), rows[i]))
+        batch.reorder(order)
+        return batch
+
     def mopd_student_topk(self, batch, metrics: dict):
         """Pre-update forward of the training model: store the student's top-κ ids and log-probs S (B.2.1)."""
+        self.canonical_row_order(batch)
         batch.extra_info.update(self._distill_flags(F.PHASE_STUDENT_TOPK))
         self.actor_rollout_wg.compute_log_prob(batch)
         packed = F.names(F.STUDENT_IDS_PACKED, self.topk) + F.names(F.STUDENT_LP_PACKED, self.topk)
@@ -279,11 +309,8 @@ class MOPDTrainer(MOPDTrainerCouplings, PPOTrainerSync):
             self._separators = separator_token_ids(self.tokenizer)
         data = tq.kv_batch_get(keys=batch.keys, partition_id=batch.partition_id,
                                select_fields=["input_ids", "response_mask"])
-        mask_nested = data["response_mask"]
-        responses = _padded(response_from_nested(data["input_ids"], mask_nested))
-        mask = _padded(mask_nested)
-        rid, win = response_regions(responses, mask, self._separators, self.aux)
-        out = {REGION_IDS: response_to_nested(rid, mask_nested), WINDOW: response_to_nested(win, mask_nested)}
+        # regions from the response ids themselves (not response_from_nested, which shifts ids by one)
+        out, rid, win = region_fields(data["input_ids"], data["response_mask"], self._separators, self.aux)
         tq.kv_batch_put(keys=batch.keys, partition_id=batch.partition_id, fields=tu.get_tensordict(out))
         metrics["mopd/regions_per_response"] = float((rid.amax(-1) + 1).clamp(min=0).float().mean())
         metrics["mopd/window_tokens"] = float(win.sum())
@@ -318,6 +345,10 @@ class MOPDTrainer(MOPDTrainerCouplings, PPOTrainerSync):
     def mopd_record_step(self, metrics: dict, global_step: int):
         step = self.current_step(global_step)
         metrics["mopd/optimizer_steps_in_stage"] = getattr(self, "_optim_steps", -1)
+        # verl zeroes the gradients and skips AdamW when the norm is not finite (it only prints a warning)
+        metrics["mopd/update_skipped"] = int(S.skipped_update(metrics))
+        if metrics["mopd/update_skipped"]:
+            logger.warning(f"MOPD step {global_step}: non-finite gradient norm, optimizer update skipped")
         keep = {k: v for k, v in metrics.items() if k.startswith(("mopd/", "actor/", "response_length/mean",
                                                                     "critic/score/mean", "timing_s/step"))}
         S.append_step(self.run_dir, global_step, step, keep)
@@ -375,15 +406,29 @@ class MOPDTrainer(MOPDTrainerCouplings, PPOTrainerSync):
                 f"the checkpoint {self._step_dir(gs)} was written for a different plan; resume with the same recipe "
                 "or set trainer.resume_mode=disable"
             )
-        missing = [j for j in range(1, state["stage"] + (1 if state["stage_complete"] else 0))
-                   if not os.path.exists(os.path.join(self.paths.snapshot(j), "config.json"))]
-        if missing and state["stage_complete"] and missing == [state["stage"]]:
-            self._snapshot(state["stage"], gs)  # killed between the save and the copy
-            missing = []
+        existing = S.existing_snapshots(self.paths, max(self.bounds))
+        missing, recopy, stale = S.reconcile_snapshots(state.get("snapshots", []), existing, state["stage"],
+                                                       state["stage_complete"])
         if missing:
-            raise ValueError(f"resume needs stage snapshots {missing} under {self.paths.snapshot(0)[:-2]}")
+            raise ValueError(
+                f"the checkpoint {self._step_dir(gs)} recorded stage snapshots {state.get('snapshots')} but "
+                f"{missing} are gone from {os.path.dirname(self.paths.snapshot(1))}: restore them or resume from an "
+                "earlier checkpoint (trainer.resume_from_path)"
+            )
+        for j in recopy:
+            self._snapshot(j, gs)  # killed between the save and the copy
+        for j in stale:  # written by work after this checkpoint: this run makes its own M_j again
+            src = self.paths.snapshot(j)
+            dst = os.path.join(os.path.dirname(src), "discarded", f"student_{j}.after_step_{gs}")
+            shutil.rmtree(dst, ignore_errors=True)
+            os.makedirs(os.path.dirname(dst), exist_ok=True)
+            os.replace(src, dst)
+            print(f"[mopd] snapshot M_{j} was not recorded by checkpoint {gs} (later, discarded work): moved to {dst}")
         dropped = S.truncate_steps(self.run_dir, gs)
         print(f"[mopd] resumed at global step {gs} (stage {state['stage']}); {dropped} later audit lines discarded")
+        if (state["stage_complete"] and self.eval_enabled and gs < len(self.plan_steps)
+                and not S.stage_end_measured(S.read_forgetting(self.run_dir), state["stage"])):
+            self._pending_end_eval = (state["stage"], gs)  # a crash lost it: measured before the next step
         # the next step's on_step_begin loads the teachers; a stage that is not finished keeps its optimizer
         self._stage = None
 
@@ -446,9 +491,10 @@ class MOPDTrainer(MOPDTrainerCouplings, PPOTrainerSync):
         self.checkpoint_manager.sleep_replicas()
         try:
             meta = self._balance_batch(meta, metrics={})
+            self.actor_rollout_wg.mopd_set_teachers({f"expert:{domain}": self.paths.path(f"expert:{domain}")},
+                                                    self.teacher_dtype)
+            self.mopd_student_topk(meta, {})  # reorders the rows (canonical_row_order): read the tags after it
             real = np.array([not t.get("is_padding", False) for t in meta.tags])
-            self.actor_rollout_wg.mopd_set_teachers({f"expert:{domain}": self.paths.path(f"expert:{domain}")})
-            self.mopd_student_topk(meta, {})
             Sx, Q, mask, _ = self._teacher_q(meta, f"expert:{domain}")
             sel = torch.as_tensor(real)
             kl = float(topk_weighted_kl(Sx[sel], Q[sel], mask[sel]))

@@ -74,6 +74,9 @@ INSTANCE_ATTRIBUTES: tuple[tuple[str, str], ...] = (
     ("FSDPEngine.initialize", "self.checkpoint_manager"),
     ("FSDPEngine._build_model_optimizer", "self.module"),  # the student / teacher nn.Module (FSDP2-wrapped)
     ("FSDPEngine._build_fsdp_module", "self.scaler"),  # None unless fp16 (the balanced update refuses fp16)
+    # the dtype of the autocast verl wraps every forward in (= mixed_precision.param_dtype); the alignment forwards
+    # use the same, and teachers with mopd.train.teacher_dtype=fp32_bf16_autocast get bf16 over fp32 weights
+    ("FSDPEngine._build_fsdp_module", "self._autocast_dtype"),
 )
 
 
@@ -150,12 +153,14 @@ def mopd_task_runner_class():
 
 
 # ---------------------------------------------------------------------------------------------- worker side
-def teacher_training_config(worker_config, model_path: str):
+def teacher_training_config(worker_config, model_path: str, teacher_dtype: str = "fp32_bf16_autocast"):
     """A forward-only ``TrainingWorkerConfig`` for a teacher at ``model_path``.
 
     Mirrors the private conversion ``ActorRolloutRefWorker.init_model`` applies to ``config.ref`` (the
     ``log_prob_*`` keys renamed to the engine's ``ppo_*`` ones), so a teacher engine is built exactly like
-    verl's reference model, only from another checkpoint.
+    verl's reference model, only from another checkpoint. ``teacher_dtype`` (``mopd.train.teacher_dtype``) sets
+    the FSDP ``param_dtype`` of the teacher's weights: fp32 for ``fp32`` and ``fp32_bf16_autocast`` (then
+    :func:`apply_teacher_dtype` turns on bf16 autocast after the engine is built), bf16 for ``bf16``.
     """
     from omegaconf import open_dict
     from verl.utils.config import omega_conf_to_dataclass
@@ -168,6 +173,10 @@ def teacher_training_config(worker_config, model_path: str):
         ref.ppo_micro_batch_size_per_gpu = ref.pop("log_prob_micro_batch_size_per_gpu", None)
         ref.use_dynamic_bsz = ref.pop("log_prob_use_dynamic_bsz", False)
         ref.ppo_max_token_len_per_gpu = ref.pop("log_prob_max_token_len_per_gpu", None)
+        if ref.get("fsdp_config") is not None:  # the teacher's weights (SPEC B.1), see the docstring
+            if ref.fsdp_config.get("mixed_precision") is None:
+                ref.fsdp_config.mixed_precision = {}
+            ref.fsdp_config.mixed_precision.param_dtype = "bf16" if teacher_dtype == "bf16" else "fp32"
     model = deepcopy(worker_config.model)
     with open_dict(model):
         model.path = model_path
@@ -190,6 +199,18 @@ def teacher_training_config(worker_config, model_path: str):
     cfg.engine_config.infer_micro_batch_size_per_gpu = ref.ppo_micro_batch_size_per_gpu
     cfg.engine_config.use_remove_padding = worker_config.model.get("use_remove_padding", False)
     return cfg
+
+
+def apply_teacher_dtype(engine: Any, teacher_dtype: str) -> None:
+    """SPEC B.1 teachers: fp32 weights under bf16 autocast. verl ties its forward's autocast to the FSDP
+    ``param_dtype`` (fp32 means no autocast), so the built teacher engine's autocast dtype is set here."""
+    import torch
+
+    if teacher_dtype == "fp32_bf16_autocast":
+        if not hasattr(engine, "_autocast_dtype"):
+            raise ValueError("mopd.train.teacher_dtype=fp32_bf16_autocast needs verl's FSDP engine (actor strategy "
+                             "fsdp/fsdp2); use teacher_dtype=fp32 or bf16")
+        engine._autocast_dtype = torch.bfloat16
 
 
 def reset_engine_optimizer(engine: Any) -> int:

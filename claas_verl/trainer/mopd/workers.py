@@ -33,10 +33,9 @@ from claas_verl.align import (
     alignment_losses,
     alignment_signals,
     attention_modules,
-    balance,
-    combine_aux,
     microbatch_weights,
 )
+from claas_verl.align.balance import HostBalancer
 from claas_verl.trainer.mopd import alignment as A
 from claas_verl.trainer.mopd import fields as F
 from claas_verl.trainer.mopd import verl_couplings as vc
@@ -51,10 +50,10 @@ class MOPDTrainingWorker(TrainingWorker):
     """verl's training worker whose step can be the balanced multi-pass update of SPEC B.6/B.7.
 
     A batch without the non-tensor ``mopd_aux`` trains exactly like verl (one forward/backward pass, clip,
-    AdamW step). A batch with it (replay/recovery steps of FSAR/SATS/OPRD recipes) runs, inside verl's own
-    ``train_batch`` (so lr scheduling and metric post-processing stay verl's), a replacement of the engine's
-    step, :meth:`balanced_engine_step`: verl's token pass, one pass per alignment term, the balanced
-    combination written into ``.grad``, then the engine's ``optimizer_step`` (which clips and steps).
+    AdamW step). A batch with it (replay steps of FSAR/SATS/OPRD recipes; recovery steps are token-only, SPEC
+    B.8) runs, inside verl's own ``train_batch`` (so lr scheduling and metric post-processing stay verl's), a
+    replacement of the engine's step, :meth:`balanced_engine_step`: verl's token pass, one pass per alignment
+    term, the balanced combination written into ``.grad``, then the engine's ``optimizer_step`` (clip, step).
     """
 
     # set by MOPDWorker.mopd_teacher_forward: {"fingerprint": str, "targets": [AlignmentSignals per micro-batch]}
@@ -78,13 +77,18 @@ class MOPDTrainingWorker(TrainingWorker):
     def balanced_engine_step(self, data, loss_function, cfg: A.AuxConfig):
         """One optimizer update with g = balance(g_tok, combine_aux(g_sats, g_vr, g_hid)) (SPEC B.6 eqs. 9-10).
 
-        1. zero grads; verl's ``forward_backward_batch`` with the MOPD loss (the token pass, B.2.3, the same loss
-           and normalisation as every other step); stash ``g_tok`` and clear ``.grad``;
-        2. per alignment term: one forward + backward per micro-batch (weight ``n_resp(mb)/n_resp``, B.7) of
-           the student's signals against the teacher's bf16 targets; stash and clear;
-        3. norms and inner products over all FSDP2 shards/ranks (all-reduce over the shard group) BEFORE
-           clipping; the combination is written into ``.grad``;
-        4. ``optimizer_step`` (clip at ``actor.optim.clip_grad``, AdamW step).
+        1. the micro-batch row groups of this update: verl's own partition of the batch (``use_dynamic_bsz`` token
+           budget or ``ppo_micro_batch_size_per_gpu`` rows), the SAME for every term and for the teacher targets
+           (B.6: separate backward passes over the same micro-batches);
+        2. zero grads; verl's ``forward_backward_batch`` with the MOPD loss (the token pass: per micro-batch the
+           token mean ℓ_tok(mb) with weight ``n_resp(mb)/n_resp``, B.7); g_tok goes to the host;
+        3. per alignment term: one forward + backward per micro-batch (weight ``n_resp(mb)/n_resp``, B.7) of
+           the student's signals against the teacher's bf16 targets, under the engine's autocast (like verl's
+           forward); the pooled terms' unit directions accumulate on the host (``u``), the last term stays in
+           ``.grad`` (:class:`claas_verl.align.HostBalancer`: one gradient vector on the device);
+        4. norms and inner products over all FSDP2 shards/ranks (all-reduce over the shard group) BEFORE
+           clipping; the combination is written into ``.grad`` in place;
+        5. ``optimizer_step`` (clip at ``actor.optim.clip_grad``, AdamW step).
 
         Separate passes per term (003's schedule): FSDP2 reshards after each backward, so one forward cannot
         serve several backward passes there. ``balanced_backward`` of ``claas_verl.align`` is not used because
@@ -94,55 +98,63 @@ class MOPDTrainingWorker(TrainingWorker):
         tu.maybe_fix_3d_position_ids(data)
         if getattr(engine, "scaler", None) is not None:
             raise ValueError("the balanced MOPD update does not support fp16 loss scaling; use bf16 or fp32 params")
-        targets = self._take_targets(data)
+        groups = update_row_groups(data, _dp_group(engine))
+        targets = self._take_targets(data, groups)
         engine.optimizer_zero_grad()
         outputs = engine.forward_backward_batch(data, loss_function, forward_only=False)
         module = engine.module
         params = [p for p in module.parameters() if p.requires_grad]
-        g_tok = _take_grads(params)
-        micro = _micro_batches(data, cfg)
+        sync, group = _reduction(params)
+        if getattr(self, "_host_grads", None) is None:
+            self._host_grads = {}  # g_tok and u on the host (pinned on CUDA), reused step after step
+        hb = HostBalancer(params, variant=cfg.combine, ratio=cfg.ratio, rho=cfg.rho, sync=sync, group=group,
+                          buffers=self._host_grads)
+        hb.take_token()
+        micro = _micro_batches(data, groups)
         weights = microbatch_weights([mb.n_resp for mb in micro])
         layers = A.check_layers(cfg, len(attention_modules(module)))
         device = _param_device(params)
-        grads, losses = {}, {}
+        losses = {}
+        pooled, last = _pass_order(cfg)
         with _params_gathered_through_backward(engine):
-            self._alignment_passes(module, params, micro, weights, targets, layers, device, cfg, grads, losses)
-        sync, group = _reduction(params)
-        g_aux, ainfo = combine_aux(grads.get("sats"), grads.get("vr"), grads.get("hid"), cfg.rho,
-                                   sync=sync, group=group)
-        g, binfo = balance(g_tok, g_aux, cfg.ratio, sync=sync, group=group)
-        for p, gi in zip(params, g):
-            p.grad = gi
-        del g_tok, g_aux, grads, g
+            for term in cfg.terms:
+                losses[term] = self._alignment_pass(module, term, micro, weights, targets, layers, device,
+                                                    engine_autocast(engine, device))
+                if term in pooled:
+                    hb.take_pooled(A.BALANCE_TERM[term])
+        info = hb.finish(None if last is None else A.BALANCE_TERM[last])
         grad_norm = engine.optimizer_step()
         if engine.is_mp_src_rank_with_outputs():
             outputs["metrics"]["grad_norm"] = grad_norm
-            for name, value in _balance_metrics(losses, ainfo, binfo).items():
+            for name, value in _balance_metrics(losses, info, cfg.combine).items():
                 outputs["metrics"][name] = [value]  # a list per rank: verl concatenates them over ranks
         return outputs
 
     @staticmethod
-    def _alignment_passes(module, params, micro, weights, targets, layers, device, cfg, grads, losses):
-        """One forward + backward per micro-batch for each alignment term; each term's gradient is stashed."""
-        for term in cfg.terms:
-            total = 0.0
-            for mb, w, tgt in zip(micro, weights, targets):
-                mb = mb.to(device)
-                out, sig = alignment_signals(
+    def _alignment_pass(module, term, micro, weights, targets, layers, device, autocast) -> float:
+        """One forward + backward per micro-batch of one alignment term; its gradient accumulates in ``.grad``."""
+        total = 0.0
+        for i, (mb, w, tgt) in enumerate(zip(micro, weights, targets)):
+            mb = mb.to(device)
+            with autocast:
+                _, sig = alignment_signals(
                     module, mb.input_ids, mb.attention_mask, mb.regions, position_ids=mb.position_ids,
                     terms=[term], pooled_layers=layers, hidden_layers=layers, use_cache=False,
                 )
                 value = alignment_losses(sig, _targets_to(tgt, device), mb.regions)[term]
-                loss = value.loss * w
-                if not loss.requires_grad:  # keep every rank's backward count equal (FSDP2 collectives)
-                    loss = loss + 0.0 * out.logits.sum()
-                loss.backward()
-                total += float(loss.detach())
-                del out, sig, value, loss
-            grads[A.BALANCE_TERM[term]] = _take_grads(params)
-            losses[term] = total
+            loss = value.loss * w
+            if not loss.requires_grad:
+                raise ValueError(
+                    f"alignment term {term!r} has no gradient path to the student in micro-batch {i}: the "
+                    "attention/hidden taps were detached (a wrapper or kernel that bypasses the hooked q/k/v "
+                    "projections?); refusing to add a zero gradient that would hide it"
+                )
+            loss.backward()
+            total += float(loss.detach())
+            del sig, value, loss
+        return total
 
-    def _take_targets(self, data) -> list:
+    def _take_targets(self, data, groups: list[list[int]]) -> list:
         held, self.mopd_targets = self.mopd_targets, None
         fingerprint = A.batch_fingerprint(_sequences(data))
         if held is None:
@@ -156,7 +168,64 @@ class MOPDTrainingWorker(TrainingWorker):
                 f"({held['fingerprint']} != {fingerprint}): keep one mini-batch per step (ppo_mini_batch_size = "
                 "mopd.block_size) and no shuffling"
             )
+        if held["groups"] != groups:
+            raise ValueError(
+                f"the teacher's alignment targets were computed for micro-batches {held['groups']} but the update "
+                f"partitions the batch as {groups}: both must use the actor's use_dynamic_bsz / "
+                "ppo_max_token_len_per_gpu / ppo_micro_batch_size_per_gpu"
+            )
         return held["targets"]
+
+
+def _pass_order(cfg: A.AuxConfig) -> tuple[tuple[str, ...], str | None]:
+    """(terms whose unit directions go to the host, term left in ``.grad`` for the final combination)."""
+    if cfg.combine == "1:1:1":
+        return ("sats",), cfg.terms[1]
+    last = "hidden" if "hidden" in cfg.terms else None
+    return tuple(t for t in cfg.terms if t != last), last
+
+
+UPDATE_PARTITION_KEYS = ("use_dynamic_bsz", "max_token_len_per_gpu", "micro_batch_size_per_gpu")
+
+
+def update_row_groups(data, dp_group=None, settings: dict | None = None) -> list[list[int]]:
+    """The row indices of each micro-batch verl's ``forward_backward_batch`` will run for ``data``.
+
+    Calls verl's own ``prepare_micro_batches`` (same arguments as the engine) on the rows' ids only.
+    ``settings`` overrides the batch's non-tensor partition keys (:data:`UPDATE_PARTITION_KEYS`): the teacher
+    forward passes the actor's, so the targets are computed on the update's micro-batches.
+    """
+    from verl.workers.engine.utils import prepare_micro_batches
+
+    ids = data["input_ids"]
+    light = tu.get_tensordict({"input_ids": ids})
+    for key in (*UPDATE_PARTITION_KEYS, "force_group_size"):
+        value = (settings or {}).get(key, tu.get_non_tensor_data(data=data, key=key, default=None))
+        if value is not None:
+            tu.assign_non_tensor(light, **{key: value})
+    tu.assign_non_tensor(light, sp_size=1)
+    micro, indices = prepare_micro_batches(data=light, dp_group=dp_group, same_micro_num_in_dp=True)
+    if indices is not None:
+        return [[int(i) for i in g] for g in indices]
+    out, lo = [], 0
+    for mb in micro:
+        n = len(mb)
+        out.append(list(range(lo, lo + n)))
+        lo += n
+    return out
+
+
+def _dp_group(engine):
+    get = getattr(engine, "get_data_parallel_group", None)
+    return get() if get is not None else None
+
+
+def engine_autocast(engine, device):
+    """The autocast verl's engine wraps its forward in (bf16 under bf16 mixed precision; none for fp32)."""
+    dtype = getattr(engine, "_autocast_dtype", None)
+    if dtype is None or dtype == torch.float32:
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=torch.device(device).type, dtype=dtype)
 
 
 def _sequences(data) -> list[torch.Tensor]:
@@ -167,7 +236,7 @@ def _sequences(data) -> list[torch.Tensor]:
     return [values[int(offsets[i]):int(offsets[i + 1])] for i in range(offsets.numel() - 1)]
 
 
-def _micro_batches(data, cfg: A.AuxConfig) -> list[A.AuxMicroBatch]:
+def _micro_batches(data, groups: list[list[int]]) -> list[A.AuxMicroBatch]:
     for key in (A.REGION_IDS, A.WINDOW):
         if key not in data.keys():
             raise ValueError(f"field {key!r} missing: the driver stores the step regions before the teacher forward")
@@ -180,7 +249,7 @@ def _micro_batches(data, cfg: A.AuxConfig) -> list[A.AuxMicroBatch]:
     win = data[A.WINDOW]
     rid = rid.to_padded_tensor(-1) if getattr(rid, "is_nested", False) else rid
     win = win.to_padded_tensor(0) if getattr(win, "is_nested", False) else win
-    return A.aux_micro_batches(_sequences(data), rid, win, resp, cfg.micro_batch_size)
+    return A.aux_micro_batches(_sequences(data), rid, win, resp, groups)
 
 
 @contextlib.contextmanager
@@ -206,15 +275,6 @@ def _params_gathered_through_backward(engine):
         module.set_reshard_after_forward(bool(getattr(cfg, "reshard_after_forward", True)))
         module.set_reshard_after_forward(False, recurse=False)
         module.reshard()
-
-
-def _take_grads(params) -> list:
-    """Move every ``p.grad`` out (one term's accumulated gradient) and clear it for the next pass."""
-    out = []
-    for p in params:
-        out.append(p.grad)
-        p.grad = None
-    return out
 
 
 def _param_device(params) -> torch.device:
@@ -247,25 +307,29 @@ def _targets_to(sig: AlignmentSignals, device) -> AlignmentSignals:
     )
 
 
-def _balance_metrics(losses: dict, ainfo: dict, binfo: dict) -> dict[str, float]:
+def _balance_metrics(losses: dict, info: dict, combine: str) -> dict[str, float]:
     """Per step: each loss, token/aux grad norms, cosines, balancing scale and the two parts' norms."""
     m = {f"mopd/{t}_loss": v for t, v in losses.items()}
     for t in ("sats", "vr", "hid"):
-        m[f"mopd/{t}_grad_norm"] = ainfo[f"{t}_norm"]
+        m[f"mopd/{t}_grad_norm"] = info[f"{t}_norm"]
+    m["mopd/tok_grad_norm"] = info["tok_norm"]
+    m["mopd/balanced_grad_norm"] = info["final_norm"]
+    if combine == "1:1:1":  # g = g_tok + ‖g_tok‖ĝ_SATS + ‖g_tok‖ĝ_other (003 Table 4)
+        m["mopd/sats_coef"] = info["sats_coef"]
+        m["mopd/other_coef"] = info["other_coef"]
+        return m
     m.update({
-        "mopd/tok_grad_norm": binfo["tok_norm"],
-        "mopd/aux_grad_norm": binfo["aux_norm"],  # ‖g_aux‖ of eq. (10) (direction only)
-        "mopd/cos_tok_aux": binfo["cos_tok_aux"],
-        "mopd/cos_sats_vr": ainfo["cos_sats_vr"],
-        "mopd/cos_u_hid": ainfo["cos_u_hid"],
-        "mopd/s_norm": ainfo["s_norm"],
-        "mopd/balance_scale": binfo["scale"],  # c = ‖g_tok‖/‖g_aux‖
-        "mopd/balance_ratio": binfo["ratio"],
-        "mopd/balance_fallback": binfo["fallback"],
+        "mopd/aux_grad_norm": info["aux_norm"],  # ‖g_aux‖ of eq. (10) (direction only)
+        "mopd/cos_tok_aux": info["cos_tok_aux"],
+        "mopd/cos_sats_vr": info["cos_sats_vr"],
+        "mopd/cos_u_hid": info["cos_u_hid"],
+        "mopd/s_norm": info["s_norm"],
+        "mopd/balance_scale": info["scale"],  # c = ‖g_tok‖/‖g_aux‖
+        "mopd/balance_ratio": info["ratio"],
+        "mopd/balance_fallback": info["fallback"],
         # norms of the two parts of eq. (9): a·‖g_tok‖ and b·c·‖g_aux‖ (their ratio is r unless a fallback)
-        "mopd/tok_part_norm": binfo["tok_coef"] * binfo["tok_norm"],
-        "mopd/aux_part_norm": binfo["aux_coef"] * binfo["aux_norm"],
-        "mopd/balanced_grad_norm": binfo["final_norm"],
+        "mopd/tok_part_norm": info["tok_coef"] * info["tok_norm"],
+        "mopd/aux_part_norm": info["aux_coef"] * info["aux_norm"],
     })
     return m
 
@@ -289,8 +353,9 @@ class MOPDWorker(ActorRolloutRefWorker):
         self.set_dispatch_collect(mesh_name="teacher", **self.actor.get_dispatch_collect())
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
-    def mopd_set_teachers(self, specs: dict[str, str]) -> list[str]:
-        """Hold exactly the teachers ``{plan name: HF path}``: drop the others, build the missing ones."""
+    def mopd_set_teachers(self, specs: dict[str, str], teacher_dtype: str = "fp32_bf16_autocast") -> list[str]:
+        """Hold exactly the teachers ``{plan name: HF path}``: drop the others, build the missing ones
+        (weights and forward precision per ``mopd.train.teacher_dtype``, SPEC B.1)."""
         for name in list(self.teachers):
             if name not in specs or self.teacher_paths[name] != specs[name]:
                 del self.teachers[name]
@@ -298,8 +363,9 @@ class MOPDWorker(ActorRolloutRefWorker):
         for name, path in specs.items():
             if name in self.teachers:
                 continue
-            worker = TrainingWorker(config=vc.teacher_training_config(self.config, path))
+            worker = TrainingWorker(config=vc.teacher_training_config(self.config, path, teacher_dtype))
             worker.reset()
+            vc.apply_teacher_dtype(worker.engine, teacher_dtype)
             worker.set_loss_fn(MOPDLoss(actor_config=None))
             self.teachers[name] = worker
             self.teacher_paths[name] = path
@@ -319,26 +385,37 @@ class MOPDWorker(ActorRolloutRefWorker):
         if aux:
             # alignment targets of the last W response tokens (bf16), kept in this process for the colocated
             # student update of the same step (TransferQueue cannot carry [B, T, K]-shaped fields)
-            self.actor.mopd_targets = self._teacher_targets(self.teachers[name], data, A.AuxConfig.from_dict(aux))
+            groups = update_row_groups(data, _dp_group(self.actor.engine), self._update_partition())
+            self.actor.mopd_targets = self._teacher_targets(self.teachers[name], data, A.AuxConfig.from_dict(aux),
+                                                            groups)
         output = self.teachers[name].infer_batch(data)
         return output.cpu() if output is not None else None
 
-    def _teacher_targets(self, teacher: TrainingWorker, data, cfg: A.AuxConfig) -> dict:
-        """SPEC B.3-B.5 teacher side: one no-grad forward per micro-batch -> detached bf16 targets (on CPU)."""
-        micro = _micro_batches(data, cfg)
+    def _teacher_targets(self, teacher: TrainingWorker, data, cfg: A.AuxConfig, groups: list[list[int]]) -> dict:
+        """SPEC B.3-B.5 teacher side: one no-grad forward per micro-batch of the update's partition ``groups``
+        (under the teacher engine's autocast, like its log-prob forward) -> detached bf16 targets (on CPU)."""
+        micro = _micro_batches(data, groups)
         module = teacher.engine.module
         layers = A.check_layers(cfg, len(attention_modules(module)))
         targets = []
         with teacher.engine.eval_mode(), torch.no_grad():
             device = _param_device(list(module.parameters()))
+            autocast = engine_autocast(teacher.engine, device)
             for mb in micro:
                 mb = mb.to(device)
-                _, sig = alignment_signals(
-                    module, mb.input_ids, mb.attention_mask, mb.regions, position_ids=mb.position_ids,
-                    terms=cfg.terms, pooled_layers=layers, hidden_layers=layers, use_cache=False,
-                )
+                with autocast:
+                    _, sig = alignment_signals(
+                        module, mb.input_ids, mb.attention_mask, mb.regions, position_ids=mb.position_ids,
+                        terms=cfg.terms, pooled_layers=layers, hidden_layers=layers, use_cache=False,
+                    )
                 targets.append(_targets_to(sig.as_targets(), "cpu"))
-        return {"fingerprint": A.batch_fingerprint(_sequences(data)), "targets": targets}
+        return {"fingerprint": A.batch_fingerprint(_sequences(data)), "groups": groups, "targets": targets}
+
+    def _update_partition(self) -> dict:
+        """The actor's micro-batch settings, as ``TrainingWorker.train_batch`` hands them to its engine."""
+        ec = self.actor.engine_config
+        return {"use_dynamic_bsz": ec.use_dynamic_bsz, "max_token_len_per_gpu": ec.max_token_len_per_gpu,
+                "micro_batch_size_per_gpu": ec.micro_batch_size_per_gpu}
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def mopd_reset_optimizer(self) -> int:
