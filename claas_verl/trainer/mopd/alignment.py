@@ -39,6 +39,9 @@ class AuxConfig:
         drop_trailing: B.4 [CHOICE] flag: drop a final region that does not end with a separator.
         kinds: plan step kinds that run the balanced update (B.6: every step but new-domain ones).
         micro_batch_size: responses per micro-batch of the alignment passes (B.7 weights n_resp(mb)/n_resp).
+        target_budget_gib: host RAM per rank for the teacher's alignment targets of a step
+            (``mopd.signal.target_budget_gib``); micro-batches beyond it are streamed
+            (:class:`claas_verl.align.target_store.TeacherTargetStore`).
     """
 
     terms: tuple[str, ...] = ()
@@ -49,6 +52,7 @@ class AuxConfig:
     drop_trailing: bool = False
     kinds: tuple[str, ...] = ("replay", "recovery")
     micro_batch_size: int = 8
+    target_budget_gib: float = 16.0
 
     @property
     def enabled(self) -> bool:
@@ -62,6 +66,7 @@ class AuxConfig:
             "terms": list(self.terms), "ratio": self.ratio, "rho": self.rho, "window": self.window,
             "layers": None if self.layers is None else list(self.layers), "drop_trailing": self.drop_trailing,
             "kinds": list(self.kinds), "micro_batch_size": self.micro_batch_size,
+            "target_budget_gib": self.target_budget_gib,
         }
 
     @classmethod
@@ -70,6 +75,7 @@ class AuxConfig:
         signal = {t: t in d["terms"] for t in SIGNAL_TERMS}
         signal.update({k: d[k] for k in ("ratio", "rho", "window", "layers", "drop_trailing")})
         signal["aux_kinds"] = d["kinds"]
+        signal["target_budget_gib"] = d.get("target_budget_gib", AuxConfig.target_budget_gib)
         return aux_config(signal, micro_batch_size=int(d["micro_batch_size"]))
 
 
@@ -100,8 +106,11 @@ def aux_config(signal: Mapping | None, micro_batch_size: int = 8) -> AuxConfig:
     kinds = tuple(signal.get("aux_kinds", ("replay", "recovery")))
     if int(micro_batch_size) < 1:
         raise ValueError(f"micro batch size of the alignment passes must be >= 1, got {micro_batch_size}")
+    budget = float(signal.get("target_budget_gib", AuxConfig.target_budget_gib))
+    if not (math.isfinite(budget) and budget >= 0):
+        raise ValueError(f"mopd.signal.target_budget_gib must be a finite number >= 0 (GiB per rank), got {budget}")
     return AuxConfig(terms, ratio, rho, window, layers, bool(signal.get("drop_trailing", False)), kinds,
-                     int(micro_batch_size))
+                     int(micro_batch_size), budget)
 
 
 def check_layers(cfg: AuxConfig, num_layers: int) -> list[int]:

@@ -30,12 +30,14 @@ from verl.workers.engine_workers import ActorRolloutRefWorker, TrainingWorker
 from claas_verl.align import (
     AlignmentSignals,
     PooledRows,
+    TeacherTargetStore,
     alignment_losses,
     alignment_signals,
     attention_modules,
     balance,
     combine_aux,
     microbatch_weights,
+    target_bytes,
 )
 from claas_verl.trainer.mopd import alignment as A
 from claas_verl.trainer.mopd import fields as F
@@ -126,13 +128,13 @@ class MOPDTrainingWorker(TrainingWorker):
         """One forward + backward per micro-batch for each alignment term; each term's gradient is stashed."""
         for term in cfg.terms:
             total = 0.0
-            for mb, w, tgt in zip(micro, weights, targets):
+            for i, (mb, w) in enumerate(zip(micro, weights)):
                 mb = mb.to(device)
                 out, sig = alignment_signals(
                     module, mb.input_ids, mb.attention_mask, mb.regions, position_ids=mb.position_ids,
-                    terms=[term], pooled_layers=layers, hidden_layers=layers, use_cache=False,
+                    terms=[term], pooled_layers=layers, hidden_layers=layers, use_cache=False, logits=False,
                 )
-                value = alignment_losses(sig, _targets_to(tgt, device), mb.regions)[term]
+                value = alignment_losses(sig, _targets_to(targets.get(i, term), device), mb.regions)[term]
                 loss = value.loss * w
                 if not loss.requires_grad:  # keep every rank's backward count equal (FSDP2 collectives)
                     loss = loss + 0.0 * out.logits.sum()
@@ -324,21 +326,35 @@ class MOPDWorker(ActorRolloutRefWorker):
         return output.cpu() if output is not None else None
 
     def _teacher_targets(self, teacher: TrainingWorker, data, cfg: A.AuxConfig) -> dict:
-        """SPEC B.3-B.5 teacher side: one no-grad forward per micro-batch -> detached bf16 targets (on CPU)."""
+        """SPEC B.3-B.5 teacher side: detached bf16 host targets per micro-batch, bounded in host RAM.
+
+        The micro-batches whose targets fit in ``cfg.target_budget_gib`` are computed now (one no-grad forward
+        each, no logits) and kept; the others are streamed by the student's passes (:class:`TeacherTargetStore`).
+        """
         micro = _micro_batches(data, cfg)
         module = teacher.engine.module
         layers = A.check_layers(cfg, len(attention_modules(module)))
-        targets = []
-        with teacher.engine.eval_mode(), torch.no_grad():
-            device = _param_device(list(module.parameters()))
-            for mb in micro:
-                mb = mb.to(device)
+        device = _param_device(list(module.parameters()))
+        mcfg = module.config
+
+        def produce(i: int, terms: tuple[str, ...]) -> AlignmentSignals:
+            with teacher.engine.eval_mode(), torch.no_grad():
+                mb = micro[i].to(device)
                 _, sig = alignment_signals(
                     module, mb.input_ids, mb.attention_mask, mb.regions, position_ids=mb.position_ids,
-                    terms=cfg.terms, pooled_layers=layers, hidden_layers=layers, use_cache=False,
+                    terms=terms, pooled_layers=layers, hidden_layers=layers, use_cache=False, logits=False,
                 )
-                targets.append(_targets_to(sig.as_targets(), "cpu"))
-        return {"fingerprint": A.batch_fingerprint(_sequences(data)), "targets": targets}
+                return _targets_to(sig.as_targets(), "cpu")
+
+        sizes = [
+            target_bytes(mb.regions, mb.attention_mask, cfg.terms, pooled_layers=len(layers),
+                         hidden_layers=len(layers), num_heads=mcfg.num_attention_heads,
+                         num_kv_heads=getattr(mcfg, "num_key_value_heads", None) or mcfg.num_attention_heads,
+                         hidden_size=mcfg.hidden_size)
+            for mb in micro
+        ]
+        store = TeacherTargetStore(produce, sizes, cfg.terms, int(cfg.target_budget_gib * 2**30), device=device)
+        return {"fingerprint": A.batch_fingerprint(_sequences(data)), "targets": store.fill()}
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def mopd_reset_optimizer(self) -> int:
