@@ -12,7 +12,7 @@ W = 2,000 and ``--regions`` reasoning steps in the window (default 21, which giv
 response at 18.4k keys for the 1.7B shape). Teachers: same shape as the student, fp32 weights offloaded to the host
 (``param_offload``), bf16 compute.
 
-What each row counts (bytes; P = parameters, N = tokens of one micro-batch, D, L, H, G, d, I, V the model shape):
+What each row counts (bytes; P = parameters, N = tokens of one micro-batch, D, L, H, G, d, F (MLP size), V the model shape):
 
 * params: fp32 master shard ``4P/R`` + the bf16 all-gathered working copy of the root (embedding and, untied, the
   LM head; ``2VD`` each) and of two decoder layers (the one running and the prefetched one);
@@ -180,7 +180,7 @@ def check() -> None:
     import subprocess
     import sys
 
-    for part in ("logits", "sats"):
+    for part in ("logits", "sats", "teacher_logits", "teacher_nologits"):
         out = subprocess.run([sys.executable, __file__, "--child", part], check=True, capture_output=True, text=True)
         print(out.stdout.strip())
 
@@ -229,6 +229,18 @@ def child(part: str) -> None:
     am = torch.ones_like(ids)
     reg = step_regions(ids[:, P:], am[:, P:], {7}, window=run.window).pad_left(P)
     assert int(reg.num_regions.max()) == run.regions, int(reg.num_regions.max())
+    if part.startswith("teacher"):
+        # the teacher target forward (FSAR, all terms, no grad) with and without the unused [B, T, V] logits
+        keep = part == "teacher_logits"
+        base = _rss()
+        with torch.no_grad():
+            out, sig = alignment_signals(model, ids, am, reg, pooled_layers=range(s.layers),
+                                         hidden_layers=range(s.layers), logits=keep)
+            targets = sig.as_targets()
+        measured = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - base
+        print(f"teacher target forward ({T} tokens, V = {s.vocab}, bf16), logits={keep}: peak {measured / 2**20:.0f} "
+              f"MiB above the model (logits {tuple(out.logits.shape)}, {2 * out.logits.numel() / 2**20:.0f} MiB)")
+        return
     with torch.no_grad():
         _, sig = alignment_signals(model, ids, am, reg, terms=["sats"], pooled_layers=range(s.layers),
                                    hidden_layers=range(s.layers), logits=False)
