@@ -12,7 +12,8 @@ W = 2,000 and ``--regions`` reasoning steps in the window (default 21, which giv
 response at 18.4k keys for the 1.7B shape). Teachers: same shape as the student, fp32 weights offloaded to the host
 (``param_offload``), bf16 compute.
 
-What each row counts (bytes; P = parameters, N = tokens of one micro-batch, D, L, H, G, d, F (MLP size), V the model shape):
+What each row counts (bytes; P = parameters, R = ranks, N = tokens of one micro-batch; D, L, H, G, d, F (MLP
+size), V the model shape):
 
 * params: fp32 master shard ``4P/R`` + the bf16 all-gathered working copy of the root (embedding and, untied, the
   LM head; ``2VD`` each) and of two decoder layers (the one running and the prefetched one);
