@@ -4,6 +4,7 @@
     python benchmarks/bench_replay_step.py                  # 8 x (64 prompt + 256 response), W in {128, 256}
     python benchmarks/bench_replay_step.py --breakdown      # + forward / per-term backward split of one update
     python benchmarks/bench_replay_step.py --profile        # + torch.profiler tables of one update per variant
+    python benchmarks/bench_replay_step.py --realistic      # Qwen3-1.7B layer shape, V = 151,936 (see below)
 
 One replay step (SPEC B.1-B.7) on a block of ``--batch`` sequences (prompts x n responses), split into
 ``--micro-batches`` micro-batches weighted n_resp(mb)/n_resp_total (B.7):
@@ -30,6 +31,18 @@ SATS/VR/hidden (FSAR) means 4 layers. Threads: ``torch.set_num_threads(--threads
 CPU time by default (``--clock wall`` for elapsed time), because on a shared machine wall time mostly measures the
 other jobs. In (c) every pass runs the same forward closure, so each term's pass also computes the signals it does
 not need (``balanced_backward`` gives the forward no term hint); (c) is thus an upper bound of 003's schedule.
+
+Realistic shape (``--realistic``, issue 12): a random-init Qwen3 with 003's student layer shape (hidden 2048,
+16 heads, 8 KV heads, head size 128, MLP 6144, vocabulary 151,936, tied embeddings) but ``--layers`` layers
+(default 2 and 4), one response per block of ``--prompt`` + W tokens, W in ``--windows`` (default 512 1024).
+It runs what the MOPD worker runs (not ``balanced_backward``): token only = student top-k forward, teacher
+log-prob forward, advantages, one token forward + backward, clip, AdamW; FSAR = the same plus the teacher's
+target forward (no logits) and, per term, one student forward (that term's signals only, no logits) + backward,
+then ``combine_aux`` + ``balance``. The tied embedding / LM head is frozen in the student (its 311M-parameter
+gradient and AdamW state would need ~5 GB more on a shared 2-core box); this removes one ``[N, V] x [V, D]``
+matmul from the token backward only, so the measured ratio is an upper bound. Every layer is aligned (FSAR:
+"all layers"). With two layer counts the script fits time = a + b·layers per phase and extrapolates the ratio
+to the 28 layers of Qwen3-1.7B.
 """
 
 from __future__ import annotations
@@ -374,6 +387,135 @@ def profile_update(student, teacher, block, args, sep_ids, window: int, variant:
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.profile_rows))
 
 
+# ----------------------------------------------------------------------------------------------------------------
+# realistic layer shape (issue 12)
+
+REAL_PHASES = ("student_topk", "teacher_logp", "teacher_targets", "advantages", "tok_pass", "align_passes",
+               "balance", "clip+adamw")
+
+
+def realistic_models(layers: int):
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    cfg = Qwen3Config(hidden_size=2048, intermediate_size=6144, num_hidden_layers=layers, num_attention_heads=16,
+                      num_key_value_heads=8, head_dim=128, vocab_size=151_936, max_position_embeddings=8192,
+                      tie_word_embeddings=True, attn_implementation="sdpa")
+    torch.manual_seed(0)
+    student = Qwen3ForCausalLM(cfg).float().train()
+    torch.manual_seed(1)
+    teacher = Qwen3ForCausalLM(cfg).float().eval().requires_grad_(False)
+    student.get_input_embeddings().weight.requires_grad_(False)  # tied with lm_head: see the module docstring
+    return student, teacher
+
+
+def realistic_step(fsar: bool, student, teacher, opt, ids, am, pos, prompt: int, sep_ids, window: int) -> dict:
+    """One replay step as the MOPD worker runs it (one micro-batch); returns seconds per phase."""
+    from claas_verl.align import alignment_losses, balance, combine_aux
+
+    t: dict[str, float] = {}
+    n = student.config.num_hidden_layers
+    kw = dict(input_ids=ids, attention_mask=am, position_ids=pos)
+    mask = am[:, prompt:]
+    with _tick(t, "student_topk"), torch.no_grad():
+        top_ids, S = student_topk(_logits_at_response(student(**kw).logits, prompt), KAPPA)
+    with _tick(t, "teacher_logp"), torch.no_grad():
+        Q = teacher_logprobs_at(_logits_at_response(teacher(**kw).logits, prompt), top_ids)
+    regions = step_regions(ids[:, prompt:], mask, sep_ids, window).pad_left(prompt)
+    terms = ("sats", "vr", "hidden")
+    if fsar:
+        with _tick(t, "teacher_targets"), torch.no_grad():
+            _, sig = alignment_signals(teacher, ids, am, regions, position_ids=pos, terms=terms,
+                                       pooled_layers=range(n), hidden_layers=range(n), logits=False)
+            targets = sig.as_targets()
+            del sig
+    with _tick(t, "advantages"):
+        A = domain_normalized_advantages(topk_rewards(S, Q, mask), mask)
+    opt.zero_grad(set_to_none=True)
+    params = [p for p in student.parameters() if p.requires_grad]
+    with _tick(t, "tok_pass"):
+        logits = student(**kw).logits
+        topk_distill_loss(_logits_at_response(logits, prompt), top_ids, A, mask).backward()
+        del logits
+    if fsar:
+        grads = {}
+        with _tick(t, "align_passes"):
+            g_tok = [p.grad for p in params]
+            for p in params:
+                p.grad = None
+            for term in terms:
+                _, sig = alignment_signals(student, ids, am, regions, position_ids=pos, terms=[term],
+                                           pooled_layers=range(n), hidden_layers=range(n), logits=False)
+                alignment_losses(sig, targets, regions)[term].loss.backward()
+                grads[term] = [p.grad for p in params]
+                for p in params:
+                    p.grad = None
+                del sig
+        with _tick(t, "balance"):
+            g_aux, _ = combine_aux(grads["sats"], grads["vr"], grads["hidden"], 2.0)
+            g, _ = balance(g_tok, g_aux, 1.0)
+            for p, gi in zip(params, g):
+                p.grad = gi
+            del grads, g_tok, g_aux, g
+    with _tick(t, "clip+adamw"):
+        torch.nn.utils.clip_grad_norm_(params, 1000.0)
+        opt.step()
+    t["total"] = sum(t.get(k, 0.0) for k in REAL_PHASES)
+    return t
+
+
+def run_realistic(args, sep_ids) -> None:
+    print(f"\nrealistic layer shape: Qwen3 hidden 2048, 16 heads / 8 KV heads x 128, MLP 6144, V = 151,936, tied "
+          f"embeddings (frozen in the student), fp32, 1 response of {args.prompt} prompt + W tokens, κ = {KAPPA}, "
+          f"all layers aligned, clock = {args.clock}, median of {args.reps} after {args.warmup} warm-up")
+    fits: dict[int, dict[int, dict]] = {}
+    for layers in args.layers:
+        student, teacher = realistic_models(layers)
+        for w in args.windows:
+            block = make_block(1, args.prompt, w, 151_936, sep_ids, args.step_len, 0)
+            ids, am, pos = block
+            am[:, args.prompt:] = 1  # the whole response is real: the window holds exactly W tokens
+            samples: dict[bool, list[dict]] = {False: [], True: []}
+            for rep in range(args.warmup + args.reps):
+                for fsar in (False, True):
+                    model = copy.deepcopy(student)
+                    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5,
+                                            weight_decay=0.01)
+                    out = realistic_step(fsar, model, teacher, opt, ids, am, pos, args.prompt, sep_ids, w)
+                    del model, opt
+                    if rep >= args.warmup:
+                        samples[fsar].append(out)
+            med = {f: {k: statistics.median(x.get(k, 0.0) for x in v) for k in (*REAL_PHASES, "total")}
+                   for f, v in samples.items()}
+            fits.setdefault(w, {})[layers] = med
+            print(f"\nlayers = {layers}, W = {w}:")
+            print(f"{'variant':14s}" + "".join(f"{k:>16s}" for k in (*REAL_PHASES, "total")))
+            for f, name in ((False, "token only"), (True, "FSAR (3 terms)")):
+                print(f"{name:14s}" + "".join(f"{med[f][k]:15.2f}s" for k in (*REAL_PHASES, "total")))
+            print(f"FSAR / token only: replay step {med[True]['total'] / med[False]['total']:.2f}x "
+                  f"(target <= 1.5x)")
+        del student, teacher
+    if len(args.layers) >= 2:
+        lo, hi = sorted(args.layers)[:2]
+        for w, by_layers in fits.items():
+            if lo not in by_layers or hi not in by_layers:
+                continue
+            ext, per_layer = {}, {}
+            for f in (False, True):
+                phases = {}
+                for k in REAL_PHASES:
+                    a, b = by_layers[lo][f][k], by_layers[hi][f][k]
+                    slope = (b - a) / (hi - lo)
+                    per_layer[f, k] = slope
+                    phases[k] = max(a + slope * (28 - lo), 0.0)
+                ext[f] = phases
+            tok, fsar = sum(ext[False].values()), sum(ext[True].values())
+            print(f"W = {w}: extrapolated to 28 layers (per-phase linear fit in layers over {lo} and {hi}): token only "
+                  f"{tok:.1f}s, FSAR {fsar:.1f}s, ratio {fsar / tok:.2f}x (target <= 1.5x); without the balancing "
+                  f"arithmetic (memory-bound on GPU, CPU-bound here) {(fsar - ext[True]['balance']) / tok:.2f}x")
+            print("  seconds per layer, token only | FSAR: " + ", ".join(
+                f"{k} {per_layer[False, k]:.2f} | {per_layer[True, k]:.2f}" for k in REAL_PHASES))
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     # defaults: full run / --quick; an explicit flag always wins over both
@@ -398,7 +540,13 @@ def main(argv=None) -> None:
     ap.add_argument("--breakdown", action="store_true", help="also time forward / per-term backward of one update")
     ap.add_argument("--profile", action="store_true", help="also profile one update of (a), (b) and (c)")
     ap.add_argument("--profile-rows", type=int, default=18)
+    ap.add_argument("--realistic", action="store_true",
+                    help="only the realistic layer shape (hidden 2048, V = 151,936); defaults W 512 1024, layers 2 4")
+    ap.add_argument("--layers", type=int, nargs="+", default=[2, 4], help="layer counts of --realistic")
     args = ap.parse_args(argv)
+    if args.realistic:
+        full = dict(batch=1, prompt=64, response=0, micro_batches=1, windows=[512, 1024], reps=1, warmup=0)
+        quick = dict(full, windows=[256], prompt=32)
     for k, v in (quick if args.quick else full).items():
         if getattr(args, k) is None:
             setattr(args, k, v)
@@ -414,6 +562,9 @@ def main(argv=None) -> None:
     sep_ids = sorted(separator_token_ids(tokenizer))
     if not sep_ids:
         raise ValueError("the tiny tokenizer has no step separator id (blank line or </think>)")
+    if args.realistic:
+        run_realistic(args, sep_ids)
+        return
     student, teacher = load_models(paths, args.teacher_domain)
     block = make_block(args.batch, args.prompt, args.response, student.config.vocab_size, sep_ids, args.step_len, 0)
     print(f"tiny Qwen2 ({student.config.num_hidden_layers} layers, hidden {student.config.hidden_size}, "

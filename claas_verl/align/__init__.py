@@ -15,6 +15,7 @@ from claas_verl.align.regions import (
 )
 from claas_verl.align.sats import PAPER_SATS_LAYERS, default_sats_layers, pooled_rows_loss, sats_loss, sats_rows
 from claas_verl.align.signals import AlignmentSignals, alignment_losses, alignment_signals
+from claas_verl.align.target_store import TeacherTargetStore, target_bytes
 from claas_verl.align.targets import TermValue, to_bf16_target
 from claas_verl.align.value_relation import value_relation_loss, value_relation_rows
 
@@ -33,6 +34,7 @@ __all__ = [
     "CapturedQKV",
     "PooledRows",
     "StepRegions",
+    "TeacherTargetStore",
     "TermValue",
     "alignment_losses",
     "alignment_signals",
@@ -48,6 +50,7 @@ __all__ = [
     "sats_rows",
     "separator_token_ids",
     "step_regions",
+    "target_bytes",
     "to_bf16_target",
     "value_relation_loss",
     "value_relation_rows",

@@ -3,10 +3,16 @@
 Student: call under autograd; the returned rows/states stay in the graph of the same forward whose
 logits feed the token loss. Teacher: call under ``torch.no_grad()`` and keep ``.as_targets()``
 (detached, bf16), which is what the teacher sends to the actor.
+
+A forward that serves the alignment terms only (the MOPD trainer's separate alignment passes and its teacher
+target forward) passes ``logits=False``: the causal-LM head then projects no position (HF ``logits_to_keep``
+with an empty index), so no ``[B, T, V]`` logits tensor is built (about 20 GB in bf16 at 64k tokens and
+V = 151,936); the decoder body, its hidden states and the captured q/k/v are unchanged.
 """
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -52,6 +58,7 @@ def alignment_signals(
     hidden_layers: Iterable[int] | None = None,
     chunk_size: int = DEFAULT_CHUNK,
     recompute: bool = True,
+    logits: bool = True,
     **model_kwargs,
 ):
     """Run ``model`` once and compute the requested signals.
@@ -66,6 +73,9 @@ def alignment_signals(
         recompute: recompute each query chunk of the pooled rows in the backward pass (memory linear in W,
             needed at W=2000 with long prompts); ``False`` keeps the chunks' softmax for the backward, about
             30% faster where the [W, S] attention rows fit in memory.
+        logits: ``False`` keeps no logits (``model_output.logits`` is ``[B, 0, V]``): for forwards whose only
+            consumers are the alignment terms. Needs a causal LM whose forward takes ``logits_to_keep`` (HF
+            Llama/Qwen2/Qwen3/Mistral).
 
     Returns:
         ``(model_output, AlignmentSignals)``.
@@ -82,6 +92,8 @@ def alignment_signals(
     pooled = sorted(set(default_sats_layers(n_layers) if pooled_layers is None else pooled_layers))
     hidden = sorted(set(range(n_layers) if hidden_layers is None else hidden_layers))
     want_pooled = bool(terms & {"sats", "vr"})
+    if not logits:
+        model_kwargs["logits_to_keep"] = _no_positions(model, input_ids.device)
     cap = AttentionCapture(model, pooled if want_pooled else [])
     with cap:
         out = model(
@@ -112,6 +124,16 @@ def alignment_signals(
         for layer in hidden:
             sig.hidden[layer] = window_states(out.hidden_states[layer + 1], regions.window_mask)
     return out, sig
+
+
+def _no_positions(model: nn.Module, device) -> torch.Tensor:
+    """``logits_to_keep`` that selects no position: the LM head runs on ``[B, 0, D]`` and returns ``[B, 0, V]``."""
+    if "logits_to_keep" not in inspect.signature(type(model).forward).parameters:
+        raise ValueError(
+            f"logits=False needs a causal LM whose forward takes logits_to_keep (HF Llama/Qwen2/Qwen3 family); "
+            f"{type(model).__name__} does not: pass logits=True"
+        )
+    return torch.empty(0, dtype=torch.long, device=device)
 
 
 def alignment_losses(

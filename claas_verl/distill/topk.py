@@ -4,21 +4,23 @@ Shapes used throughout: ``B`` responses, ``T`` response positions, ``V`` vocabul
 (κ = 16 in 003). ``mask`` is the ``[B, T]`` response mask of SPEC §0 (1 on generated tokens incl. EOS).
 
 Memory contract: logits arrive as one ``[B, T, V]`` tensor (the model output, any float dtype). Every function
-here works on row chunks of ``chunk_size`` positions, so at most one ``[chunk_size, V]`` fp32 temporary exists at
-a time; the loss wraps each chunk in ``torch.utils.checkpoint`` so the backward recomputes the chunk's
-log-normaliser instead of keeping every chunk's ``[chunk_size, V]`` log-softmax alive.
+here works on row chunks of ``chunk_size`` positions, so at most one ``[chunk_size, V]`` compute-dtype temporary
+(plus its exponent in the backward) exists at a time. The differentiable path (:func:`topk_logprobs`) is one
+autograd node over all chunks: the forward keeps only the ``[N, K]`` result and the ``[N]`` log-normalisers, and
+the backward allocates the ``[N, V]`` logits gradient ONCE and writes each chunk's rows in place, so time and
+memory are linear in the number of positions (checkpointing slices of a flat tensor would allocate a zero
+``[N, V]`` gradient per chunk, quadratic in N; ``benchmarks/bench_topk_chunked.py`` measures it).
 Flattening ``[B, T, V]`` to ``[B·T, V]`` is a view for contiguous logits; a non-contiguous slice (e.g.
 ``logits[:, P-1:-1]`` of a prompt+response forward) is copied once in its own dtype, so slice before upcasting.
 
-All math is fp32 (SPEC §0). Log-probabilities are full-vocabulary values of ``log_softmax(logits / τ)``.
+Precision (SPEC §0, fp32 math): every function computes in ``promote_types(input dtype, float32)`` and returns
+that dtype: bf16/fp16/fp32 inputs give fp32, float64 inputs stay float64 (nothing is downcast). Gradients reach
+the logits in the logits' own dtype. Log-probabilities are full-vocabulary values of ``log_softmax(logits / τ)``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
-from torch.utils.checkpoint import checkpoint
 
 from claas_verl.utils.masked import agg_loss, masked_mean
 
@@ -70,6 +72,21 @@ def _check_mask(mask: torch.Tensor, like: torch.Tensor, name: str = "mask") -> N
         raise ValueError(f"{name} must be [B, T] = {tuple(like.shape[:2])}; got {tuple(mask.shape)}")
 
 
+def compute_dtype(*tensors: torch.Tensor) -> torch.dtype:
+    """``promote_types`` of the inputs' dtypes and float32: the dtype every function of this module computes in."""
+    dtype = torch.float32
+    for t in tensors:
+        if t.is_floating_point():
+            dtype = torch.promote_types(dtype, t.dtype)
+    return dtype
+
+
+def _scaled_chunk(rows: torch.Tensor, dtype: torch.dtype, tau: float) -> torch.Tensor:
+    """A fresh ``rows.to(dtype) / τ`` (one ``[c, V]`` allocation: the division is in place)."""
+    z = rows.to(dtype, copy=True)
+    return z if tau == 1.0 else z.div_(tau)
+
+
 def _row_chunks(n: int, chunk_size: int | None):
     step = n if chunk_size is None else chunk_size
     for start in range(0, n, max(step, 1)):
@@ -94,8 +111,8 @@ def student_topk(
         chunk_size: positions per chunk (``None``: all at once).
 
     Returns:
-        ``ids [B, T, k]`` (int64) and ``logp [B, T, k]`` (fp32), sorted by decreasing log-prob. Padding positions
-        get values too; every consumer masks them.
+        ``ids [B, T, k]`` (int64) and ``logp [B, T, k]`` (``promote_types(logits.dtype, float32)``), sorted by
+        decreasing log-prob. Padding positions get values too; every consumer masks them.
     """
     _check_logits(logits, "logits")
     tau = _check_temperature(temperature)
@@ -103,11 +120,12 @@ def student_topk(
     B, T, V = logits.shape
     if not isinstance(k, int) or not 1 <= k <= V:
         raise ValueError(f"k must be an int in [1, V={V}]; got {k!r}")
+    dtype = compute_dtype(logits)
     flat = logits.reshape(B * T, V)
     ids = torch.empty(B * T, k, dtype=torch.long, device=logits.device)
-    logp = torch.empty(B * T, k, dtype=torch.float32, device=logits.device)
+    logp = torch.empty(B * T, k, dtype=dtype, device=logits.device)
     for s, e in _row_chunks(B * T, chunk_size):
-        z = flat[s:e].float() / tau  # the one [chunk, V] fp32 temporary
+        z = _scaled_chunk(flat[s:e], dtype, tau)  # the one [chunk, V] temporary
         # top-k of z/τ = top-k of log_softmax; computing z[ids] − logsumexp exactly as _gathered_logp does makes
         # S bit-identical to teacher_logprobs_at/topk_logprobs on the same logits (so q = p gives r = 0 exactly).
         top_z, ids[s:e] = torch.topk(z, k, dim=-1)
@@ -130,29 +148,69 @@ def teacher_logprobs_at(
         ids: ``[B, T, K]`` student candidate ids from :func:`student_topk`.
 
     Returns:
-        ``[B, T, K]`` fp32.
+        ``[B, T, K]`` in ``promote_types(logits.dtype, float32)``.
     """
     _check_logits(logits, "teacher logits")
     tau = _check_temperature(temperature)
     _check_chunk(chunk_size)
     _check_topk_pair(ids, logits, "ids", "teacher logits")
-    return _gather_logp_chunked(logits, ids.long(), tau, chunk_size)
-
-
-def _gather_logp_chunked(logits: torch.Tensor, ids: torch.Tensor, tau: float, chunk_size: int | None) -> torch.Tensor:
     B, T, V = logits.shape
     K = ids.shape[-1]
-    flat, flat_ids = logits.reshape(B * T, V), ids.reshape(B * T, K)
-    out = torch.empty(B * T, K, dtype=torch.float32, device=logits.device)
-    for s, e in _row_chunks(B * T, chunk_size):
-        out[s:e] = _gathered_logp(flat[s:e], flat_ids[s:e], tau)
+    out, _ = _gather_logp_rows(logits.reshape(B * T, V), ids.long().reshape(B * T, K), tau, chunk_size)
     return out.view(B, T, K)
 
 
-def _gathered_logp(logits_chunk: torch.Tensor, ids_chunk: torch.Tensor, tau: float) -> torch.Tensor:
-    """``log_softmax(z/τ)[ids]`` = ``z[ids]/τ − logsumexp(z/τ)`` for one ``[c, V]`` chunk, fp32, ``[c, K]``."""
-    z = logits_chunk.float() / tau  # the one [c, V] fp32 temporary of this chunk
-    return torch.gather(z, -1, ids_chunk) - torch.logsumexp(z, dim=-1, keepdim=True)
+def _gather_logp_rows(flat: torch.Tensor, flat_ids: torch.Tensor, tau: float, chunk_size: int | None):
+    """``(log_softmax(z/τ)[ids] [N, K], logsumexp(z/τ) [N])`` of flat ``[N, V]`` logits, chunk by chunk.
+
+    ``z[ids]/τ − logsumexp(z/τ)`` with one ``[chunk, V]`` temporary in ``compute_dtype(flat)``; no autograd.
+    """
+    dtype = compute_dtype(flat)
+    n = flat.shape[0]
+    out = torch.empty(n, flat_ids.shape[-1], dtype=dtype, device=flat.device)
+    lse = torch.empty(n, dtype=dtype, device=flat.device)
+    with torch.no_grad():
+        for s, e in _row_chunks(n, chunk_size):
+            z = _scaled_chunk(flat[s:e], dtype, tau)  # the one [c, V] temporary of this chunk
+            lse_c = torch.logsumexp(z, dim=-1, keepdim=True)
+            out[s:e] = torch.gather(z, -1, flat_ids[s:e]) - lse_c
+            lse[s:e] = lse_c.squeeze(-1)
+            del z
+    return out, lse
+
+
+class _ChunkedTopkLogprobs(torch.autograd.Function):
+    """``log_softmax(z/τ)[ids]`` over flat ``[N, V]`` logits, linear in N in time and memory.
+
+    Forward: :func:`_gather_logp_rows` (keeps ``[N, K]`` and the ``[N]`` logsumexp; the logits are saved by
+    reference, no copy). Backward: with ``g [N, K]`` the upstream gradient and ``p = softmax(z/τ)``,
+    ``∂/∂z = (scatter(g at ids) − p·Σ_k g) / τ``, computed chunk by chunk from the saved logsumexp and written
+    into ONE preallocated ``[N, V]`` gradient in the logits' dtype.
+    """
+
+    @staticmethod
+    def forward(ctx, flat, flat_ids, tau, chunk_size):
+        out, lse = _gather_logp_rows(flat, flat_ids, tau, chunk_size)
+        ctx.save_for_backward(flat, flat_ids, lse)
+        ctx.tau, ctx.chunk_size = tau, chunk_size
+        return out
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_out):
+        flat, flat_ids, lse = ctx.saved_tensors
+        tau, dtype = ctx.tau, lse.dtype
+        grad = torch.empty_like(flat, memory_format=torch.contiguous_format)
+        g_all = grad_out.to(dtype)
+        for s, e in _row_chunks(flat.shape[0], ctx.chunk_size):
+            g = g_all[s:e]
+            z = _scaled_chunk(flat[s:e], dtype, tau)
+            # in place: z -> p = exp(z − lse) -> −p·Σg -> + scatter(g) -> /τ (one [c, V] temporary per chunk)
+            z.sub_(lse[s:e, None]).exp_().mul_(-g.sum(-1, keepdim=True))
+            z.scatter_add_(-1, flat_ids[s:e], g).div_(tau)
+            grad[s:e] = z
+            del z
+        return grad, None, None, None
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -171,7 +229,7 @@ def topk_rewards(student_logp_topk: torch.Tensor, teacher_logp_topk: torch.Tenso
         mask: ``[B, T]`` response mask.
 
     Returns:
-        ``r [B, T, K]`` fp32, exactly 0 on padding.
+        ``r [B, T, K]`` in ``promote_types(S.dtype, Q.dtype, float32)``, exactly 0 on padding.
     """
     S, Q, valid = _checked_topk_pair(student_logp_topk, teacher_logp_topk, mask)
     w = torch.softmax(S, dim=-1)
@@ -182,8 +240,8 @@ def topk_rewards(student_logp_topk: torch.Tensor, teacher_logp_topk: torch.Tenso
 def _checked_topk_pair(
     student_logp_topk: torch.Tensor, teacher_logp_topk: torch.Tensor, mask: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Validate S and Q ``[B, T, K]`` against ``mask``; return them detached in fp32 and the ``[B, T, K]`` valid
-    mask. Raises on shape mismatch or on a non-finite value at a valid position."""
+    """Validate S and Q ``[B, T, K]`` against ``mask``; return them detached in ``compute_dtype(S, Q)`` and the
+    ``[B, T, K]`` valid mask. Raises on shape mismatch or on a non-finite value at a valid position."""
     S, Q = student_logp_topk, teacher_logp_topk
     if S.dim() != 3 or S.shape != Q.shape:
         raise ValueError(
@@ -191,7 +249,8 @@ def _checked_topk_pair(
             f"and {tuple(Q.shape)}"
         )
     _check_mask(mask, S)
-    S, Q = S.detach().float(), Q.detach().float()
+    dtype = compute_dtype(S, Q)
+    S, Q = S.detach().to(dtype), Q.detach().to(dtype)
     valid = mask.bool().unsqueeze(-1).expand_as(S)
     if not (torch.isfinite(S[valid]).all() and torch.isfinite(Q[valid]).all()):
         raise ValueError(
@@ -228,14 +287,14 @@ def topk_binned_kl(
     the full vocabulary, with equality when the top-k hold all of the student's mass. It needs nothing beyond what
     the token channel already has (S and Q, ``[B, T, K]``), and, unlike :func:`topk_weighted_kl` (renormalised
     weights, no tail), it is never negative, which is what a forgetting table wants. This is a claas_verl addition,
-    not a quantity of 003. Returns the 0-d fp32 token-mean over ``mask`` (0 for an empty mask).
+    not a quantity of 003. Returns the 0-d token-mean over ``mask`` in ``compute_dtype(S, Q)`` (0 for an empty mask).
     """
     S, Q, _ = _checked_topk_pair(student_logp_topk, teacher_logp_topk, mask)
     head = (S.exp() * (S - Q)).sum(dim=-1)
     # tail masses from log Σ p, via expm1 for accuracy when the top-k hold nearly everything; rounding can push
     # Σ p a hair above 1, hence the clamps (the teacher's tail is floored so that p̄ > 0 never divides by zero)
     p_tail = (-torch.expm1(torch.logsumexp(S, dim=-1))).clamp(min=0.0)
-    q_tail = (-torch.expm1(torch.logsumexp(Q, dim=-1))).clamp(min=torch.finfo(torch.float32).tiny)
+    q_tail = (-torch.expm1(torch.logsumexp(Q, dim=-1))).clamp(min=torch.finfo(Q.dtype).tiny)
     kl = head + torch.xlogy(p_tail, p_tail) - torch.xlogy(p_tail, q_tail)
     return masked_mean(torch.where(mask.bool(), kl, torch.zeros_like(kl)), mask)
 
@@ -356,15 +415,16 @@ def domain_normalized_advantages(
         group: process group for the reduction (default: world).
 
     Returns:
-        ``A [B, T, K]`` fp32, exactly 0 on padding.
+        ``A [B, T, K]`` in ``promote_types(r.dtype, float32)``, exactly 0 on padding.
     """
     if r.dim() != 3:
         raise ValueError(f"r must be [B, T, K]; got {tuple(r.shape)}")
     _check_mask(mask, r)
     _, sigma = _global_sigma(r, mask, domain_ids, sync, group)
     d = _domain_index(domain_ids, r.shape[0], r.device)
-    scale = sigma[d].to(torch.float32).view(-1, 1, 1)
-    A = r.detach().float() / scale
+    dtype = compute_dtype(r)
+    scale = sigma[d].to(dtype).view(-1, 1, 1)
+    A = r.detach().to(dtype) / scale
     return torch.where(mask.bool().unsqueeze(-1), A, torch.zeros_like(A))
 
 
@@ -375,11 +435,12 @@ def domain_normalized_advantages(
 def topk_logprobs(
     logits: torch.Tensor, ids: torch.Tensor, *, temperature: float = 1.0, chunk_size: int | None = DEFAULT_CHUNK_SIZE
 ) -> torch.Tensor:
-    """Differentiable ``log π_θ(v | ·)`` at the stored ids, ``[B, T, K]`` fp32 (full-vocabulary log_softmax).
+    """Differentiable ``log π_θ(v | ·)`` at the stored ids, ``[B, T, K]`` (full-vocabulary log_softmax).
 
-    Each chunk runs under ``torch.utils.checkpoint`` when ``logits`` needs a gradient: the forward keeps only the
-    ``[chunk, K]`` result, and the backward recomputes the chunk's logsumexp. This is what a verl actor produces as
-    the 3-D ``log_prob`` for :mod:`claas_verl.verl_ext.distill_losses`.
+    Returns ``promote_types(logits.dtype, float32)``. With a gradient, one :class:`_ChunkedTopkLogprobs` node:
+    the forward keeps the ``[N, K]`` result and ``[N]`` logsumexp only; the backward writes each chunk's rows of
+    the single ``[N, V]`` logits gradient in place (linear in N). This is what a verl actor produces as the 3-D
+    ``log_prob`` for :mod:`claas_verl.verl_ext.distill_losses`.
     """
     _check_logits(logits, "logits")
     tau = _check_temperature(temperature)
@@ -388,14 +449,11 @@ def topk_logprobs(
     B, T, V = logits.shape
     K = ids.shape[-1]
     flat, flat_ids = logits.reshape(B * T, V), ids.long().reshape(B * T, K)
-    fn: Callable = _gathered_logp
-    parts = []
-    for s, e in _row_chunks(B * T, chunk_size):
-        if logits.requires_grad and torch.is_grad_enabled():
-            parts.append(checkpoint(fn, flat[s:e], flat_ids[s:e], tau, use_reentrant=False))
-        else:
-            parts.append(fn(flat[s:e], flat_ids[s:e], tau))
-    return torch.cat(parts, dim=0).view(B, T, K)
+    if logits.requires_grad and torch.is_grad_enabled():
+        out = _ChunkedTopkLogprobs.apply(flat, flat_ids, tau, chunk_size)
+    else:
+        out, _ = _gather_logp_rows(flat, flat_ids, tau, chunk_size)
+    return out.view(B, T, K)
 
 
 def topk_distill_loss_from_logprobs(
@@ -424,11 +482,12 @@ def topk_distill_loss_from_logprobs(
             f"{tuple(advantages.shape)}"
         )
     _check_mask(mask, logp_topk)
-    A = advantages.detach().float()
+    dtype = compute_dtype(logp_topk, advantages)
+    A = advantages.detach().to(dtype)
     valid = mask.bool().unsqueeze(-1)
     # NaN·0 would leak through a plain product: zero both factors outside the mask first.
     A = torch.where(valid, A, torch.zeros_like(A))
-    logp = torch.where(valid, logp_topk.float(), torch.zeros_like(logp_topk, dtype=torch.float32))
+    logp = torch.where(valid, logp_topk.to(dtype), torch.zeros_like(logp_topk, dtype=dtype))
     loss_mat = -(A * logp).sum(dim=-1)  # [B, T]:  −Σ_{v∈V_t} A[t,v]·log π_θ(v | x, y_<t)
     return agg_loss(
         loss_mat,
@@ -461,12 +520,13 @@ def topk_distill_loss(
         advantages: ``[B, T, K]`` from :func:`domain_normalized_advantages` (held fixed).
         mask: ``[B, T]`` response mask.
         temperature: τ of the rollout.
-        chunk_size: positions per checkpointed chunk (``None``: one chunk).
+        chunk_size: positions per chunk of the log-prob forward and backward (``None``: one chunk).
         global_tokens, dp_size: token-mean normaliser over the whole global batch and the data-parallel size
             (see :func:`claas_verl.utils.masked.agg_loss`); default: this micro-batch's Σm, 1.
 
     Returns:
-        0-d fp32 loss. Its gradient at θ_old is ``(1/N) Σ_t ∇D_t / (σ_d P_t)`` (B.2.4).
+        0-d loss in ``promote_types(logits.dtype, advantages.dtype, float32)``. Its gradient at θ_old is
+        ``(1/N) Σ_t ∇D_t / (σ_d P_t)`` (B.2.4).
     """
     logp = topk_logprobs(logits, ids, temperature=temperature, chunk_size=chunk_size)
     return topk_distill_loss_from_logprobs(

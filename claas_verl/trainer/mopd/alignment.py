@@ -43,6 +43,9 @@ class AuxConfig:
             loss only (SPEC B.8, 003 §5); ``aux_kinds: [replay, recovery]`` is an explicit deviation.
         combine: ``"fsar"`` (eq. 10 then eq. 9) or ``"1:1:1"`` (003 Table 4: ``g_tok + ‖g_tok‖ĝ_SATS +
             ‖g_tok‖ĝ_other``, with SATS and exactly one of VR / hidden).
+        target_budget_gib: host RAM per rank for the teacher's alignment targets of a step
+            (``mopd.signal.target_budget_gib``); micro-batches beyond it are streamed
+            (:class:`claas_verl.align.target_store.TeacherTargetStore`).
     """
 
     terms: tuple[str, ...] = ()
@@ -53,6 +56,7 @@ class AuxConfig:
     drop_trailing: bool = False
     kinds: tuple[str, ...] = ("replay",)
     combine: str = "fsar"
+    target_budget_gib: float = 16.0
 
     @property
     def enabled(self) -> bool:
@@ -66,13 +70,15 @@ class AuxConfig:
             "terms": list(self.terms), "ratio": self.ratio, "rho": self.rho, "window": self.window,
             "layers": None if self.layers is None else list(self.layers), "drop_trailing": self.drop_trailing,
             "kinds": list(self.kinds), "combine": self.combine,
+            "target_budget_gib": self.target_budget_gib,
         }
 
     @classmethod
     def from_dict(cls, d: Mapping) -> AuxConfig:
         """Inverse of :meth:`to_dict` (how the config travels to the workers as non-tensor batch data)."""
         signal = {t: t in d["terms"] for t in SIGNAL_TERMS}
-        signal.update({k: d[k] for k in ("ratio", "rho", "window", "layers", "drop_trailing", "combine")})
+        signal.update({k: d[k] for k in ("ratio", "rho", "window", "layers", "drop_trailing", "combine",
+                                             "target_budget_gib")})
         signal["aux_kinds"] = d["kinds"]
         return aux_config(signal)
 
@@ -112,8 +118,11 @@ def aux_config(signal: Mapping | None) -> AuxConfig:
     if combine == "1:1:1" and (terms[:1] != ("sats",) or len(terms) != 2):
         raise ValueError("mopd.signal.combine='1:1:1' (003 Table 4) needs sats=true and exactly one of vr / hidden; "
                          f"got terms {list(terms)}")
+    budget = float(signal.get("target_budget_gib", AuxConfig.target_budget_gib))
+    if not (math.isfinite(budget) and budget >= 0):
+        raise ValueError(f"mopd.signal.target_budget_gib must be a finite number >= 0 (GiB per rank), got {budget}")
     return AuxConfig(terms, ratio, rho, window, layers, bool(signal.get("drop_trailing", False)), kinds,
-                     combine)
+                     combine, budget)
 
 
 def check_layers(cfg: AuxConfig, num_layers: int) -> list[int]:

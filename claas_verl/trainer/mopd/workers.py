@@ -30,10 +30,12 @@ from verl.workers.engine_workers import ActorRolloutRefWorker, TrainingWorker
 from claas_verl.align import (
     AlignmentSignals,
     PooledRows,
+    TeacherTargetStore,
     alignment_losses,
     alignment_signals,
     attention_modules,
     microbatch_weights,
+    target_bytes,
 )
 from claas_verl.align.balance import HostBalancer
 from claas_verl.trainer.mopd import alignment as A
@@ -134,14 +136,14 @@ class MOPDTrainingWorker(TrainingWorker):
     def _alignment_pass(module, term, micro, weights, targets, layers, device, autocast) -> float:
         """One forward + backward per micro-batch of one alignment term; its gradient accumulates in ``.grad``."""
         total = 0.0
-        for i, (mb, w, tgt) in enumerate(zip(micro, weights, targets)):
+        for i, (mb, w) in enumerate(zip(micro, weights)):
             mb = mb.to(device)
             with autocast:
                 _, sig = alignment_signals(
                     module, mb.input_ids, mb.attention_mask, mb.regions, position_ids=mb.position_ids,
-                    terms=[term], pooled_layers=layers, hidden_layers=layers, use_cache=False,
+                    terms=[term], pooled_layers=layers, hidden_layers=layers, use_cache=False, logits=False,
                 )
-                value = alignment_losses(sig, _targets_to(tgt, device), mb.regions)[term]
+                value = alignment_losses(sig, _targets_to(targets.get(i, term), device), mb.regions)[term]
             loss = value.loss * w
             if not loss.requires_grad:
                 raise ValueError(
@@ -392,24 +394,38 @@ class MOPDWorker(ActorRolloutRefWorker):
         return output.cpu() if output is not None else None
 
     def _teacher_targets(self, teacher: TrainingWorker, data, cfg: A.AuxConfig, groups: list[list[int]]) -> dict:
-        """SPEC B.3-B.5 teacher side: one no-grad forward per micro-batch of the update's partition ``groups``
-        (under the teacher engine's autocast, like its log-prob forward) -> detached bf16 targets (on CPU)."""
+        """SPEC B.3-B.5 teacher side: detached bf16 host targets per micro-batch of the update's partition
+        ``groups``, bounded in host RAM.
+
+        The micro-batches whose targets fit in ``cfg.target_budget_gib`` are computed now (one no-grad forward each,
+        under the teacher engine's autocast like its log-prob forward, no logits) and kept; the others are streamed
+        by the student's passes (:class:`TeacherTargetStore`).
+        """
         micro = _micro_batches(data, groups)
         module = teacher.engine.module
         layers = A.check_layers(cfg, len(attention_modules(module)))
-        targets = []
-        with teacher.engine.eval_mode(), torch.no_grad():
-            device = _param_device(list(module.parameters()))
-            autocast = engine_autocast(teacher.engine, device)
-            for mb in micro:
-                mb = mb.to(device)
-                with autocast:
-                    _, sig = alignment_signals(
-                        module, mb.input_ids, mb.attention_mask, mb.regions, position_ids=mb.position_ids,
-                        terms=cfg.terms, pooled_layers=layers, hidden_layers=layers, use_cache=False,
-                    )
-                targets.append(_targets_to(sig.as_targets(), "cpu"))
-        return {"fingerprint": A.batch_fingerprint(_sequences(data)), "groups": groups, "targets": targets}
+        device = _param_device(list(module.parameters()))
+        autocast = engine_autocast(teacher.engine, device)
+        mcfg = module.config
+
+        def produce(i: int, terms: tuple[str, ...]) -> AlignmentSignals:
+            with teacher.engine.eval_mode(), torch.no_grad(), autocast:
+                mb = micro[i].to(device)
+                _, sig = alignment_signals(
+                    module, mb.input_ids, mb.attention_mask, mb.regions, position_ids=mb.position_ids,
+                    terms=terms, pooled_layers=layers, hidden_layers=layers, use_cache=False, logits=False,
+                )
+                return _targets_to(sig.as_targets(), "cpu")
+
+        sizes = [
+            target_bytes(mb.regions, mb.attention_mask, cfg.terms, pooled_layers=len(layers),
+                         hidden_layers=len(layers), num_heads=mcfg.num_attention_heads,
+                         num_kv_heads=getattr(mcfg, "num_key_value_heads", None) or mcfg.num_attention_heads,
+                         hidden_size=mcfg.hidden_size)
+            for mb in micro
+        ]
+        store = TeacherTargetStore(produce, sizes, cfg.terms, int(cfg.target_budget_gib * 2**30), device=device)
+        return {"fingerprint": A.batch_fingerprint(_sequences(data)), "groups": groups, "targets": store.fill()}
 
     def _update_partition(self) -> dict:
         """The actor's micro-batch settings, as ``TrainingWorker.train_batch`` hands them to its engine."""
