@@ -31,8 +31,12 @@ install: $(STAMP)
 lint: install
 	$(VENV)/bin/ruff check claas_verl tests benchmarks examples
 
+# TEST_VLLM=1: also run the real-vLLM tests (make test-vllm: +~5 min install once, ~2.5 min of tests on 2 cores).
+TEST_VLLM ?= 0
+
 test: lint
 	$(PY) -m pytest -q
+	$(if $(filter 1,$(TEST_VLLM)),$(MAKE) test-vllm)
 
 demo: install
 	$(RUN) $(PY) examples/run_mopd_demo.py
