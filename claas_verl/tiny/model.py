@@ -1,6 +1,6 @@
 """The tiny Qwen2 student and its per-domain experts.
 
-Student: a ``Qwen2ForCausalLM`` (hidden 64, 4 layers, 4 heads, 2 KV heads, tied embeddings,
+Student: a ``Qwen2ForCausalLM`` (hidden 64, 4 layers, 2 heads of size 32, 1 KV head, tied embeddings,
 float32), about 0.2 M parameters, seeded with ``torch.manual_seed`` and then briefly pretrained
 (:func:`train_lm`, see ``build.PRETRAIN``) on the bundle's own chat corpus, so its next-token
 distributions are peaked (top-4 mass ~0.8-0.95 on sampled answers) rather than near-uniform.
@@ -34,8 +34,11 @@ TINY_ARCH = dict(
     hidden_size=64,
     intermediate_size=128,
     num_hidden_layers=4,
-    num_attention_heads=4,
-    num_key_value_heads=2,
+    # Head size 32 (2 heads of 64/2): vLLM's CPU attention kernels need head_dim >= 32 (16 is refused), and the
+    # vLLM tests serve this student. One KV head keeps grouped-query attention and the parameter count of v2
+    # (k/v projections stay 64 -> 32).
+    num_attention_heads=2,
+    num_key_value_heads=1,
     max_position_embeddings=2048,
     tie_word_embeddings=True,
     rope_theta=10000.0,

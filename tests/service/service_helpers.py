@@ -31,8 +31,9 @@ def running_service(backend, sink, grader=None, **config):
 
 
 @torch.no_grad()
-def recompute_logprob(model, prompt_ids, response_ids) -> float:
-    """Σ_j log_softmax(logits/1)[y_j] from ONE full forward pass over prompt+response (no KV cache), in fp64 sum."""
+def recompute_token_logprobs(model, prompt_ids, response_ids) -> list[float]:
+    """log_softmax(logits/1)[y_j] of every response token from ONE full forward pass over prompt+response (no KV
+    cache)."""
     prompt_ids = [int(t) for t in prompt_ids]
     response_ids = [int(t) for t in response_ids]
     ids = torch.tensor([prompt_ids + response_ids])
@@ -40,4 +41,9 @@ def recompute_logprob(model, prompt_ids, response_ids) -> float:
     # logits at position i predict token i+1: the response tokens are predicted by positions len(prompt)-1 .. -2.
     pred = logits[len(prompt_ids) - 1 : -1]
     logp = torch.log_softmax(pred, dim=-1).gather(-1, torch.tensor(response_ids)[:, None]).squeeze(-1)
-    return float(logp.double().sum())
+    return [float(x) for x in logp]
+
+
+def recompute_logprob(model, prompt_ids, response_ids) -> float:
+    """Σ_j log_softmax(logits/1)[y_j] (see :func:`recompute_token_logprobs`), summed in fp64."""
+    return float(torch.tensor(recompute_token_logprobs(model, prompt_ids, response_ids), dtype=torch.float64).sum())

