@@ -10,6 +10,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable
 from typing import Any
 
 from claas_verl.replay.packed import wire_format
@@ -43,10 +44,16 @@ class LocalBufferSink:
 
 
 class ActorSink:
-    """Fire-and-forget writes to a ``ReplayBufferActor`` handle (anything with ``add.remote(entries)``)."""
+    """Fire-and-forget writes to a ``ReplayBufferActor`` handle (anything with ``add.remote(entries)``).
 
-    def __init__(self, handle):
+    ``on_accepted(entries, n_accepted)`` is called (on Ray's callback thread) after each write the buffer answered,
+    with the number it accepted: a training job feeds the REINFORCE++ EMA baseline from it, so that only rewards the
+    buffer took count (SPEC A.3.1). The chat service submits one entry per call, so ``n_accepted`` is 0 or 1.
+    """
+
+    def __init__(self, handle, on_accepted: Callable[[list, int], None] | None = None):
         self.handle = handle
+        self.on_accepted = on_accepted
         self._lock = threading.Lock()
         self._done = threading.Condition(self._lock)
         self._in_flight = 0
@@ -61,12 +68,22 @@ class ActorSink:
         n = len(entries)
 
         def on_done(fut) -> None:
+            accepted = None
             with self._lock:
                 try:
-                    self._counts["accepted"] += int(fut.result())
+                    accepted = int(fut.result())
+                    self._counts["accepted"] += accepted
                 except Exception as exc:  # actor died / entry refused: counted, never raised into the chat path
                     self._counts["errors"] += n
                     self.last_error = repr(exc)
+            if accepted and self.on_accepted is not None:
+                try:
+                    self.on_accepted(entries, accepted)
+                except Exception as exc:  # noqa: BLE001 - a callback bug must not wedge flush(); it is recorded
+                    with self._lock:
+                        self._counts["callback_errors"] += 1
+                        self.last_error = repr(exc)
+            with self._lock:
                 self._in_flight -= 1
                 self._done.notify_all()
 
@@ -86,7 +103,8 @@ class ActorSink:
     def stats(self) -> dict:
         with self._lock:
             return {"submitted": self._counts["submitted"], "accepted": self._counts["accepted"],
-                    "errors": self._counts["errors"], "in_flight": self._in_flight}
+                    "errors": self._counts["errors"], "in_flight": self._in_flight,
+                    "callback_errors": self._counts["callback_errors"]}
 
 
 def make_sink(target: Any):
