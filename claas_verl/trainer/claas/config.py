@@ -63,8 +63,11 @@ class ProducerConfig:
     max_concurrent_scenarios: int = 4
     max_new_tokens: int = 256
     enabled: bool = True  # false: no scenario stream; the chat API (claas.service) is the only source of entries
+    max_retries: int = 2  # a failed/aborted generate or a failed grading call is retried this often, then dropped
 
     def __post_init__(self):
+        if not isinstance(self.max_retries, int) or self.max_retries < 0:
+            raise ValueError(f"claas.producer.max_retries must be an int >= 0, got {self.max_retries!r}")
         if self.max_concurrent_scenarios < 1:
             raise ValueError(
                 f"claas.producer.max_concurrent_scenarios must be >= 1, got {self.max_concurrent_scenarios}"

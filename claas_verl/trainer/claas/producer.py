@@ -98,6 +98,11 @@ class ProducerStats:
     generate_s: float = 0.0
     prompt_too_long: int = 0
     rollout_wall_s: float = 0.0  # wall time spent with a split's rollouts in flight
+    aborted: int = 0  # generations the server aborted (e.g. cut by a weight update); the turn is re-generated
+    retries: int = 0  # generate / grade calls retried after an error or an abort
+    empty_replies: int = 0  # the server returned no token (not an abort): the scenario ends there, counted
+    dropped_scenarios: int = 0  # scenarios dropped after max_retries failed attempts of one call
+    last_drop_cause: str | None = None
     versions: list = field(default_factory=list)
 
     def as_dict(self) -> dict:
@@ -114,7 +119,19 @@ class ProducerStats:
             "prompt_too_long": self.prompt_too_long,
             "rollout_wall_s": self.rollout_wall_s,
             "tokens_per_s": self.generated_tokens / self.rollout_wall_s if self.rollout_wall_s else float("nan"),
+            "aborted": self.aborted,
+            "retries": self.retries,
+            "empty_replies": self.empty_replies,
+            "dropped_scenarios": self.dropped_scenarios,
+            "last_drop_cause": self.last_drop_cause,
         }
+
+
+class ScenarioDropped(RuntimeError):
+    """One call of a scenario failed ``max_retries + 1`` times: the scenario is dropped (counted), the run goes on."""
+
+
+_ABORTED = ("abort", "aborted")
 
 
 class ChatRenderer:
@@ -148,11 +165,14 @@ class RolloutProducer:
         sdpo_reprompt: SDPO only: ``{"reprompt_success": bool}``; each graded step also gets the token ids of its
             teacher context x' (the last user turn re-prompted with the verifier feedback, SPEC A.3.3), stored
             in the entry's ``metadata["teacher_prompt_ids"]``.
+        max_retries: a generate call that raises or comes back aborted, or a grading call that raises, is retried
+            this many times; then the scenario is dropped and counted (``dropped_scenarios``).
     """
 
     def __init__(self, generate: GenerateFn, renderer: ChatRenderer, replay: Any, *, max_new_tokens: int,
                  max_concurrent: int = 4, max_prompt_tokens: int | None = None, ema_stats=None,
-                 ema_lock: threading.Lock | None = None, icl_memory=None, sdpo_reprompt: dict | None = None):
+                 ema_lock: threading.Lock | None = None, icl_memory=None, sdpo_reprompt: dict | None = None,
+                 max_retries: int = 2):
         self.generate = generate
         self.renderer = renderer
         self.replay = replay
@@ -163,7 +183,40 @@ class RolloutProducer:
         self.ema_lock = ema_lock or threading.Lock()
         self.icl_memory = icl_memory
         self.sdpo_reprompt = sdpo_reprompt
+        if max_retries < 0:
+            raise ValueError(f"max_retries must be >= 0, got {max_retries}")
+        self.max_retries = int(max_retries)
         self.stats = ProducerStats()
+
+    async def _generate_complete(self, session: str, prompt_ids: list, sampling: dict):
+        """One complete generation: an aborted one (finish reason ``abort``: cut by a weight update) or a raised
+        call is retried from the same prompt under the then-served policy; ``ScenarioDropped`` after the bound."""
+        cause = None
+        for attempt in range(self.max_retries + 1):
+            if attempt:
+                self.stats.retries += 1
+            try:
+                out = await self.generate(session, prompt_ids, dict(sampling))
+            except Exception as exc:  # noqa: BLE001 - a replica error: retried, then the scenario is dropped
+                cause = f"generate raised {exc!r}"
+                continue
+            if str(getattr(out, "stop_reason", "") or "") in _ABORTED:
+                self.stats.aborted += 1  # never recorded: its tokens are not one complete draw from one policy
+                cause = "generation aborted by the server"
+                continue
+            return out
+        raise ScenarioDropped(f"{cause} ({self.max_retries + 1} attempts)")
+
+    async def _grade(self, scenario: Scenario, text: str, turn: int, think_open: bool) -> Grade:
+        cause = None
+        for attempt in range(self.max_retries + 1):
+            if attempt:
+                self.stats.retries += 1
+            try:
+                return await asyncio.to_thread(scenario.grade, text, turn, think_open)
+            except Exception as exc:  # noqa: BLE001 - the grading call itself failed (not a grader verdict)
+                cause = f"grading raised {exc!r}"
+        raise ScenarioDropped(f"{cause} ({self.max_retries + 1} attempts)")
 
     # ------------------------------------------------------------------ one scenario
     async def run_scenario(self, scenario: Scenario, scenario_index: int, sampling: dict,
@@ -182,11 +235,12 @@ class RolloutProducer:
                 self.stats.prompt_too_long += 1
                 break
             t0 = time.perf_counter()
-            out = await self.generate(session, prompt_ids, dict(sampling))
+            out = await self._generate_complete(session, prompt_ids, sampling)
             latency = time.perf_counter() - t0
             token_ids = [int(t) for t in out.token_ids]
             if not token_ids:
-                break  # the server returned nothing (aborted request): no step to grade or train on
+                self.stats.empty_replies += 1  # no token: no step to grade or train on; the scenario ends, counted
+                break
             logps = out.log_probs
             if logps is None or len(logps) != len(token_ids):
                 raise RuntimeError(
@@ -194,7 +248,7 @@ class RolloutProducer:
                     "behaviour log-prob of every sampled token (sampling_params['logprobs']=True)"
                 )
             text = self.renderer.decode(token_ids)
-            grade = await asyncio.to_thread(scenario.grade, text, turn, think_open)
+            grade = await self._grade(scenario, text, turn, think_open)
             extra = getattr(out, "extra_fields", None) or {}
             version = extra.get("global_steps")
             records.append(StepRecord(
@@ -240,7 +294,12 @@ class RolloutProducer:
     async def _produce_one(self, scenario: Scenario, index: int, sem: asyncio.Semaphore) -> None:
         async with sem:
             sampling = {**TRAIN_SAMPLING, "logprobs": True, "max_tokens": self.max_new_tokens}
-            records = await self.run_scenario(scenario, index, sampling, learn_icl=True)
+            try:
+                records = await self.run_scenario(scenario, index, sampling, learn_icl=True)
+            except ScenarioDropped as exc:
+                self.stats.dropped_scenarios += 1
+                self.stats.last_drop_cause = str(exc)
+                return
         self.stats.scenarios += 1
         self.stats.steps += len(records)
         entries = []
@@ -282,7 +341,10 @@ class RolloutProducer:
 
         async def one(s: Scenario, i: int) -> list[StepRecord]:
             async with sem:
-                return await self.run_scenario(s, i, sampling, learn_icl=False)
+                try:
+                    return await self.run_scenario(s, i, sampling, learn_icl=False)
+                except ScenarioDropped:
+                    return []  # no graded step: the cell averages the scenarios that could be played
 
         runs = await asyncio.gather(*[one(s, i) for i, s in enumerate(scenarios) for _ in range(n_samples)])
         rewards = [r.grade.reward for recs in runs for r in recs]

@@ -303,6 +303,7 @@ class ClaasTrainer(PPOTrainer):
         self.producer = RolloutProducer(
             generate, ChatRenderer(tokenizer), self.replay if c.trains else None,
             max_new_tokens=c.producer.max_new_tokens, max_concurrent=c.producer.max_concurrent_scenarios,
+            max_retries=c.producer.max_retries,
             max_prompt_tokens=max_prompt, ema_stats=self._ema_live, ema_lock=self._ema_lock,
             icl_memory=self.icl_memory,
             sdpo_reprompt={"reprompt_success": c.sdpo.reprompt_success} if c.algorithm == "sdpo" else None,
@@ -338,6 +339,9 @@ class ClaasTrainer(PPOTrainer):
             if not self.claas.producer.enabled:
                 return self._wait_service_ready()
             while self._split_future is not None:
+                if self._split_future.done() and self._split_future.exception() is not None:
+                    # dead producers fail the run at once, with their cause, never training on without them
+                    raise RuntimeError("the rollout producers died") from self._split_future.exception()
                 if self.claas.trains:
                     ref = self.replay.wait_ready.remote()
                     ready = ref.future()
