@@ -27,7 +27,10 @@ def test_sizes_and_keys_are_validated():
     with pytest.raises(ValueError, match=r"claas.stream: unknown key\(s\) \['splits'\]"):
         ClaasConfig.from_config({"stream": {"splits": 3}})
     with pytest.raises(ValueError, match="entry_unit"):
-        ClaasConfig.from_config({"entry_unit": "scenario"})
+        ClaasConfig.from_config({"entry_unit": "turn"})
+    with pytest.raises(ValueError, match="entry_unit=scenario with claas.algorithm=sdpo"):
+        ClaasConfig.from_config({"entry_unit": "scenario", "algorithm": "sdpo"})
+    assert ClaasConfig.from_config({"entry_unit": "scenario"}).entry_unit == "scenario"
     with pytest.raises(ValueError, match="claas.algorithm"):
         ClaasConfig.from_config({"algorithm": "grpo"})
 

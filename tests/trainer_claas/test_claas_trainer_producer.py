@@ -230,3 +230,21 @@ def test_an_empty_reply_ends_the_scenario_and_is_counted():
     prod, buf, _ = _flaky_producer(["", "unused"])
     asyncio.run(prod.run_split([scenario(0)]))
     assert prod.stats.empty_replies == 1 and len(buf) == 0
+
+
+def test_scenario_mode_inserts_one_concatenable_scenario_entry_with_min_reward():
+    from claas_verl.replay import ScenarioEntry
+    from claas_verl.trainer.claas.tq_fields import scenario_sequence
+
+    buf = ReplayBuffer(b_max=10, b_min=1, a_max=5, entry_unit="scenario")
+    ema = EmaRewardStats()
+    prod, server = make_producer(["ok", "xx!", "fine", "CRASH"], buf, ema_stats=ema, ema_lock=threading.Lock(),
+                                 entry_unit="scenario")
+    asyncio.run(prod.run_split([scenario(0), scenario(1)]))
+    (entry,) = buf.entries()  # scenario 1 had a None step: dropped whole (SPEC A.1.5)
+    assert isinstance(entry, ScenarioEntry) and entry.reward == 0.0 and [s.reward for s in entry.steps] == [1.0, 0.0]
+    # turn 1's prompt is turn 0's prompt + the sampled reply ids + the observation: one replayable sequence
+    prompt, response, mask, behaviour = scenario_sequence(entry)
+    assert server.calls[1][0] == [int(t) for t in entry.steps[1].prompt_ids]
+    assert sum(mask) == entry.n_tokens and math.isclose(sum(behaviour), -2.5)
+    assert ema.count == 1 and prod.stats.none_rewards == 1

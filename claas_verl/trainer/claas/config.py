@@ -189,8 +189,10 @@ class ClaasConfig:
     """Validated ``claas:`` recipe block.
 
     ``algorithm``: ``reinforce_pp`` | ``ppo`` | ``sdpo`` | ``icl`` (``icl`` never updates parameters).
-    ``m``/``b_min``/``b_max``/``a_max``: SPEC A.1 sizes. ``entry_unit``: only ``"step"`` is produced
-    by this trainer (SPEC A.1.5 default). ``max_updates``: optional cap on optimizer steps (None: run
+    ``m``/``b_min``/``b_max``/``a_max``: SPEC A.1 sizes (counted in entries of ``entry_unit``). ``entry_unit``:
+    ``"step"`` (SPEC A.1.5 default) or ``"scenario"`` (one entry per scenario, trained as one multi-turn sequence
+    with the scenario reward ``min_t r_t``; REINFORCE++ / PPO, producer-driven).
+    ``max_updates``: optional cap on optimizer steps (None: run
     the whole split protocol). ``trace``: write ``claas_trace.jsonl`` (one line per update) next to
     the checkpoints. ``probe_served_policy``: after each weight push, read back a fingerprint of the
     weights the rollout server serves (CPU ``hf`` rollout only; used by tests).
@@ -218,11 +220,14 @@ class ClaasConfig:
     def __post_init__(self):
         if self.algorithm not in ALGORITHMS:
             raise ValueError(f"claas.algorithm must be one of {ALGORITHMS}, got {self.algorithm!r}")
-        if self.entry_unit != "step":
-            raise ValueError(
-                f"claas.entry_unit={self.entry_unit!r}: this trainer produces per-step entries only "
-                "(SPEC A.1.5 default); use entry_unit=step"
-            )
+        if self.entry_unit not in ("step", "scenario"):
+            raise ValueError(f"claas.entry_unit must be 'step' or 'scenario' (SPEC A.1.5), got {self.entry_unit!r}")
+        if self.entry_unit == "scenario" and self.algorithm in ("sdpo", "icl"):
+            raise ValueError(f"claas.entry_unit=scenario with claas.algorithm={self.algorithm}: SDPO and ICL work per "
+                             "step (one feedback / teacher context per step); use entry_unit=step")
+        if self.entry_unit == "scenario" and self.service.enabled:
+            raise ValueError("claas.entry_unit=scenario with claas.service.enabled: the chat API records one entry per "
+                             "turn; use entry_unit=step")
         if self.a_max < 0:
             raise ValueError(f"claas.a_max must be >= 0, got {self.a_max}")
         if self.max_updates is not None and self.max_updates < 1:

@@ -266,7 +266,7 @@ class ClaasTrainer(PPOTrainer):
         self.env = make_environment(c.env.name, **c.env.kwargs)
         self.stream = self.env.stream(seed=c.stream.seed, num_splits=c.stream.num_splits,
                                       split_size=c.stream.split_size)
-        per_split = min(self.stream.max_entries_per_split("step"))
+        per_split = min(self.stream.max_entries_per_split(c.entry_unit))
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             validate_replay_sizes(c.m, c.b_min, c.b_max, expected_entries_per_split=per_split)
@@ -276,7 +276,8 @@ class ClaasTrainer(PPOTrainer):
             logger.warning(msg)
             warnings.warn(msg, UserWarning, stacklevel=2)
 
-        self.replay = make_replay_actor(c.b_max, c.b_min, c.a_max, seed=c.seed, max_restarts=0)
+        self.replay = make_replay_actor(c.b_max, c.b_min, c.a_max, seed=c.seed, entry_unit=c.entry_unit,
+                                        max_restarts=0)
         self.replay_buffer.bind(self.replay, data_source=f"claas/{c.env.name}", sdpo=c.algorithm == "sdpo")
 
         self._ema_lock = threading.Lock()
@@ -303,7 +304,7 @@ class ClaasTrainer(PPOTrainer):
         self.producer = RolloutProducer(
             generate, ChatRenderer(tokenizer), self.replay if c.trains else None,
             max_new_tokens=c.producer.max_new_tokens, max_concurrent=c.producer.max_concurrent_scenarios,
-            max_retries=c.producer.max_retries,
+            max_retries=c.producer.max_retries, entry_unit=c.entry_unit,
             max_prompt_tokens=max_prompt, ema_stats=self._ema_live, ema_lock=self._ema_lock,
             icl_memory=self.icl_memory,
             sdpo_reprompt={"reprompt_success": c.sdpo.reprompt_success} if c.algorithm == "sdpo" else None,
