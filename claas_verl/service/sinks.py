@@ -54,6 +54,7 @@ class ActorSink:
     def __init__(self, handle, on_accepted: Callable[[list, int], None] | None = None):
         self.handle = handle
         self.on_accepted = on_accepted
+        self.callback_errors = 0  # on_accepted raised (last_error holds the latest)
         self._lock = threading.Lock()
         self._done = threading.Condition(self._lock)
         self._in_flight = 0
@@ -81,7 +82,7 @@ class ActorSink:
                     self.on_accepted(entries, accepted)
                 except Exception as exc:  # noqa: BLE001 - a callback bug must not wedge flush(); it is recorded
                     with self._lock:
-                        self._counts["callback_errors"] += 1
+                        self.callback_errors += 1
                         self.last_error = repr(exc)
             with self._lock:
                 self._in_flight -= 1
@@ -103,8 +104,7 @@ class ActorSink:
     def stats(self) -> dict:
         with self._lock:
             return {"submitted": self._counts["submitted"], "accepted": self._counts["accepted"],
-                    "errors": self._counts["errors"], "in_flight": self._in_flight,
-                    "callback_errors": self._counts["callback_errors"]}
+                    "errors": self._counts["errors"], "in_flight": self._in_flight}
 
 
 def make_sink(target: Any):
