@@ -3,7 +3,7 @@
 Starts ``python -m claas_verl.main_claas --config-name claas/tiny_service`` (the rollout server, the chat API and
 the trainer in one Ray job, CPU), then runs ``--clients`` concurrent ``openai.AsyncOpenAI`` clients for
 ``--duration-s`` seconds. Each client loops: chat (every 4th one streamed) -> ``POST /v1/feedback`` with a 0/1
-reward (every 20th feedback is ``null``: a grader error, dropped by SPEC A.1.4). It prints
+reward (every 5th feedback is ``null``: a grader error, dropped by SPEC A.1.4). It prints
 
 - throughput (completed chat+feedback turns per second) and chat / feedback latency p50 / p99;
 - the updates done and the policy versions that served the turns;
@@ -60,7 +60,7 @@ async def agent(idx: int, client, http, stop_at: float, out: dict) -> None:
         out["versions"][claas["policy_version"]] += 1
         out["record"][claas["record"]] += 1
         out["request_ids"].append(claas["request_id"])
-        reward = None if n % 20 == 19 else rng.randint(0, 1)
+        reward = None if n % 5 == 4 else rng.randint(0, 1)
         t1 = time.perf_counter()
         r = await http.post("/v1/feedback", json={"request_id": claas["request_id"], "reward": reward})
         out["feedback_s"].append(time.perf_counter() - t1)
