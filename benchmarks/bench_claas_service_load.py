@@ -112,6 +112,9 @@ def main() -> None:
         print(f"loop up after {time.monotonic() - t_start:.0f}s at {info['base_url']}; "
               f"{args.clients} clients for {args.duration_s:.0f}s", flush=True)
         res = asyncio.run(drive(info, args.clients, args.duration_s))
+        if proc.poll() is not None:  # e.g. the node ran out of memory: say so instead of a connection error
+            sys.exit(f"the job died during the run (exit {proc.returncode}); log: {tmp / 'job.log'}; "
+                     f"client side before that: {len(res['feedback_s'])} turns, errors {dict(res['chat_errors'])}")
         auth = {"Authorization": f"Bearer {KEY}"}
         deadline = time.monotonic() + 60
         while True:  # the sink's writes in flight land in the buffer
