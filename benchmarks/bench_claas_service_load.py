@@ -152,7 +152,8 @@ def main() -> None:
     print(f"accounting: buffer inserted {buf['inserted']} = feedback completed {completed} - drops {drops} "
           f"-> {completed - sum(drops.values())}")
     lost = sum(v for k, v in res["feedback"].items() if k.startswith("lost_"))
-    ok = (buf["inserted"] == completed - sum(drops.values()) and completed <= turns["completed"] <= completed + lost
+    ok = (buf["inserted"] == turns["completed"] - sum(drops.values())
+          and completed <= turns["completed"] <= completed + lost
           and buf["dropped_duplicate"] == 0 and len(set(res["request_ids"])) == len(res["request_ids"])
           and turns["dropped"]["reward_none"] == res["feedback"]["dropped"])
     print("nothing lost or recorded twice:", "OK" if ok else "MISMATCH", f"(run dir {tmp})")
