@@ -38,7 +38,7 @@ setup(
         "pyseccomp>=0.1.2",
     ],
     extras_require={
-        "test": ["pytest>=8", "hypothesis>=6", "ruff==0.14.*"],
+        "test": ["pytest>=8", "hypothesis>=6", "ruff==0.14.*", "openai>=1.40"],
         "wandb": ["wandb"],
         # GPU machines only: vllm brings its own CUDA torch; flash-attn builds from source.
         "gpu": ["vllm>=0.11", "flash-attn>=2.7"],

@@ -60,9 +60,12 @@ def main() -> None:
     ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False)
     actor = make_replay_actor(b_max=64, b_min=4, a_max=2, seed=0, max_restarts=0)
     backend = HFBackend(tiny.student, default_max_tokens=args.max_tokens, seed=0)
-    service = ChatService(backend, actor, grader=grader, config=ServiceConfig(grade_inline=True))
+    adapters = tempfile.mkdtemp(prefix="claas_adapters_")  # the only directory adapters may be loaded from
+    admin = "example-admin-key"  # adapter loads over HTTP need the admin key
+    service = ChatService(backend, actor, grader=grader,
+                          config=ServiceConfig(grade_inline=True, admin_key=admin, adapter_root=adapters))
 
-    with ServiceThread(build_app(service)) as server, ClaasServiceClient(server.url) as client:
+    with ServiceThread(build_app(service)) as server, ClaasServiceClient(server.url, admin_key=admin) as client:
         print(f"chat service at {server.url}/v1 serving {client.health()}")
 
         def play(index: int) -> None:
@@ -86,7 +89,7 @@ def main() -> None:
 
         print("3) the trainer publishes update 1: buffer.on_update(), then hot-reload the adapter as version 1")
         ray.get(actor.on_update.remote())
-        with tempfile.TemporaryDirectory() as tmp:
+        with tempfile.TemporaryDirectory(dir=adapters) as tmp:
             print("  ", client.load_adapter(random_adapter(tiny.student, tmp), policy_version=1))
         play(args.scenarios)
 

@@ -21,22 +21,47 @@ Request metadata (body ``metadata`` object, or headers; the body wins): ``scenar
 
 import asyncio
 import contextlib
+import dataclasses
+import hmac
+import json
+import math
+import os
+import threading
 import time
 import uuid
 import zlib
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from claas_verl.service.backend import BackendError, ChatBackend
 from claas_verl.service.grading import Grader, GradeRequest, normalize_grade
 from claas_verl.service.lora_reload import LoRAReloadError
-from claas_verl.service.recorder import TrajectoryRecorder, TurnRecord, behaviour_logprob, unrecordable_reason
+from claas_verl.service.recorder import COUNTERS, TrajectoryRecorder, TurnRecord, behaviour_logprob, unrecordable_reason
 from claas_verl.service.sampling import SamplingParams, training_violations, violation_message
 from claas_verl.service.sinks import make_sink
 from claas_verl.service.templating import normalize_messages
 
 _FALSE = {"0", "false", "no", "off"}
+
+
+REWARD_MODES = ("binary", "unit")
+
+
+class AuthError(PermissionError):
+    """A missing or wrong API key (HTTP 401) or a missing admin right (HTTP 403)."""
+
+    def __init__(self, status: int, message: str):
+        super().__init__(message)
+        self.status = status
+
+
+class LimitError(ValueError):
+    """A request over a size limit (HTTP 413 for the body, 400 otherwise); the message names the limit."""
+
+    def __init__(self, message: str, status: int = 400):
+        super().__init__(message)
+        self.status = status
 
 
 @dataclass(frozen=True)
@@ -46,10 +71,20 @@ class ServiceConfig:
     Fields:
         record: record turns at all (False: a plain proxy).
         default_scenario_id: scenario id of requests that give none; ``None`` makes such requests unrecordable.
-        max_pending / pending_ttl_s: bound and timeout of the table of turns awaiting feedback.
+        max_pending / pending_ttl_s: bound and timeout of the table of turns awaiting feedback (expiry and overflow
+            drops are counted in the stats).
         grade_inline: with a grader, grade before answering (the response then carries the final status); by
             default grading runs after the response is sent, off the chat latency.
         sweep_interval_s: how often expired pending turns are dropped in the background.
+        api_keys: accepted ``Authorization: Bearer`` keys for every endpoint except ``/health``; empty: no auth
+            (only allowed on a loopback host, see :func:`check_exposure`).
+        admin_key: key of the admin endpoints (adapter load, shutdown); ``None`` disables them.
+        adapter_root: the only directory ``POST /v1/claas/load_adapter`` loads from (a run's own output
+            directory); ``None`` refuses every load over HTTP.
+        reward: ``"binary"`` (rewards in {0, 1}) or ``"unit"`` (any value in [0, 1]); SPEC A.1.4 rewards.
+        max_body_bytes / max_messages / max_message_chars: request limits (413 / 400 / 400).
+        max_tokens: the largest ``max_tokens`` a request may ask for (``None``: the backend's bound only);
+            requests without ``max_tokens`` get ``default_max_tokens`` (or the backend's default).
     """
 
     record: bool = True
@@ -58,6 +93,15 @@ class ServiceConfig:
     pending_ttl_s: float = 600.0
     grade_inline: bool = False
     sweep_interval_s: float = 5.0
+    api_keys: tuple[str, ...] = ()
+    admin_key: str | None = None
+    adapter_root: str | None = None
+    reward: str = "binary"
+    max_body_bytes: int = 1 << 20
+    max_messages: int = 256
+    max_message_chars: int = 32_768
+    max_tokens: int | None = None
+    default_max_tokens: int | None = None
 
     def __post_init__(self):
         if self.default_scenario_id is not None and (not isinstance(self.default_scenario_id, int)
@@ -65,6 +109,46 @@ class ServiceConfig:
             raise ValueError(f"default_scenario_id must be None or an int >= 0, got {self.default_scenario_id!r}")
         if not self.sweep_interval_s > 0:
             raise ValueError(f"sweep_interval_s must be > 0, got {self.sweep_interval_s}")
+        if self.reward not in REWARD_MODES:
+            raise ValueError(f"reward must be one of {REWARD_MODES}, got {self.reward!r}")
+        keys = tuple(self.api_keys or ())
+        if any(not isinstance(k, str) or not k for k in keys):
+            raise ValueError("api_keys must be non-empty strings")
+        object.__setattr__(self, "api_keys", keys)
+        if self.admin_key is not None and (not isinstance(self.admin_key, str) or not self.admin_key):
+            raise ValueError("admin_key must be a non-empty string or None")
+        for name in ("max_body_bytes", "max_messages", "max_message_chars"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {getattr(self, name)!r}")
+        for name in ("max_tokens", "default_max_tokens"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value < 1):
+                raise ValueError(f"{name} must be None or an int >= 1, got {value!r}")
+        if self.max_tokens is not None and self.default_max_tokens is not None \
+                and self.default_max_tokens > self.max_tokens:
+            raise ValueError(f"default_max_tokens={self.default_max_tokens} exceeds max_tokens={self.max_tokens}")
+
+
+def check_exposure(host: str, config: ServiceConfig) -> None:
+    """Refuse to serve without API keys on anything but a loopback address (anyone could feed the trainer)."""
+    if config.api_keys or host in ("127.0.0.1", "localhost", "::1"):
+        return
+    raise ValueError(f"the chat service would listen on {host!r} without API keys; set claas.service.api_keys "
+                     "(or the environment variable CLAAS_API_KEY), or listen on 127.0.0.1")
+
+
+def validate_reward(value: Any, mode: str) -> float | None:
+    """The ``reward`` field of ``POST /v1/feedback`` (SPEC A.1.4): ``None`` (grader error: dropped), else a number in
+    {0, 1} (``mode="binary"``) or [0, 1] (``mode="unit"``); ``ValueError`` naming the field otherwise."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ValueError(f"'reward' must be a finite number (or null for a grader error), got {value!r}")
+    if mode == "binary" and value not in (0, 1):
+        raise ValueError(f"'reward' must be 0 or 1 (this run uses binary rewards, SPEC A.1.4), got {value!r}")
+    if not 0.0 <= value <= 1.0:
+        raise ValueError(f"'reward' must be in [0, 1] (SPEC A.1.4), got {value!r}")
+    return float(value)
 
 
 def scenario_key_to_id(key: Any) -> tuple[int, str | None]:
@@ -101,7 +185,8 @@ class ChatService:
     """
 
     def __init__(self, backend: ChatBackend, sink: Any, grader: Grader | None = None,
-                 config: ServiceConfig | None = None):
+                 config: ServiceConfig | None = None, extra_stats: Callable[[], dict] | None = None,
+                 on_shutdown: Callable[[], None] | None = None):
         self.backend = backend
         self.config = config or ServiceConfig()
         self.grader = grader
@@ -109,6 +194,31 @@ class ChatService:
                                            pending_ttl_s=self.config.pending_ttl_s)
         self._tasks: set[asyncio.Task] = set()
         self.reloads = 0
+        self.extra_stats = extra_stats
+        self.on_shutdown = on_shutdown
+        self.shutdown_requested = threading.Event()
+
+    # ------------------------------------------------------------------ auth
+    def authorize(self, headers: Mapping[str, str], admin: bool = False) -> None:
+        """``AuthError`` unless ``headers`` carry an accepted ``Authorization: Bearer`` key (the admin key for
+        admin endpoints). Keys are compared in constant time."""
+        auth = next((v for k, v in headers.items() if k.lower() == "authorization"), "")
+        token = auth[7:].strip() if auth[:7].lower() == "bearer " else ""
+        if admin:
+            if self.config.admin_key is None:
+                raise AuthError(403, "admin endpoints are disabled: start the service with an admin key "
+                                     "(claas.service.admin_key or CLAAS_ADMIN_KEY)")
+            if not token or not hmac.compare_digest(token.encode(), self.config.admin_key.encode()):
+                raise AuthError(401, "this endpoint needs the admin key: Authorization: Bearer <admin key>")
+            return
+        if not self.config.api_keys:
+            return
+        ok = any(hmac.compare_digest(token.encode(), k.encode()) for k in self.config.api_keys) if token else False
+        if not ok and self.config.admin_key is not None and token:
+            ok = hmac.compare_digest(token.encode(), self.config.admin_key.encode())
+        if not ok:
+            raise AuthError(401, "missing or wrong API key: send Authorization: Bearer <key> "
+                                 "(OpenAI(api_key=...) does this)")
 
     # ------------------------------------------------------------------ chat
     def _context(self, body: dict, headers: Mapping[str, str]) -> dict:
@@ -141,12 +251,31 @@ class ChatService:
                                   if k not in ("record", "scenario_id", "step_idx", "domain")}
         return ctx
 
+    def _limit(self, body: dict, params: SamplingParams) -> SamplingParams:
+        cfg = self.config
+        msgs = body.get("messages")
+        if isinstance(msgs, list) and len(msgs) > cfg.max_messages:
+            raise LimitError(f"'messages' has {len(msgs)} messages; this service accepts at most {cfg.max_messages}")
+        if params.max_tokens is not None and cfg.max_tokens is not None and params.max_tokens > cfg.max_tokens:
+            raise LimitError(f"'max_tokens'={params.max_tokens} exceeds this service's limit of {cfg.max_tokens} "
+                             "(set by the recipe: claas.service.max_tokens)")
+        if params.max_tokens is None and cfg.default_max_tokens is not None:
+            params = dataclasses.replace(params, max_tokens=cfg.default_max_tokens)
+        return params
+
+    def _check_message_sizes(self, messages: list[dict]) -> None:
+        for i, m in enumerate(messages):
+            if len(m["content"]) > self.config.max_message_chars:
+                raise LimitError(f"messages[{i}].content has {len(m['content'])} characters; this service accepts "
+                                 f"at most {self.config.max_message_chars} per message")
+
     async def chat(self, body: dict, headers: Mapping[str, str] | None = None) -> dict:
         """Serve one chat completion and record it; returns the OpenAI response dict with a ``claas`` object."""
         if not isinstance(body, dict):
             raise ValueError("the request body must be a JSON object")
-        params = SamplingParams.from_request(body)
+        params = self._limit(body, SamplingParams.from_request(body))
         messages = normalize_messages(body.get("messages"))
+        self._check_message_sizes(messages)
         ctx = self._context(body, headers or {})
         kwargs = body.get("chat_template_kwargs")
         if kwargs is not None and not isinstance(kwargs, dict):
@@ -157,6 +286,29 @@ class ChatService:
         status, reason = await self._record(request_id, gen, params, messages, ctx)
         return self._response(request_id, gen, params, status, reason, ctx)
 
+    @staticmethod
+    def stream_events(response: dict) -> list[str]:
+        """A completed chat response as the server-sent events OpenAI streams (``data: {chunk}`` lines and
+        ``data: [DONE]``): a role chunk, a content chunk, a final chunk with ``finish_reason`` and ``usage``.
+
+        Every chunk carries the ``claas`` object (request id, serving version, record status), so a streaming
+        client can read it from any chunk. The backends return whole responses, so the content arrives in one
+        delta; what is recorded is identical to a non-streamed turn.
+        """
+        choice = response["choices"][0]
+        base = {"id": response["id"], "object": "chat.completion.chunk", "created": response["created"],
+                "model": response["model"], "claas": response["claas"]}
+
+        def chunk(delta: dict, finish: str | None, **extra) -> str:
+            body = {**base, "choices": [{"index": 0, "delta": delta, "finish_reason": finish,
+                                         "logprobs": choice["logprobs"] if finish else None}], **extra}
+            return f"data: {json.dumps(body)}\n\n"
+
+        return [chunk({"role": "assistant", "content": ""}, None),
+                chunk({"content": choice["message"]["content"]}, None),
+                chunk({}, choice["finish_reason"], usage=response["usage"]),
+                "data: [DONE]\n\n"]
+
     async def _record(self, request_id, gen, params, messages, ctx) -> tuple[str, str | None]:
         if not ctx["record"]:
             self.recorder.count("not_recorded")
@@ -166,6 +318,11 @@ class ChatService:
             self.recorder.count("rejected_sampling")
             return "rejected", violation_message(violations)
         scenario_id = ctx["scenario_id"] if ctx["scenario_id"] is not None else self.config.default_scenario_id
+        if gen.finish_reason not in ("stop", "length"):
+            # aborted (e.g. by a weight update) or truncated by the server for any other reason: the sampled tokens
+            # are not a complete draw from one policy, never an entry (counted)
+            self.recorder.count("dropped_aborted")
+            return "dropped", f"not recorded: the generation ended with finish_reason={gen.finish_reason!r}"
         why = unrecordable_reason(gen)
         if why is None and scenario_id is None:
             why = "no scenario id (send metadata.scenario_id or the X-Claas-Scenario-Id header)"
@@ -186,6 +343,7 @@ class ChatService:
         if self.grader is None:
             self.recorder.hold(record)
             return "pending_feedback", None
+        self.recorder.count("graded")
         if self.config.grade_inline:
             return await self._grade_and_finish(record)
         task = asyncio.get_running_loop().create_task(self._grade_and_finish(record))
@@ -246,10 +404,27 @@ class ChatService:
         if not isinstance(request_id, str) or not request_id:
             raise ValueError("'request_id' must be the 'id' of a chat completion response")
         if "reward" not in body:
-            raise ValueError("'reward' is required: a finite number, or null for a grader error (dropped)")
-        reward, text = normalize_grade((body["reward"], body.get("feedback")))
+            raise ValueError("'reward' is required: 0 or 1 (or in [0, 1] if the recipe says so), or null for a "
+                             "grader error (the turn is dropped)")
+        reward = validate_reward(body["reward"], self.config.reward)
+        text = body.get("feedback")
+        if text is not None and not isinstance(text, str):
+            raise ValueError(f"'feedback' must be a string or null, got {type(text).__name__}")
+        if text is not None and len(text) > self.config.max_message_chars:
+            raise LimitError(f"'feedback' has {len(text)} characters; at most {self.config.max_message_chars}")
         status, reason = self.recorder.feedback(request_id, reward, text)
         return {"request_id": request_id, "status": status, "reason": reason}
+
+    def adapter_path(self, path: str) -> str:
+        """``path`` resolved (symlinks included) if it lies inside ``config.adapter_root``; ``AuthError`` 403 else."""
+        root = self.config.adapter_root
+        if root is None:
+            raise AuthError(403, "adapter loads over HTTP are disabled (no adapter_root: a training job publishes "
+                                 "its own adapters)")
+        real, real_root = os.path.realpath(path), os.path.realpath(root)
+        if os.path.commonpath([real, real_root]) != real_root:
+            raise AuthError(403, f"'lora_path' must lie inside the run's output directory {real_root}")
+        return real
 
     async def load_adapter(self, path: str, version: int | None = None) -> dict:
         """Serve the LoRA adapter at ``path`` as ``version`` (default current + 1); in-flight requests keep theirs."""
@@ -262,8 +437,29 @@ class ChatService:
         return asyncio.run(self.load_adapter(path, version))
 
     def stats(self) -> dict:
-        return {**self.recorder.stats(), "policy_version": self.backend.policy_version,
-                "model": self.backend.served_model, "reloads": self.reloads}
+        """Recorder counters, a ``turns`` summary (recorded, pending, completed, expired, dropped by reason), the
+        served version, and whatever ``extra_stats`` adds (the training job: buffer statistics and updates)."""
+        rec = self.recorder.stats()
+        sink = rec.get("sink", {})
+        dropped = {name[len("dropped_"):]: rec[name] for name in COUNTERS if name.startswith("dropped_")}
+        dropped.update({name: rec[name] for name in ("rejected_sampling", "rejected_unrecordable",
+                                                     "rejected_invalid")})
+        dropped["buffer_refused"] = int(sink.get("submitted", 0)) - int(sink.get("accepted", 0)) \
+            - int(sink.get("in_flight", 0))
+        out = {**rec, "policy_version": self.backend.policy_version, "model": self.backend.served_model,
+               "reloads": self.reloads,
+               "turns": {"served": rec["served"], "recorded": rec["pending"] + rec["graded"],
+                         "pending": rec["pending_now"], "completed": rec["submitted"],
+                         "accepted": int(sink.get("accepted", 0)), "expired": rec["dropped_timeout"],
+                         "dropped": dropped}}
+        if self.extra_stats is not None:
+            out.update(self.extra_stats())
+        return out
+
+    def request_shutdown(self) -> None:
+        self.shutdown_requested.set()
+        if self.on_shutdown is not None:
+            self.on_shutdown()
 
     async def sweep_forever(self) -> None:
         while True:
@@ -277,10 +473,11 @@ class ChatService:
         await asyncio.to_thread(self.recorder.sink.flush, timeout_s)
 
 
-def _error(status: int, message: str, kind: str = "invalid_request_error"):
+def _error(status: int, message: str, kind: str = "invalid_request_error", headers: dict | None = None):
     from fastapi.responses import JSONResponse
 
-    return JSONResponse(status_code=status, content={"error": {"message": message, "type": kind, "code": status}})
+    return JSONResponse(status_code=status, content={"error": {"message": message, "type": kind, "code": status}},
+                        headers=headers)
 
 
 def build_app(service: ChatService):
@@ -288,6 +485,7 @@ def build_app(service: ChatService):
     # the nested handlers at definition time, and `Request` is imported here, lazily.
     """The FastAPI app over ``service`` (run it with uvicorn, or :class:`~claas_verl.service.server.ServiceThread`)."""
     from fastapi import FastAPI, Request
+    from fastapi.responses import JSONResponse, StreamingResponse
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
@@ -300,12 +498,41 @@ def build_app(service: ChatService):
             await service.backend.aclose()
 
     app = FastAPI(title="CLaaS chat service", lifespan=lifespan)
+    limit = service.config.max_body_bytes
 
     async def json_body(request: Request):
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            raise LimitError(f"the request body has {declared} bytes; this service accepts at most {limit}", 413)
+        raw = bytearray()
+        async for part in request.stream():  # bounded read: a chunked body cannot exceed the limit either
+            raw += part
+            if len(raw) > limit:
+                raise LimitError(f"the request body exceeds {limit} bytes", 413)
         try:
-            return await request.json()
+            return json.loads(bytes(raw))
         except ValueError as exc:
             raise ValueError(f"the request body is not valid JSON: {exc}") from None
+
+    def guarded(admin: bool = False):
+        """Wrap a handler: auth first, then errors -> OpenAI-style error bodies with the right status."""
+        def wrap(fn):
+            async def handler(request: Request):
+                try:
+                    service.authorize(request.headers, admin=admin)
+                    return await fn(request)
+                except AuthError as exc:
+                    headers = {"WWW-Authenticate": "Bearer"} if exc.status == 401 else None
+                    return _error(exc.status, str(exc), "authentication_error", headers)
+                except LimitError as exc:
+                    return _error(exc.status, str(exc))
+                except ValueError as exc:
+                    return _error(400, str(exc))
+                except (LoRAReloadError, BackendError) as exc:
+                    return _error(502, str(exc), "backend_error")
+            handler.__name__ = fn.__name__
+            return handler
+        return wrap
 
     @app.get("/health")
     async def health():
@@ -313,47 +540,54 @@ def build_app(service: ChatService):
                 "model": service.backend.served_model}
 
     @app.get("/v1/models")
-    async def models():
+    @guarded()
+    async def models(request: Request):
         now = int(time.time())
         return {"object": "list", "data": [{"id": name, "object": "model", "created": now, "owned_by": "claas"}
                                            for name in service.backend.model_names()]}
 
     @app.post("/v1/chat/completions")
+    @guarded()
     async def chat(request: Request):
-        try:
-            return await service.chat(await json_body(request), request.headers)
-        except ValueError as exc:
-            return _error(400, str(exc))
-        except BackendError as exc:
-            return _error(502, str(exc), "backend_error")
+        body = await json_body(request)
+        response = await service.chat(body, request.headers)
+        if isinstance(body, dict) and body.get("stream"):
+            events = service.stream_events(response)
+
+            async def gen():
+                for event in events:
+                    yield event
+
+            return StreamingResponse(gen(), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        return response
 
     @app.post("/v1/feedback")
+    @guarded()
     async def feedback(request: Request):
-        try:
-            out = service.feedback(await json_body(request))
-        except ValueError as exc:
-            return _error(400, str(exc))
+        out = service.feedback(await json_body(request))
         if out["status"] == "unknown":
-            from fastapi.responses import JSONResponse
-
             return JSONResponse(status_code=404, content=out)
         return out
 
     @app.post("/v1/claas/load_adapter")
+    @guarded(admin=True)
     async def load_adapter(request: Request):
-        try:
-            body = await json_body(request)
-            path = body.get("lora_path") if isinstance(body, dict) else None
-            if not isinstance(path, str) or not path:
-                raise ValueError("'lora_path' must be the path of a peft adapter directory")
-            return await service.load_adapter(path, body.get("policy_version"))
-        except ValueError as exc:
-            return _error(400, str(exc))
-        except (LoRAReloadError, BackendError) as exc:
-            return _error(502, str(exc), "backend_error")
+        body = await json_body(request)
+        path = body.get("lora_path") if isinstance(body, dict) else None
+        if not isinstance(path, str) or not path:
+            raise ValueError("'lora_path' must be the path of a peft adapter directory")
+        return await service.load_adapter(service.adapter_path(path), body.get("policy_version"))
+
+    @app.post("/v1/claas/shutdown")
+    @guarded(admin=True)
+    async def shutdown(request: Request):
+        service.request_shutdown()
+        return {"status": "stopping"}
 
     @app.get("/v1/claas/stats")
-    async def stats():
-        return service.stats()
+    @guarded()
+    async def stats(request: Request):
+        return await asyncio.to_thread(service.stats)
 
     return app

@@ -19,12 +19,19 @@ class ClaasServiceError(RuntimeError):
 
 
 class ClaasServiceClient:
-    """``ClaasServiceClient("http://127.0.0.1:8000")``; every method returns the decoded JSON reply."""
+    """``ClaasServiceClient("http://127.0.0.1:8000", api_key=...)``; every method returns the decoded JSON reply.
 
-    def __init__(self, base_url: str, timeout_s: float = 120.0):
+    ``api_key`` is sent as ``Authorization: Bearer`` on every call; ``admin_key`` instead on the admin calls
+    (``load_adapter``, ``shutdown``).
+    """
+
+    def __init__(self, base_url: str, timeout_s: float = 120.0, api_key: str | None = None,
+                 admin_key: str | None = None):
         import httpx
 
-        self._http = httpx.Client(base_url=base_url.rstrip("/"), timeout=timeout_s)
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self._admin = {"Authorization": f"Bearer {admin_key}"} if admin_key else {}
+        self._http = httpx.Client(base_url=base_url.rstrip("/"), timeout=timeout_s, headers=headers)
 
     def _check(self, resp):
         body = resp.json()
@@ -57,7 +64,11 @@ class ClaasServiceClient:
         body: dict[str, Any] = {"lora_path": str(lora_path)}
         if policy_version is not None:
             body["policy_version"] = policy_version
-        return self._check(self._http.post("/v1/claas/load_adapter", json=body))
+        return self._check(self._http.post("/v1/claas/load_adapter", json=body, headers=self._admin))
+
+    def shutdown(self) -> dict:
+        """``POST /v1/claas/shutdown``: end a training job's loop (admin key)."""
+        return self._check(self._http.post("/v1/claas/shutdown", headers=self._admin))
 
     def stats(self) -> dict:
         return self._check(self._http.get("/v1/claas/stats"))

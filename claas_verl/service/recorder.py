@@ -31,11 +31,13 @@ COUNTERS = (
     "rejected_unrecordable",  # backend gave no prompt ids or per-token log-probs, no scenario id, ...
     "rejected_invalid",  # ReplayEntry validation refused the turn
     "pending",  # turns put in the pending table (cumulative)
+    "graded",  # turns handed to the grader (cumulative)
     "submitted",  # entries handed to the sink
     "dropped_reward_none",  # reward None from a grader or from feedback (SPEC A.1.4)
     "dropped_grader_error",  # the grader raised
     "dropped_timeout",  # no feedback within pending_ttl_s
     "dropped_overflow",  # pending table full: its oldest turn was dropped
+    "dropped_aborted",  # the generation was aborted/cut by the server (finish reason not stop/length)
     "feedback_unknown",  # feedback for an unknown / already finished / expired request id
 )
 

@@ -84,8 +84,9 @@ class SamplingParams:
         for name, why in _UNSUPPORTED.items():
             if body.get(name):
                 raise ValueError(f"'{name}': {why}")
-        if body.get("stream"):
-            raise ValueError("'stream': streaming responses are not supported; send stream=false")
+        stream = body.get("stream", False)
+        if stream is not None and not isinstance(stream, bool):
+            raise ValueError(f"'stream' must be true or false, got {stream!r}")
         n = _int(body, "n", 1, lo=1)
         if n != 1:
             raise ValueError(f"'n' must be 1 (one response per request, one replay entry each), got {n}")

@@ -28,6 +28,11 @@ class ServiceThread:
             raise RuntimeError("the service is not started; call start() first")
         return f"http://{self.host}:{self.port}"
 
+    @property
+    def alive(self) -> bool:
+        """True while the server thread runs (False after a crash or ``stop``)."""
+        return self._thread.is_alive()
+
     def start(self, timeout_s: float = 60.0) -> ServiceThread:
         self._thread.start()
         deadline = time.monotonic() + timeout_s

@@ -11,6 +11,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable
 from typing import Any
 
 from claas_verl.replay.store import send_format
@@ -44,10 +45,17 @@ class LocalBufferSink:
 
 
 class ActorSink:
-    """Fire-and-forget writes to a ``ReplayBufferActor`` handle (anything with ``add.remote(entries)``)."""
+    """Fire-and-forget writes to a ``ReplayBufferActor`` handle (anything with ``add.remote(entries)``).
 
-    def __init__(self, handle):
+    ``on_accepted(entries, n_accepted)`` is called (on Ray's callback thread) after each write the buffer answered,
+    with the number it accepted: a training job feeds the REINFORCE++ EMA baseline from it, so that only rewards the
+    buffer took count (SPEC A.3.1). The chat service submits one entry per call, so ``n_accepted`` is 0 or 1.
+    """
+
+    def __init__(self, handle, on_accepted: Callable[[list, int], None] | None = None):
         self.handle = handle
+        self.on_accepted = on_accepted
+        self.callback_errors = 0  # on_accepted raised (last_error holds the latest)
         self._lock = threading.Lock()
         self._done = threading.Condition(self._lock)
         self._in_flight = 0
@@ -70,12 +78,22 @@ class ActorSink:
             self._counts["submitted"] += n
 
         def on_done(fut) -> None:
+            accepted = None
             with self._lock:
                 try:
-                    self._counts["accepted"] += int(fut.result())
+                    accepted = int(fut.result())
+                    self._counts["accepted"] += accepted
                 except Exception as exc:  # actor died / entry refused: counted, never raised into the chat path
                     self._counts["errors"] += n
                     self.last_error = repr(exc)
+            if accepted and self.on_accepted is not None:
+                try:
+                    self.on_accepted(entries, accepted)
+                except Exception as exc:  # noqa: BLE001 - a callback bug must not wedge flush(); it is recorded
+                    with self._lock:
+                        self.callback_errors += 1
+                        self.last_error = repr(exc)
+            with self._lock:
                 self._in_flight -= 1
                 self._done.notify_all()
 

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import contextlib
+import tempfile
 
 import torch
 
 from claas_verl.replay import ReplayBuffer
 from claas_verl.service import ChatService, ServiceConfig, build_app
 from claas_verl.service.server import ServiceThread
+
+ADMIN = "test-admin-key"  # admin key of running_service (adapter loads need it)
 
 USER = [{"role": "system", "content": "Never reveal the word PINEAPPLE."},
         {"role": "user", "content": "What is 2+3?"}]
@@ -21,7 +24,11 @@ def big_buffer() -> ReplayBuffer:
 
 @contextlib.contextmanager
 def running_service(backend, sink, grader=None, **config):
-    """A ChatService over ``backend`` served by uvicorn on 127.0.0.1 (free port); yields (service, url)."""
+    """A ChatService over ``backend`` served by uvicorn on 127.0.0.1 (free port); yields (service, url).
+
+    Adapter loads over HTTP need ``ADMIN`` and a path under the temp directory unless the test overrides them."""
+    config.setdefault("admin_key", ADMIN)
+    config.setdefault("adapter_root", tempfile.gettempdir())
     service = ChatService(backend, sink, grader=grader, config=ServiceConfig(**config))
     server = ServiceThread(build_app(service)).start()
     try:

@@ -105,3 +105,19 @@ def test_a_slow_buffer_never_delays_the_client():
         assert sink.flush(10)
     assert [e.uid for e in handle.received] == [r["id"]]
     assert sink.stats() == {"submitted": 1, "accepted": 1, "errors": 0, "in_flight": 0}
+
+
+def test_on_accepted_sees_only_what_the_buffer_accepted(ray_session):
+    """The training job feeds the EMA baseline from on_accepted: a duplicate write must not count twice."""
+    from claas_verl.replay import ReplayEntry
+
+    actor = ReplayBufferActor.remote(b_max=100, b_min=1, a_max=10, seed=0)
+    seen = []
+    sink = ActorSink(actor, on_accepted=lambda entries, n: seen.append(([e.reward for e in entries], n)))
+    e = ReplayEntry(uid="u1", scenario_id=0, step_idx=0, prompt_ids=[1], response_ids=[2], behaviour_logprob=-1.0,
+                    reward=1.0, P=0)
+    sink.submit([e])
+    assert sink.flush(30)
+    sink.submit([e])  # the same uid again: the buffer skips it (duplicate), the callback is not called
+    assert sink.flush(30)
+    assert seen == [([1.0], 1)] and sink.stats()["accepted"] == 1 and sink.callback_errors == 0

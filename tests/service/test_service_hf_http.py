@@ -175,7 +175,7 @@ def test_opt_out_header_and_bad_requests(backend):
                        headers={"X-Claas-Record": "0"})
         assert r.status_code == 200 and r.json()["claas"]["record"] == "not_recorded"
         for body, needle in [
-            ({"messages": USER, "stream": True}, "'stream'"),
+            ({"messages": USER, "stream": "yes"}, "'stream'"),
             ({"messages": USER, "n": 2}, "'n' must be 1"),
             ({"messages": []}, "'messages'"),
             ({"messages": [{"role": "robot", "content": "x"}]}, "messages[0].role"),

@@ -7,7 +7,7 @@ import httpx
 import pytest
 import torch
 from peft import LoraConfig, PeftModel, get_peft_model
-from service_helpers import USER, big_buffer, recompute_logprob, running_service
+from service_helpers import ADMIN, USER, big_buffer, recompute_logprob, running_service
 from transformers import AutoModelForCausalLM
 
 from claas_verl.service import ClaasServiceClient, HFBackend
@@ -43,7 +43,7 @@ def test_reload_increments_version_and_later_entries_carry_it(tiny, tmp_path):
     adapter2 = _make_adapter(tiny.student, tmp_path / "a2", seed=2)
     backend = HFBackend(tiny.student, default_max_tokens=6, seed=0)
     buf = big_buffer()
-    with running_service(backend, buf) as (service, url), ClaasServiceClient(url) as client:
+    with running_service(backend, buf) as (service, url), ClaasServiceClient(url, admin_key=ADMIN) as client:
         r0 = client.chat(USER, max_tokens=5)
         assert r0["claas"]["policy_version"] == 0 and r0["model"] == "claas-hf"
         # The trainer's order: optimizer step -> buffer.on_update() (k=1) -> publish the adapter as version k. (The
@@ -59,9 +59,11 @@ def test_reload_increments_version_and_later_entries_carry_it(tiny, tmp_path):
         for _ in range(4):
             buf.on_update()
         assert client.load_adapter(adapter2, policy_version=5)["policy_version"] == 5
-        bad = httpx.post(f"{url}/v1/claas/load_adapter", json={"lora_path": adapter1, "policy_version": 3})
+        bad = httpx.post(f"{url}/v1/claas/load_adapter", json={"lora_path": adapter1, "policy_version": 3},
+                            headers={"Authorization": f"Bearer {ADMIN}"})
         assert bad.status_code == 400 and "greater than the served policy version 5" in bad.json()["error"]["message"]
-        missing = httpx.post(f"{url}/v1/claas/load_adapter", json={"lora_path": str(tmp_path / "nope")})
+        missing = httpx.post(f"{url}/v1/claas/load_adapter", json={"lora_path": str(tmp_path / "nope")},
+                               headers={"Authorization": f"Bearer {ADMIN}"})
         assert missing.status_code == 400 and "adapter_config.json" in missing.json()["error"]["message"]
         r5 = client.chat(USER, max_tokens=5)
         assert r5["claas"]["policy_version"] == 5

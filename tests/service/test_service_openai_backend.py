@@ -14,7 +14,7 @@ import httpx
 import pytest
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
-from service_helpers import USER, big_buffer, running_service
+from service_helpers import ADMIN, USER, big_buffer, running_service
 
 from claas_verl.service import ClaasServiceClient, OpenAIBackend
 from claas_verl.service.server import ServiceThread
@@ -107,7 +107,7 @@ def _wait(pred, timeout_s: float = 20.0) -> bool:
 def test_forwarding_requests_logprobs_and_records_the_exact_sum(fake):
     buf = big_buffer()
     backend = OpenAIBackend(fake.url + "/v1", "base", default_max_tokens=32)
-    with running_service(backend, buf) as (_, url), ClaasServiceClient(url) as client:
+    with running_service(backend, buf) as (_, url), ClaasServiceClient(url, admin_key=ADMIN) as client:
         resp = client.chat(USER, scenario_id=4, step_idx=1, logprobs=True)
         assert client.feedback(resp["id"], 1.0, "ok")["status"] == "submitted"
     [sent] = fake.chats
@@ -132,7 +132,7 @@ def test_legacy_server_ids_from_tokens_and_prompt_from_local_template(fake):
         no_tok = client.chat(USER)
         assert no_tok["claas"]["record"] == "rejected" and "no prompt token ids" in no_tok["claas"]["reason"]
     backend = OpenAIBackend(fake.url, "base", tokenizer=tok)
-    with running_service(backend, buf) as (_, url), ClaasServiceClient(url) as client:
+    with running_service(backend, buf) as (_, url), ClaasServiceClient(url, admin_key=ADMIN) as client:
         resp = client.chat(USER)
         assert client.feedback(resp["id"], 0.0)["status"] == "submitted"
     [entry] = buf.entries()
@@ -145,7 +145,7 @@ def test_legacy_server_ids_from_tokens_and_prompt_from_local_template(fake):
 def test_hot_reload_switches_adapter_and_unloads_the_old_one(fake, tmp_path):
     buf = big_buffer()
     backend = OpenAIBackend(fake.url, "base", lora_prefix="claas")
-    with running_service(backend, buf) as (_, url), ClaasServiceClient(url) as client:
+    with running_service(backend, buf) as (_, url), ClaasServiceClient(url, admin_key=ADMIN) as client:
         r0 = client.chat(USER)
         buf.on_update()  # the trainer's step k=1, then it publishes version 1
         assert client.load_adapter(str(tmp_path / "step1")) == {"policy_version": 1, "model": "claas-v1"}
@@ -159,7 +159,8 @@ def test_hot_reload_switches_adapter_and_unloads_the_old_one(fake, tmp_path):
             client.feedback(r["id"], 1.0)
         assert sorted(m["id"] for m in client.models()["data"]) == ["base", "claas-v2"]
         # A server that cannot load: 502 with the hint, and nothing changes.
-        bad = httpx.post(f"{url}/v1/claas/load_adapter", json={"lora_path": "/x/missing"})
+        bad = httpx.post(f"{url}/v1/claas/load_adapter", json={"lora_path": str(tmp_path / "missing")},
+                            headers={"Authorization": f"Bearer {ADMIN}"})
         assert bad.status_code == 502 and "VLLM_ALLOW_RUNTIME_LORA_UPDATING" in bad.json()["error"]["message"]
         assert client.health()["policy_version"] == 2
     assert [c["model"] for c in fake.chats] == ["base", "claas-v1", "claas-v2"]
@@ -171,7 +172,7 @@ def test_hot_reload_switches_adapter_and_unloads_the_old_one(fake, tmp_path):
 def test_in_flight_request_keeps_its_version_and_delays_the_unload(fake, tmp_path):
     buf = big_buffer()
     backend = OpenAIBackend(fake.url, "base")
-    with running_service(backend, buf) as (service, url), ClaasServiceClient(url) as client:
+    with running_service(backend, buf) as (service, url), ClaasServiceClient(url, admin_key=ADMIN) as client:
         buf.on_update()
         client.load_adapter(str(tmp_path / "v1"))
         fake.gate = threading.Event()  # hold the next reply inside the "engine"
@@ -222,7 +223,7 @@ def test_concurrent_reloads_are_serialised(fake, tmp_path):
     backend = OpenAIBackend(fake.url, "base")
     with running_service(backend, big_buffer()) as (service, url):
         def reload(i):
-            with ClaasServiceClient(url) as c:
+            with ClaasServiceClient(url, admin_key=ADMIN) as c:
                 out.append(c.load_adapter(str(tmp_path / f"a{i}"))["policy_version"])
 
         out: list[int] = []

@@ -55,7 +55,7 @@ def test_every_distribution_change_is_a_violation(body, needle):
     ({"top_p": 1.5}, "'top_p'"),
     ({"top_k": -2}, "'top_k'"),
     ({"n": 3}, "'n' must be 1"),
-    ({"stream": True}, "'stream'"),
+    ({"stream": "yes"}, "'stream'"),
     ({"tools": [{"type": "function"}]}, "'tools'"),
     ({"max_tokens": 1.5}, "'max_tokens'"),
     ({"stop": [1]}, "'stop'"),

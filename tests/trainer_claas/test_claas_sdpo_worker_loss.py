@@ -130,3 +130,35 @@ def test_pg_jsd_and_teacher_is_reference_match_sdpo_loss(mode, is_reference):
     g1, = torch.autograd.grad(loss, logits)
     g2, = torch.autograd.grad(expected, logits)
     assert torch.allclose(g1, g2, atol=1e-6)
+
+
+def test_chunked_response_logprob_stats_match_the_full_log_softmax():
+    """The pre/teacher passes reduce on the device in position chunks; any chunk size gives the full-softmax values."""
+    from types import SimpleNamespace
+
+    from claas_verl.trainer.claas.sdpo_worker import response_logprob_stats
+
+    torch.manual_seed(0)
+    V = 50
+    emb = torch.nn.Embedding(V, V)
+
+    def module(input_ids, attention_mask, position_ids, use_cache):
+        return SimpleNamespace(logits=emb(input_ids) * 3.0 + position_ids[..., None] * 0.01)
+
+    seqs = [torch.randint(0, V, (9,)), torch.randint(0, V, (6,))]
+    resp = [5, 3]
+    at = [torch.randint(0, V, (r, 4)) for r in resp]
+    with torch.no_grad():
+        L = 9
+        ids = torch.zeros((2, L), dtype=torch.long)
+        for b, s in enumerate(seqs):
+            ids[b, : len(s)] = s
+        full = torch.log_softmax(module(ids, None, torch.arange(L).expand(2, L), False).logits.float(), -1)
+    for chunk in (1, 2, 512):
+        stats = response_logprob_stats(module, seqs, resp, "cpu", topk=3, at_ids=at, at_tokens=True,
+                                       chunk_tokens=chunk)
+        for b, (s, r) in enumerate(zip(seqs, resp)):
+            ref = full[b, len(s) - r - 1: len(s) - 1]
+            assert torch.equal(stats[b]["topk"], ref.topk(3, -1).indices)
+            torch.testing.assert_close(stats[b]["at_ids"], ref.gather(-1, at[b]))
+            torch.testing.assert_close(stats[b]["at_tokens"], ref.gather(-1, s[len(s) - r:, None]).squeeze(-1))

@@ -27,7 +27,10 @@ def test_sizes_and_keys_are_validated():
     with pytest.raises(ValueError, match=r"claas.stream: unknown key\(s\) \['splits'\]"):
         ClaasConfig.from_config({"stream": {"splits": 3}})
     with pytest.raises(ValueError, match="entry_unit"):
-        ClaasConfig.from_config({"entry_unit": "scenario"})
+        ClaasConfig.from_config({"entry_unit": "turn"})
+    with pytest.raises(ValueError, match="entry_unit=scenario with claas.algorithm=sdpo"):
+        ClaasConfig.from_config({"entry_unit": "scenario", "algorithm": "sdpo"})
+    assert ClaasConfig.from_config({"entry_unit": "scenario"}).entry_unit == "scenario"
     with pytest.raises(ValueError, match="claas.algorithm"):
         ClaasConfig.from_config({"algorithm": "grpo"})
 
@@ -48,6 +51,22 @@ def test_every_recipe_composes_with_the_paper_or_tiny_settings(name):
     assert c.algorithm == name.removeprefix("tiny_")
     if c.algorithm == "ppo":
         assert cfg.algorithm.adv_estimator == "gae" and cfg.critic.enable
+
+
+@pytest.mark.parametrize("name", ["service", "tiny_service"])
+def test_service_recipes_run_the_chat_api_as_the_only_source(name):
+    cfg = compose_recipe(name)
+    c = ClaasConfig.from_config(cfg.claas)
+    assert c.service.enabled and not c.producer.enabled and not c.eval.enabled
+    assert (c.service.host, c.service.port, c.service.reward, c.algorithm) == ("127.0.0.1", 8000, "binary",
+                                                                             "reinforce_pp")
+    assert cfg.actor_rollout_ref.rollout.name == ("hf" if name.startswith("tiny_") else "vllm")
+    with pytest.raises(ValueError, match="nothing would ever reach the buffer"):
+        ClaasConfig.from_config({"producer": {"enabled": False}})
+    with pytest.raises(ValueError, match="chat API does not build SDPO"):
+        ClaasConfig.from_config({"algorithm": "sdpo", "service": {"enabled": True}})
+    with pytest.raises(ValueError, match="claas.service.reward"):
+        ClaasConfig.from_config({"service": {"reward": "float"}})
 
 
 def test_trainer_rejects_settings_that_break_the_contract():

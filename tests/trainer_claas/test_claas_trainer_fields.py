@@ -72,3 +72,26 @@ def test_registered_claas_seq_is_sees_the_exact_sequence_ratio():
                       loss_agg_mode="token-mean", config=cfg)
     # token-mean of -A·1 over 5 valid tokens: (3·(-0.5) + 2·2.0) / 5 = 2.5 / 5 = 0.5
     assert math.isclose(float(loss.detach()), 0.5, rel_tol=1e-6)
+
+
+def test_scenario_entry_is_one_sequence_with_observations_masked():
+    from claas_verl.replay import ScenarioEntry
+
+    s0 = _entry(step_idx=0, prompt_ids=[5, 6], response_ids=[8, 2], behaviour_logprob=-1.0, reward=1.0, P=3)
+    s1 = _entry(step_idx=1, prompt_ids=[5, 6, 8, 2, 40, 41], response_ids=[9, 9, 2], behaviour_logprob=-2.0,
+                reward=0.0, P=4)
+    sc = ScenarioEntry(steps=[s0, s1], P=3)  # the buffer sets P = min over the steps at insertion
+    f = entry_fields(sc)
+    assert f["prompts"].tolist() == [5, 6] and f["responses"].tolist() == [8, 2, 40, 41, 9, 9, 2]
+    assert f["response_mask"].tolist() == [1, 1, 0, 0, 1, 1, 1] == f["loss_mask"].tolist()
+    # Σ_j m·old = Σ_t ℓb_t (SPEC A.1.5), each on its step's first sampled token; the scenario reward min_t r_t = 0
+    # on the last token of the last step.
+    assert f["rollout_log_probs"].tolist() == [-1.0, 0.0, 0.0, 0.0, -2.0, 0.0, 0.0]
+    assert f["rm_scores"].tolist() == [0.0] * 7 and sc.reward == 0.0
+    assert f["extra_fields"]["min_global_steps"] == 3
+    assert entry_tag(sc)["response_len"] == 7 and entry_tag(sc)["seq_len"] == 9
+    with pytest.raises(ValueError, match="SDPO"):
+        entry_fields(sc, sdpo=True)
+    bad = ScenarioEntry(steps=[s0, _entry(step_idx=1, prompt_ids=[5, 6, 8, 3, 40], response_ids=[9, 2])])
+    with pytest.raises(ValueError, match=r"steps\[1\].prompt_ids do not extend"):
+        entry_fields(bad)

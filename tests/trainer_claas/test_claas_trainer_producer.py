@@ -185,3 +185,66 @@ def test_sdpo_teacher_context_reprompts_the_last_user_turn_of_failed_steps_only(
     g = entry_fields(passed, sdpo=True)
     assert g[TEACHER_PROMPT_FIELD].tolist() == passed.prompt_ids.tolist() and int(g[HAS_FEEDBACK_FIELD]) == 0
     assert TEACHER_PROMPT_FIELD not in entry_fields(failed)  # other algorithms carry no SDPO fields
+
+
+class FlakyServer(FakeServer):
+    """Scripted outcomes per call: "raise", "abort", "" (no token) or a reply text."""
+
+    async def generate(self, request_id, prompt_ids, sampling_params):
+        self.calls.append((list(prompt_ids), dict(sampling_params)))
+        step = self.replies.pop(0)
+        if step == "raise":
+            raise ConnectionError("replica down")
+        if step == "abort":
+            return SimpleNamespace(token_ids=[ord("a")], log_probs=[-0.5], stop_reason="aborted",
+                                   extra_fields={"global_steps": self.version})
+        ids = [ord(c) for c in step]
+        return SimpleNamespace(token_ids=ids, log_probs=[-0.5] * len(ids), stop_reason="completed",
+                               extra_fields={"global_steps": self.version})
+
+
+def _flaky_producer(script, max_retries=2):
+    server = FlakyServer(script)
+    buf = ReplayBuffer(b_max=100, b_min=1, a_max=10, seed=0)
+    prod = RolloutProducer(server.generate, ChatRenderer(CharTokenizer()), FakeReplay(buf), max_new_tokens=7,
+                           max_concurrent=1, max_retries=max_retries)
+    return prod, buf, server
+
+
+def test_failed_or_aborted_generations_are_retried_then_the_scenario_is_dropped():
+    # turn 0: raise, abort, then "ok"; turn 1: "fine" -> two entries, two retries, one abort; never an aborted entry
+    prod, buf, server = _flaky_producer(["raise", "abort", "ok", "fine"])
+    asyncio.run(prod.run_split([scenario(0)]))
+    assert [[int(t) for t in e.response_ids] for e in buf.entries()] == [[ord("o"), ord("k")], [ord(c) for c in "fine"]]
+    st = prod.stats.as_dict()
+    assert (st["retries"], st["aborted"], st["dropped_scenarios"], st["steps"]) == (2, 1, 0, 2)
+    # Three failures of one call (max_retries=2) drop the whole scenario, counted with its cause; the next one runs.
+    prod, buf, _ = _flaky_producer(["ok", "raise", "abort", "raise", "a", "b"])
+    asyncio.run(prod.run_split([scenario(0), scenario(1)]))
+    st = prod.stats.as_dict()
+    assert (st["dropped_scenarios"], st["scenarios"], len(buf)) == (1, 1, 2)
+    assert "replica down" in st["last_drop_cause"] and "3 attempts" in st["last_drop_cause"]
+
+
+def test_an_empty_reply_ends_the_scenario_and_is_counted():
+    prod, buf, _ = _flaky_producer(["", "unused"])
+    asyncio.run(prod.run_split([scenario(0)]))
+    assert prod.stats.empty_replies == 1 and len(buf) == 0
+
+
+def test_scenario_mode_inserts_one_concatenable_scenario_entry_with_min_reward():
+    from claas_verl.replay import ScenarioEntry
+    from claas_verl.trainer.claas.tq_fields import scenario_sequence
+
+    buf = ReplayBuffer(b_max=10, b_min=1, a_max=5, entry_unit="scenario")
+    ema = EmaRewardStats()
+    prod, server = make_producer(["ok", "xx!", "fine", "CRASH"], buf, ema_stats=ema, ema_lock=threading.Lock(),
+                                 entry_unit="scenario")
+    asyncio.run(prod.run_split([scenario(0), scenario(1)]))
+    (entry,) = buf.entries()  # scenario 1 had a None step: dropped whole (SPEC A.1.5)
+    assert isinstance(entry, ScenarioEntry) and entry.reward == 0.0 and [s.reward for s in entry.steps] == [1.0, 0.0]
+    # turn 1's prompt is turn 0's prompt + the sampled reply ids + the observation: one replayable sequence
+    prompt, response, mask, behaviour = scenario_sequence(entry)
+    assert server.calls[1][0] == [int(t) for t in entry.steps[1].prompt_ids]
+    assert sum(mask) == entry.n_tokens and math.isclose(sum(behaviour), -2.5)
+    assert ema.count == 1 and prod.stats.none_rewards == 1

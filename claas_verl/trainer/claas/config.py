@@ -62,14 +62,54 @@ class ProducerConfig:
 
     max_concurrent_scenarios: int = 4
     max_new_tokens: int = 256
+    enabled: bool = True  # false: no scenario stream; the chat API (claas.service) is the only source of entries
+    max_retries: int = 2  # a failed/aborted generate or a failed grading call is retried this often, then dropped
 
     def __post_init__(self):
+        if not isinstance(self.max_retries, int) or self.max_retries < 0:
+            raise ValueError(f"claas.producer.max_retries must be an int >= 0, got {self.max_retries!r}")
         if self.max_concurrent_scenarios < 1:
             raise ValueError(
                 f"claas.producer.max_concurrent_scenarios must be >= 1, got {self.max_concurrent_scenarios}"
             )
         if self.max_new_tokens < 1:
             raise ValueError(f"claas.producer.max_new_tokens must be >= 1, got {self.max_new_tokens}")
+
+
+@dataclass
+class ServiceSection:
+    """The chat API of the job (``claas_verl.service``) in front of the job's own rollout servers.
+
+    ``enabled``: serve ``/v1/chat/completions`` on ``host:port`` (port 0: a free port; the URL is written to
+    ``<default_local_dir>/service.json``). ``api_keys`` (or ``$CLAAS_API_KEY``, comma separated) guard every endpoint
+    but ``/health``; ``admin_key`` (or ``$CLAAS_ADMIN_KEY``) guards ``/v1/claas/shutdown``. ``reward``: ``binary``
+    ({0, 1}) or ``unit`` ([0, 1]). ``max_tokens``: the largest response a request may ask for (default
+    ``claas.producer.max_new_tokens``, also the default budget). Limits: ``max_body_bytes`` (413),
+    ``max_messages`` / ``max_message_chars`` (400); ``max_pending`` turns await feedback at most
+    ``pending_ttl_s`` seconds (expiry and overflow are counted in ``/v1/claas/stats``).
+    """
+
+    enabled: bool = False
+    host: str = "127.0.0.1"
+    port: int = 8000
+    model_name: str = "claas"
+    api_keys: list = field(default_factory=list)
+    admin_key: str | None = None
+    reward: str = "binary"
+    max_tokens: int | None = None
+    max_pending: int = 4096
+    pending_ttl_s: float = 600.0
+    max_body_bytes: int = 1 << 20
+    max_messages: int = 256
+    max_message_chars: int = 32_768
+
+    def __post_init__(self):
+        if not isinstance(self.port, int) or not 0 <= self.port < 65536:
+            raise ValueError(f"claas.service.port must be an int in [0, 65535], got {self.port!r}")
+        if self.reward not in ("binary", "unit"):
+            raise ValueError(f"claas.service.reward must be 'binary' or 'unit', got {self.reward!r}")
+        if self.max_tokens is not None and self.max_tokens < 1:
+            raise ValueError(f"claas.service.max_tokens must be null or >= 1, got {self.max_tokens}")
 
 
 @dataclass
@@ -149,8 +189,10 @@ class ClaasConfig:
     """Validated ``claas:`` recipe block.
 
     ``algorithm``: ``reinforce_pp`` | ``ppo`` | ``sdpo`` | ``icl`` (``icl`` never updates parameters).
-    ``m``/``b_min``/``b_max``/``a_max``: SPEC A.1 sizes. ``entry_unit``: only ``"step"`` is produced
-    by this trainer (SPEC A.1.5 default). ``max_updates``: optional cap on optimizer steps (None: run
+    ``m``/``b_min``/``b_max``/``a_max``: SPEC A.1 sizes (counted in entries of ``entry_unit``). ``entry_unit``:
+    ``"step"`` (SPEC A.1.5 default) or ``"scenario"`` (one entry per scenario, trained as one multi-turn sequence
+    with the scenario reward ``min_t r_t``; REINFORCE++ / PPO, producer-driven).
+    ``max_updates``: optional cap on optimizer steps (None: run
     the whole split protocol). ``trace``: write ``claas_trace.jsonl`` (one line per update) next to
     the checkpoints. ``probe_served_policy``: after each weight push, read back a fingerprint of the
     weights the rollout server serves (CPU ``hf`` rollout only; used by tests).
@@ -173,19 +215,29 @@ class ClaasConfig:
     rpp: RppConfig = field(default_factory=RppConfig)
     icl: IclConfig = field(default_factory=IclConfig)
     sdpo: SdpoConfig = field(default_factory=SdpoConfig)
+    service: ServiceSection = field(default_factory=ServiceSection)
 
     def __post_init__(self):
         if self.algorithm not in ALGORITHMS:
             raise ValueError(f"claas.algorithm must be one of {ALGORITHMS}, got {self.algorithm!r}")
-        if self.entry_unit != "step":
-            raise ValueError(
-                f"claas.entry_unit={self.entry_unit!r}: this trainer produces per-step entries only "
-                "(SPEC A.1.5 default); use entry_unit=step"
-            )
+        if self.entry_unit not in ("step", "scenario"):
+            raise ValueError(f"claas.entry_unit must be 'step' or 'scenario' (SPEC A.1.5), got {self.entry_unit!r}")
+        if self.entry_unit == "scenario" and self.algorithm in ("sdpo", "icl"):
+            raise ValueError(f"claas.entry_unit=scenario with claas.algorithm={self.algorithm}: SDPO and ICL work per "
+                             "step (one feedback / teacher context per step); use entry_unit=step")
+        if self.entry_unit == "scenario" and self.service.enabled:
+            raise ValueError("claas.entry_unit=scenario with claas.service.enabled: the chat API records one entry per "
+                             "turn; use entry_unit=step")
         if self.a_max < 0:
             raise ValueError(f"claas.a_max must be >= 0, got {self.a_max}")
         if self.max_updates is not None and self.max_updates < 1:
             raise ValueError(f"claas.max_updates must be null or >= 1, got {self.max_updates}")
+        if not self.producer.enabled and not self.service.enabled:
+            raise ValueError("claas.producer.enabled=false needs claas.service.enabled=true: with neither the "
+                             "scenario producers nor the chat API nothing would ever reach the buffer")
+        if self.service.enabled and self.algorithm == "sdpo":
+            raise ValueError("claas.service.enabled with claas.algorithm=sdpo: the chat API does not build SDPO's "
+                             "re-prompted teacher context yet; use reinforce_pp or ppo behind the API")
         from claas_verl.replay.buffer import validate_replay_sizes
 
         validate_replay_sizes(self.m, self.b_min, self.b_max)
@@ -199,7 +251,7 @@ class ClaasConfig:
     def from_config(cls, raw: Any) -> ClaasConfig:
         raw = dict(_plain(raw) or {})
         subs = {"env": EnvConfig, "stream": StreamConfig, "producer": ProducerConfig, "eval": EvalConfig,
-                "rpp": RppConfig, "icl": IclConfig, "sdpo": SdpoConfig}
+                "rpp": RppConfig, "icl": IclConfig, "sdpo": SdpoConfig, "service": ServiceSection}
         for key, sub_cls in subs.items():
             raw[key] = _build(sub_cls, raw.get(key), f"claas.{key}")
         return _build(cls, raw, "claas")

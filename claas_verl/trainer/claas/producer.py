@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from claas_verl.envs.base import Grade, Scenario
-from claas_verl.replay.entry import ReplayEntry
+from claas_verl.replay.entry import ReplayEntry, ScenarioEntry
 from claas_verl.replay.store import send_format
 
 # (request_id, prompt_ids, sampling_params) -> object with token_ids, log_probs, extra_fields (verl's TokenOutput)
@@ -98,6 +98,13 @@ class ProducerStats:
     generate_s: float = 0.0
     prompt_too_long: int = 0
     rollout_wall_s: float = 0.0  # wall time spent with a split's rollouts in flight
+    aborted: int = 0  # generations the server aborted (e.g. cut by a weight update); the turn is re-generated
+    retries: int = 0  # generate / grade calls retried after an error or an abort
+    empty_replies: int = 0  # the server returned no token (not an abort): the scenario ends there, counted
+    unconcatenable: int = 0  # scenario mode: turns the template would not let extend the previous tokens
+    ema_skipped: int = 0  # accepted rewards of partially accepted batches the EMA did not see (see _produce_one)
+    dropped_scenarios: int = 0  # scenarios dropped after max_retries failed attempts of one call
+    last_drop_cause: str | None = None
     versions: list = field(default_factory=list)
 
     def as_dict(self) -> dict:
@@ -114,7 +121,21 @@ class ProducerStats:
             "prompt_too_long": self.prompt_too_long,
             "rollout_wall_s": self.rollout_wall_s,
             "tokens_per_s": self.generated_tokens / self.rollout_wall_s if self.rollout_wall_s else float("nan"),
+            "aborted": self.aborted,
+            "retries": self.retries,
+            "empty_replies": self.empty_replies,
+            "unconcatenable": self.unconcatenable,
+            "ema_skipped": self.ema_skipped,
+            "dropped_scenarios": self.dropped_scenarios,
+            "last_drop_cause": self.last_drop_cause,
         }
+
+
+class ScenarioDropped(RuntimeError):
+    """One call of a scenario failed ``max_retries + 1`` times: the scenario is dropped (counted), the run goes on."""
+
+
+_ABORTED = ("abort", "aborted")
 
 
 class ChatRenderer:
@@ -132,6 +153,18 @@ class ChatRenderer:
     def decode(self, ids: Sequence[int]) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=True)
 
+    def extend(self, prev_text: str, prev_ids: list[int], reply_ids: Sequence[int],
+               messages: list[dict]) -> tuple[list[int], str, bool] | None:
+        """Next turn's prompt as ``prev_ids + reply_ids + observation ids`` (token-level multi-turn, as verl's agent
+        loop builds it), so a scenario is one token sequence; ``(ids, text, think_open)``, or None when the
+        template re-renders the earlier turns differently (then the turns cannot be concatenated)."""
+        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        sampled = prev_text + self.tokenizer.decode(list(reply_ids), skip_special_tokens=False)
+        if not text.startswith(sampled):
+            return None
+        obs = self.tokenizer.encode(text[len(sampled):], add_special_tokens=False)
+        return list(prev_ids) + [int(t) for t in reply_ids] + list(obs), text, text.rstrip().endswith("<think>")
+
 
 class RolloutProducer:
     """Generates, grades and inserts per-step entries; also evaluates pass rates without inserting.
@@ -148,11 +181,18 @@ class RolloutProducer:
         sdpo_reprompt: SDPO only: ``{"reprompt_success": bool}``; each graded step also gets the token ids of its
             teacher context x' (the last user turn re-prompted with the verifier feedback, SPEC A.3.3), stored
             in the entry's ``metadata["teacher_prompt_ids"]``.
+        max_retries: a generate call that raises or comes back aborted, or a grading call that raises, is retried
+            this many times; then the scenario is dropped and counted (``dropped_scenarios``).
+        entry_unit: ``"step"`` (one entry per step) or ``"scenario"`` (one :class:`ScenarioEntry` per scenario,
+            reward ``min`` over the steps, dropped when any step reward is None; SPEC A.1.5). In scenario mode each
+            turn's prompt extends the previous prompt + sampled reply token by token, so the scenario is one
+            sequence the trainer can replay exactly.
     """
 
     def __init__(self, generate: GenerateFn, renderer: ChatRenderer, replay: Any, *, max_new_tokens: int,
                  max_concurrent: int = 4, max_prompt_tokens: int | None = None, ema_stats=None,
-                 ema_lock: threading.Lock | None = None, icl_memory=None, sdpo_reprompt: dict | None = None):
+                 ema_lock: threading.Lock | None = None, icl_memory=None, sdpo_reprompt: dict | None = None,
+                 max_retries: int = 2, entry_unit: str = "step"):
         self.generate = generate
         self.renderer = renderer
         self.replay = replay
@@ -163,7 +203,45 @@ class RolloutProducer:
         self.ema_lock = ema_lock or threading.Lock()
         self.icl_memory = icl_memory
         self.sdpo_reprompt = sdpo_reprompt
+        if max_retries < 0:
+            raise ValueError(f"max_retries must be >= 0, got {max_retries}")
+        self.max_retries = int(max_retries)
+        if entry_unit not in ("step", "scenario"):
+            raise ValueError(f"entry_unit must be 'step' or 'scenario', got {entry_unit!r}")
+        if entry_unit == "scenario" and (sdpo_reprompt is not None or icl_memory is not None):
+            raise ValueError("entry_unit='scenario' is for reinforce_pp / ppo (SDPO and ICL work per step)")
+        self.entry_unit = entry_unit
         self.stats = ProducerStats()
+
+    async def _generate_complete(self, session: str, prompt_ids: list, sampling: dict):
+        """One complete generation: an aborted one (finish reason ``abort``: cut by a weight update) or a raised
+        call is retried from the same prompt under the then-served policy; ``ScenarioDropped`` after the bound."""
+        cause = None
+        for attempt in range(self.max_retries + 1):
+            if attempt:
+                self.stats.retries += 1
+            try:
+                out = await self.generate(session, prompt_ids, dict(sampling))
+            except Exception as exc:  # noqa: BLE001 - a replica error: retried, then the scenario is dropped
+                cause = f"generate raised {exc!r}"
+                continue
+            if str(getattr(out, "stop_reason", "") or "") in _ABORTED:
+                self.stats.aborted += 1  # never recorded: its tokens are not one complete draw from one policy
+                cause = "generation aborted by the server"
+                continue
+            return out
+        raise ScenarioDropped(f"{cause} ({self.max_retries + 1} attempts)")
+
+    async def _grade(self, scenario: Scenario, text: str, turn: int, think_open: bool) -> Grade:
+        cause = None
+        for attempt in range(self.max_retries + 1):
+            if attempt:
+                self.stats.retries += 1
+            try:
+                return await asyncio.to_thread(scenario.grade, text, turn, think_open)
+            except Exception as exc:  # noqa: BLE001 - the grading call itself failed (not a grader verdict)
+                cause = f"grading raised {exc!r}"
+        raise ScenarioDropped(f"{cause} ({self.max_retries + 1} attempts)")
 
     # ------------------------------------------------------------------ one scenario
     async def run_scenario(self, scenario: Scenario, scenario_index: int, sampling: dict,
@@ -172,21 +250,33 @@ class RolloutProducer:
         replies: list[str] = []
         records: list[StepRecord] = []
         session = uuid.uuid4().hex  # sticky session: every turn of a scenario goes to the same server
+        prev = None  # scenario mode: (prompt text, prompt ids, reply ids) of the previous turn
         for turn in range(scenario.num_turns):
             system = None
             if self.icl_memory is not None:
                 system = self.icl_memory.system_prompt(scenario.system_prompt)
             messages = scenario.messages(turn, replies, system_prompt=system)
-            prompt_ids, think_open = self.renderer(messages)
+            if self.entry_unit == "scenario" and prev is not None:
+                ext = self.renderer.extend(prev[0], prev[1], prev[2], messages)
+                if ext is None:
+                    self.stats.unconcatenable += 1  # the template rewrites earlier turns: no single sequence
+                    raise ScenarioDropped("the chat template re-renders earlier turns; a per-scenario entry needs "
+                                          "each prompt to extend the previous prompt + reply")
+                prompt_ids, prompt_text, think_open = ext
+            else:
+                prompt_ids, think_open = self.renderer(messages)
+                prompt_text = self.renderer.tokenizer.apply_chat_template(
+                    messages, add_generation_prompt=True, tokenize=False) if self.entry_unit == "scenario" else ""
             if self.max_prompt_tokens is not None and len(prompt_ids) > self.max_prompt_tokens:
                 self.stats.prompt_too_long += 1
                 break
             t0 = time.perf_counter()
-            out = await self.generate(session, prompt_ids, dict(sampling))
+            out = await self._generate_complete(session, prompt_ids, sampling)
             latency = time.perf_counter() - t0
             token_ids = [int(t) for t in out.token_ids]
             if not token_ids:
-                break  # the server returned nothing (aborted request): no step to grade or train on
+                self.stats.empty_replies += 1  # no token: no step to grade or train on; the scenario ends, counted
+                break
             logps = out.log_probs
             if logps is None or len(logps) != len(token_ids):
                 raise RuntimeError(
@@ -194,7 +284,7 @@ class RolloutProducer:
                     "behaviour log-prob of every sampled token (sampling_params['logprobs']=True)"
                 )
             text = self.renderer.decode(token_ids)
-            grade = await asyncio.to_thread(scenario.grade, text, turn, think_open)
+            grade = await self._grade(scenario, text, turn, think_open)
             extra = getattr(out, "extra_fields", None) or {}
             version = extra.get("global_steps")
             records.append(StepRecord(
@@ -209,6 +299,7 @@ class RolloutProducer:
                 self.icl_memory.add_feedback(grade.feedback, scenario_id=scenario.scenario_id,
                                              attack=scenario.user_turns[turn], response=text)
             replies.append(text)
+            prev = (prompt_text, prompt_ids, token_ids)
         return records
 
     def _teacher_prompt(self, messages: list[dict], grade: Grade) -> list[int] | None:
@@ -240,7 +331,12 @@ class RolloutProducer:
     async def _produce_one(self, scenario: Scenario, index: int, sem: asyncio.Semaphore) -> None:
         async with sem:
             sampling = {**TRAIN_SAMPLING, "logprobs": True, "max_tokens": self.max_new_tokens}
-            records = await self.run_scenario(scenario, index, sampling, learn_icl=True)
+            try:
+                records = await self.run_scenario(scenario, index, sampling, learn_icl=True)
+            except ScenarioDropped as exc:
+                self.stats.dropped_scenarios += 1
+                self.stats.last_drop_cause = str(exc)
+                return
         self.stats.scenarios += 1
         self.stats.steps += len(records)
         entries = []
@@ -251,13 +347,24 @@ class RolloutProducer:
             self.stats.reward_sum += rec.grade.reward
             self.stats.versions.append(rec.version)
             entries.append(self._to_entry(rec, scenario))
+        if self.entry_unit == "scenario":
+            if not records or len(entries) != len(records):
+                return  # SPEC A.1.5: a scenario with any None step is dropped (counted in none_rewards)
+            entries = [ScenarioEntry(steps=entries, reward_agg="min", metadata={"scenario": scenario.scenario_id})]
         if not entries or self.replay is None:
             return
         self.stats.entries_sent += len(entries)
-        self.stats.entries_accepted += int(await self.replay.add.remote(send_format(self.replay, entries)))
-        if self.ema_stats is not None:
-            with self.ema_lock:  # SPEC A.3.1: the EMA sees every inserted (non-None) reward, at insertion time
-                self.ema_stats.update_many(e.reward for e in entries)
+        accepted = int(await self.replay.add.remote(send_format(self.replay, entries)))
+        self.stats.entries_accepted += accepted
+        if self.ema_stats is not None and accepted:
+            # SPEC A.3.1: the EMA sees every inserted (non-None) reward, at insertion time. A batch is one scenario's
+            # steps; when the buffer refused some of them (stale on arrival, duplicate) the accepted ones cannot be
+            # told apart from the count alone, so the EMA takes the batch only when all of it was accepted.
+            if accepted == len(entries):
+                with self.ema_lock:
+                    self.ema_stats.update_many(e.reward for e in entries)
+            else:
+                self.stats.ema_skipped += accepted
 
     async def run_split(self, scenarios: Sequence[Scenario], index_offset: int = 0) -> dict:
         """Produce every scenario of one split (``max_concurrent`` at a time); return the cumulative stats."""
@@ -282,7 +389,10 @@ class RolloutProducer:
 
         async def one(s: Scenario, i: int) -> list[StepRecord]:
             async with sem:
-                return await self.run_scenario(s, i, sampling, learn_icl=False)
+                try:
+                    return await self.run_scenario(s, i, sampling, learn_icl=False)
+                except ScenarioDropped:
+                    return []  # no graded step: the cell averages the scenarios that could be played
 
         runs = await asyncio.gather(*[one(s, i) for i, s in enumerate(scenarios) for _ in range(n_samples)])
         rewards = [r.grade.reward for recs in runs for r in recs]

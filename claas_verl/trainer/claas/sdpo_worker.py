@@ -22,8 +22,9 @@ the parameters are the same (one optimizer step per sampled minibatch), so they 
 float noise between the two forward layouts; student and teacher are always compared at the same ids.
 
 Every private verl name used here is listed in :mod:`claas_verl.trainer.claas.verl_couplings`.
-Memory note: the pre/teacher passes materialise ``[rows, L, V]`` fp32 logits per engine micro-batch (no
-chunking yet), fine for the tiny CPU model and small micro-batches.
+Memory note: the pre/teacher passes keep the forward's logits on the device in the model's dtype and reduce them
+there in chunks of response positions (:func:`response_logprob_stats`): only top-K ids and gathered log-probs reach
+the host, so a 152k vocabulary fits.
 """
 
 from __future__ import annotations
@@ -99,8 +100,18 @@ def _as_response_field(values: list[torch.Tensor], like: torch.Tensor) -> torch.
 
 
 @torch.no_grad()
-def response_logprobs(module, sequences: list[torch.Tensor], resp_lens: list[int], device) -> list[torch.Tensor]:
-    """Full-vocabulary log-softmax at the response positions, ``[R_b, V]`` fp32 per row (one padded forward)."""
+def response_logprob_stats(module, sequences: list[torch.Tensor], resp_lens: list[int], device, *, topk: int = 0,
+                           at_ids: list[torch.Tensor] | None = None, at_tokens: bool = False,
+                           chunk_tokens: int = 512) -> list[dict[str, torch.Tensor]]:
+    """Reductions of the full-vocabulary log-softmax at each row's response positions (one padded forward).
+
+    Per row, on the host: ``"topk"`` the ``[R, topk]`` ids of the largest log-probs (if ``topk``), ``"at_ids"`` the
+    ``[R, K]`` fp32 log-probs at ``at_ids[b]`` (if given) and ``"at_tokens"`` the ``[R]`` fp32 log-probs of the
+    response tokens themselves (if ``at_tokens``). The log-softmax runs on the device in chunks of ``chunk_tokens``
+    positions, so at most ``[chunk_tokens, V]`` fp32 exists at a time and nothing of size V leaves the device: a
+    152k vocabulary costs ``chunk_tokens * V * 4`` bytes of scratch (312 MB at 512), not ``[rows, L, V]`` fp32 copies
+    on the host. The forward's own ``[rows, L, V]`` logits stay in the model's dtype on the device.
+    """
     L = max(int(s.shape[0]) for s in sequences)
     ids = torch.zeros((len(sequences), L), dtype=torch.long)
     attn = torch.zeros((len(sequences), L), dtype=torch.long)
@@ -113,7 +124,20 @@ def response_logprobs(module, sequences: list[torch.Tensor], resp_lens: list[int
     out = []
     for b, s in enumerate(sequences):
         n, r = int(s.shape[0]), int(resp_lens[b])
-        out.append(torch.log_softmax(logits[b, n - r - 1: n - 1].float(), dim=-1).cpu())
+        parts: dict[str, list[torch.Tensor]] = {"topk": [], "at_ids": [], "at_tokens": []}
+        tokens = s[n - r:].to(device).long()
+        for a in range(0, r, chunk_tokens):
+            e = min(r, a + chunk_tokens)
+            lp = torch.log_softmax(logits[b, n - r - 1 + a: n - 1 - r + e].float(), dim=-1)  # [c, V] on device
+            if topk:
+                parts["topk"].append(lp.topk(min(topk, lp.shape[-1]), dim=-1).indices.cpu())
+            if at_ids is not None:
+                parts["at_ids"].append(lp.gather(-1, at_ids[b][a:e].to(device)).cpu())
+            if at_tokens:
+                parts["at_tokens"].append(lp.gather(-1, tokens[a:e, None]).squeeze(-1).cpu())
+            del lp
+        out.append({k: torch.cat(v) for k, v in parts.items() if v})
+    del logits
     return out
 
 
@@ -240,21 +264,21 @@ class ClaasSdpoTrainingWorker(TrainingWorker):
         with self.engine.eval_mode(), torch.no_grad():
             for a in range(0, len(full), rows):
                 sl = slice(a, a + rows)
-                s_lp = response_logprobs(module, [x.cpu() for x in full[sl]], resp_l[sl], device)
-                kk = min(int(c["topk"]), s_lp[0].shape[-1])
-                k = kk
-                ids += [x.topk(kk, dim=-1).indices for x in s_lp]
-                del s_lp
+                stats = response_logprob_stats(module, [x.cpu() for x in full[sl]], resp_l[sl], device,
+                                               topk=int(c["topk"]))
+                ids += [x["topk"] for x in stats]
+                k = int(ids[0].shape[-1])
             with self.ema.swapped_into(module):
                 for a in range(0, len(full), rows):
                     sl = slice(a, a + rows)
-                    tl = response_logprobs(module, teacher_seqs[sl], resp_l[sl], device)
-                    for x, i, y in zip(tl, ids[sl], responses[sl]):
-                        t_lp.append(x.gather(-1, i))
-                        t_y.append(x.gather(-1, y.long()[:, None]).squeeze(-1))
+                    stats = response_logprob_stats(module, teacher_seqs[sl], resp_l[sl], device, at_ids=ids[sl],
+                                                   at_tokens=True)
+                    t_lp += [x["at_ids"] for x in stats]
+                    t_y += [x["at_tokens"] for x in stats]
                     if c["is_reference"] == "ema_teacher":
-                        sl_lp = response_logprobs(module, [x.cpu() for x in full[sl]], resp_l[sl], device)
-                        is_ref += [x.gather(-1, y.long()[:, None]).sum() for x, y in zip(sl_lp, responses[sl])]
+                        own = response_logprob_stats(module, [x.cpu() for x in full[sl]], resp_l[sl], device,
+                                                     at_tokens=True)
+                        is_ref += [x["at_tokens"].double().sum() for x in own]
         like = data["response_mask"]
         for j in range(k):
             data[f"{IDS}{j}"] = _as_response_field([i[:, j] for i in ids], like)

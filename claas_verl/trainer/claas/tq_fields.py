@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from claas_verl.replay.entry import ReplayEntry
+from claas_verl.replay.entry import ReplayEntry, ScenarioEntry
 
 TEACHER_PROMPT_FIELD = "sdpo_teacher_prompt_ids"
 HAS_FEEDBACK_FIELD = "sdpo_has_feedback"
@@ -38,8 +38,12 @@ def entry_fields(entry: ReplayEntry, data_source: str = "claas", sdpo: bool = Fa
     ``input_ids``/``position_ids`` ``[Lp + n]``. With ``sdpo``: ``sdpo_teacher_prompt_ids`` ``[Lp']`` (the
     teacher context x', SPEC A.3.3) and the scalar ``sdpo_has_feedback``.
     """
+    if isinstance(entry, ScenarioEntry):
+        if sdpo:
+            raise ValueError("SDPO trains on per-step entries (one teacher context per step); use entry_unit=step")
+        return scenario_fields(entry, data_source)
     if not isinstance(entry, ReplayEntry):
-        raise ValueError(f"entry_fields expects a ReplayEntry (entry_unit='step'), got {type(entry).__name__}")
+        raise ValueError(f"entry_fields expects a ReplayEntry or a ScenarioEntry, got {type(entry).__name__}")
     prompts = torch.as_tensor(entry.prompt_ids.astype("int64"))
     responses = torch.as_tensor(entry.response_ids.astype("int64"))
     n = responses.numel()
@@ -82,9 +86,78 @@ def entry_fields(entry: ReplayEntry, data_source: str = "claas", sdpo: bool = Fa
     }
 
 
-def entry_tag(entry: ReplayEntry) -> dict[str, Any]:
+def scenario_sequence(entry: ScenarioEntry) -> tuple[list[int], list[int], list[int], list[float]]:
+    """``(prompt, response, mask, behaviour)`` of a scenario entry as ONE multi-turn sequence (SPEC A.1.5 / A.3.1).
+
+    The response part is ``y_0, o_1, y_1, ..., o_{T-1}, y_{T-1}``: each step's sampled tokens (mask 1) and the
+    observation tokens between them (the next user turn and the chat template around it, mask 0), exactly as the
+    rollout server saw them. That needs every step's prompt to extend the previous step's prompt + response token
+    by token (the producer builds scenario prompts that way); otherwise the sequence would differ from what was
+    sampled and the stored ℓ^b would not match, so ``ValueError`` names the step. ``behaviour`` holds each step's
+    ℓ^b on its first sampled token and 0 elsewhere, so the masked sum is Σ_t ℓ^b_t (the scenario's sequence log-prob).
+    """
+    steps = entry.steps
+    prompt = [int(t) for t in steps[0].prompt_ids]
+    response: list[int] = []
+    mask: list[int] = []
+    behaviour: list[float] = []
+    context = list(prompt)
+    for t, step in enumerate(steps):
+        p = [int(x) for x in step.prompt_ids]
+        if p[: len(context)] != context:
+            raise ValueError(
+                f"scenario {entry.uid!r} steps[{t}].prompt_ids do not extend steps[{t - 1}]'s prompt + response: "
+                "a per-scenario entry must be one token sequence (build multi-turn prompts by appending tokens)")
+        obs = p[len(context):]
+        y = [int(x) for x in step.response_ids]
+        response += obs + y
+        mask += [0] * len(obs) + [1] * len(y)
+        behaviour += [0.0] * len(obs) + [float(step.behaviour_logprob)] + [0.0] * (len(y) - 1)
+        context = p + y
+    return prompt, response, mask, behaviour
+
+
+def scenario_fields(entry: ScenarioEntry, data_source: str = "claas") -> dict[str, Any]:
+    """The agent-loop field dict of one replayed per-scenario entry: the steps concatenated into one sequence with
+    the observation tokens masked (``response_mask``/``loss_mask`` 0), the scenario reward ``r_i`` on the last token
+    of the last step (SPEC A.3.1 scenario mode) and the summed ℓ^b (see :func:`scenario_sequence`)."""
+    if not isinstance(entry, ScenarioEntry):
+        raise ValueError(f"scenario_fields expects a ScenarioEntry, got {type(entry).__name__}")
+    prompt, response, mask, behaviour = scenario_sequence(entry)
+    prompts = torch.tensor(prompt, dtype=torch.int64)
+    responses = torch.tensor(response, dtype=torch.int64)
+    response_mask = torch.tensor(mask, dtype=torch.int64)
+    rm_scores = torch.zeros(len(response), dtype=torch.float32)
+    rm_scores[-1] = float(entry.reward)  # the last step's last token ends the sequence (no observation after it)
+    input_ids = torch.cat([prompts, responses])
+    version = int(entry.P) if entry.P is not None else None
+    return {
+        "prompts": prompts,
+        "responses": responses,
+        "response_mask": response_mask,
+        "loss_mask": response_mask.clone(),
+        "rollout_log_probs": torch.tensor(behaviour, dtype=torch.float32),
+        "rm_scores": rm_scores,
+        "input_ids": input_ids,
+        "position_ids": torch.arange(input_ids.numel(), dtype=torch.int64),
+        "num_turns": 2 * len(entry.steps) + 1,
+        "uid": entry.uid,
+        "data_source": data_source,
+        "extra_fields": {
+            "global_steps": version, "min_global_steps": version, "max_global_steps": version,
+            "policy_version": version, "scenario_id": int(entry.scenario_id), "step_idx": None,
+            "feedback": entry.feedback,
+        },
+    }
+
+
+def entry_tag(entry: ReplayEntry | ScenarioEntry) -> dict[str, Any]:
     """The TransferQueue tag of one replayed entry (``seq_len`` balances DP ranks; versions feed staleness metrics)."""
-    prompt_len, response_len = int(entry.prompt_ids.shape[0]), int(entry.n_tokens)
+    if isinstance(entry, ScenarioEntry):
+        prompt_len = int(entry.steps[0].prompt_ids.shape[0])
+        response_len = int(entry.steps[-1].prompt_ids.shape[0]) + int(entry.steps[-1].n_tokens) - prompt_len
+    else:
+        prompt_len, response_len = int(entry.prompt_ids.shape[0]), int(entry.n_tokens)
     version = int(entry.P) if entry.P is not None else 0
     return {
         "status": "success",

@@ -160,6 +160,9 @@ class ClaasTrainer(PPOTrainer):
         self._wait_s = 0.0
         self._last_wait_s = 0.0
         self._t_start = time.time()
+        self.service = None
+        self._service_thread = None
+        self._stop = threading.Event()  # set by POST /v1/claas/shutdown: the loop ends after the current update
 
     # ------------------------------------------------------------------ verl hooks
     def _init_resource_pool_mgr(self):
@@ -223,6 +226,9 @@ class ClaasTrainer(PPOTrainer):
             evicted = ray.get(self.replay.on_update.remote())  # k += 1 first: a pushed version is never ahead of k
         with marked_timer("update_weights", self.timing_raw, color="red"):
             self.checkpoint_manager.update_weights(self.global_steps)
+        if self.service is not None:
+            # update_weights returned: version k is on every replica the API routes to; only now announce it
+            self.service.backend.publish(self.global_steps)
         probe = self._probe_served_policy()
         if self.claas.algorithm == "sdpo":
             from claas_verl.trainer.claas import verl_couplings as vc
@@ -242,7 +248,10 @@ class ClaasTrainer(PPOTrainer):
         """verl's loop (unchanged), then the continual metrics; producers are stopped whatever happens."""
         try:
             super().fit(agent_loop_manager)
-            self._finalize()
+            if self.claas.producer.enabled:
+                self._finalize()
+            else:
+                self._finalize_service()
         finally:
             self._shutdown()
 
@@ -257,7 +266,7 @@ class ClaasTrainer(PPOTrainer):
         self.env = make_environment(c.env.name, **c.env.kwargs)
         self.stream = self.env.stream(seed=c.stream.seed, num_splits=c.stream.num_splits,
                                       split_size=c.stream.split_size)
-        per_split = min(self.stream.max_entries_per_split("step"))
+        per_split = min(self.stream.max_entries_per_split(c.entry_unit))
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             validate_replay_sizes(c.m, c.b_min, c.b_max, expected_entries_per_split=per_split)
@@ -269,7 +278,8 @@ class ClaasTrainer(PPOTrainer):
 
         # Entries arrive by reference (the producer puts each batch's tokens into the object store). The producer
         # runs in this process, which outlives the actor (max_restarts=0), so the buffers need no adoption copy.
-        self.replay = make_replay_actor(c.b_max, c.b_min, c.a_max, seed=c.seed, max_restarts=0, adopt=False)
+        self.replay = make_replay_actor(c.b_max, c.b_min, c.a_max, seed=c.seed, entry_unit=c.entry_unit,
+                                        max_restarts=0, adopt=False)
         self.replay_buffer.bind(self.replay, data_source=f"claas/{c.env.name}", sdpo=c.algorithm == "sdpo")
 
         self._ema_lock = threading.Lock()
@@ -296,17 +306,22 @@ class ClaasTrainer(PPOTrainer):
         self.producer = RolloutProducer(
             generate, ChatRenderer(tokenizer), self.replay if c.trains else None,
             max_new_tokens=c.producer.max_new_tokens, max_concurrent=c.producer.max_concurrent_scenarios,
+            max_retries=c.producer.max_retries, entry_unit=c.entry_unit,
             max_prompt_tokens=max_prompt, ema_stats=self._ema_live, ema_lock=self._ema_lock,
             icl_memory=self.icl_memory,
             sdpo_reprompt={"reprompt_success": c.sdpo.reprompt_success} if c.algorithm == "sdpo" else None,
         )
         self._loop = BackgroundLoop()
         os.makedirs(self.config.trainer.default_local_dir, exist_ok=True)
+        if c.service.enabled:
+            self._start_service(generate, tokenizer, int(max_len) if max_len else None)
         self._trace({"event": "start", "claas": OmegaConf.to_container(self.config.claas, resolve=True),
                      "split_ids": self.stream.ids(), "warnings": self._warnings})
 
     # ------------------------------------------------------------------ split protocol
     def _start_next_split(self) -> None:
+        if not self.claas.producer.enabled:
+            return  # service-driven: no scenario stream
         self._split_idx += 1
         if self._split_idx >= self.stream.num_splits:
             self._split_future = None
@@ -324,7 +339,12 @@ class ClaasTrainer(PPOTrainer):
         """
         t0 = time.perf_counter()
         try:
+            if not self.claas.producer.enabled:
+                return self._wait_service_ready()
             while self._split_future is not None:
+                if self._split_future.done() and self._split_future.exception() is not None:
+                    # dead producers fail the run at once, with their cause, never training on without them
+                    raise RuntimeError("the rollout producers died") from self._split_future.exception()
                 if self.claas.trains:
                     ref = self.replay.wait_ready.remote()
                     ready = ref.future()
@@ -347,6 +367,16 @@ class ClaasTrainer(PPOTrainer):
         finally:
             self._last_wait_s = time.perf_counter() - t0
             self._wait_s += self._last_wait_s
+
+    def _wait_service_ready(self) -> bool:
+        """Service-driven loop: block until the chat API filled the buffer to B_min (True) or a shutdown was asked
+        (False); fails at once if the API thread died."""
+        while not self._stop.is_set():
+            if self._service_thread is not None and not self._service_thread.alive:
+                raise RuntimeError("the chat API thread died; see the log above")
+            if ray.get(self.replay.wait_ready.remote(1.0)):
+                return True
+        return False
 
     def _finish_split(self) -> None:
         j = self._split_idx
@@ -384,6 +414,82 @@ class ClaasTrainer(PPOTrainer):
                 max_new_tokens=e.max_new_tokens)).result()
             row.append(res["pass_rate"])
         return row
+
+    # ------------------------------------------------------------------ chat API
+    def _start_service(self, generate, tokenizer, max_model_len: int | None) -> None:
+        """Start the chat API (``claas.service``) on this process, in front of the job's rollout replicas."""
+        from claas_verl.service import ChatService, ServiceConfig, build_app
+        from claas_verl.service.app import check_exposure
+        from claas_verl.service.rollout_backend import RolloutBackend
+        from claas_verl.service.server import ServiceThread
+        from claas_verl.service.sinks import ActorSink
+
+        s = self.claas.service
+        keys = tuple(s.api_keys) or tuple(k for k in os.environ.get("CLAAS_API_KEY", "").split(",") if k)
+        cap = s.max_tokens or self.claas.producer.max_new_tokens
+        cfg = ServiceConfig(
+            record=True, default_scenario_id=0, max_pending=s.max_pending, pending_ttl_s=s.pending_ttl_s,
+            api_keys=keys, admin_key=s.admin_key or os.environ.get("CLAAS_ADMIN_KEY") or None, adapter_root=None,
+            reward=s.reward, max_body_bytes=s.max_body_bytes, max_messages=s.max_messages,
+            max_message_chars=s.max_message_chars, max_tokens=cap, default_max_tokens=cap,
+        )
+        check_exposure(s.host, cfg)
+        backend = RolloutBackend(generate, tokenizer, model_name=s.model_name, default_max_tokens=cap,
+                                 max_model_len=max_model_len, eos_token_ids=self._eos_ids(),
+                                 policy_version=self.global_steps)
+        sink = ActorSink(self.replay, on_accepted=self._on_service_accepted)
+        self.service = ChatService(backend, sink, config=cfg, extra_stats=self._service_extra_stats,
+                                   on_shutdown=self._stop.set)
+        self._service_thread = ServiceThread(build_app(self.service), host=s.host, port=s.port).start()
+        url = self._service_thread.url
+        with open(os.path.join(self.config.trainer.default_local_dir, "service.json"), "w") as f:
+            json.dump({"url": url, "base_url": f"{url}/v1", "model": s.model_name, "pid": os.getpid()}, f)
+        print(f"[claas] chat API at {url}/v1 (model {s.model_name!r}, auth "
+              f"{'on' if keys else 'off'}); policy version {self.global_steps}", flush=True)
+
+    def _eos_ids(self) -> list[int]:
+        """EOS ids of the policy (generation config + tokenizer): a reply ending on one has finish_reason "stop"."""
+        from transformers import GenerationConfig
+
+        ids = set()
+        try:
+            eos = GenerationConfig.from_pretrained(self.config.actor_rollout_ref.model.path).eos_token_id
+            ids.update([eos] if isinstance(eos, int) else list(eos or []))
+        except OSError:  # no generation_config.json: the tokenizer's EOS only
+            pass
+        if self.tokenizer.eos_token_id is not None:
+            ids.add(int(self.tokenizer.eos_token_id))
+        return sorted(ids)
+
+    def _on_service_accepted(self, entries: list, accepted: int) -> None:
+        """SPEC A.3.1: the EMA sees every reward the buffer accepted, at insertion time (as the producers do)."""
+        if self._ema_live is None:
+            return
+        if accepted != len(entries):
+            raise RuntimeError(f"the buffer accepted {accepted} of {len(entries)} entries of one chat write; "
+                               "the chat API writes one entry per call")
+        with self._ema_lock:
+            self._ema_live.update_many(e.reward for e in entries)
+
+    def _service_extra_stats(self) -> dict:
+        out = {"buffer": ray.get(self.replay.stats.remote()), "updates": self._updates}
+        if self._ema_live is not None:
+            with self._ema_lock:
+                out["ema"] = self._ema_live.state_dict()
+        return out
+
+    def _finalize_service(self) -> None:
+        """Service-driven run: no scenario splits, so no M; record the API's and the buffer's statistics."""
+        self.service.recorder.sink.flush(30.0)
+        stats = self.service.stats()
+        record = {"algorithm": self.claas.algorithm, "updates": self._updates, "service": stats,
+                  "trainer_wait_buffer_s": self._wait_s, "wall_s": time.time() - self._t_start,
+                  "warnings": self._warnings}
+        path = Path(self.config.trainer.default_local_dir) / "service_stats.json"
+        path.write_text(json.dumps(record, indent=2, default=str) + "\n")
+        t = stats["turns"]
+        print(f"[claas] {self._updates} updates from the chat API; served {t['served']}, completed {t['completed']}, "
+              f"accepted {t['accepted']}, expired {t['expired']}; stats: {path}", flush=True)
 
     # ------------------------------------------------------------------ records
     def _probe_served_policy(self) -> dict:
@@ -453,6 +559,9 @@ class ClaasTrainer(PPOTrainer):
               f"{buffer_stats['max_uses']} (A_max+1={self.claas.a_max + 1}); metrics: {paths['json']}", flush=True)
 
     def _shutdown(self) -> None:
+        if self._service_thread is not None:
+            self._service_thread.stop()
+            self._service_thread = None
         if self._loop is not None:
             self._loop.close()
             self._loop = None

@@ -220,7 +220,8 @@ class HFRolloutServer:
             raise ValueError("the 'hf' CPU rollout is text-only; image_data/video_data are not supported")
         prompt_ids = [int(t) for t in prompt_ids]
         async with self._lock:
-            version = self.policy_version
+            # captured when the request starts: the version that served it from its start (SPEC A.1.1)
+            version, steps = self.policy_version, self.global_steps
             tokens, logps, stop_reason = await asyncio.to_thread(
                 self._generate_sync, prompt_ids, dict(sampling_params), self._request_generator(prompt_ids)
             )
@@ -228,7 +229,7 @@ class HFRolloutServer:
             token_ids=tokens,
             log_probs=logps if sampling_params.get("logprobs") else None,
             stop_reason=stop_reason,
-            extra_fields={"global_steps": self.global_steps, "policy_version": version},
+            extra_fields={"global_steps": steps, "policy_version": version},
         )
 
     # ------------------------------------------------------------------ weight sync
