@@ -2,7 +2,8 @@
 
 Recipes live in the repository's ``recipes/`` directory (``recipes/claas/*.yaml``); they compose verl's
 ``ppo_trainer`` and, for the tiny CPU variants, the ``cpu`` preset. Like verl-recipe's ``main_dapo``: Hydra
-config -> (join a running Ray cluster, :mod:`claas_verl.verl_ext.ray_connect`) -> verl's ``run_ppo`` with a task runner that registers the ``claas`` trainer in its Ray process and
+config -> (join a running Ray cluster, :mod:`claas_verl.verl_ext.ray_connect`) ->
+verl's ``run_ppo`` with a task runner that registers the ``claas`` trainer in its Ray process and
 skips verl's agent loop (CLaaS rollouts come from its own scenario producers).
 
 Example (CPU, a few minutes on 2 cores)::

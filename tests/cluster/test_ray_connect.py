@@ -73,7 +73,8 @@ def test_connect_kwargs_drop_start_only_keys_and_merge_the_runtime_env():
 def test_connect_kwargs_leave_to_the_job_what_it_sets():
     # Ray refuses a driver runtime env that repeats a field or an env var of the submitted job's
     ray_init = {"num_cpus": 8, "runtime_env": {"env_vars": {"VERL_PLATFORM": "cpu", "OMP_NUM_THREADS": "1"}}}
-    job = {"working_dir": "gcs://_ray_pkg_x.zip", "env_vars": {"VERL_USE_EXTERNAL_MODULES": "m", "OMP_NUM_THREADS": "2"}}
+    job = {"working_dir": "gcs://_ray_pkg_x.zip",
+           "env_vars": {"VERL_USE_EXTERNAL_MODULES": "m", "OMP_NUM_THREADS": "2"}}
     kwargs, ignored = connect_kwargs(ray_init, {"env_vars": {"NCCL_DEBUG": "WARN"}}, job_runtime_env=job)
     assert ignored == {"num_cpus": 8}
     assert kwargs == {"runtime_env": {"env_vars": {"NCCL_DEBUG": "WARN", "VERL_PLATFORM": "cpu"}}}
