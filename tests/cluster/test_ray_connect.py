@@ -81,3 +81,11 @@ def test_connect_kwargs_leave_to_the_job_what_it_sets():
     # nothing left at all: no runtime_env argument
     kwargs, _ = connect_kwargs({"runtime_env": {"env_vars": {"OMP_NUM_THREADS": "1"}}}, {}, job_runtime_env=job)
     assert kwargs == {}
+
+
+def test_ray_session_is_a_cluster_of_its_own(ray_session):
+    """The suite's Ray cluster was started by this process, never joined (tests/cluster/test_submit.py runs this
+    with a live head's address in RAY_ADDRESS, in CLAAS_TEST_FOREIGN_RAY, and recorded in Ray's temp dir)."""
+    gcs = ray_session.get_runtime_context().gcs_address
+    assert gcs != os.environ.get("CLAAS_TEST_FOREIGN_RAY")
+    assert ray_session._private.worker._global_node.head  # a node this process started, not a connection

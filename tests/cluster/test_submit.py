@@ -36,16 +36,20 @@ def tiny_root() -> Path:
     return Path(ensure_tiny().root)
 
 
-def _head(nodes, free_port, *resources: str) -> str:
+def _head(nodes, free_port, *resources: str, temp: str = "head") -> str:
     """The README's auth step and head start; returns the dashboard address."""
     nodes.sh("ray", "get-auth-token", "--generate")
     assert (nodes.home / ".ray" / "auth_token").is_file()
     dash = free_port()
     out = nodes.start("--head", f"--port={free_port()}", f"--dashboard-port={dash}", *resources,
-                f"--temp-dir={nodes.temp / 'head'}", "--disable-usage-stats")
+                f"--temp-dir={nodes.temp / temp}", "--disable-usage-stats")
     # what `ray start --head` prints for the workers: ray start --address='IP:PORT'
     nodes.head_gcs_address = re.search(r"ray start --address='([^']+)'", out).group(1)
     return f"http://127.0.0.1:{dash}"
+
+
+def _plain(text: str) -> str:
+    return re.sub(r"\x1b\[[0-9;]*m", "", text)  # the CLI colours its output
 
 
 def _submit(nodes, address: str, checkout: Path, job_id: str, *entrypoint: str) -> str:
@@ -53,8 +57,8 @@ def _submit(nodes, address: str, checkout: Path, job_id: str, *entrypoint: str) 
                     "--runtime-env-json", RUNTIME_ENV, "--", *entrypoint, cwd=checkout, timeout=2400, check=False)
     log = proc.stdout + proc.stderr
     status = nodes.sh("ray", "job", "status", "--address", address, job_id, check=False)
-    assert proc.returncode == 0 and "SUCCEEDED" in status.stdout + status.stderr, log[-8000:]
-    assert "claas_verl: joining the running Ray cluster at" in log, log[-4000:]
+    assert proc.returncode == 0 and f"Job '{job_id}' succeeded" in _plain(status.stdout + status.stderr), log[-8000:]
+    assert "claas_verl: joining the running Ray cluster at" in _plain(log), log[-4000:]
     return log
 
 
@@ -142,3 +146,27 @@ def test_submit_to_a_two_node_cluster(ray_nodes, checkout, free_port, tiny_root,
             "mopd.train.max_response_length=12", "mopd.eval.enabled=false", "trainer.save_freq=-1")
     _check_mopd(out / "tiny_seq_2nodes", tiny_root, steps=steps)
     _check_upload(ray_nodes.temp / "worker")  # the training rank's node unpacked the working_dir too
+
+
+def test_the_suite_ignores_a_running_cluster(ray_nodes, free_port):
+    """A live head, as a stale ``ray start`` leaves it: its address in RAY_ADDRESS and recorded in Ray's temp dir.
+
+    Outside the suite, the entry points would join it (control). The suite's own tests, run in a child pytest
+    with that environment, start their own cluster, and no driver ever connects to the head.
+    """
+    _head(ray_nodes, free_port, "--num-cpus=1", "--num-gpus=0", temp="ray")  # record: <temp>/ray/ray_current_cluster
+    gcs = ray_nodes.head_gcs_address
+    env = {**ray_nodes.env, "RAY_TMPDIR": str(ray_nodes.temp), "PYTHONPATH": str(REPO)}
+    env["PATH"] = os.pathsep.join(p for p in env["PATH"].split(os.pathsep) if p != str(ray_nodes.python.parent))
+    control = subprocess.run(
+        [sys.executable, "-c", "from claas_verl.verl_ext.ray_connect import existing_cluster_address as a; print(a())"],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert control.stdout.strip().splitlines()[-1] == gcs, control.stdout + control.stderr[-2000:]
+    child = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/cluster/test_ray_connect.py"],
+        cwd=REPO, env={**env, "RAY_ADDRESS": gcs, "CLAAS_TEST_FOREIGN_RAY": gcs},
+        capture_output=True, text=True, timeout=900)
+    assert child.returncode == 0 and " passed" in child.stdout, child.stdout[-4000:] + child.stderr[-2000:]
+    drivers = ray_nodes.sh(str(ray_nodes.python), "-c", f"import ray; ray.init(address={gcs!r}, log_to_driver=False);"
+                           "print(len(ray._private.state.jobs()))").stdout.strip().splitlines()[-1]
+    assert drivers == "1", f"{drivers} drivers connected to the head; only this probe should have"
