@@ -79,6 +79,9 @@ class RayNodes:
             RAY_AUTH_MODE="token",
             PYTHONUNBUFFERED="1",
             RAY_raylet_start_wait_time_s="180",  # a loaded 2-core host can take a minute to start a raylet
+            # Ray's memory monitor kills the newest worker when the MACHINE is above 95% memory; on this shared
+            # host other processes' memory killed a tiny job that way (Ray's documented switch turns it off)
+            RAY_memory_monitor_refresh_ms="0",
         )
         self.env = env
         self.sessions: list[int] = []

@@ -77,7 +77,7 @@ def test_main_ppo_with_verl_use_external_modules_only(tiny_root, tmp_path, bare_
                                 VERL_USE_EXTERNAL_MODULES="claas_verl.verl_ext.plugin"), tmp_path)
 
 
-def test_without_the_plugin_verl_cannot_select_the_cpu_platform(tiny_root, tmp_path, bare_python):
+def test_without_the_plugin_claas_names_are_unknown_to_verl(tiny_root, tmp_path, bare_python):
     """Control: the bare interpreter really lacks the plugin (no entry point, no VERL_USE_EXTERNAL_MODULES)."""
     probe = subprocess.run(
         [str(bare_python), "-c", "import verl.trainer.ppo.core_algos as c; c.get_policy_loss_fn('claas_seq_is')"],
