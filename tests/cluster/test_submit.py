@@ -18,6 +18,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -53,9 +54,14 @@ def _plain(text: str) -> str:
 
 
 def _submit(nodes, address: str, checkout: Path, job_id: str, *entrypoint: str) -> str:
-    proc = nodes.sh("ray", "job", "submit", "--address", address, "--submission-id", job_id,
-                    "--runtime-env-json", RUNTIME_ENV, "--", *entrypoint, cwd=checkout, timeout=2400, check=False)
-    log = proc.stdout + proc.stderr
+    for _ in range(24):
+        proc = nodes.sh("ray", "job", "submit", "--address", address, "--submission-id", job_id,
+                        "--runtime-env-json", RUNTIME_ENV, "--", *entrypoint, cwd=checkout, timeout=2400, check=False)
+        log = proc.stdout + proc.stderr
+        # right after `ray start` on a loaded host the head's agent may not be up yet (nothing was submitted)
+        if proc.returncode == 0 or "No available agent to submit job" not in log:
+            break
+        time.sleep(5)
     status = nodes.sh("ray", "job", "status", "--address", address, job_id, check=False)
     assert proc.returncode == 0 and f"Job '{job_id}' succeeded" in _plain(status.stdout + status.stderr), log[-8000:]
     assert "claas_verl: joining the running Ray cluster at" in _plain(log), log[-4000:]
