@@ -97,6 +97,10 @@ class RayNodes:
 
     def start(self, *args: str, timeout: float = 300) -> str:
         """``ray start ARGS`` in a new session; returns its output."""
+        # Ray's dashboard agent listens on a FIXED default port (52365): a second node on the same host (another
+        # test's, or the other node of a two-node cluster) fails to start its agent, and job submission then
+        # answers "No available agent". Every node of the tests gets a free one.
+        args = (*args, f"--dashboard-agent-listen-port={_free_port()}")
         proc = subprocess.Popen(["ray", "start", *args], cwd=self.root, env=self.env, stdout=subprocess.PIPE,
                                 stderr=subprocess.STDOUT, text=True, start_new_session=True)
         self.sessions.append(proc.pid)  # session id == the leader's pid; every Ray daemon of the node inherits it
