@@ -28,6 +28,9 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
+# files planted into the submitted checkout that Ray must not upload
+PLANTED = (".venv/lib/big.bin", "build/lib/x.py", "dist/claas_verl.whl", "claas_verl.egg-info/PKG-INFO",
+           "outputs/2026-01-01/run.log", "runs/old/steps.jsonl", "wandb/run/x.wandb")
 
 
 def _free_port() -> int:
@@ -157,11 +160,16 @@ def checkout(tmp_path) -> Path:
     else:  # not a git checkout: copy without the folders .gitignore names
         shutil.copytree(REPO, dst, ignore=shutil.ignore_patterns(".venv", "build", "dist", "*.egg-info", "outputs",
                                                                   "runs", "wandb", "__pycache__", ".git"))
-    for planted in (".venv/lib/big.bin", "build/lib/x.py", "dist/claas_verl.whl", "claas_verl.egg-info/PKG-INFO",
-                    "outputs/2026-01-01/run.log", "runs/old/steps.jsonl", "wandb/run/x.wandb"):
+    for planted in PLANTED:
         (dst / planted).parent.mkdir(parents=True, exist_ok=True)
         (dst / planted).write_bytes(b"0" * 1024)
     return dst
+
+
+@pytest.fixture
+def planted() -> tuple[str, ...]:
+    """The files :func:`checkout` planted (relative paths)."""
+    return PLANTED
 
 
 @pytest.fixture
