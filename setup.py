@@ -11,6 +11,9 @@ pin another torch).
 from setuptools import find_packages, setup
 
 VERL_VERSION = "0.9.1"
+# The cluster commands of the README (token auth, ray start, ray job submit) are tested with this Ray
+# (tests/cluster/); 2.61 changes the token-auth defaults again, so newer releases are not accepted untested.
+RAY_VERSION = "2.60.0"
 
 setup(
     name="claas_verl",
@@ -23,7 +26,7 @@ setup(
     include_package_data=True,
     install_requires=[
         f"verl[verl-core]=={VERL_VERSION}",
-        "ray[default]>=2.40",
+        f"ray[default]=={RAY_VERSION}",
         "hydra-core==1.3.*",
         "omegaconf>=2.3",
         "transformers>=4.51",

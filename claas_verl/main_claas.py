@@ -2,7 +2,8 @@
 
 Recipes live in the repository's ``recipes/`` directory (``recipes/claas/*.yaml``); they compose verl's
 ``ppo_trainer`` and, for the tiny CPU variants, the ``cpu`` preset. Like verl-recipe's ``main_dapo``: Hydra
-config -> verl's ``run_ppo`` with a task runner that registers the ``claas`` trainer in its Ray process and
+config -> (join a running Ray cluster, :mod:`claas_verl.verl_ext.ray_connect`) ->
+verl's ``run_ppo`` with a task runner that registers the ``claas`` trainer in its Ray process and
 skips verl's agent loop (CLaaS rollouts come from its own scenario producers).
 
 Example (CPU, a few minutes on 2 cores)::
@@ -45,8 +46,11 @@ def main(config) -> None:
     from verl.utils.config import validate_config
     from verl.utils.device import auto_set_device
 
+    from claas_verl.verl_ext.ray_connect import connect_if_cluster_running
+
     auto_set_device(config)
     validate_config(config=config, use_reference_policy=need_reference_policy(config), use_critic=need_critic(config))
+    connect_if_cluster_running(config)  # inside `ray job submit` or after `ray start`; else run_ppo starts Ray
     run_ppo(config, task_runner_class=ClaasTaskRunner)
 
 

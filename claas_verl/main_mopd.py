@@ -3,7 +3,9 @@
 The config is the recipe that ``python -m claas_verl.plan --config-name mopd/<recipe>`` shows, plus a verl
 runtime group (``recipes/mopd/verl/{cpu,gpu}.yaml``: verl's ``ppo_trainer``, the CPU preset on CPU, and the
 ``mopd.train`` values mapped onto verl keys), chosen automatically (CUDA present -> ``gpu``) unless the
-command line names one (``+verl@_global_=cpu``). Then verl's own ``run_ppo`` starts Ray and its v1
+command line names one (``+verl@_global_=cpu``). Then it joins a running Ray cluster if one is there
+(``RAY_ADDRESS``, as inside ``ray job submit``, or an earlier ``ray start`` on this node; see
+:mod:`claas_verl.verl_ext.ray_connect`), and verl's own ``run_ppo`` starts a local one otherwise and its v1
 ``TaskRunner``, which builds the trainer registered as ``trainer.v1.trainer_mode=mopd``
 (:class:`claas_verl.trainer.mopd.MOPDTrainer`).
 
@@ -94,6 +96,7 @@ def _run(cfg: DictConfig) -> None:
     from verl.utils.config import validate_config
 
     from claas_verl.trainer.mopd.verl_couplings import mopd_task_runner_class
+    from claas_verl.verl_ext.ray_connect import connect_if_cluster_running
 
     try:
         cfg = finalize_config(cfg)
@@ -101,6 +104,7 @@ def _run(cfg: DictConfig) -> None:
         print(f"claas_verl.main_mopd: error: {e}", file=sys.stderr)
         sys.exit(2)
     validate_config(config=cfg, use_reference_policy=False, use_critic=False)
+    connect_if_cluster_running(cfg)  # inside `ray job submit` or after `ray start`; else run_ppo starts Ray
     run_ppo(cfg, task_runner_class=mopd_task_runner_class())
 
 

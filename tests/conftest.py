@@ -3,6 +3,12 @@
 Two shared cores: torch's default intra-op threading makes each tiny forward
 pass tens of times slower when several processes compete, so every test
 process uses one thread (Ray workers get OMP_NUM_THREADS=1 from the recipes).
+
+The suite never joins a Ray cluster that happens to be running on the machine (a ``RAY_ADDRESS`` in the
+caller's shell, or the address a ``ray start`` left in Ray's temp dir): ``RAY_ADDRESS=local`` is Ray's
+"start a new local cluster", it reaches every subprocess the tests launch (the entry points then start their
+own cluster), and the in-process fixture passes ``address="local"``. ``tests/cluster/`` starts its own
+clusters explicitly.
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ torch.set_num_threads(1)
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ["RAY_ADDRESS"] = "local"
 
 
 def pytest_collection_modifyitems(config, items):
@@ -61,6 +68,7 @@ def ray_session():
     started = not ray.is_initialized()
     if started:
         ray.init(
+            address="local",
             num_cpus=2,
             include_dashboard=False,
             log_to_driver=False,

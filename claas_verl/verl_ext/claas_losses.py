@@ -128,6 +128,32 @@ def rpp_ema_stats_bound(stats: EmaRewardStats):
         bind_rpp_ema_stats(previous)
 
 
+_ON_POLICY_STATS: EmaRewardStats | None = None
+_ON_POLICY_KEYS = ("beta", "b0", "v0", "v_min")
+
+
+def _on_policy_stats(config: Any) -> EmaRewardStats | None:
+    """The process's on-policy EMA state when ``algorithm.claas_rpp_ema`` is in the config (verl's own trainers).
+
+    ``+algorithm.claas_rpp_ema={}`` (or with any of beta, b0, v0, v_min) selects it from the command line;
+    it is created on the first call and lives as long as the trainer process (a resumed run starts again
+    from b0, v0: verl's trainer does not checkpoint it).
+    """
+    global _ON_POLICY_STATS
+    node = _cfg(config, "claas_rpp_ema")
+    if node is None:
+        return None
+    if _ON_POLICY_STATS is None:
+        items = dict(node.items()) if hasattr(node, "items") else {}
+        unknown = sorted(set(items) - set(_ON_POLICY_KEYS))
+        if unknown or not hasattr(node, "items"):
+            raise ValueError(
+                f"algorithm.claas_rpp_ema: unknown keys {unknown or [node]}; allowed: {list(_ON_POLICY_KEYS)}"
+            )
+        _ON_POLICY_STATS = EmaRewardStats(**{k: float(v) for k, v in items.items() if v is not None})
+    return _ON_POLICY_STATS
+
+
 @register_adv_est("claas_rpp_ema")
 def compute_claas_rpp_ema_advantage(
     token_level_rewards: torch.Tensor, response_mask: torch.Tensor, config: Any = None, **kwargs
@@ -136,15 +162,22 @@ def compute_claas_rpp_ema_advantage(
 
     r_e = Σ_j m·R[e,j] (verl puts the scalar reward on the last valid token). b, v come from the
     :class:`EmaRewardStats` bound with :func:`bind_rpp_ema_stats`; they are read, never updated, here.
+    Without a bound state, ``algorithm.claas_rpp_ema`` in the config selects the on-policy state of
+    :func:`_on_policy_stats` (verl's own ``main_ppo``): there the batch is inserted and drawn at once, so
+    its rewards are folded in first (A.3.1 "at insertion time") and b, v are read after.
     Returns ``(advantages, returns)`` with returns = r_e·m.
     """
+    r = sequence_rewards(token_level_rewards, response_mask)
     stats = _BOUND_EMA_STATS
     if stats is None:
-        raise ValueError(
-            "adv_estimator 'claas_rpp_ema' has no running reward statistics in this process: call "
-            "claas_verl.verl_ext.claas_losses.bind_rpp_ema_stats(stats) in the trainer that computes advantages"
-        )
-    r = sequence_rewards(token_level_rewards, response_mask)
+        stats = _on_policy_stats(config)
+        if stats is None:
+            raise ValueError(
+                "adv_estimator 'claas_rpp_ema' has no running reward statistics in this process: call "
+                "claas_verl.verl_ext.claas_losses.bind_rpp_ema_stats(stats) in the trainer that computes advantages, "
+                "or, in verl's own trainer, add +algorithm.claas_rpp_ema={} (on-policy EMA; keys beta, b0, v0, v_min)"
+            )
+        stats.update_many(r.tolist())
     adv = stats.advantages(r, response_mask)
     return adv, r.unsqueeze(-1) * response_mask.float()
 

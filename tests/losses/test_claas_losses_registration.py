@@ -133,3 +133,29 @@ def test_names_resolve_inside_ray_worker(ray_session):
                          ca.get_adv_estimator_fn("claas_rpp_ema").__qualname__])
 
     assert ray.get(ray.remote(num_cpus=1)(names_in_worker).remote(), timeout=300) == EXPECTED
+
+
+def test_rpp_ema_on_policy_state_from_the_config():
+    """``algorithm.claas_rpp_ema`` (verl's own trainer): the batch's rewards are folded in, then b, v are read."""
+    from omegaconf import OmegaConf
+    from verl.trainer.ppo.core_algos import get_adv_estimator_fn
+
+    mask = torch.tensor([[1, 1, 0], [1, 1, 1]]).float()
+    R = torch.tensor([[0.0, 1.0, 0.0], [0.0, 0.0, 0.0]])  # r = (1, 0)
+    fn = get_adv_estimator_fn("claas_rpp_ema")
+    glue.bind_rpp_ema_stats(None)
+    glue._ON_POLICY_STATS = None
+    cfg = OmegaConf.create({"adv_estimator": "claas_rpp_ema", "claas_rpp_ema": {"beta": 0.5}})
+    try:
+        adv, _ = fn(token_level_rewards=R, response_mask=mask, config=cfg)
+        # alpha = 0.5 from b = 0.5, v = 0.25: r=1 -> b = 0.75, v = 0.5*(0.25 + 0.5*0.25) = 0.1875;
+        # r=0 -> d = -0.75, b = 0.375, v = 0.5*(0.1875 + 0.5*0.5625) = 0.234375
+        std = 0.234375 ** 0.5
+        expected = torch.tensor([[(1 - 0.375) / std] * 2 + [0.0], [(0 - 0.375) / std] * 3])
+        torch.testing.assert_close(adv, expected)
+        assert glue._ON_POLICY_STATS.count == 2  # the state persists across calls in the process
+        with pytest.raises(ValueError, match="algorithm.claas_rpp_ema: unknown keys"):
+            glue._ON_POLICY_STATS = None
+            fn(token_level_rewards=R, response_mask=mask, config=OmegaConf.create({"claas_rpp_ema": {"bta": 0.5}}))
+    finally:
+        glue._ON_POLICY_STATS = None
