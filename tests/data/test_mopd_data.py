@@ -87,7 +87,8 @@ def test_domain_formats(built):
 def test_build_is_deterministic_and_seeded(built, tiny, tmp_path):
     assert main(_args(tmp_path / "again", tiny)) == 0
     for d in D.ABILITY:
-        assert pq.read_table(tmp_path / "again" / d / "train.parquet").equals(pq.read_table(built / d / "train.parquet"))
+        again = pq.read_table(tmp_path / "again" / d / "train.parquet")
+        assert again.equals(pq.read_table(built / d / "train.parquet"))
     assert main(_args(tmp_path / "seed1", tiny, "--seed", "1", "--domains", "math")) == 0
     a = pq.read_table(tmp_path / "seed1" / "math" / "train.parquet").column("prompt").to_pylist()
     assert a != pq.read_table(built / "math" / "train.parquet").column("prompt").to_pylist()
@@ -109,7 +110,8 @@ def test_verl_reads_the_files_as_the_trainer_does(built, tiny):
 @pytest.mark.parametrize("flag, text, message", [
     ("--code", '{"id": 1, "problem": "p"}\n', r"OpenCodeReasoning file lacks column\(s\) \['input'\]"),
     ("--math", '{"prompt": "p"}\n', r"DAPO-Math-17k file lacks column\(s\) \['reward_model'\]"),
-    ("--math", '{"prompt": "p", "reward_model": {"style": "rule"}}\n', "'reward_model' must be a dict with 'ground_truth'"),
+    ("--math", '{"prompt": "p", "reward_model": {"style": "rule"}}\n',
+     "'reward_model' must be a dict with 'ground_truth'"),
     ("--safety-benign", '{"prompt": "p"}\n', r"STAR-benign-915 file lacks column\(s\) \['question'\]"),
     ("--if", '{"text": "p"}\n', "lacks column 'messages'"),
 ])

@@ -58,7 +58,8 @@ def test_eval_cli_tiny_student_then_report(tiny, tmp_path):
 
 def _write(root: Path, name: str, seeds: dict[int, dict[str, float]]):
     (root / name).mkdir(parents=True)
-    (root / name / "scores.json").write_text(json.dumps({"model": name, "seeds": {str(k): v for k, v in seeds.items()}}))
+    state = {"model": name, "seeds": {str(k): v for k, v in seeds.items()}}
+    (root / name / "scores.json").write_text(json.dumps(state))
 
 
 def test_report_table_matches_the_metrics_by_hand(tmp_path):
