@@ -49,7 +49,7 @@ def test_files_blocks_and_counts(built):
     assert (doms["math"]["duplicate"], doms["math"]["too_long"], doms["math"]["overlap"]) == (1, 1, 1)
     # UltraData-IF: the row that duplicates an IFEval prompt (003 removed 4 such)
     assert doms["if"]["overlap"] == 1
-    assert man["eval_prompts_checked"] == 22  # the fixture benchmarks (GYM skipped here)
+    assert man["eval_prompts_checked"] == 23  # the fixture benchmarks (GYM skipped here)
     for d in D.ABILITY:
         rows = pq.read_table(built / d / "train.parquet").to_pylist()
         assert [r["extra_info"]["block"] for r in rows] == [i // 4 for i in range(len(rows))]

@@ -37,7 +37,7 @@ def test_settings_match_003_table():
 
 def test_resolve_data_finds_default_names(data):
     assert {"BBH", "MuSR", "AIME24", "Minerva", "MBPP", "LCB-e", "StrongREJECT", "WildJailbreak", "XSTest",
-            "IFEval"} == set(data)
+            "IFEval", "IFBench"} == set(data)
     with pytest.raises(ValueError, match="AIME25.*--data-dir"):
         B.load("AIME25", data)
 
@@ -179,3 +179,10 @@ def test_bad_benchmark_files_name_the_file_and_column(tmp_path, bench, text, mes
     with pytest.raises(ValueError, match=message) as e:
         B.load(bench, {bench: path})
     assert str(path) in str(e.value)
+
+
+def test_ifbench_through_a_checkout_of_the_ifbench_repo(data):
+    items = B.load("IFBench", {"IFBench": FIX / "ifbench.jsonl"})
+    check = B.if_checker(str(FIX / "ifbench_repo"))
+    assert B.score_if(items[0], "<think>one two three four</think>cold wet grey", check)["score"] == 1.0
+    assert B.score_if(items[0], "cold wet grey sky", check)["score"] == 0.0
