@@ -156,10 +156,11 @@ def load_bbh(path: Path, per_subtask: int = BBH_ITEMS_PER_SUBTASK) -> list:
     """BBH: a directory with one file per subtask (rows ``input``, ``target``), or one file with a ``subtask``
     column; 003 takes 40 items from each of the 27 subtasks (here: the first 40 in file order)."""
     if path.is_dir():
-        files = sorted(f for f in path.iterdir() if f.suffix in (".json", ".jsonl", ".parquet", ".csv"))
-        groups = {f.stem: read_records(f) for f in files}
-        for f in files:
-            require_columns(groups[f.stem], ("input", "target"), f, "BBH subtask")
+        # one file per subtask (<subtask>.json), or one folder per subtask (<subtask>/test-*.parquet)
+        entries = sorted(f for f in path.iterdir() if f.is_dir() or f.suffix in (".json", ".jsonl", ".parquet", ".csv"))
+        groups = {f.stem if f.is_file() else f.name: read_records(f) for f in entries}
+        for f in entries:
+            require_columns(groups[f.stem if f.is_file() else f.name], ("input", "target"), f, "BBH subtask")
     else:
         rows = read_records(path)
         require_columns(rows, ("subtask", "input", "target"), path, "BBH")

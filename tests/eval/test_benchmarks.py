@@ -186,3 +186,10 @@ def test_ifbench_through_a_checkout_of_the_ifbench_repo(data):
     check = B.if_checker(str(FIX / "ifbench_repo"))
     assert B.score_if(items[0], "<think>one two three four</think>cold wet grey", check)["score"] == 1.0
     assert B.score_if(items[0], "cold wet grey sky", check)["score"] == 0.0
+
+
+def test_bbh_one_folder_per_subtask(tmp_path):
+    (tmp_path / "bbh" / "navigate").mkdir(parents=True)
+    (tmp_path / "bbh" / "navigate" / "test.jsonl").write_text('{"input": "Walk?", "target": "Yes"}\n' * 50)
+    items = B.load("BBH", {"BBH": tmp_path / "bbh"})
+    assert len(items) == B.BBH_ITEMS_PER_SUBTASK and items[0]["subtask"] == "navigate"

@@ -100,3 +100,19 @@ def test_report_bwt_from_stage_snapshots(tmp_path):
     assert got["BWT_GEM"] == pytest.approx(((127 / 3 - 50) + (44 - 45)) / 2)
     with pytest.raises(ValueError, match="no scores"):
         R.table_rows(runs, 3, base="nope")
+
+
+def test_model_argument_is_a_model_or_a_run_with_stage_snapshots(tmp_path):
+    from claas_verl.eval.cli import _checkpoints
+
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "config.json").write_text("{}")
+    assert _checkpoints(str(tmp_path / "m"), None) == [("m", str(tmp_path / "m"))]
+    for j in (2, 10, 1):
+        (tmp_path / "run" / "snapshots" / f"student_{j}").mkdir(parents=True)
+        (tmp_path / "run" / "snapshots" / f"student_{j}" / "config.json").write_text("{}")
+    (tmp_path / "run" / "snapshots" / "student_3").mkdir()  # no config.json: an unfinished copy is skipped
+    names = [n for n, _ in _checkpoints(str(tmp_path / "run"), None)]
+    assert names == ["run/student_1", "run/student_2", "run/student_10"]
+    with pytest.raises(ValueError, match="neither a Hugging Face model folder"):
+        _checkpoints(str(tmp_path), None)
