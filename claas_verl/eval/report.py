@@ -79,9 +79,11 @@ def bwt_rows(runs: dict[str, dict], stages: list[str]) -> tuple[list[str], list]
     """BWT per benchmark of the earlier domains (GEM, seed means) and the GEM aggregate, for one run's stages."""
     stage_scores = {j + 1: seed_mean(runs[n]) for j, n in enumerate(stages)}
     K = len(stages)
-    earlier = [b for d in M.learned_domains(K)[:-1] for b in M.DOMAIN_BENCHMARKS[d]] if K > 1 else []
+    # benchmarks of the earlier domains that were evaluated both when learned and at the end
+    earlier = [b for j, d in enumerate(M.learned_domains(K)[:-1], 1) for b in M.DOMAIN_BENCHMARKS[d]
+               if b in stage_scores[K] and b in stage_scores[j]] if K > 1 else []
     per = M.bwt(stage_scores, benchmarks=earlier) if earlier else {}
-    return [*per, "BWT_GEM"], [*per.values(), M.bwt_gem(stage_scores)]
+    return [*per, "BWT_GEM"], [*per.values(), _safe(M.bwt_gem, stage_scores)]
 
 
 def noise(runs: dict[str, dict], k: int) -> tuple[float, int, float] | None:
@@ -97,16 +99,17 @@ def noise(runs: dict[str, dict], k: int) -> tuple[float, int, float] | None:
     return s, dof, M.noise_half_width(s, dof)
 
 
-def _fmt(v) -> str:
+def _fmt(v, col: str = "") -> str:
+    """Points with 2 decimals, the Norm ratios with 3 (as in 003's tables); NaN (not evaluated) as n/a."""
     if isinstance(v, float):
-        return "n/a" if not math.isfinite(v) else (f"{v:.3f}" if abs(v) < 2 else f"{v:.2f}")
+        return "n/a" if not math.isfinite(v) else (f"{v:.3f}" if col.startswith("Norm") else f"{v:.2f}")
     return str(v)
 
 
 def markdown(runs: dict[str, dict], k: int, base=None, experts=None, stages=None) -> str:
     header, rows = table_rows(runs, k, base, experts, stages)
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    lines += ["| " + " | ".join(_fmt(v) for v in r) + " |" for r in rows]
+    lines += ["| " + " | ".join(_fmt(v, c) for v, c in zip(r, header)) + " |" for r in rows]
     nz = noise(runs, k)
     if nz:
         s, dof, hw = nz

@@ -116,3 +116,10 @@ def test_model_argument_is_a_model_or_a_run_with_stage_snapshots(tmp_path):
     assert names == ["run/student_1", "run/student_2", "run/student_10"]
     with pytest.raises(ValueError, match="neither a Hugging Face model folder"):
         _checkpoints(str(tmp_path), None)
+
+
+def test_report_bwt_skips_benchmarks_not_evaluated(tmp_path):
+    _write(tmp_path, "r/s1", {0: {"BBH": 50.0, "GYM": 40.0}})
+    _write(tmp_path, "r/s2", {0: {"BBH": 47.0, "AIME24": 10.0}})
+    names, vals = R.bwt_rows(R.load_runs(tmp_path), ["r/s1", "r/s2"])
+    assert names == ["BBH", "BWT_GEM"] and vals[0] == pytest.approx(-3.0) and math.isnan(vals[1])
