@@ -18,7 +18,7 @@ TORCH_SPEC ?= torch==2.13.0
 PY         := $(VENV)/bin/python
 STAMP      := $(VENV)/.claas_verl_installed
 
-.PHONY: install test test-cluster lint demo demo-grpo demo-claas clean install-vllm test-vllm
+.PHONY: install install-eval test test-cluster lint demo demo-grpo demo-claas clean install-vllm test-vllm
 
 # Demo scripts start subprocesses (`python -m ...`): put the venv first on PATH.
 RUN := PATH="$(abspath $(VENV))/bin:$$PATH"
@@ -26,10 +26,20 @@ RUN := PATH="$(abspath $(VENV))/bin:$$PATH"
 $(STAMP): setup.py
 	test -x $(PY) || $(PYTHON_BIN) -m venv $(VENV)
 	$(if $(TORCH_SPEC),$(PY) -m pip install -q --disable-pip-version-check $(TORCH_SPEC))
-	$(PY) -m pip install -q --disable-pip-version-check -e '.[test]'
+	$(PY) -m pip install -q --disable-pip-version-check -e '.[test,eval]'
+	$(EVALPLUS_INSTALL)
 	touch $(STAMP)
 
 install: $(STAMP)
+
+# The evaluation/data extras (lm-eval, math-verify, reasoning-gym, openai) are part of every install, so
+# `make test` runs their tests. evalplus goes in with --no-deps: its hard requirements anthropic and
+# google-generativeai would downgrade protobuf under ray/verl (its light dependencies are in the `eval` extra).
+EVALPLUS_INSTALL = $(PY) -m pip install -q --disable-pip-version-check --no-deps 'evalplus==0.3.1'
+
+install-eval: install
+	$(PY) -m pip install -q --disable-pip-version-check -e '.[eval]'
+	$(EVALPLUS_INSTALL)
 
 lint: install
 	$(VENV)/bin/ruff check claas_verl tests benchmarks examples

@@ -43,6 +43,28 @@ setup(
     extras_require={
         "test": ["pytest>=8", "hypothesis>=6", "ruff==0.14.*", "openai>=1.40"],
         "wandb": ["wandb"],
+        # Benchmark evaluation (claas_verl.eval) and the MOPD data builder (claas_verl.data). lm-eval carries
+        # the BBH/MuSR/IFEval/MBPP+ prompts and metrics (langdetect, immutabledict: its IFEval verifiers);
+        # math-verify pinned to the antlr4 4.9.3 runtime that hydra needs. evalplus itself is installed with
+        # --no-deps by `make install-eval` (its hard requirements anthropic and google-generativeai would
+        # downgrade protobuf under ray/verl); its light runtime dependencies are listed here.
+        "eval": [
+            "lm-eval==0.4.13",
+            "math-verify[antlr4_9_3]==0.9.0",
+            "reasoning-gym==0.1.25",
+            "openai>=1.40",
+            "langdetect",
+            "immutabledict",
+            "wget",
+            "tempdir",
+            "multipledispatch",
+            "appdirs",
+            "fire",
+            "termcolor",
+            "tree-sitter>=0.22",
+            "tree-sitter-python>=0.21",
+            "stop-sequencer",
+        ],
         # GPU machines only: vllm brings its own CUDA torch; flash-attn builds from source.
         "gpu": ["vllm>=0.11", "flash-attn>=2.7"],
     },

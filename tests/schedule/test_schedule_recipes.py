@@ -8,7 +8,6 @@ from pathlib import Path
 
 import pytest
 from hydra import compose, initialize_config_dir
-from omegaconf import OmegaConf
 
 from claas_verl.schedule import plan_from_config, recipes_dir
 
@@ -47,7 +46,8 @@ def test_recipe_composes_and_plans(name):
     if name in PAPER_STEPS:
         assert len(plan) == PAPER_STEPS[name]
         assert list(cfg.mopd.order) == ["logic", "math", "code", "safety", "if"]
-        assert OmegaConf.is_missing(cfg.mopd.domains.logic, "prompts")  # data paths are required keys
+        # prompt files of `python -m claas_verl.data mopd`, under $CLAAS_DATA_DIR (default data/mopd)
+        assert cfg.mopd.domains.logic.prompts == f"{os.environ.get('CLAAS_DATA_DIR', 'data/mopd')}/logic/train.parquet"
         t = cfg.mopd.train
         assert (t.responses_per_prompt, t.temperature, t.top_p, t.max_prompt_length, t.max_response_length) == (
             4, 1.0, 1.0, 2048, 16384)

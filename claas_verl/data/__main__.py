@@ -1,0 +1,6 @@
+"""``python -m claas_verl.data mopd --out DIR --tokenizer STUDENT [sources...]`` (see README)."""
+
+from claas_verl.data.cli import main
+
+if __name__ == "__main__":
+    raise SystemExit(main())
