@@ -18,9 +18,10 @@ size), V the model shape):
 * params: fp32 master shard ``4P/R`` + the bf16 all-gathered working copy of the root (embedding and, untied, the
   LM head; ``2VD`` each) and of two decoder layers (the one running and the prefetched one);
 * grads: fp32 shard ``4P/R``; optimizer: AdamW ``8P/R``;
-* balancing vectors (replay/recovery steps of FSAR): ``--grad-copies`` extra fp32 gradient shards. The worker
-  holds g_tok, g_sats, g_vr, g_hid, then combine_aux's g_aux and balance's g: 6 (the value for this branch's
-  code; the gradient-copies item of issue 12 reduces it, pass its figure with ``--grad-copies``);
+* balancing vectors (replay steps of FSAR): ``--grad-copies`` extra fp32 gradient shards on the device. The
+  worker's ``HostBalancer`` keeps g_tok and u on the host and the combination is written into ``.grad`` in place,
+  so the default is 0 (plus one parameter shard in transit, <= 0.62 GiB at 8B, not counted); the earlier layout
+  held 6 (g_tok, g_sats, g_vr, g_hid, g_aux, g): ``--grad-copies 6`` shows it;
 * activations, token pass: checkpointed layer inputs ``2·L·N·D`` + one layer recomputed in the backward
   ``2·N·(2Hd + 2Gd + 2D + 3F)`` (q, k, v, attention out, o, the norms' outputs, gate, up, act·up; flash attention);
 * logits chunks, token pass: the bf16 logits ``2NV``, their bf16 gradient ``2NV`` (allocated once by the chunked
@@ -85,7 +86,7 @@ class Run:
     window: int = 2000
     regions: int = 21
     chunk: int = 1024
-    grad_copies: int = 6
+    grad_copies: int = 0
     target_budget_gib: float = 16.0
     chunk_temp_factor: float = 1.5  # fp32 [chunk, V] temporaries alive at the peak (measured)
     pool_chunk: int = 256  # query rows per chunk of the pooled attention rows
