@@ -425,8 +425,9 @@ def _serve_one(spare, req, why, zombies):
     if reply is None:
         if status is not None and os.WIFSIGNALED(status):
             sig = signal.Signals(os.WTERMSIG(status)).name
-            why = "cpu time limit" if sig == "SIGXCPU" else f"killed by {sig}"
-            return {"ok": False, "error": f"process died: {why}"}
+            if sig == "SIGXCPU":  # RLIMIT_CPU and the wall clock race for a spinning program: both are a timeout
+                return {"ok": False, "error": "timeout: exceeded the cpu time limit"}
+            return {"ok": False, "error": f"process died: killed by {sig}"}
         if frame:
             return {"ok": False, "error": "malformed or forged reply frame", "forged": True}
         return {"ok": False, "error": f"process exited without a reply (status {status})"}
