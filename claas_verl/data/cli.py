@@ -6,16 +6,7 @@ import argparse
 import os
 
 from claas_verl.data import mopd as D
-
-
-def _kv(items: list[str], flag: str) -> dict[str, str]:
-    out = {}
-    for it in items:
-        k, sep, v = it.partition("=")
-        if not sep or not k or not v:
-            raise SystemExit(f"{flag} {it!r}: expected NAME=VALUE")
-        out[k] = v
-    return out
+from claas_verl.utils.cli import name_values
 
 
 def mopd_main(argv: list[str]) -> int:
@@ -47,7 +38,7 @@ def mopd_main(argv: list[str]) -> int:
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     domains = [d.strip() for d in a.domains.split(",") if d.strip()]
-    blocks = {**D.PAPER_BLOCKS, **{d: int(n) for d, n in _kv(a.blocks.split(","), "--blocks").items()}}
+    blocks = {**D.PAPER_BLOCKS, **{d: int(n) for d, n in name_values(a.blocks.split(","), "--blocks").items()}}
     given = {"math": a.math, "code": a.code, "if": a.if_}
     sources: dict[str, dict] = {}
     for d in domains:
@@ -69,7 +60,7 @@ def mopd_main(argv: list[str]) -> int:
     from claas_verl.eval import benchmarks as B
 
     questions: list[str] = []
-    data = B.resolve_data(a.eval_data_dir, _kv(a.eval_data, "--eval-data"))
+    data = B.resolve_data(a.eval_data_dir, name_values(a.eval_data, "--eval-data"))
     checked = []
     for bench in [b for b in B.SETTINGS if b in data or (b == "GYM" and not a.no_gym_overlap)]:
         qs = B.benchmark_questions(bench, data)

@@ -8,6 +8,7 @@ import re
 from pathlib import Path
 
 from claas_verl.eval import benchmarks as B
+from claas_verl.utils.cli import name_values
 
 
 def _checkpoints(model: str, name: str | None) -> list[tuple[str, str]]:
@@ -22,16 +23,6 @@ def _checkpoints(model: str, name: str | None) -> list[tuple[str, str]]:
         raise ValueError(f"--model {model}: neither a Hugging Face model folder (config.json) nor a MOPD run "
                          "folder with snapshots/student_<j>/config.json")
     return [(f"{name or p.name}/student_{j}", str(d)) for j, d in snaps]
-
-
-def _kv(items: list[str], flag: str) -> dict[str, str]:
-    out = {}
-    for it in items:
-        k, sep, v = it.partition("=")
-        if not sep or not k or not v:
-            raise ValueError(f"{flag} {it!r}: expected NAME=VALUE")
-        out[k] = v
-    return out
 
 
 def eval_main(argv: list[str]) -> int:
@@ -68,7 +59,7 @@ def eval_main(argv: list[str]) -> int:
     if unknown:
         raise SystemExit(f"--benchmarks: unknown {unknown}; choose from {list(B.SETTINGS)}")
     seeds = [int(s) for s in a.seeds.split(",") if s.strip()]
-    data = B.resolve_data(a.data_dir, _kv(a.data, "--data"))
+    data = B.resolve_data(a.data_dir, name_values(a.data, "--data"))
     gym = tuple(t.strip() for t in a.gym_tasks.split(",")) if a.gym_tasks else B.GYM_TASKS
     judge = None
     if any(b in B.JUDGED for b in benches):
@@ -110,7 +101,7 @@ def report_main(argv: list[str]) -> int:
     ap.add_argument("--out", help="output prefix (default RUNS/table): writes .md and .png")
     a = ap.parse_args(argv)
     runs = R.load_runs(a.runs)
-    experts = _kv(a.experts.split(","), "--experts") if a.experts else None
+    experts = name_values(a.experts.split(","), "--experts") if a.experts else None
     stages = a.stages.split(",") if a.stages else None
     prefix = Path(a.out) if a.out else Path(a.runs) / "table"
     md = R.markdown(runs, a.k, a.base, experts, stages)
