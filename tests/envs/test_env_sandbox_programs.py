@@ -122,7 +122,7 @@ def test_bad_tests_are_clear_errors(pool):
         with pytest.raises(ValueError, match=msg):
             pool.run_program(ADD, tests)
     with pytest.raises(ValueError, match="pool"):
-        run_program(ADD, ["assert True"], 3.0, pool=pool)
+        run_program(ADD, ["assert add(1, 2) == 3"], 3.0, pool=pool)  # refused before it runs
 
 
 SPEC = {"tests": [{"stdin": "2 3\n", "stdout": "5\n"}, {"stdin": "10 -4\n", "stdout": "6"}], "timeout_s": 5}
