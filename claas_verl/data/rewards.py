@@ -7,8 +7,9 @@ Use from a recipe (verl loads this file by path)::
 
 ``compute_score(data_source, solution_str, ground_truth, extra_info)`` per ``data_source``:
 
-* ``reasoning_gym/<task>``: the last ``<answer>`` tag (what the logic prompts ask for), scored by the task's own
-  reasoning-gym scorer on the entry rebuilt from ``extra_info.meta`` (task, size, seed, index);
+* ``reasoning_gym/<task>``: the last ``<answer>`` tag (what the logic prompts ask for), or the whole reply when
+  ``meta.answer_format`` is ``plain`` (the continual benchmark's tiny models), scored by the task's own
+  reasoning-gym scorer on the entry rebuilt from ``extra_info.meta`` (task, config, size, seed, index);
 * ``math_dapo``: verl's DAPO scorer (the "Answer:" line; 1 correct, -1 wrong);
 * ``nvidia/OpenCodeReasoning``: OpenCodeReasoning has no tests, so only the format is scored: 1 when the answer
   after the thinking block holds a fenced code block;
@@ -33,10 +34,10 @@ def _after_thinking(text: str) -> str:
 
 
 @cache
-def _gym(task: str, size: int, seed: int):
+def _gym(task: str, size: int, seed: int, config: str = "{}"):
     import reasoning_gym
 
-    return reasoning_gym.create_dataset(task, size=size, seed=seed)
+    return reasoning_gym.create_dataset(task, size=size, seed=seed, **json.loads(config))
 
 
 def _meta(extra_info) -> dict:
@@ -57,8 +58,12 @@ def compute_score(data_source: str, solution_str: str, ground_truth: str, extra_
         from reasoning_gym.utils import extract_answer
 
         m = _meta(extra_info)
-        gym = _gym(m["task"], int(m["size"]), int(m["seed"]))
-        answer = extract_answer(_after_thinking(solution_str))
+        gym = _gym(m["task"], int(m["size"]), int(m["seed"]), json.dumps(m.get("config") or {}, sort_keys=True))
+        fmt = m.get("answer_format", "tag")
+        if fmt not in ("tag", "plain"):
+            raise ValueError(f"extra_info.meta.answer_format={fmt!r}: expected 'tag' (<answer>...</answer>) or 'plain'")
+        reply = _after_thinking(solution_str)
+        answer = reply.strip() if fmt == "plain" else extract_answer(reply)
         return float(gym.score_answer(answer=answer, entry=gym[int(m["index"])])) if answer is not None else 0.0
     if ds == "math_dapo":
         from verl.utils.reward_score import default_compute_score

@@ -1,0 +1,290 @@
+"""The continual benchmark's offline bundle: reasoning-gym tasks, a tiny student and one expert per task.
+
+``make_gym(out_dir)`` / ``ensure_gym()`` build, with no network, on CPU:
+
+* three domains whose prompts, answers and scorers all come from ``reasoning-gym`` (no task here is written by
+  this project): ``spell`` (``spell_backward``, 3-5 letters), ``reverse`` (``word_sequence_reversal``, 3 words)
+  and ``arith`` (``basic_arithmetic``, two one-digit terms, + and -). Every answer is scored by the task's own
+  ``score_answer`` (``claas_verl/data/rewards.py``, ``answer_format: plain``: the whole reply is the answer).
+* a byte tokenizer (every character one token; ChatML): reversal and sorting work on letters, which merges
+  would hide from a model this small;
+* a tiny Qwen2 student π0 (the tiny bundle's shape) trained briefly on all three tasks, so it knows the chat
+  format and the answer shapes but solves few prompts, and one expert per domain: π0 fine-tuned on that domain
+  until it solves it.
+
+**Interference is designed in.** ``spell`` and ``reverse`` both ask to reverse what they are given, with
+conflicting units: ``spell`` reverses the letters of a word, ``reverse`` the order of three words and must keep
+every word's letters in order; ``arith`` shares the answer position and the end-of-turn token. The model is small
+(0.17 M parameters) and fully fine-tuned, so distilling one domain overwrites what serves the others: sequential
+distillation forgets, and replay, fixed shares and recovery have something to protect. The manifest records the
+measured accuracy of π0 and of every expert on every domain (sampled at τ = 1 like the trainer's evaluation), which
+the benchmark's ``Norm`` uses.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+GYM_VERSION = "1"
+DEFAULT_GYM_DIR = "/tmp/claas_verl_gym"
+ENV_GYM_DIR = "CLAAS_GYM_DIR"
+
+
+@dataclass(frozen=True)
+class GymDomain:
+    name: str
+    task: str  # reasoning_gym dataset name
+    config: dict  # its config overrides (difficulty)
+
+
+GYM_DOMAINS: tuple[GymDomain, ...] = (
+    GymDomain("spell", "spell_backward", {"min_word_len": 3, "max_word_len": 5}),
+    GymDomain("reverse", "word_sequence_reversal", {"min_words": 3, "max_words": 3}),
+    GymDomain("arith", "basic_arithmetic", {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1,
+                                            "operators": ["+", "-"], "allow_parentheses": False,
+                                            "allow_negation": False}),
+)
+DOMAIN_NAMES: tuple[str, ...] = tuple(d.name for d in GYM_DOMAINS)
+# Rows drawn per domain from reasoning-gym (one seeded dataset per domain): the first N_TEST distinct questions
+# are the held-out split, the rest (questions not in the test split) the train split.
+POOL_SIZE = 3000
+N_TEST = 48  # basic_arithmetic with two one-digit terms has about 240 distinct questions
+N_TRAIN = 2048
+# π0: a short joint fine-tune of a random model on every domain (format and answer shapes, few solved prompts);
+# each expert: π0 fine-tuned on its own domain. One-cycle AdamW on the response tokens.
+BASE_SFT = dict(steps=250, lr=3e-3, batch_size=32)
+EXPERT_SFT = dict(steps=800, lr=3e-3, batch_size=32)
+# Accuracy of π0 and the experts in the manifest: this many held-out prompts × samples at τ = 1.
+ACC_PROMPTS = N_TEST
+ACC_SAMPLES = 2
+MAX_RESPONSE_TOKENS = 48
+
+
+def default_gym_dir() -> Path:
+    return Path(os.environ.get(ENV_GYM_DIR) or DEFAULT_GYM_DIR)
+
+
+@dataclass(frozen=True)
+class GymPaths:
+    root: Path
+
+    @property
+    def manifest(self) -> Path:
+        return self.root / "manifest.json"
+
+    @property
+    def student(self) -> Path:
+        return self.root / "student"
+
+    def expert(self, domain: str) -> Path:
+        return self.root / "experts" / domain
+
+    def data(self, domain: str, split: str) -> Path:
+        return self.root / "data" / domain / f"{split}.parquet"
+
+
+def gym_rows(domain: GymDomain, seed: int) -> tuple[list[dict], list[dict]]:
+    """(train, test) rows of ``domain`` in verl's RL format; test questions are distinct and never in train.
+
+    ``data_source`` is ``reasoning_gym/<task>`` and ``extra_info.meta`` holds what the reward function needs to
+    rebuild the entry and score it with reasoning-gym (task, config, size, seed, index, plain answers).
+    """
+    import reasoning_gym
+
+    from claas_verl.tiny.data import stable_seed
+
+    ds_seed = stable_seed("claas_gym.data", seed, domain.name) % (2**31)
+    ds = reasoning_gym.create_dataset(domain.task, size=POOL_SIZE, seed=ds_seed, **domain.config)
+    seen: set[str] = set()
+    test: list[dict] = []
+    train: list[dict] = []
+    for i in range(len(ds)):
+        entry = ds[i]
+        q = entry["question"]
+        if q in seen:
+            continue
+        seen.add(q)
+        split = "test" if len(test) < N_TEST else "train"
+        rows = test if split == "test" else train
+        if split == "train" and len(train) >= N_TRAIN:
+            break
+        meta = {"task": domain.task, "config": domain.config, "size": POOL_SIZE, "seed": ds_seed, "index": i,
+                "answer_format": "plain"}
+        rows.append({
+            "data_source": f"reasoning_gym/{domain.task}",
+            "prompt": [{"role": "user", "content": q}],
+            "ability": domain.name,
+            "reward_model": {"style": "rule", "ground_truth": str(entry["answer"])},
+            "extra_info": {"split": split, "index": len(rows), "domain": domain.name,
+                           "reference": str(entry["answer"]), "meta": json.dumps(meta, sort_keys=True)},
+        })
+    if len(test) < N_TEST or len(train) < 128:
+        raise ValueError(f"reasoning-gym {domain.task} {domain.config} gave {len(seen)} distinct questions; "
+                         f"the bundle needs {N_TEST} held-out + at least 128 train")
+    return train, test
+
+
+def byte_tokenizer():
+    """ChatML tokenizer whose vocabulary is the 256 bytes plus the tiny bundle's five added tokens (no merges)."""
+    from claas_verl.tiny.tokenizer import train_tokenizer
+
+    # A one-character corpus has no pair to merge: the BPE keeps only its byte alphabet.
+    return train_tokenizer(["a"], vocab_size=262)
+
+
+def is_current(out_dir: str | os.PathLike, seed: int = 0) -> bool:
+    try:
+        m = json.loads(GymPaths(Path(out_dir)).manifest.read_text())
+    except (OSError, ValueError):
+        return False
+    return m.get("version") == GYM_VERSION and m.get("seed") == seed
+
+
+def ensure_gym(out_dir: str | os.PathLike | None = None, seed: int = 0) -> GymPaths:
+    """The bundle at ``out_dir`` (default ``$CLAAS_GYM_DIR`` or /tmp/claas_verl_gym), built first if missing or
+    stale. File-locked and built into a temporary sibling that is renamed into place (like ``ensure_tiny``)."""
+    from filelock import FileLock
+
+    out_dir = Path(out_dir if out_dir is not None else default_gym_dir()).resolve()
+    if is_current(out_dir, seed):
+        return GymPaths(out_dir)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(out_dir) + ".lock", timeout=3600):
+        if is_current(out_dir, seed):
+            return GymPaths(out_dir)
+        tmp = out_dir.with_name(f".{out_dir.name}.build-{os.getpid()}")
+        shutil.rmtree(tmp, ignore_errors=True)
+        try:
+            _build_into(tmp, seed)
+            if out_dir.exists():
+                shutil.rmtree(out_dir)
+            os.replace(tmp, out_dir)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return GymPaths(out_dir)
+
+
+def _build_into(root: Path, seed: int) -> None:
+    import time
+
+    import torch
+
+    from claas_verl.tiny.data import stable_seed, write_parquet
+    from claas_verl.tiny.model import build_student, save_model
+    from claas_verl.tiny.tokenizer import EOT_TOKEN, IM_END, special_token_ids
+
+    t0 = time.time()
+    paths = GymPaths(root)
+    root.mkdir(parents=True)
+    tok = byte_tokenizer()
+    ids = special_token_ids(tok)
+    eos, pad = [ids[IM_END], ids[EOT_TOKEN]], ids[EOT_TOKEN]
+
+    splits = {d.name: gym_rows(d, seed) for d in GYM_DOMAINS}
+    for name, (train, test) in splits.items():
+        write_parquet(train, paths.data(name, "train"))
+        write_parquet(test, paths.data(name, "test"))
+
+    def encode(row):
+        prompt = tok.apply_chat_template(row["prompt"], add_generation_prompt=True, tokenize=False)
+        return (tok.encode(prompt, add_special_tokens=False),
+                tok.encode(row["extra_info"]["reference"] + IM_END, add_special_tokens=False))
+
+    examples = {name: [encode(r) for r in train] for name, (train, _) in splits.items()}
+    n_threads = torch.get_num_threads()
+    torch.set_num_threads(min(2, n_threads))
+    try:
+        student = build_student(len(tok), eos, pad, seed)
+        joint = [ex for name in DOMAIN_NAMES for ex in examples[name]]
+        sft(student, joint, **BASE_SFT, seed=stable_seed("claas_gym.base", seed), pad_token_id=pad)
+        save_model(student, tok, paths.student)
+        accuracy = {"student": evaluate(student, tok, splits, seed)}
+        for name in DOMAIN_NAMES:
+            import copy
+
+            expert = copy.deepcopy(student)
+            sft(expert, examples[name], **EXPERT_SFT, seed=stable_seed("claas_gym.expert", seed, name),
+                pad_token_id=pad)
+            save_model(expert, tok, paths.expert(name))
+            accuracy[f"expert:{name}"] = evaluate(expert, tok, splits, seed)
+    finally:
+        torch.set_num_threads(n_threads)
+    manifest = {
+        "version": GYM_VERSION,
+        "seed": seed,
+        "domains": {d.name: {"task": d.task, "config": d.config} for d in GYM_DOMAINS},
+        "sizes": {"vocab_size": len(tok), "num_parameters": sum(p.numel() for p in student.parameters()),
+                  "train_rows": {n: len(s[0]) for n, s in splits.items()}, "test_rows": N_TEST},
+        "base_sft": BASE_SFT,
+        "expert_sft": EXPERT_SFT,
+        # accuracy[model][domain]: mean reasoning-gym score of ACC_SAMPLES replies at τ = 1 on ACC_PROMPTS
+        # held-out prompts (the same protocol as the trainer's stage-end evaluation)
+        "accuracy": accuracy,
+        "accuracy_protocol": {"prompts": ACC_PROMPTS, "samples": ACC_SAMPLES, "temperature": 1.0},
+        "build_seconds": round(time.time() - t0, 1),
+    }
+    paths.manifest.write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
+
+
+def sft(model, examples, steps: int, lr: float, batch_size: int, seed: int, pad_token_id: int) -> float:
+    """One-cycle AdamW next-token training on the response tokens, in place; returns the last loss."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=lr, total_steps=max(steps, 1), pct_start=0.1)
+    model.train()
+    loss = torch.tensor(float("nan"))
+    for _ in range(steps):
+        idx = torch.randperm(len(examples), generator=gen)[:batch_size].tolist()
+        batch = [examples[i] for i in idx]
+        width = max(len(a) + len(b) for a, b in batch)
+        x = torch.full((len(batch), width), pad_token_id)
+        att = torch.zeros(len(batch), width, dtype=torch.long)
+        labels = torch.full((len(batch), width), -100)
+        for row, (a, b) in enumerate(batch):
+            seq = torch.tensor(list(a) + list(b))
+            x[row, : len(seq)] = seq
+            att[row, : len(seq)] = 1
+            labels[row, len(a): len(seq)] = seq[len(a):]
+        loss = model(input_ids=x, attention_mask=att, labels=labels).loss
+        opt.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+    model.eval()
+    return float(loss.detach())
+
+
+def evaluate(model, tok, splits, seed: int) -> dict[str, float]:
+    """Mean reasoning-gym score per domain of sampled replies (τ = 1) on the held-out prompts."""
+    import torch
+
+    from claas_verl.data.rewards import compute_score
+    from claas_verl.tiny.data import stable_seed
+    from claas_verl.tiny.tokenizer import IM_END
+
+    out = {}
+    eos = tok.convert_tokens_to_ids(IM_END)
+    for name, (_, test) in splits.items():
+        rows = test[:ACC_PROMPTS]
+        gen = torch.Generator().manual_seed(stable_seed("claas_gym.eval", seed, name))
+        torch.manual_seed(int(torch.randint(0, 2**31 - 1, (1,), generator=gen)))
+        total = 0.0
+        with torch.no_grad():
+            for row in rows:
+                prompt = tok.apply_chat_template(row["prompt"], add_generation_prompt=True, tokenize=False)
+                x = torch.tensor([tok.encode(prompt, add_special_tokens=False)] * ACC_SAMPLES)
+                y = model.generate(x, max_new_tokens=MAX_RESPONSE_TOKENS, do_sample=True, temperature=1.0, top_p=1.0,
+                                   top_k=0, eos_token_id=eos, pad_token_id=tok.pad_token_id)
+                for r in y[:, x.shape[1]:]:
+                    text = tok.decode(r, skip_special_tokens=True)
+                    total += compute_score(row["data_source"], text, row["reward_model"]["ground_truth"],
+                                           row["extra_info"])
+        out[name] = round(total / (len(rows) * ACC_SAMPLES), 4)
+    return out
