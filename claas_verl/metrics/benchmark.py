@@ -73,13 +73,13 @@ def run_metrics(stage_scores: StageScores, order: Sequence[str], staged: bool = 
     ss = _norm_keys(stage_scores)
     stages = _stages(ss)
     last = stages[-1]
+    if staged and last < len(order):
+        raise ValueError(f"a staged run over {len(order)} domains must evaluate stage {len(order)}; "
+                         f"the last evaluated stage is {last}")
     fin = final_scores(ss, order)
     out: dict[str, float | None] = {"final_avg": math.fsum(fin.values()) / len(order), "bwt": None,
                                     "forgetting": None, "norm": None}
     if staged and len(order) >= 2:
-        if last < len(order):
-            raise ValueError(f"a staged run over {len(order)} domains must evaluate stage {len(order)}; "
-                             f"the last evaluated stage is {last}")
         earlier = list(order[:-1])
         bwt, forget = [], []
         for j, d in enumerate(earlier, start=1):

@@ -49,3 +49,69 @@ def plot_transfer_heatmap(M: Any, path: str | Path, title: str | None = None, vm
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, format="png", dpi=dpi)
     return path
+
+
+def _figure(width: float, height: float):
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(width, height))
+    FigureCanvasAgg(fig)
+    return fig
+
+
+def plot_stage_accuracy(curves: dict[str, dict[int, dict[str, list]]], domains: list[str], path: str | Path,
+                        title: str = "task accuracy after each stage", dpi: int = 100) -> Path:
+    """One panel per domain: accuracy after every stage, one line per method, error bars = the seed interval.
+
+    ``curves[method][stage][domain] = [mean, half_width]`` (``claas_verl.metrics.benchmark.mean_stage_scores``);
+    a missing half-width (one seed) draws no bar.
+    """
+    fig = _figure(4.0 * len(domains) + 0.5, 3.6)
+    axes = [fig.add_subplot(1, len(domains), i + 1) for i in range(len(domains))]
+    for ax, d in zip(axes, domains):
+        for label, by_stage in curves.items():
+            xs = [st for st in sorted(by_stage) if d in by_stage[st]]
+            if not xs:
+                continue
+            ms = [by_stage[st][d][0] for st in xs]
+            hws = [by_stage[st][d][1] or 0.0 for st in xs]
+            ax.errorbar(xs, ms, yerr=hws, marker="o", capsize=3, label=label)
+        ax.set_title(d)
+        ax.set_xlabel("after stage")
+        ax.set_ylim(-0.02, 1.02)
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("accuracy (reasoning-gym score)")
+    axes[-1].legend(fontsize=7, loc="best")
+    fig.suptitle(title)
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, format="png", dpi=dpi)
+    return path
+
+
+def plot_final_bars(summary: dict[str, dict[str, list]], keys: tuple[str, ...], path: str | Path,
+                    dpi: int = 100) -> Path:
+    """One bar panel per metric in ``keys`` (``summary[method][key] = [mean, half_width]``), error bars = the
+    seed interval; a method without the metric (``[None, None]``, e.g. joint MOPD's forgetting) gets no bar."""
+    fig = _figure(4.2 * len(keys), 3.8)
+    methods = list(summary)
+    for i, key in enumerate(keys):
+        ax = fig.add_subplot(1, len(keys), i + 1)
+        ms = [summary[m][key][0] for m in methods]
+        hws = [summary[m][key][1] or 0.0 for m in methods]
+        xs = np.arange(len(methods))
+        ax.bar([x for x, v in zip(xs, ms) if v is not None], [v for v in ms if v is not None],
+               yerr=[h for h, v in zip(hws, ms) if v is not None], capsize=4, color="tab:blue", alpha=0.8)
+        for x, v in zip(xs, ms):
+            if v is None:
+                ax.text(x, 0.0, "n/a", ha="center", va="bottom", fontsize=8)
+        ax.set_xticks(xs, methods, rotation=30, ha="right", fontsize=8)
+        ax.set_title(key.replace("_", " "))
+        ax.grid(axis="y", alpha=0.3)
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, format="png", dpi=dpi)
+    return path

@@ -1,4 +1,5 @@
-"""CLI: ``python -m claas_verl.tiny make OUT_DIR [--seed N] [--force]`` and ``... info [OUT_DIR]``."""
+"""CLI: ``python -m claas_verl.tiny make OUT_DIR [--seed N] [--force]``, ``... info [OUT_DIR]`` and
+``... gym [OUT_DIR] [--seed N]`` (the continual benchmark's reasoning-gym bundle, ``claas_verl/tiny/gym.py``)."""
 
 from __future__ import annotations
 
@@ -19,7 +20,21 @@ def main(argv: list[str] | None = None) -> int:
     mk.add_argument("--force", action="store_true", help="rebuild even if OUT_DIR already holds a bundle")
     info = sub.add_parser("info", help="print the manifest of a built bundle")
     info.add_argument("out_dir", nargs="?", default=None, help="default: $CLAAS_TINY_DIR or /tmp/claas_verl_tiny")
+    gym = sub.add_parser("gym", help="build the continual benchmark's reasoning-gym bundle (about 5 min on 2 cores)")
+    gym.add_argument("out_dir", nargs="?", default=None, help="default: $CLAAS_GYM_DIR or /tmp/claas_verl_gym")
+    gym.add_argument("--seed", type=int, default=0, help="build seed (data draw, weights); default 0")
     args = parser.parse_args(argv)
+
+    if args.cmd == "gym":
+        from claas_verl.tiny.gym import ensure_gym
+
+        t0 = time.time()
+        paths = ensure_gym(args.out_dir, seed=args.seed)
+        m = json.loads(paths.manifest.read_text())
+        print(f"gym bundle v{m['version']} (seed {m['seed']}) ready at {paths.root} in {time.time() - t0:.1f}s")
+        for model, acc in m["accuracy"].items():
+            print(f"  {model:>16}: " + "  ".join(f"{d} {v:.3f}" for d, v in acc.items()))
+        return 0
 
     if args.cmd == "make":
         t0 = time.time()

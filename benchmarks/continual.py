@@ -1,0 +1,282 @@
+"""Continual-learning benchmark on CPU: MOPD schedules and CLaaS algorithms, each run through its real trainer.
+
+    python benchmarks/continual.py --recipes mopd/gym_seq,mopd/gym_replay_kl --seeds 1,2,3 --out DIR
+    python benchmarks/continual.py --quick --out DIR          # the reduced comparison (`make demo`)
+
+Every method is a Hydra recipe run as its own job (``python -m claas_verl.main_mopd`` or ``python -m
+claas_verl.main_claas``); ``key=value`` arguments after the options go to every run. Outputs in DIR:
+
+* ``results.json``: ``{"runs": [{"recipe", "seed", "stage_scores": {stage: {domain: accuracy}}, "final_avg",
+  "forgetting", ...}], "summary": {recipe: {"final_avg": [mean, half_width], "forgetting": [...], ...}}}``,
+  half-widths of the 95% interval of the mean over seeds (``claas_verl.metrics.benchmark``);
+* ``report.md``: the tables; ``*.png``: per-domain accuracy across stages for each method, final accuracy and
+  forgetting with error bars (and the CLaaS plots, ``benchmarks/continual_claas.py``);
+* ``runs/<recipe>_s<seed>/``: each run's own outputs (``steps.jsonl``, ``forgetting.jsonl``, snapshots).
+
+A run whose record is already in ``results.json`` is not run again: a benchmark killed half-way resumes where it
+stopped when started again with the same ``--out``.
+
+MOPD methods use the reasoning-gym bundle (``claas_verl/tiny/gym.py``, built on first use, about 5 minutes):
+the domains ``spell``, ``reverse`` and ``arith`` in that stage order, scored by reasoning-gym's own scorers on
+48 held-out prompts × 2 samples at τ = 1 at every stage end. The seed sets the rollout sampling and the evaluation
+samples; the bundle (π0, experts, data) is the same for every seed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from claas_verl.metrics import benchmark as B  # noqa: E402  (pure python)
+
+MOPD_FULL = ("mopd/gym_seq", "mopd/gym_replay_kl", "mopd/gym_replay_kl_fixed", "mopd/gym_seq_recovery",
+             "mopd/gym_fsar_shared", "mopd/gym_joint")
+MOPD_QUICK = ("mopd/gym_seq", "mopd/gym_replay_kl", "mopd/gym_joint")
+CLAAS_FULL = ("claas/tiny_reinforce_pp", "claas/tiny_ppo", "claas/tiny_sdpo", "claas/tiny_icl",
+              "claas/tiny_no_update")
+# --quick: one seed, the three MOPD methods that carry the point (Seq forgets, replay protects, joint is the
+# no-stage reference), with every stage's blocks halved
+QUICK_MOPD_OVERRIDES = ["mopd.domains.spell.num_blocks=8", "mopd.domains.reverse.num_blocks=8",
+                        "mopd.domains.arith.num_blocks=8"]
+RUN_OVERRIDES = ["trainer.save_freq=-1", "trainer.resume_mode=disable"]
+LABELS = {"mopd/gym_seq": "Seq", "mopd/gym_replay_kl": "Replay-KL (shared)",
+          "mopd/gym_replay_kl_fixed": "Replay-KL (fixed share)", "mopd/gym_seq_recovery": "Seq + recovery",
+          "mopd/gym_fsar_shared": "FSAR (shared)", "mopd/gym_joint": "Joint MOPD"}
+
+
+def run_name(recipe: str, seed: int) -> str:
+    return f"{recipe.replace('/', '_')}_s{seed}"
+
+
+def _env() -> dict:
+    venv_bin = str(Path(sys.executable).parent)
+    return dict(os.environ, PATH=venv_bin + os.pathsep + os.environ.get("PATH", ""), PYTHONUNBUFFERED="1")
+
+
+def _run_job(cmd: list[str], env: dict, log_path: Path) -> float:
+    start = time.time()
+    with log_path.open("w") as log:
+        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        for line in proc.stdout:
+            log.write(line)
+            if "[mopd] stage" in line and ("end:" in line or "start:" in line):
+                print("   " + line.split("[mopd]", 1)[1].strip(), flush=True)
+        if proc.wait() != 0:
+            tail = log_path.read_text().splitlines()[-40:]
+            raise SystemExit(f"{' '.join(cmd[1:4])} failed (exit {proc.returncode}); log {log_path}:\n"
+                             + "\n".join(tail))
+    return time.time() - start
+
+
+def gym_manifest() -> dict:
+    from claas_verl.tiny.gym import ensure_gym
+
+    paths = ensure_gym()
+    os.environ["CLAAS_GYM_DIR"] = str(paths.root)
+    return json.loads(paths.manifest.read_text())
+
+
+def mopd_run(recipe: str, seed: int, out: Path, quick: bool, extra: list[str], manifest: dict) -> dict:
+    """One MOPD method under one seed through ``python -m claas_verl.main_mopd``; returns its run record."""
+    from claas_verl.trainer.mopd import stages as S
+
+    name = run_name(recipe, seed)
+    runs = out / "runs"
+    runs.mkdir(parents=True, exist_ok=True)
+    overrides = [f"trainer.experiment_name={name}", f"actor_rollout_ref.rollout.seed={seed}",
+                 f"actor_rollout_ref.actor.data_loader_seed={seed}", *RUN_OVERRIDES,
+                 *(QUICK_MOPD_OVERRIDES if quick else []), *extra]
+    cmd = [sys.executable, "-m", "claas_verl.main_mopd", f"--config-name={recipe}", *overrides]
+    env = dict(_env(), CLAAS_OUT_DIR=str(runs))
+    seconds = _run_job(cmd, env, runs / f"{name}.log")
+    rows = S.stage_end_rows(S.read_forgetting(str(runs / name)))
+    stage_scores: dict[int, dict[str, float]] = {}
+    full_kl: dict[int, dict[str, float]] = {}
+    for r in rows:
+        stage_scores.setdefault(int(r["stage"]), {})[r["domain"]] = float(r["score"])
+        full_kl.setdefault(int(r["stage"]), {})[r["domain"]] = float(r["kl_binned"])
+    order = list(manifest["domains"])
+    staged = "joint" not in recipe
+    experts = {k: v for k, v in manifest["accuracy"].items() if k.startswith("expert:")}
+    metrics = B.run_metrics(stage_scores, order, staged=staged, base=manifest["accuracy"]["student"],
+                            experts=experts)
+    return {"recipe": recipe, "seed": seed, "kind": "mopd", "quick": quick, "stage_scores": stage_scores,
+            "kl_to_expert": full_kl, **metrics, "run_dir": str(runs / name), "seconds": round(seconds, 1)}
+
+
+def _load(out: Path) -> dict:
+    path = out / "results.json"
+    return json.loads(path.read_text()) if path.exists() else {"runs": []}
+
+
+def _save(out: Path, results: dict) -> None:
+    tmp = out / "results.json.tmp"
+    tmp.write_text(json.dumps(results, indent=2, sort_keys=False) + "\n")
+    os.replace(tmp, out / "results.json")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--recipes", default=None,
+                    help="comma-separated mopd/<name> and claas/<name> recipes (default: every method; --quick: "
+                         + ",".join(MOPD_QUICK) + ")")
+    ap.add_argument("--seeds", default=None, help="comma-separated seeds (default 1,2,3; --quick: 1)")
+    ap.add_argument("--out", default="/tmp/claas_verl_continual", help="output directory (default %(default)s)")
+    ap.add_argument("--quick", action="store_true", help="the reduced comparison (< 15 min on 2 cores)")
+    args, extra = ap.parse_known_args(argv)
+    bad = [a for a in extra if "=" not in a or a.startswith("-")]
+    if bad:
+        ap.error(f"unrecognised arguments {bad}: options are --recipes/--seeds/--out/--quick, the rest key=value")
+    recipes = args.recipes.split(",") if args.recipes else list(MOPD_QUICK if args.quick else MOPD_FULL + CLAAS_FULL)
+    unknown = [r for r in recipes if not r.startswith(("mopd/", "claas/"))]
+    if unknown:
+        ap.error(f"--recipes {unknown}: every recipe is mopd/<name> or claas/<name> (recipes/ holds them)")
+    try:
+        seeds = [int(s) for s in (args.seeds or ("1" if args.quick else "1,2,3")).split(",")]
+    except ValueError:
+        ap.error(f"--seeds {args.seeds!r}: expected comma-separated integers such as 1,2,3")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+
+    results = _load(out)
+    done = {(r["recipe"], int(r["seed"])) for r in results["runs"]}
+    manifest = gym_manifest() if any(r.startswith("mopd/") for r in recipes) else None
+    t0 = time.time()
+    for recipe in recipes:
+        for seed in seeds:
+            if (recipe, seed) in done:
+                print(f"=== {recipe} seed {seed}: already in {out / 'results.json'}", flush=True)
+                continue
+            print(f"=== {recipe} seed {seed}", flush=True)
+            if recipe.startswith("mopd/"):
+                record = mopd_run(recipe, seed, out, args.quick, extra, manifest)
+            else:
+                from continual_claas import claas_run
+
+                record = claas_run(recipe, seed, out, args.quick, extra)
+                record.setdefault("kind", "claas")
+            results["runs"].append(record)
+            results["summary"] = summarize(results["runs"])
+            _save(out, results)
+            print(f"=== {recipe} seed {seed}: final_avg {record['final_avg']:.3f}, forgetting "
+                  f"{_fmt(record.get('forgetting'))} in {record.get('seconds', 0):.0f}s", flush=True)
+    results["summary"] = summarize(results["runs"])
+    if manifest is not None:
+        results["bundle"] = {k: manifest[k] for k in ("domains", "accuracy", "accuracy_protocol", "sizes")}
+    _save(out, results)
+    report = write_report(results, out)
+    print("\n" + report)
+    print(f"\nresults: {out / 'results.json'}; report: {out / 'report.md'}; plots: {out}/*.png "
+          f"({time.time() - t0:.0f}s)")
+    return 0
+
+
+def summarize(runs: list[dict]) -> dict:
+    summary = B.summarize([r for r in runs if r.get("kind") != "claas"])
+    claas = [r for r in runs if r.get("kind") == "claas"]
+    if claas:
+        from continual_claas import claas_summary
+
+        summary.update(claas_summary(claas))
+    return summary
+
+
+def _fmt(v, hw=None) -> str:
+    if v is None:
+        return "n/a"
+    return f"{v:.3f}" if hw is None else f"{v:.3f} ± {hw:.3f}"
+
+
+def _cell(pair) -> str:
+    m, hw = pair
+    return "n/a" if m is None else (f"{m:.3f}" if hw is None else f"{m:.3f} ± {hw:.3f}")
+
+
+def write_report(results: dict, out: Path) -> str:
+    """report.md (returned) and the PNG plots of the MOPD runs (the CLaaS part from continual_claas)."""
+    mopd = [r for r in results["runs"] if r.get("kind") != "claas"]
+    lines = ["# Continual benchmark", ""]
+    if mopd:
+        lines += mopd_report(mopd, results)
+        from claas_verl.metrics.plots import plot_final_bars, plot_stage_accuracy
+
+        by = _by_recipe(mopd)
+        order = list(results.get("bundle", {}).get("domains")
+                     or sorted({d for r in mopd for row in r["stage_scores"].values() for d in row}))
+        curves = {LABELS.get(k, k): B.mean_stage_scores(v) for k, v in by.items()}
+        plot_stage_accuracy(curves, order, out / "mopd_stage_accuracy.png")
+        summ = results["summary"]
+        plot_final_bars({LABELS.get(k, k): summ[k] for k in by}, ("final_avg", "forgetting"),
+                        out / "mopd_final_forgetting.png")
+        lines += ["", "Plots: `mopd_stage_accuracy.png` (per-domain accuracy after every stage, mean ± 95% "
+                  "interval), `mopd_final_forgetting.png` (final accuracy and forgetting)."]
+    claas = [r for r in results["runs"] if r.get("kind") == "claas"]
+    if claas:
+        from continual_claas import claas_plots, claas_report
+
+        lines += ["", claas_report(claas, results["summary"])]
+        paths = claas_plots(claas, out)
+        lines += ["", "CLaaS plots: " + ", ".join(f"`{p.name}`" for p in paths)]
+    text = "\n".join(lines) + "\n"
+    (out / "report.md").write_text(text)
+    return text
+
+
+def _by_recipe(runs: list[dict]) -> dict[str, list[dict]]:
+    by: dict[str, list[dict]] = {}
+    for r in runs:
+        by.setdefault(r["recipe"], []).append(r)
+    return by
+
+
+def mopd_report(runs: list[dict], results: dict) -> list[str]:
+    summ = results["summary"]
+    bundle = results.get("bundle", {})
+    order = list(bundle.get("domains") or [])
+    lines = ["## MOPD: three reasoning-gym domains, spell → reverse → arith", ""]
+    acc = bundle.get("accuracy")
+    if acc:
+        lines += ["Bundle (task accuracy, 48 held-out prompts × 2 samples at τ = 1):", "",
+                  "| model | " + " | ".join(order) + " |", "|---|" + "---|" * len(order)]
+        for name, row in acc.items():
+            lines.append(f"| {name} | " + " | ".join(f"{row[d]:.3f}" for d in order) + " |")
+        lines.append("")
+    lines += ["| method | seeds | final avg | forgetting | BWT | Norm |", "|---|---|---|---|---|---|"]
+    for recipe in _by_recipe(runs):
+        s = summ[recipe]
+        lines.append(f"| {LABELS.get(recipe, recipe)} (`{recipe}`) | {len(s['seeds'])} | {_cell(s['final_avg'])} | "
+                     f"{_cell(s['forgetting'])} | {_cell(s['bwt'])} | {_cell(s['norm'])} |")
+    lines += ["", "Per-domain accuracy after each stage (mean ± 95% interval over seeds; the last row of a "
+              "recovery run is after recovery):", ""]
+    for recipe, rs in _by_recipe(runs).items():
+        cells = B.mean_stage_scores(rs)
+        kl = _mean_kl(rs)
+        lines += [f"**{LABELS.get(recipe, recipe)}**", "", "| after stage | " + " | ".join(
+            f"{d} acc (KL to E_{d})" for d in order) + " |", "|---|" + "---|" * len(order)]
+        for st, row in cells.items():
+            lines.append(f"| {st} | " + " | ".join(
+                "" if d not in row else f"{_cell(row[d])} ({kl[st][d]:.3f})" for d in order) + " |")
+        lines.append("")
+    return lines
+
+
+def _mean_kl(runs: list[dict]) -> dict[int, dict[str, float]]:
+    acc: dict[int, dict[str, list[float]]] = {}
+    for r in runs:
+        for st, row in r.get("kl_to_expert", {}).items():
+            for d, v in row.items():
+                acc.setdefault(int(st), {}).setdefault(d, []).append(float(v))
+    return {st: {d: sum(v) / len(v) for d, v in row.items()} for st, row in acc.items()}
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(Path(__file__).resolve().parent))  # continual_claas beside this script
+    sys.exit(main())

@@ -1,0 +1,59 @@
+"""The continual benchmark's reasoning-gym domains: held-out splits and reasoning-gym's own scoring (no models)."""
+
+import json
+
+import pytest
+
+from claas_verl.data.rewards import compute_score
+from claas_verl.tiny import gym
+
+
+@pytest.fixture(scope="module")
+def splits():
+    return {d.name: gym.gym_rows(d, seed=0) for d in gym.GYM_DOMAINS}
+
+
+def test_test_questions_are_distinct_and_never_in_train(splits):
+    for name, (train, test) in splits.items():
+        tq = [r["prompt"][0]["content"] for r in test]
+        assert len(tq) == gym.N_TEST == len(set(tq)), name
+        assert not set(tq) & {r["prompt"][0]["content"] for r in train}, name
+        assert len(train) >= 128
+
+
+def test_rows_are_verl_rl_rows_scored_by_reasoning_gym(splits):
+    for name, (train, test) in splits.items():
+        for row in (train[0], test[-1]):
+            assert row["data_source"].startswith("reasoning_gym/")
+            truth = row["reward_model"]["ground_truth"]
+            # reasoning-gym's scorer on the rebuilt entry: the reference answer scores 1, a wrong one less
+            assert compute_score(row["data_source"], f" {truth}\n", truth, row["extra_info"]) == 1.0, name
+            assert compute_score(row["data_source"], truth + "x", truth, row["extra_info"]) < 1.0, name
+            meta = json.loads(row["extra_info"]["meta"])
+            assert meta["answer_format"] == "plain" and meta["config"] == dict(
+                next(d for d in gym.GYM_DOMAINS if d.name == name).config)
+
+
+def test_the_same_seed_gives_the_same_rows_and_another_seed_other_rows():
+    d = gym.GYM_DOMAINS[0]
+    a, b, c = gym.gym_rows(d, 0), gym.gym_rows(d, 0), gym.gym_rows(d, 1)
+    assert a == b
+    assert [r["prompt"] for r in a[1]] != [r["prompt"] for r in c[1]]
+
+
+def test_byte_tokenizer_gives_one_token_per_letter():
+    tok = gym.byte_tokenizer()
+    assert len(tok) == 261
+    ids = tok.encode("ammonia", add_special_tokens=False)
+    assert len(ids) == 7 and ids[0] == ids[-1] and ids[1] == ids[2]  # a...a, mm: one id per letter
+    assert tok.decode(ids) == "ammonia"
+    text = tok.apply_chat_template([{"role": "user", "content": "Calculate 4 - 1."}], add_generation_prompt=True,
+                                   tokenize=False)
+    assert text.endswith("<|im_start|>assistant\n")
+
+
+def test_unknown_answer_format_is_refused_naming_the_key(splits):
+    row = splits["arith"][1][0]
+    meta = dict(json.loads(row["extra_info"]["meta"]), answer_format="json")
+    with pytest.raises(ValueError, match="answer_format"):
+        compute_score(row["data_source"], "3", "3", {"meta": json.dumps(meta)})
