@@ -88,7 +88,7 @@ install-vllm: $(VLLM_STAMP)
 
 # The vLLM tests only (-m vllm): one session-wide vLLM server on the tiny student (start-up ~2 min on 2 cores).
 test-vllm: install-vllm
-	$(VLLM_PY) -m pytest -q -m vllm
+	$(VLLM_PY) -m pytest -q -m "vllm and not slow"
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) build *.egg-info

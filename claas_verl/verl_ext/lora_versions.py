@@ -20,12 +20,14 @@ has no vLLM or verl import (the engine and the LoRA requests are duck-typed).
 from __future__ import annotations
 
 import asyncio
+from collections import Counter
 from typing import Any
 
 from claas_verl.service.lora_reload import AdapterSwitch
 
 BASE = "<base>"  # the served "adapter" before the first one: the base model (never removed)
 LORA_ID_BASE = 1_000_000  # versioned adapter ids start here (far from verl's fixed id 123)
+MIN_CPU_LORAS = 2  # vLLM's adapter cache must hold the served adapter and the one its last requests still run on
 
 
 def lora_name(lora_int_id: int) -> str:
@@ -57,6 +59,7 @@ class VersionedLoRAEngine:
         self._tasks: set[asyncio.Task] = set()
         self.removed: list[int] = []  # adapter ids removed after their last request
         self.remove_errors: list[str] = []
+        self.started: Counter = Counter()  # requests started per served adapter name (BASE: on the base model)
 
     def __getattr__(self, name: str):  # everything not overridden goes to the wrapped engine
         return getattr(self._engine, name)
@@ -99,6 +102,7 @@ class VersionedLoRAEngine:
         """The engine's ``generate`` on the adapter served now (the caller's ``lora_request`` is used only while the
         base model is served), holding that adapter until the request's last output."""
         lease = self._switch.acquire()
+        self.started[lease.name] += 1
         try:
             served = self._requests.get(lease.name)
             async for output in self._engine.generate(*args, lora_request=served or lora_request, **kwargs):
@@ -121,7 +125,26 @@ class VersionedLoRAEngine:
         except Exception as exc:  # a failed removal leaks one cached adapter; it must not fail any request
             self.remove_errors.append(f"{lora_int_id}: {exc!r}")
 
+    def state(self) -> dict:
+        """What is served and what happened: ``served`` (name), ``served_lora_id``, ``switches``, ``started`` per
+        adapter name, ``inflight`` of the served adapter, ``removed`` ids, ``remove_errors``."""
+        name, switches = self.served
+        return {"served": name, "served_lora_id": self.served_lora_id(), "switches": switches,
+                "started": dict(self.started), "inflight": self.inflight(), "removed": list(self.removed),
+                "remove_errors": list(self.remove_errors)}
+
     async def drain_removals(self) -> None:
         """Wait for the removals scheduled so far (tests, shutdown)."""
         while self._tasks:
             await asyncio.gather(*list(self._tasks))
+
+
+def check_rollout_config(config: Any) -> None:
+    """``ValueError`` naming the key unless the vLLM rollout can keep an old adapter while a new one is served."""
+    engine_kwargs = (config.actor_rollout_ref.rollout.get("engine_kwargs") or {}).get("vllm") or {}
+    cpu_loras = engine_kwargs.get("max_cpu_loras")
+    if cpu_loras is None or int(cpu_loras) < MIN_CPU_LORAS:
+        raise ValueError(
+            f"actor_rollout_ref.rollout.engine_kwargs.vllm.max_cpu_loras must be >= {MIN_CPU_LORAS} (got {cpu_loras}): "
+            "a LoRA update keeps the old adapter loaded until its running requests end (recipes/claas/common/"
+            "paper_model.yaml sets 4)")

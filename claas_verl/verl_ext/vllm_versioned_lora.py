@@ -35,11 +35,15 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from claas_verl.verl_ext.lora_versions import LORA_ID_BASE, VersionedLoRAEngine, lora_name, next_lora_id
+from claas_verl.verl_ext.lora_versions import (
+    LORA_ID_BASE,
+    VersionedLoRAEngine,
+    check_rollout_config,
+    lora_name,
+    next_lora_id,
+)
 
 logger = logging.getLogger(__name__)
-
-MIN_CPU_LORAS = 2  # the served adapter and the one its last requests still run on
 
 
 def _worker_extension_base():
@@ -63,12 +67,26 @@ class ClaasLoRAWorkerExtension(_worker_extension_base()):
         from verl.utils.vllm import TensorLoRARequest
         from verl.workers.rollout.vllm_rollout.utils import VLLM_LORA_PATH
 
+        alias_unstacked_mapper()
         lora_id = next_lora_id(self.list_loras())
         # clone: the tensors outlive the receiver's reused transfer buffer (as verl does)
         tensors = {name: tensor.clone() for name, tensor in weights}
         self.add_lora(TensorLoRARequest(lora_name=lora_name(lora_id), lora_int_id=lora_id, lora_path=VLLM_LORA_PATH,
                                         peft_config=peft_config, lora_tensors=tensors))
         logger.info("claas: LoRA sync added adapter %s (%d tensors)", lora_id, len(tensors))
+
+
+def alias_unstacked_mapper() -> bool:
+    """verl 0.9.1's in-memory LoRA loader (``VLLMHijack``) calls ``WeightsMapper.get_unstacked_mapper()`` on vLLM >=
+    0.25; vLLM 0.30 renamed it ``get_rename_mapper`` (its own loader calls that: "ignore stacking and deletions"), so
+    every LoRA sync of a model with an ``hf_to_vllm_mapper`` (Qwen2) fails with AttributeError. Alias the old name to
+    the new one where only the new one exists (third_party/verl_couplings.md, V5); True if it aliased."""
+    from vllm.model_executor.models.utils import WeightsMapper
+
+    if hasattr(WeightsMapper, "get_unstacked_mapper") or not hasattr(WeightsMapper, "get_rename_mapper"):
+        return False
+    WeightsMapper.get_unstacked_mapper = WeightsMapper.get_rename_mapper
+    return True
 
 
 class ClaasVLLMHttpServer(_server_base()):
@@ -82,6 +100,13 @@ class ClaasVLLMHttpServer(_server_base()):
         if self.lora_as_adapter and getattr(self, "engine", None) is not None:
             self.engine = VersionedLoRAEngine(self.engine)
         return out
+
+    async def claas_lora_state(self) -> dict:
+        """:meth:`VersionedLoRAEngine.state` plus the adapter ids the engine holds (``loaded``); {} without LoRA."""
+        engine = getattr(self, "engine", None)
+        if not isinstance(engine, VersionedLoRAEngine):
+            return {}
+        return {**engine.state(), "loaded": sorted(int(i) for i in await engine.list_loras())}
 
     async def clear_kv_cache(self):
         engine = getattr(self, "engine", None)
@@ -115,17 +140,6 @@ def _replica_class():
             self.server_class = ray.remote(ClaasVLLMHttpServer)
 
     return ClaasVLLMReplica
-
-
-def check_rollout_config(config: Any) -> None:
-    """``ValueError`` naming the key unless the vLLM rollout can keep an old adapter while a new one is served."""
-    engine_kwargs = (config.actor_rollout_ref.rollout.get("engine_kwargs") or {}).get("vllm") or {}
-    cpu_loras = engine_kwargs.get("max_cpu_loras")
-    if cpu_loras is None or int(cpu_loras) < MIN_CPU_LORAS:
-        raise ValueError(
-            f"actor_rollout_ref.rollout.engine_kwargs.vllm.max_cpu_loras must be >= {MIN_CPU_LORAS} (got {cpu_loras}): "
-            "a LoRA update keeps the old adapter loaded until its running requests end (recipes/claas/common/"
-            "paper_model.yaml sets 4)")
 
 
 def register(config: Any) -> None:
