@@ -44,7 +44,7 @@ install-eval: install
 lint: install
 	$(VENV)/bin/ruff check claas_verl tests benchmarks examples
 
-# TEST_VLLM=1: also run the real-vLLM tests (make test-vllm: +~5 min install once, ~2.5 min of tests on 2 cores).
+# TEST_VLLM=1: also run the real-vLLM tests (make test-vllm: +~5 min install once, ~3.5 min of tests on 2 cores).
 TEST_VLLM ?= 0
 
 test: lint

@@ -21,7 +21,7 @@ import time
 
 import pytest
 import torch
-from service_helpers import USER, big_buffer, recompute_logprob, recompute_token_logprobs, running_service
+from service_helpers import ADMIN, USER, big_buffer, recompute_logprob, recompute_token_logprobs, running_service
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from claas_verl.service import ClaasServiceClient, OpenAIBackend
@@ -101,7 +101,7 @@ def test_lora_hot_reload_changes_the_policy_and_in_flight_requests_keep_their_ve
     buf = big_buffer()
     backend = OpenAIBackend(vllm_server.url, "tiny", default_max_tokens=48)
     probe = dict(seed=7, logprobs=True)
-    with running_service(backend, buf) as (_, url), ClaasServiceClient(url) as client:
+    with running_service(backend, buf) as (_, url), ClaasServiceClient(url, admin_key=ADMIN) as client:
         p0 = client.chat(USER, **probe)
         client.feedback(p0["claas"]["request_id"], 1.0)
         buf.on_update()
@@ -190,12 +190,19 @@ def test_streaming_from_vllm_is_token_by_token_and_records_what_a_plain_turn_rec
         assert len(content) > 100 and content[0] < 0.2 * total, (content[0], total)
 
         # Same seed streamed and not: the same sampled tokens, hence the same entry.
-        streamed = list(client.chat.completions.create(model="tiny", messages=USER, stream=True, seed=4,
-                                                       logprobs=True))
-        plain = client.chat.completions.create(model="tiny", messages=USER, seed=4, logprobs=True)
-        sclaas = streamed[-1].model_extra["claas"]
-        assert sclaas["record"] == "pending_feedback" and plain.model_extra["claas"]["record"] == "pending_feedback"
-        assert sum(1 for c in streamed if c.choices and c.choices[0].delta.content) > 1
+        # (the first seed whose reply has several content chunks; shorter replies are settled with reward 0)
+        for seed in range(20):
+            streamed = list(client.chat.completions.create(model="tiny", messages=USER, stream=True, seed=seed,
+                                                           logprobs=True))
+            sclaas = streamed[-1].model_extra["claas"]
+            assert sclaas["record"] == "pending_feedback", sclaas
+            if sum(1 for c in streamed if c.choices and c.choices[0].delta.content) >= 3:
+                break
+            assert service.feedback({"request_id": sclaas["request_id"], "reward": 0})["status"] == "submitted"
+        else:
+            pytest.fail("no seed gave a reply of 3 content chunks or more")
+        plain = client.chat.completions.create(model="tiny", messages=USER, seed=seed, logprobs=True)
+        assert plain.model_extra["claas"]["record"] == "pending_feedback"
         assert "".join(c.choices[0].delta.content or "" for c in streamed) == plain.choices[0].message.content
         for rid in (sclaas["request_id"], plain.id):
             assert service.feedback({"request_id": rid, "reward": 1})["status"] == "submitted"
