@@ -132,13 +132,16 @@ def test_disconnect_mid_stream_stops_the_generation_and_leaves_nothing_pending(b
                     first = json.loads(next(line for line in lines if line.startswith("data:"))[5:])
                     assert first["claas"]["policy_version"] == 0
                     assert gate.held.wait(WATCHDOG_S)
-                # the client has gone away; the generation is still held inside the model
-                gate.open()
+                # the client has gone away while the generation is held inside the model: the service notices
                 deadline = time.monotonic() + WATCHDOG_S
-                while backend.stopped_early == stopped_before or service.stats()["dropped_disconnected"] == 0:
+                while service.stats()["dropped_disconnected"] == 0:
+                    assert time.monotonic() < deadline, "the disconnect was not noticed"
+                    time.sleep(0.02)
+                gate.open()
+                while backend.stopped_early == stopped_before:
                     assert time.monotonic() < deadline, "the generation was not stopped after the disconnect"
                     time.sleep(0.02)
-                assert gate.calls < 10  # stopped right after the held token, not after 200
+                assert gate.calls <= 5  # stopped right after the held forward (4), not after 200 tokens
                 after = http.post("/v1/chat/completions", json={"messages": USER, "max_tokens": 2}).json()
                 assert after["claas"]["record"] == "pending_feedback"  # the model (and its lock) serves again
                 stats = http.get("/v1/claas/stats").json()
