@@ -46,7 +46,7 @@ install-eval: install
 lint: install
 	$(VENV)/bin/ruff check claas_verl tests benchmarks examples
 
-# TEST_VLLM=1: also run the real-vLLM tests (make test-vllm: +~5 min install once, ~2.5 min of tests on 2 cores).
+# TEST_VLLM=1: also run the real-vLLM tests (make test-vllm: +~5 min install once, ~3.5 min of tests on 2 cores).
 TEST_VLLM ?= 0
 
 test: lint
@@ -99,7 +99,7 @@ install-vllm: $(VLLM_STAMP)
 
 # The vLLM tests only (-m vllm): one session-wide vLLM server on the tiny student (start-up ~2 min on 2 cores).
 test-vllm: install-vllm
-	$(VLLM_PY) -m pytest -q -m vllm
+	$(VLLM_PY) -m pytest -q -m "vllm and not slow"
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) build *.egg-info

@@ -48,8 +48,8 @@ async def agent(idx: int, client, http, stop_at: float, out: dict) -> None:
             if n % 4 == 3:
                 stream = await client.chat.completions.create(model="claas", messages=messages, stream=True)
                 claas = None
-                async for chunk in stream:
-                    claas = claas or chunk.model_extra["claas"]
+                async for chunk in stream:  # the final chunk carries the complete claas object (record status)
+                    claas = chunk.model_extra["claas"]
             else:
                 claas = (await client.chat.completions.create(model="claas", messages=messages)).model_extra["claas"]
         except Exception as exc:  # noqa: BLE001 - counted: a benchmark must report failures, not die on them

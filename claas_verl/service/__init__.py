@@ -15,6 +15,7 @@ from claas_verl.service.lora_reload import AdapterLease, AdapterSwitch, LoRARelo
 from claas_verl.service.recorder import COUNTERS, TrajectoryRecorder, TurnRecord, behaviour_logprob
 from claas_verl.service.sampling import TRAINING_SAMPLING, SamplingParams, training_violations
 from claas_verl.service.sinks import ActorSink, LocalBufferSink, make_sink
+from claas_verl.service.streaming import IncrementalDetokenizer, StreamStart, TokenDelta
 
 _LAZY = {
     "HFBackend": "claas_verl.service.hf_backend",
@@ -27,9 +28,10 @@ _LAZY = {
 __all__ = [
     "COUNTERS", "TRAINING_SAMPLING", "ActorSink", "AdapterLease", "AdapterSwitch", "BackendError", "ChatBackend",
     "ChatService", "ClaasServiceClient", "ClaasServiceError", "Generation", "GradeRequest", "HFBackend",
-    "LoRAReloadError", "LocalBufferSink", "OpenAIBackend", "SamplingParams", "Served", "ServiceConfig",
-    "ServiceThread", "TrajectoryRecorder", "TurnRecord", "VLLMLoRAClient", "behaviour_logprob", "build_app",
-    "make_sink", "normalize_grade", "scenario_key_to_id", "training_violations", "verifier_grader",
+    "IncrementalDetokenizer", "LoRAReloadError", "LocalBufferSink", "OpenAIBackend", "SamplingParams", "Served",
+    "ServiceConfig", "ServiceThread", "StreamStart", "TokenDelta", "TrajectoryRecorder", "TurnRecord",
+    "VLLMLoRAClient", "behaviour_logprob", "build_app", "make_sink", "normalize_grade", "scenario_key_to_id",
+    "training_violations", "verifier_grader",
 ]
 
 

@@ -30,16 +30,17 @@ import threading
 import time
 import uuid
 import zlib
-from collections.abc import Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from claas_verl.service.backend import BackendError, ChatBackend
+from claas_verl.service.backend import BackendError, ChatBackend, Generation
 from claas_verl.service.grading import Grader, GradeRequest, normalize_grade
 from claas_verl.service.lora_reload import LoRAReloadError
 from claas_verl.service.recorder import COUNTERS, TrajectoryRecorder, TurnRecord, behaviour_logprob, unrecordable_reason
 from claas_verl.service.sampling import SamplingParams, training_violations, violation_message
 from claas_verl.service.sinks import make_sink
+from claas_verl.service.streaming import StreamStart, TokenDelta
 from claas_verl.service.templating import normalize_messages
 
 _FALSE = {"0", "false", "no", "off"}
@@ -269,8 +270,9 @@ class ChatService:
                 raise LimitError(f"messages[{i}].content has {len(m['content'])} characters; this service accepts "
                                  f"at most {self.config.max_message_chars} per message")
 
-    async def chat(self, body: dict, headers: Mapping[str, str] | None = None) -> dict:
-        """Serve one chat completion and record it; returns the OpenAI response dict with a ``claas`` object."""
+    def _prepare(self, body: dict, headers: Mapping[str, str] | None) -> tuple[SamplingParams, list[dict], dict,
+                                                                              dict | None]:
+        """Validate a chat request: ``(params, messages, ctx, chat_template_kwargs)``; errors name the field."""
         if not isinstance(body, dict):
             raise ValueError("the request body must be a JSON object")
         params = self._limit(body, SamplingParams.from_request(body))
@@ -280,34 +282,103 @@ class ChatService:
         kwargs = body.get("chat_template_kwargs")
         if kwargs is not None and not isinstance(kwargs, dict):
             raise ValueError("'chat_template_kwargs' must be an object")
+        return params, messages, ctx, kwargs
+
+    async def chat(self, body: dict, headers: Mapping[str, str] | None = None) -> dict:
+        """Serve one chat completion and record it; returns the OpenAI response dict with a ``claas`` object."""
+        params, messages, ctx, kwargs = self._prepare(body, headers)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         gen = await self.backend.generate(messages, params, kwargs)
         self.recorder.count("served")
         status, reason = await self._record(request_id, gen, params, messages, ctx)
         return self._response(request_id, gen, params, status, reason, ctx)
 
-    @staticmethod
-    def stream_events(response: dict) -> list[str]:
-        """A completed chat response as the server-sent events OpenAI streams (``data: {chunk}`` lines and
-        ``data: [DONE]``): a role chunk, a content chunk, a final chunk with ``finish_reason`` and ``usage``.
+    async def chat_stream(self, body: dict, headers: Mapping[str, str] | None = None) -> AsyncIterator[str]:
+        """Serve one chat completion as OpenAI's server-sent events, token by token as the backend samples them.
 
-        Every chunk carries the ``claas`` object (request id, serving version, record status), so a streaming
-        client can read it from any chunk. The backends return whole responses, so the content arrives in one
-        delta; what is recorded is identical to a non-streamed turn.
+        Returns once the request runs on the backend (so a refused request is still an HTTP error, not an event),
+        with an async iterator of ``data: {chunk}`` lines: a role chunk, one chunk per content delta, a final chunk
+        with ``finish_reason`` and ``usage``, then ``data: [DONE]``. Every chunk carries ``claas`` with the
+        ``request_id`` and the ``policy_version`` serving the request; the final chunk carries the full ``claas``
+        object of a non-streamed reply (record status, reason, token count, behaviour log-prob).
+
+        The turn is recorded from the backend's final :class:`Generation` (the sampled ids and log-probs, never the
+        streamed text), exactly like a non-streamed turn. A client that goes away before the final chunk reached it
+        (the iterator is closed early) stops the generation; the turn is dropped and counted as ``disconnected``
+        (a turn already waiting for feedback is withdrawn from the pending table). A backend failure after the
+        first chunk ends the stream with an OpenAI error event, counted as ``stream_error``.
         """
-        choice = response["choices"][0]
-        base = {"id": response["id"], "object": "chat.completion.chunk", "created": response["created"],
-                "model": response["model"], "claas": response["claas"]}
+        params, messages, ctx, kwargs = self._prepare(body, headers)
+        request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        events = self.backend.stream(messages, params, kwargs)
+        try:
+            start = await anext(events)
+        except StopAsyncIteration:
+            raise BackendError("the backend's stream ended before the request started") from None
+        except BaseException:
+            await events.aclose()
+            raise
+        if not isinstance(start, StreamStart):
+            await events.aclose()
+            raise BackendError(f"the backend's stream must start with a StreamStart, got {type(start).__name__}")
+        return self._sse(request_id, start, events, params, messages, ctx)
 
-        def chunk(delta: dict, finish: str | None, **extra) -> str:
-            body = {**base, "choices": [{"index": 0, "delta": delta, "finish_reason": finish,
-                                         "logprobs": choice["logprobs"] if finish else None}], **extra}
+    async def _sse(self, request_id: str, start: StreamStart, events: AsyncIterator, params: SamplingParams,
+                   messages: list[dict], ctx: dict) -> AsyncIterator[str]:
+        import anyio  # starlette's dependency (the HTTP layer); its cancel scopes are what cancel a response
+
+        created = int(time.time())
+        head = {"request_id": request_id, "policy_version": start.policy_version, "scenario_id": ctx["scenario_id"],
+                "step_idx": ctx["step_idx"]}
+
+        def chunk(delta: dict, finish: str | None = None, logprobs: dict | None = None, claas: dict = head,
+                  **extra) -> str:
+            body = {"id": request_id, "object": "chat.completion.chunk", "created": created, "model": start.model,
+                    "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": logprobs}],
+                    "claas": claas, **extra}
             return f"data: {json.dumps(body)}\n\n"
 
-        return [chunk({"role": "assistant", "content": ""}, None),
-                chunk({"content": choice["message"]["content"]}, None),
-                chunk({}, choice["finish_reason"], usage=response["usage"]),
-                "data: [DONE]\n\n"]
+        delivered = False  # the final chunk reached the client
+        outcome = None  # the record status, once the generation is complete
+        try:
+            yield chunk({"role": "assistant", "content": ""})
+            gen = None
+            async for event in events:
+                if isinstance(event, Generation):
+                    gen = event
+                    break
+                if not isinstance(event, TokenDelta):
+                    raise BackendError(f"unexpected stream event {type(event).__name__}")
+                logprobs = None
+                if params.logprobs and event.logprobs is not None and event.token_ids:
+                    logprobs = {"content": _logprob_items(event.token_ids, event.logprobs)}
+                if event.text or logprobs is not None:
+                    yield chunk({"content": event.text}, logprobs=logprobs)
+            if gen is None:
+                raise BackendError("the backend's stream ended without the complete response")
+            self.recorder.count("served")
+            status, reason = await self._record(request_id, gen, params, messages, ctx)
+            outcome = status
+            response = self._response(request_id, gen, params, status, reason, ctx)
+            yield chunk({}, gen.finish_reason, claas=response["claas"], usage=response["usage"])
+            delivered = True
+            yield "data: [DONE]\n\n"
+        except Exception as exc:  # noqa: BLE001 - a disconnect is a BaseException (CancelledError/GeneratorExit)
+            # after the 200 and the first chunk, an error can only be an event (the openai client raises APIError)
+            self.recorder.count("dropped_stream_error")
+            delivered = True
+            yield f"data: {json.dumps({'error': {'message': str(exc), 'type': 'backend_error', 'code': 502}})}\n\n"
+        finally:
+            if not delivered:
+                # The client went away (or the server is stopping) before the reply was complete on its side: a
+                # generation still running is stopped and never recorded; a complete turn waiting for feedback is
+                # withdrawn (no feedback can come for a reply the client did not get). A turn handed to a grader
+                # or already settled keeps its outcome: the grader needs no client.
+                if outcome is None or (outcome == "pending_feedback" and self.recorder.withdraw(request_id)):
+                    self.recorder.count("dropped_disconnected")
+            # shielded: a response cancelled by its disconnect must still close the backend stream
+            with anyio.CancelScope(shield=True):
+                await events.aclose()
 
     async def _record(self, request_id, gen, params, messages, ctx) -> tuple[str, str | None]:
         if not ctx["record"]:
@@ -370,10 +441,7 @@ class ChatService:
             "logprobs": None,
         }
         if params.logprobs and gen.token_logprobs is not None:
-            choice["logprobs"] = {"content": [
-                {"token": f"token_id:{t}", "logprob": lp, "bytes": None, "top_logprobs": []}
-                for t, lp in zip(gen.response_ids, gen.token_logprobs)
-            ]}
+            choice["logprobs"] = {"content": _logprob_items(gen.response_ids, gen.token_logprobs)}
         lp = gen.token_logprobs
         return {
             "id": request_id,
@@ -473,6 +541,12 @@ class ChatService:
         await asyncio.to_thread(self.recorder.sink.flush, timeout_s)
 
 
+def _logprob_items(token_ids, logprobs) -> list[dict]:
+    """OpenAI ``logprobs.content`` items; tokens are named ``token_id:N`` (vLLM's return_tokens_as_token_ids)."""
+    return [{"token": f"token_id:{t}", "logprob": lp, "bytes": None, "top_logprobs": []}
+            for t, lp in zip(token_ids, logprobs)]
+
+
 def _error(status: int, message: str, kind: str = "invalid_request_error", headers: dict | None = None):
     from fastapi.responses import JSONResponse
 
@@ -486,6 +560,17 @@ def build_app(service: ChatService):
     """The FastAPI app over ``service`` (run it with uvicorn, or :class:`~claas_verl.service.server.ServiceThread`)."""
     from fastapi import FastAPI, Request
     from fastapi.responses import JSONResponse, StreamingResponse
+
+    class _ClosingStream(StreamingResponse):
+        """Closes the event iterator when the response ends in any way. Starlette cancels a response whose client
+        disconnected, which can leave the iterator suspended at a ``yield``; closing it runs its clean-up (stop the
+        generation, count the disconnect) at once instead of whenever it is garbage-collected."""
+
+        async def __call__(self, scope, receive, send):
+            try:
+                await super().__call__(scope, receive, send)
+            finally:
+                await self.body_iterator.aclose()
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
@@ -550,17 +635,11 @@ def build_app(service: ChatService):
     @guarded()
     async def chat(request: Request):
         body = await json_body(request)
-        response = await service.chat(body, request.headers)
         if isinstance(body, dict) and body.get("stream"):
-            events = service.stream_events(response)
-
-            async def gen():
-                for event in events:
-                    yield event
-
-            return StreamingResponse(gen(), media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        return response
+            events = await service.chat_stream(body, request.headers)
+            return _ClosingStream(events, media_type="text/event-stream",
+                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        return await service.chat(body, request.headers)
 
     @app.post("/v1/feedback")
     @guarded()

@@ -6,16 +6,23 @@ log-prob of every sampled token under the sampling distribution, and the policy 
 that served the request. Backends also hot-swap the served LoRA adapter (``load_adapter``) so that a request keeps
 the version it started with.
 
-Implementations: :class:`~claas_verl.service.hf_backend.HFBackend` (in-process transformers model, CPU) and
-:class:`~claas_verl.service.openai_backend.OpenAIBackend` (forwards to a vLLM OpenAI-compatible server).
+Backends stream (``stream``): they yield the tokens as they are sampled and end with the same ``Generation`` a
+non-streamed request gets (see :mod:`claas_verl.service.streaming`). A backend that cannot stream inherits the default,
+which yields the whole response as one delta once it is complete (``streams_tokens = False``).
+
+Implementations: :class:`~claas_verl.service.hf_backend.HFBackend` (in-process transformers model, CPU),
+:class:`~claas_verl.service.openai_backend.OpenAIBackend` (forwards to a vLLM OpenAI-compatible server) and
+:class:`~claas_verl.service.rollout_backend.RolloutBackend` (the training job's verl rollout servers; whole responses).
 """
 
 from __future__ import annotations
 
 import abc
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from claas_verl.service.sampling import SamplingParams
+from claas_verl.service.streaming import StreamStart, TokenDelta
 
 
 class BackendError(RuntimeError):
@@ -49,6 +56,9 @@ class Generation:
 class ChatBackend(abc.ABC):
     """Interface of an inference backend (all methods are safe to call concurrently)."""
 
+    #: True when :meth:`stream` yields tokens while they are generated; False: one delta once the response is done.
+    streams_tokens: bool = False
+
     @property
     @abc.abstractmethod
     def served_model(self) -> str:
@@ -63,6 +73,22 @@ class ChatBackend(abc.ABC):
     async def generate(self, messages: list[dict], params: SamplingParams, chat_template_kwargs: dict | None = None
                        ) -> Generation:
         """Sample one response to ``messages`` with ``params``; ``ValueError`` for a request the backend refuses."""
+
+    async def stream(self, messages: list[dict], params: SamplingParams, chat_template_kwargs: dict | None = None
+                     ) -> AsyncIterator[StreamStart | TokenDelta | Generation]:
+        """Sample one response and yield it as it is generated: a :class:`StreamStart`, :class:`TokenDelta` events,
+        then the complete :class:`Generation` (what :meth:`generate` returns for the same sampled tokens).
+
+        Errors before the :class:`StreamStart` are the request's errors (``ValueError``: refused; ``BackendError``).
+        Closing the iterator early (``aclose``: the client went away) stops the generation where the backend can.
+        This default generates the whole response first and yields it as a single delta.
+        """
+        gen = await self.generate(messages, params, chat_template_kwargs)
+        yield StreamStart(policy_version=gen.policy_version, model=gen.model)
+        if gen.response_ids or gen.text:
+            yield TokenDelta(text=gen.text, token_ids=tuple(gen.response_ids),
+                             logprobs=None if gen.token_logprobs is None else tuple(gen.token_logprobs))
+        yield gen
 
     @abc.abstractmethod
     async def load_adapter(self, path: str, version: int | None = None) -> int:

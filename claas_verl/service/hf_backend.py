@@ -8,6 +8,11 @@ Concurrency and versions: one generation runs at a time (a thread lock; the work
 event loop keeps serving). The model, the adapter and the policy version are read under that lock when a request
 starts, and ``load_adapter`` takes the same lock, so a reload waits for the running request and the version
 recorded for a response is always the one whose weights produced it.
+
+Streaming: the generation thread hands every sampled token to the event loop as it is sampled (a
+:class:`~claas_verl.service.streaming.TokenDelta` with its incrementally decoded text); the final
+:class:`~claas_verl.service.backend.Generation` is built from the same token ids and log-probs as a non-streamed
+request. Closing the stream early (the client went away) stops the generation after the token being computed.
 """
 
 from __future__ import annotations
@@ -15,14 +20,18 @@ from __future__ import annotations
 import asyncio
 import os
 import threading
+from collections.abc import Callable
 
 from claas_verl.service.backend import ChatBackend, Generation, next_version
 from claas_verl.service.sampling import SamplingParams
+from claas_verl.service.streaming import IncrementalDetokenizer, StreamStart, TokenDelta
 from claas_verl.service.templating import render_prompt_ids
+
+_END = object()  # end-of-stream marker on the generation thread's queue
 
 
 class HFBackend(ChatBackend):
-    """Serve an HF causal LM (optionally with a peft LoRA adapter) in this process.
+    """Serve an HF causal LM (optionally with a peft LoRA adapter) in this process (streams token by token).
 
     Args:
         model_path: HF model directory (e.g. ``ensure_tiny().student``).
@@ -34,6 +43,8 @@ class HFBackend(ChatBackend):
         seed: seed of the backend's sampling generator (requests with ``seed`` use their own generator).
         num_threads: ``torch.set_num_threads`` for generation (None leaves torch's setting).
     """
+
+    streams_tokens = True
 
     def __init__(self, model_path: str | os.PathLike, *, tokenizer_path: str | os.PathLike | None = None,
                  adapter_path: str | os.PathLike | None = None, model_name: str = "claas-hf",
@@ -61,9 +72,9 @@ class HFBackend(ChatBackend):
         self._lock = threading.Lock()
         self._version = int(policy_version)
         self._adapter: str | None = None
+        self.stopped_early = 0  # generations stopped before their end because the stream was closed
         if adapter_path is not None:
             self._load_adapter_locked(str(adapter_path), self._version)
-
 
     # ------------------------------------------------------------------ interface
     @property
@@ -77,7 +88,7 @@ class HFBackend(ChatBackend):
     def model_names(self) -> list[str]:
         return sorted({self.model_name, self.served_model})
 
-    async def generate(self, messages, params: SamplingParams, chat_template_kwargs=None) -> Generation:
+    def _prepare(self, messages, params: SamplingParams, chat_template_kwargs) -> tuple[list[int], int]:
         unsupported = params.non_default_processing()
         if unsupported:
             raise ValueError(f"the HF backend does not implement {sorted(unsupported)}; leave them unset")
@@ -90,7 +101,46 @@ class HFBackend(ChatBackend):
                     f"the prompt has {len(prompt_ids)} tokens; the model's context is {self.max_model_len}"
                 )
             max_tokens = min(max_tokens, room)
+        return prompt_ids, max_tokens
+
+    async def generate(self, messages, params: SamplingParams, chat_template_kwargs=None) -> Generation:
+        prompt_ids, max_tokens = self._prepare(messages, params, chat_template_kwargs)
         return await asyncio.to_thread(self._generate_locked, prompt_ids, params, max_tokens)
+
+    async def stream(self, messages, params: SamplingParams, chat_template_kwargs=None):
+        prompt_ids, max_tokens = self._prepare(messages, params, chat_template_kwargs)
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue = asyncio.Queue()
+        stop = threading.Event()
+
+        def emit(item) -> None:
+            try:
+                loop.call_soon_threadsafe(queue.put_nowait, item)
+            except RuntimeError:  # the event loop is closed (service shutting down): nobody is listening
+                stop.set()
+
+        def work() -> None:
+            try:
+                gen = self._generate_locked(prompt_ids, params, max_tokens, emit=emit, stop=stop)
+                if gen is not None:
+                    emit(gen)
+            except BaseException as exc:  # handed to the consumer, raised there
+                emit(exc)
+            finally:
+                emit(_END)
+
+        thread = threading.Thread(target=work, name="claas-hf-stream", daemon=True)
+        thread.start()
+        try:
+            while True:
+                item = await queue.get()
+                if item is _END:
+                    return
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+        finally:
+            stop.set()  # a consumer that leaves early (client disconnect) ends the generation at the next token
 
     async def load_adapter(self, path, version=None) -> int:
         def work():
@@ -102,10 +152,18 @@ class HFBackend(ChatBackend):
         return await asyncio.to_thread(work)
 
     # ------------------------------------------------------------------ internals (called with the lock held)
-    def _generate_locked(self, prompt_ids: list[int], params: SamplingParams, max_tokens: int) -> Generation:
+    def _generate_locked(self, prompt_ids: list[int], params: SamplingParams, max_tokens: int,
+                         emit: Callable[[object], None] | None = None,
+                         stop: threading.Event | None = None) -> Generation | None:
+        """Sample one response; with ``emit``, also hand a StreamStart and one TokenDelta per token to it as they are
+        sampled. Returns None if ``stop`` was set before the end (the partial response is not a Generation)."""
         torch = self._torch
         with self._lock:
             version, model_name = self._version, self.served_model
+            detok = None
+            if emit is not None:
+                emit(StreamStart(policy_version=version, model=model_name))
+                detok = IncrementalDetokenizer(self.tokenizer)
             generator = self._generator
             if params.seed is not None:
                 generator = torch.Generator().manual_seed(int(params.seed))
@@ -116,17 +174,28 @@ class HFBackend(ChatBackend):
                 input_ids = torch.tensor([prompt_ids], dtype=torch.long)
                 past = None
                 for _ in range(max_tokens):
+                    if stop is not None and stop.is_set():
+                        self.stopped_early += 1
+                        return None
                     out = self.model(input_ids=input_ids, past_key_values=past, use_cache=True)
                     past = out.past_key_values
                     token, logp = self._sample(out.logits[:, -1, :], params.temperature, params.top_k,
                                                params.top_p, generator)
                     tokens.append(int(token))
                     logps.append(float(logp))
+                    if detok is not None:
+                        emit(TokenDelta(text=detok.push([tokens[-1]]), token_ids=(tokens[-1],),
+                                        logprobs=(logps[-1],)))
                     if int(token) in self.eos_token_ids:
                         finish = "stop"  # the EOS token stays in the response: it carries mask 1 (SPEC §0)
                         break
                     input_ids = token[:, None]
-        text = self.tokenizer.decode(tokens, skip_special_tokens=True)
+        if detok is None:
+            text = self.tokenizer.decode(tokens, skip_special_tokens=True)
+        else:
+            rest, text = detok.finish()
+            if rest:
+                emit(TokenDelta(text=rest, token_ids=(), logprobs=()))
         return Generation(prompt_ids=list(prompt_ids), response_ids=tokens, token_logprobs=logps, text=text,
                           finish_reason=finish, policy_version=version, model=model_name)
 

@@ -13,12 +13,20 @@ Per request it sends the chat to ``POST /v1/chat/completions`` with:
 * every sampling field explicitly, so vLLM never fills omitted ones from the model's ``generation_config``.
 
 The EOS token is part of vLLM's output token ids and log-probs, so the recorded response includes it.
+
+Streaming (:meth:`OpenAIBackend.stream`) sends the same body with ``stream=true``. vLLM (0.30) then puts
+``prompt_token_ids`` on its first chunk and, on every chunk, the delta's sampled ``token_ids`` and their log-probs
+(with ``return_token_ids`` it sends a chunk even for a token with no visible text, such as EOS); the final
+:class:`~claas_verl.service.backend.Generation` is assembled from exactly those ids and log-probs, so it equals what the
+non-streamed request returns for the same sampled tokens. Closing the stream closes the HTTP connection, which makes
+vLLM abort the request.
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import json
 import os
 import threading
 from typing import Any
@@ -26,13 +34,14 @@ from typing import Any
 from claas_verl.service.backend import BackendError, ChatBackend, Generation, next_version
 from claas_verl.service.lora_reload import AdapterSwitch, VLLMLoRAClient, strip_v1
 from claas_verl.service.sampling import SamplingParams
+from claas_verl.service.streaming import StreamStart, TokenDelta
 from claas_verl.service.templating import render_prompt_ids
 
 _TOKEN_ID_PREFIX = "token_id:"
 
 
 class OpenAIBackend(ChatBackend):
-    """Forward chats to a vLLM OpenAI server and hot-reload its LoRA adapters.
+    """Forward chats to a vLLM OpenAI server (streamed token by token on request) and hot-reload its LoRA adapters.
 
     Args:
         base_url: vLLM server, ``http://host:port`` (``/v1`` optional).
@@ -77,6 +86,8 @@ class OpenAIBackend(ChatBackend):
         self._switch = AdapterSwitch(adapter_name or base_model, int(policy_version),
                                      on_retire=self._retire if unload_old else None, keep=(base_model,))
 
+    streams_tokens = True
+
     # ------------------------------------------------------------------ interface
     @property
     def served_model(self) -> str:
@@ -105,6 +116,31 @@ class OpenAIBackend(ChatBackend):
             if resp.status_code >= 400:
                 raise BackendError(f"inference server answered HTTP {resp.status_code}: {resp.text[:500]}")
             return self._parse(resp.json(), lease.name, lease.version, messages, chat_template_kwargs)
+
+    async def stream(self, messages, params: SamplingParams, chat_template_kwargs=None):
+        import httpx
+
+        with self._switch.acquire() as lease:  # held until the stream ends or is closed: the adapter stays loaded
+            body = self._request_body(lease.name, messages, params, chat_template_kwargs)
+            body["stream"] = True
+            try:
+                async with self._http.stream("POST", "/v1/chat/completions", json=body) as resp:
+                    if resp.status_code >= 400:
+                        text = (await resp.aread()).decode(errors="replace")[:500]
+                        if resp.status_code == 400:
+                            raise ValueError(f"the inference server refused the request: {text}")
+                        raise BackendError(f"inference server answered HTTP {resp.status_code}: {text}")
+                    yield StreamStart(policy_version=lease.version, model=lease.name)
+                    acc = _StreamAccumulator()
+                    async for line in resp.aiter_lines():
+                        delta = acc.add_line(line)
+                        if delta is not None:
+                            yield delta
+                        if acc.done:
+                            break
+            except httpx.HTTPError as exc:  # connection refused / reset, timeout
+                raise BackendError(f"inference server {self.base_url} failed mid-request: {exc!r}") from exc
+            yield self._parse(acc.response(), lease.name, lease.version, messages, chat_template_kwargs)
 
     async def load_adapter(self, path, version=None) -> int:
         return await asyncio.to_thread(self._load_adapter_sync, str(path), version)
@@ -196,6 +232,65 @@ class OpenAIBackend(ChatBackend):
             self._unloader.submit(unload)
         except RuntimeError:  # executor already shut down (service closing)
             pass
+
+
+class _StreamAccumulator:
+    """Folds vLLM's ``chat.completion.chunk`` events into the body of a non-streamed response (see ``_parse``)."""
+
+    def __init__(self):
+        self.text: list[str] = []
+        self.content: list[dict] | None = None  # logprobs.content items, if the server sent any
+        self.token_ids: list[int] | None = None
+        self.prompt_ids: list[int] | None = None
+        self.finish_reason: str | None = None
+        self.done = False
+
+    def add_line(self, line: str) -> TokenDelta | None:
+        if not line.startswith("data:"):
+            return None  # blank separators, comments, event names
+        data = line[len("data:"):].strip()
+        if data == "[DONE]":
+            self.done = True
+            return None
+        try:
+            chunk = json.loads(data)
+        except ValueError as exc:
+            raise BackendError(f"inference server sent a malformed stream event: {data[:300]}") from exc
+        if isinstance(chunk, dict) and chunk.get("error"):
+            raise BackendError(f"inference server failed mid-stream: {str(chunk['error'])[:500]}")
+        if chunk.get("prompt_token_ids") is not None:
+            self.prompt_ids = chunk["prompt_token_ids"]
+        if not chunk.get("choices"):
+            return None  # the usage-only chunk
+        choice = chunk["choices"][0]
+        text = (choice.get("delta") or {}).get("content") or ""
+        items = (choice.get("logprobs") or {}).get("content")
+        ids = choice.get("token_ids")
+        if items is not None:
+            self.content = (self.content or []) + list(items)
+        if ids is not None:
+            self.token_ids = (self.token_ids or []) + [int(t) for t in ids]
+        if choice.get("finish_reason") is not None:
+            self.finish_reason = choice["finish_reason"]
+        self.text.append(text)
+        if not text and not ids and not items:
+            return None  # the role chunk
+        if ids is None and items is not None:
+            ids = [_parse_token_id(c.get("token", "")) for c in items]
+            ids = None if any(t is None for t in ids) else ids
+        return TokenDelta(text=text, token_ids=tuple(ids or ()),
+                          logprobs=None if items is None else tuple(float(c["logprob"]) for c in items))
+
+    def response(self) -> dict:
+        """The accumulated stream as a non-streamed response body."""
+        if self.finish_reason is None:
+            raise BackendError("the inference server's stream ended before the response was complete "
+                               "(no finish_reason)")
+        choice: dict[str, Any] = {"message": {"content": "".join(self.text)}, "finish_reason": self.finish_reason,
+                                  "logprobs": None if self.content is None else {"content": self.content}}
+        if self.token_ids is not None:
+            choice["token_ids"] = self.token_ids
+        return {"choices": [choice], "prompt_token_ids": self.prompt_ids}
 
 
 def _parse_token_id(token: str) -> int | None:

@@ -38,6 +38,8 @@ COUNTERS = (
     "dropped_timeout",  # no feedback within pending_ttl_s
     "dropped_overflow",  # pending table full: its oldest turn was dropped
     "dropped_aborted",  # the generation was aborted/cut by the server (finish reason not stop/length)
+    "dropped_disconnected",  # a streaming client went away before the final chunk (generation stopped or withdrawn)
+    "dropped_stream_error",  # the backend failed after a stream started (the client got an error event)
     "feedback_unknown",  # feedback for an unknown / already finished / expired request id
 )
 
@@ -173,6 +175,11 @@ class TrajectoryRecorder:
                 return "unknown", (f"no pending turn {request_id!r}: unknown id, already rewarded, or dropped after "
                                    f"{self.pending_ttl_s:g}s without feedback")
         return self.finish(item[0], reward, feedback)
+
+    def withdraw(self, request_id: str) -> bool:
+        """Remove a pending turn without an outcome (the caller counts why); False if it is not pending."""
+        with self._lock:
+            return self._pending.pop(request_id, None) is not None
 
     def is_pending(self, request_id: str) -> bool:
         with self._lock:

@@ -1,19 +1,24 @@
-"""OpenAIBackend against a fake OpenAI-compatible server on loopback that stands in for vLLM (which cannot run here).
+"""OpenAIBackend against a fake OpenAI-compatible server on loopback that stands in for vLLM (the real one runs in
+``make test-vllm``, tests/service/test_service_vllm.py).
 
 The fake answers like vLLM with ``logprobs=true, return_token_ids=true``: prompt ids, response ids incl. EOS and one
-log-prob per sampled token, with values that are exact binary fractions so sums can be compared exactly.
+log-prob per sampled token, with values that are exact binary fractions so sums can be compared exactly. With
+``stream=true`` it sends vLLM 0.30's chunks: the role chunk with ``prompt_token_ids``, one chunk per token with its
+``token_ids`` and log-probs (EOS with an empty delta and the finish reason), ``[DONE]``.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import threading
 import time
 
 import httpx
+import openai
 import pytest
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, StreamingResponse
 from service_helpers import ADMIN, USER, big_buffer, running_service
 
 from claas_verl.service import ClaasServiceClient, OpenAIBackend
@@ -23,6 +28,7 @@ from claas_verl.tiny import ensure_tiny
 PROMPT_IDS = [1, 5, 9, 2]
 RESPONSE_IDS = [40, 41, 2]  # 2 = EOS, part of the response
 LOGPROBS = [-0.5, -0.25, -0.125]  # Σ = -0.875 exactly
+PIECES = ["Fi", "ve.", ""]  # the visible text of each response token ("Five."; EOS has none)
 
 
 class FakeVLLM:
@@ -37,6 +43,10 @@ class FakeVLLM:
         self.received = threading.Event()
         self.legacy = False  # True: an older vLLM without return_token_ids (ids only as "token_id:N" tokens)
         self.fail_chat = False
+        self.stream_gate: threading.Event | None = None  # holds a stream after its first token until set
+        self.stream_fail = False  # send an error event instead of the second token
+        self.stream_held = threading.Event()
+        self.stream_ends: list[str] = []  # per stream: "done", or "closed" when the client went away mid-stream
         self.app = self._build()
 
     def _build(self) -> FastAPI:
@@ -53,6 +63,8 @@ class FakeVLLM:
                 return JSONResponse(status_code=500, content={"error": "engine dead"})
             if body["model"] not in self.loaded | {"base"}:
                 return JSONResponse(status_code=404, content={"error": f"model {body['model']} not found"})
+            if body.get("stream"):
+                return StreamingResponse(self._stream(body), media_type="text/event-stream")
             content = [{"token": f"token_id:{t}", "logprob": lp, "bytes": None, "top_logprobs": []}
                        for t, lp in zip(RESPONSE_IDS, LOGPROBS)]
             choice = {"index": 0, "message": {"role": "assistant", "content": "Five."}, "finish_reason": "stop",
@@ -82,6 +94,34 @@ class FakeVLLM:
             return "Success"
 
         return app
+
+    async def _stream(self, body):
+        base = {"id": "chatcmpl-fake", "object": "chat.completion.chunk", "created": 0, "model": body["model"]}
+
+        def event(choice: dict, **extra) -> str:
+            return f"data: {json.dumps({**base, 'choices': [{'index': 0, **choice}], **extra})}\n\n"
+
+        end = "closed"
+        try:
+            yield event({"delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None},
+                        prompt_token_ids=PROMPT_IDS)
+            for i, (tok, lp, piece) in enumerate(zip(RESPONSE_IDS, LOGPROBS, PIECES)):
+                if i == 1 and self.stream_fail:
+                    yield f"data: {json.dumps({'error': {'message': 'engine died', 'code': 500}})}\n\n"
+                    end = "done"
+                    return
+                if i == 1 and self.stream_gate is not None:
+                    self.stream_held.set()
+                    while not self.stream_gate.is_set():
+                        await asyncio.sleep(0.01)
+                last = i == len(RESPONSE_IDS) - 1
+                item = {"token": f"token_id:{tok}", "logprob": lp, "bytes": None, "top_logprobs": []}
+                yield event({"delta": {"content": piece} if piece else {}, "logprobs": {"content": [item]},
+                             "finish_reason": "stop" if last else None, "token_ids": [tok]})
+            yield "data: [DONE]\n\n"
+            end = "done"
+        finally:
+            self.stream_ends.append(end)
 
 
 @pytest.fixture
@@ -238,3 +278,84 @@ def test_concurrent_reloads_are_serialised(fake, tmp_path):
         # From a thread with no event loop (a trainer's update thread), the synchronous form.
         assert service.load_adapter_sync(str(tmp_path / "a4")) == {"policy_version": 4, "model": "claas-v4"}
         assert httpx.get(f"{url}/health").json()["policy_version"] == 4
+
+
+def _release_after(event: threading.Event, seconds: float = 20.0) -> dict:
+    """Set ``event`` after ``seconds`` unless set before; returns a dict telling whether the timer had to do it."""
+    state = {"by_timer": False}
+
+    def run():
+        if not event.wait(seconds):
+            state["by_timer"] = True
+            event.set()
+
+    threading.Thread(target=run, daemon=True).start()
+    return state
+
+
+def test_streaming_forwards_tokens_as_vllm_sends_them_and_records_the_same_entry(fake, tmp_path):
+    buf = big_buffer()
+    backend = OpenAIBackend(fake.url, "base")
+    fake.stream_gate = threading.Event()
+    watchdog = _release_after(fake.stream_gate)
+    with running_service(backend, buf) as (_, url):
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)
+        buf.on_update()
+        with ClaasServiceClient(url, admin_key=ADMIN) as admin:
+            admin.load_adapter(str(tmp_path / "v1"))
+        chunks = []
+        for chunk in client.chat.completions.create(model="claas", messages=USER, stream=True, logprobs=True):
+            chunks.append(chunk)
+            if chunk.choices[0].delta.content == "Fi":
+                # vLLM holds the rest; meanwhile an update switches new requests to v2
+                assert fake.stream_held.wait(20) and backend.inflight("claas-v1") == 1
+                buf.on_update()
+                with ClaasServiceClient(url, admin_key=ADMIN) as admin:
+                    assert admin.load_adapter(str(tmp_path / "v2"))["policy_version"] == 2
+                time.sleep(0.1)
+                assert fake.unloads == []  # claas-v1 still serves this stream
+                fake.stream_gate.set()
+        assert not watchdog["by_timer"], "the first token did not reach the client before vLLM finished"
+        assert _wait(lambda: fake.unloads == [{"lora_name": "claas-v1"}])
+        plain = client.chat.completions.create(model="claas", messages=USER)
+        for rid in (chunks[0].id, plain.id):
+            assert httpx.post(f"{url}/v1/feedback", json={"request_id": rid, "reward": 1}).json()["status"] \
+                == "submitted"
+    streamed_body, plain_body = fake.chats[0], fake.chats[1]
+    assert streamed_body["stream"] is True and plain_body["stream"] is False
+    assert {k: v for k, v in streamed_body.items() if k not in ("stream", "model")} == \
+        {k: v for k, v in plain_body.items() if k not in ("stream", "model")}
+    assert [c.choices[0].delta.content for c in chunks] == ["", "Fi", "ve.", "", None]
+    assert [c.choices[0].finish_reason for c in chunks] == [None, None, None, None, "stop"]
+    assert [c.model_extra["claas"]["policy_version"] for c in chunks] == [1] * 5 and chunks[-1].model == "claas-v1"
+    assert [i.logprob for c in chunks if c.choices[0].logprobs for i in c.choices[0].logprobs.content] == LOGPROBS
+    assert plain.model_extra["claas"]["policy_version"] == 2
+    s, p = sorted(buf.entries(), key=lambda e: e.P)
+    assert (s.P, p.P) == (1, 2)  # the stream keeps the version it started on
+    for e in (s, p):
+        assert e.prompt_ids.tolist() == PROMPT_IDS and e.response_ids.tolist() == RESPONSE_IDS
+        assert e.behaviour_logprob == -0.875 and e.metadata["finish_reason"] == "stop"
+
+
+def test_stream_disconnect_closes_the_upstream_request_and_errors_are_events(fake):
+    buf = big_buffer()
+    backend = OpenAIBackend(fake.url, "base")
+    fake.stream_gate = threading.Event()
+    with running_service(backend, buf) as (service, url):
+        with httpx.Client(base_url=url, timeout=30) as http:
+            with http.stream("POST", "/v1/chat/completions", json={"messages": USER, "stream": True}) as resp:
+                lines = resp.iter_lines()
+                while '"Fi"' not in next(lines):
+                    pass
+                assert fake.stream_held.wait(20) and backend.inflight("base") == 1
+            # the client left: the service closes its request to vLLM (which aborts it) and counts the turn
+            assert _wait(lambda: fake.stream_ends == ["closed"] and backend.inflight("base") == 0)
+            fake.stream_gate.set()
+            fake.stream_fail = True
+            client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+            with pytest.raises(openai.APIError, match="engine died"):
+                list(client.chat.completions.create(model="claas", messages=USER, stream=True))
+            stats = http.get("/v1/claas/stats").json()
+    assert stats["turns"]["dropped"]["disconnected"] == 1 and stats["turns"]["dropped"]["stream_error"] == 1
+    assert (stats["turns"]["served"], stats["turns"]["recorded"], stats["turns"]["pending"]) == (0, 0, 0)
+    assert len(buf) == 0 and backend.inflight("base") == 0

@@ -59,9 +59,10 @@ def test_openai_client_plain_and_streamed_with_claas_fields():
         chunks = list(client.chat.completions.create(model="claas", messages=USER, max_tokens=4, stream=True))
         text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
         assert text == "ok!" and chunks[-1].choices[0].finish_reason == "stop"
-        sclaas = chunks[0].model_extra["claas"]
-        assert all(c.model_extra["claas"] == sclaas for c in chunks)
-        assert sclaas["policy_version"] == 3 and sclaas["record"] == "pending_feedback"
+        sclaas = chunks[-1].model_extra["claas"]  # the full claas object rides on the final chunk
+        assert all(c.model_extra["claas"]["request_id"] == sclaas["request_id"] == c.id for c in chunks)
+        assert all(c.model_extra["claas"]["policy_version"] == 3 for c in chunks)
+        assert sclaas["record"] == "pending_feedback" and "record" not in chunks[0].model_extra["claas"]
         headers = {"Authorization": f"Bearer {KEY}"}
         for rid, reward in ((r.id, 1), (sclaas["request_id"], 0)):
             out = httpx.post(f"{url}/v1/feedback", json={"request_id": rid, "reward": reward}, headers=headers)

@@ -21,7 +21,7 @@ import time
 
 import pytest
 import torch
-from service_helpers import USER, big_buffer, recompute_logprob, recompute_token_logprobs, running_service
+from service_helpers import ADMIN, USER, big_buffer, recompute_logprob, recompute_token_logprobs, running_service
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from claas_verl.service import ClaasServiceClient, OpenAIBackend
@@ -101,7 +101,7 @@ def test_lora_hot_reload_changes_the_policy_and_in_flight_requests_keep_their_ve
     buf = big_buffer()
     backend = OpenAIBackend(vllm_server.url, "tiny", default_max_tokens=48)
     probe = dict(seed=7, logprobs=True)
-    with running_service(backend, buf) as (_, url), ClaasServiceClient(url) as client:
+    with running_service(backend, buf) as (_, url), ClaasServiceClient(url, admin_key=ADMIN) as client:
         p0 = client.chat(USER, **probe)
         client.feedback(p0["claas"]["request_id"], 1.0)
         buf.on_update()
@@ -163,3 +163,75 @@ def test_lora_hot_reload_changes_the_policy_and_in_flight_requests_keep_their_ve
     for a, b in ((0, 1), (1, 2)):
         (ids_a, lps_a), (ids_b, lps_b) = by_version[a], by_version[b]
         assert ids_a != ids_b or max(abs(x - y) for x, y in zip(lps_a, lps_b)) > 0.1, (a, b)
+
+
+def test_streaming_from_vllm_is_token_by_token_and_records_what_a_plain_turn_records(vllm_server, tiny):
+    from openai import OpenAI
+
+    buf = big_buffer()
+    backend = OpenAIBackend(vllm_server.url, "tiny", default_max_tokens=48)
+    base = _base(tiny.student)
+    with running_service(backend, buf) as (service, url):
+        client = OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=300)
+        # A long reply (min_tokens: unrecordable, but served): its content chunks arrive spread over the generation,
+        # the first one right after the prompt, not all of them once vLLM has finished.
+        client.chat.completions.create(model="tiny", messages=USER, max_tokens=2,  # warm-up: the first request is slow
+                                       extra_body={"metadata": {"record": False}})
+        t0 = time.perf_counter()
+        times, content = [], []
+        for chunk in client.chat.completions.create(model="tiny", messages=USER, stream=True, seed=1,
+                                                    max_tokens=1000, extra_body={"min_tokens": 1000}):
+            times.append(time.perf_counter() - t0)
+            if chunk.choices and chunk.choices[0].delta.content:
+                content.append(times[-1])
+        total = times[-1]
+        print(f"\nvLLM CPU stream, 1000 tokens: first content chunk {content[0]:.3f}s, median "
+              f"{content[len(content) // 2]:.3f}s, last chunk {total:.3f}s, {len(content)} content chunks")
+        assert len(content) > 100 and content[0] < 0.2 * total, (content[0], total)
+
+        # Same seed streamed and not: the same sampled tokens, hence the same entry.
+        # (the first seed whose reply has several content chunks; shorter replies are settled with reward 0)
+        for seed in range(20):
+            streamed = list(client.chat.completions.create(model="tiny", messages=USER, stream=True, seed=seed,
+                                                           logprobs=True))
+            sclaas = streamed[-1].model_extra["claas"]
+            assert sclaas["record"] == "pending_feedback", sclaas
+            if sum(1 for c in streamed if c.choices and c.choices[0].delta.content) >= 3:
+                break
+            assert service.feedback({"request_id": sclaas["request_id"], "reward": 0})["status"] == "submitted"
+        else:
+            pytest.fail("no seed gave a reply of 3 content chunks or more")
+        plain = client.chat.completions.create(model="tiny", messages=USER, seed=seed, logprobs=True)
+        assert plain.model_extra["claas"]["record"] == "pending_feedback"
+        assert "".join(c.choices[0].delta.content or "" for c in streamed) == plain.choices[0].message.content
+        for rid in (sclaas["request_id"], plain.id):
+            assert service.feedback({"request_id": rid, "reward": 1})["status"] == "submitted"
+
+        # A client that leaves mid-stream: the service closes its upstream request (vLLM aborts a request whose
+        # connection closed), releases the adapter lease and counts the turn; the server serves on.
+        import httpx
+
+        with httpx.Client(base_url=url, timeout=60) as http:
+            body = {"messages": USER, "stream": True, "max_tokens": 1500, "min_tokens": 1500}
+            with http.stream("POST", "/v1/chat/completions", json=body) as resp:
+                lines = resp.iter_lines()
+                while '"content": "' not in next(lines):
+                    pass
+                assert backend.inflight("tiny") == 1
+            deadline = time.monotonic() + 10
+            while backend.inflight("tiny") or not service.stats()["dropped_disconnected"]:
+                assert time.monotonic() < deadline, "the upstream request was not closed"
+                time.sleep(0.05)
+            stats = http.get("/v1/claas/stats").json()
+            assert http.post("/v1/chat/completions", json={"messages": USER, "max_tokens": 4}).status_code == 200
+        assert stats["turns"]["dropped"]["disconnected"] == 1 and stats["turns"]["pending"] == 0
+    entries = {e.uid: e for e in buf.entries()}
+    s, p = entries[sclaas["request_id"]], entries[plain.id]
+    assert s.prompt_ids.tolist() == p.prompt_ids.tolist() == render_prompt_ids(
+        AutoTokenizer.from_pretrained(str(tiny.student)), USER)
+    assert s.response_ids.tolist() == p.response_ids.tolist()
+    assert s.behaviour_logprob == pytest.approx(p.behaviour_logprob, abs=1e-6)
+    streamed_lps = [i.logprob for c in streamed if c.choices and c.choices[0].logprobs
+                    for i in c.choices[0].logprobs.content]
+    assert s.behaviour_logprob == pytest.approx(sum(streamed_lps), abs=1e-6)
+    _assert_logprobs_match(base, s.prompt_ids, s.response_ids, streamed_lps)

@@ -62,7 +62,7 @@ def test_service_loop_trains_on_chats_and_serves_the_new_adapter(tmp_path):
             messages = [{"role": "user", "content": f"Tell me a short fact #{i}."}]
             if kwargs:
                 chunks = list(client.chat.completions.create(model="claas", messages=messages, **kwargs))
-                claas = chunks[0].model_extra["claas"]
+                claas = chunks[-1].model_extra["claas"]  # the final chunk has the record status
             else:
                 claas = client.chat.completions.create(model="claas", messages=messages).model_extra["claas"]
             assert claas["record"] == "pending_feedback", claas

@@ -126,6 +126,13 @@ def check_claas_config(config: Any, claas: ClaasConfig) -> None:
         need(not bool(_get(config, "critic.enable", False)), "critic.enable", "SDPO trains no critic; set it false")
 
 
+def _lora_adapter(config: Any) -> bool:
+    """The rollout serves a LoRA adapter (rank > 0, not merged into the base weights)."""
+    rank = max(int(_get(config, "actor_rollout_ref.model.lora_rank", 0) or 0),
+               int(_get(config, "actor_rollout_ref.model.lora.rank", 0) or 0))
+    return rank > 0 and not bool(_get(config, "actor_rollout_ref.model.lora.merge", False))
+
+
 def _served_fingerprint(named: dict[str, torch.Tensor]) -> str:
     """sha1 over the served weights (sorted names, fp32 bytes): changes iff any served weight changes."""
     h = hashlib.sha1()
@@ -144,6 +151,10 @@ class ClaasTrainer(PPOTrainer):
             raise ValueError("trainer.v1.trainer_mode=claas needs a `claas:` config block (see recipes/claas/)")
         self.claas = ClaasConfig.from_config(config.claas)
         check_claas_config(config, self.claas)
+        if _get(config, "actor_rollout_ref.rollout.name") == "vllm" and _lora_adapter(config):
+            from claas_verl.verl_ext.vllm_versioned_lora import register
+
+            register(config)  # LoRA updates: new adapter id, switch, old one unloaded once drained, no cache reset
         super().__init__(config)
         # verl switches async checkpoint/TransferQueue behaviour on any mode name other than "sync";
         # the CLaaS loop is synchronous from the base class's point of view.
@@ -498,6 +509,8 @@ class ClaasTrainer(PPOTrainer):
         out = {}
         for r, replica in enumerate(self.llm_server_manager.get_replicas()):
             server = replica.servers[0]
+            if hasattr(server, "claas_lora_state"):  # verl's vLLM rollout with versioned LoRA updates
+                out[f"served_lora_{r}"] = ray.get(server.claas_lora_state.remote())
             if not hasattr(server, "get_named_parameters"):
                 continue
             version = ray.get(server.get_policy_version.remote())
