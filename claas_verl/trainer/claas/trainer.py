@@ -206,6 +206,7 @@ class ClaasTrainer(PPOTrainer):
         self._in_checkpoint = False
         self._last_ckpt_step: int | None = None  # step of the latest verl checkpoint this history wrote or loaded
         self._sink = None
+        self._sdpo_restored: int | None = None  # EMA steps of the SDPO teacher restored at a resume
 
     # ------------------------------------------------------------------ verl hooks
     def _init_resource_pool_mgr(self):
@@ -238,8 +239,8 @@ class ClaasTrainer(PPOTrainer):
             # θ_T = θ⁰: the EMA teacher copies the LoRA adapter before any update (SPEC A.3.3)
             vc.actor_worker_group(self).claas_sdpo_setup(dataclasses.asdict(self.claas.sdpo))
             if self._resume is not None:  # θ_T of checkpoint N (θ of N was loaded by verl's _load_checkpoint)
-                steps = vc.actor_worker_group(self).claas_sdpo_load(self._resume_dir)
-                logger.info("SDPO EMA teacher restored (%s EMA steps)", steps[0])
+                self._sdpo_restored = vc.actor_worker_group(self).claas_sdpo_load(self._resume_dir)[0]
+                logger.info("SDPO EMA teacher restored (%s EMA steps)", self._sdpo_restored)
         # Serve the initial weights (version 0) before any rollout, as verl's sync trainer does.
         self.checkpoint_manager.update_weights(self.global_steps)
         self._setup_claas()
@@ -525,7 +526,8 @@ class ClaasTrainer(PPOTrainer):
         record = {"event": "resume", "global_steps": r.global_steps, "k": r.buffer["k"],
                   "buffer_size": r.buffer["size"], "buffer_uids": r.buffer["uids"], "ema": r.ema,
                   "position": dataclasses.asdict(r.position), "regenerate": regenerate,
-                  "discarded": discarded, "path": os.path.dirname(self._resume_dir)}
+                  "discarded": discarded, "sdpo_teacher_ema_steps": self._sdpo_restored,
+                  "path": os.path.dirname(self._resume_dir)}
         self._resumes = [*r.resumes, {k: v for k, v in record.items() if k not in ("event", "buffer_uids")}]
         d = discarded or {}
         where = (f"split {r.position.split + 1} ({len(r.position.done)}/{self.stream.split_size} scenarios committed, "
