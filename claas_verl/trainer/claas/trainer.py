@@ -697,7 +697,9 @@ class ClaasTrainer(PPOTrainer):
         return sorted(ids)
 
     def _on_service_accepted(self, entries: list, accepted: int) -> None:
-        """SPEC A.3.1: the EMA sees every reward the buffer accepted, at insertion time (as the producers do)."""
+        """SPEC A.3.1: the EMA sees every reward the buffer accepted, at insertion time (as the producers do). The
+        trace's commit line lets a resume count the entries accepted after its checkpoint."""
+        self._trace({"event": "commit", "scenario": None, "accepted": accepted})
         if self._ema_live is None:
             return
         if accepted != len(entries):
@@ -705,7 +707,6 @@ class ClaasTrainer(PPOTrainer):
                                "the chat API writes one entry per call")
         with self._ema_lock:
             self._ema_live.update_many(e.reward for e in entries)
-        self._trace({"event": "commit", "scenario": None, "accepted": accepted})
 
     def _service_extra_stats(self) -> dict:
         out = {"buffer": ray.get(self.replay.stats.remote()), "updates": self._updates, "resumes": self._resumes}
