@@ -7,13 +7,14 @@ processes that linger are killed by process group). The same command then resume
 N (``latest_checkpointed_iteration.txt``) and must:
 
 - restore k = N (its updates continue at N+1, N+2, ... with no gap and no repeat), the buffer exactly as the
-  snapshot in ``global_step_N/claas/replay_buffer.pkl`` (entry uids), the EMA statistics of ``state.json``;
+  snapshot in ``global_step_N/claas/`` (entry uids), the EMA statistics of ``state.json``;
 - continue the stream: generate exactly the split's scenarios that were not committed at N (those in flight at N and
   those committed by the killed run after N, which it counts as discarded with its updates after N), none of them
   twice, and none committed at N again;
 - train no scenario twice in the surviving history (a scenario's sampled entries all come from one generation);
 - SDPO: restore the EMA teacher of checkpoint N (its EMA step count);
-- complete the run (``continual_metrics.json`` with the 2x2 matrix and the resume record).
+- complete the run (``continual_metrics.json`` with the 2x2 matrix and the resume record);
+- and a third start on the same folder with another ``claas.a_max`` is refused with an error naming the key.
 """
 
 from __future__ import annotations
@@ -115,7 +116,7 @@ def test_killed_run_resumes_with_the_same_state(recipe, tiny_model_dir, tmp_path
     n = int((run_dir / "latest_checkpointed_iteration.txt").read_text())
     claas_dir = run_dir / f"global_step_{n}" / "claas"
     saved = json.loads((claas_dir / "state.json").read_text())
-    snap = load_snapshot(str(claas_dir / "replay_buffer.pkl"))
+    snap = load_snapshot(str(claas_dir / saved["buffer"]["file"]))
     snap_uids = [slot[0].uid for slot in snap["slots"]]
     assert saved["global_steps"] == n and snap["k"] == n and saved["buffer"]["uids"] == snap_uids
     killed = _segments(_records(trace_path))[-1]
@@ -184,3 +185,9 @@ def test_killed_run_resumes_with_the_same_state(recipe, tiny_model_dir, tmp_path
     assert len(metrics["M"]) == 2 and all(len(row) == 2 for row in metrics["M"])
     assert metrics["updates"] == n + len(steps)
     assert len(metrics["resumes"]) == 1 and metrics["resumes"][0]["global_steps"] == n
+
+    if recipe == "tiny_reinforce_pp":  # the same folder with another setting: refused, naming the key, nothing loaded
+        bad = subprocess.run([*cmd[:-3], "claas.a_max=3", *cmd[-2:]], cwd=REPO, env=env, capture_output=True,
+                             text=True, timeout=1500)
+        assert bad.returncode != 0
+        assert "claas.a_max=2 but this run has claas.a_max=3" in bad.stdout + bad.stderr, bad.stderr[-3000:]

@@ -32,7 +32,7 @@ def _entry(uid: str, scenario: int, reward: float, P: int = 0) -> ReplayEntry:
 def _state(k: int = 2, **over) -> rs.ClaasState:
     fields = dict(global_steps=k, updates=k, config=rs.config_identity(IDENTITY),
                   position=rs.StreamPosition(split=1, done=[3, 5], complete=False),
-                  buffer={"file": rs.BUFFER_FILE, "k": k, "size": 0, "uids": []},
+                  buffer={"file": "replay_buffer.1.pkl", "k": k, "size": 0, "uids": []},
                   matrix=[[0.5, float("nan")]], ema={"beta": 0.9, "v_min": 0.01, "baseline": 0.4, "variance": 0.2,
                                                      "count": 7})
     fields.update(over)
@@ -41,8 +41,9 @@ def _state(k: int = 2, **over) -> rs.ClaasState:
 
 def _write_checkpoint(tmp_path, k: int = 2, **over) -> str:
     claas_dir = str(tmp_path / f"global_step_{k}" / rs.CLAAS_DIR)
-    save_snapshot(os.path.join(claas_dir, rs.BUFFER_FILE), ReplayBuffer(64, 4, 2).state_dict())
-    rs.save_state(claas_dir, _state(k, **over))
+    state = _state(k, **over)
+    save_snapshot(os.path.join(claas_dir, state.buffer["file"]), ReplayBuffer(64, 4, 2).state_dict())
+    rs.save_state(claas_dir, state)
     return claas_dir
 
 
@@ -81,6 +82,23 @@ def test_interrupted_write_keeps_the_previous_state_and_a_torn_temp_file_is_igno
     assert state.global_steps == 2 and state.position.done == [3, 5]
 
 
+def test_recapturing_a_checkpoint_never_pairs_the_state_with_another_buffer(tmp_path):
+    claas_dir = _write_checkpoint(tmp_path, 2)
+    ident = rs.config_identity(IDENTITY)
+    # a re-capture dies after writing its new snapshot, before state.json: the old pair is what loads
+    new_name = rs.new_buffer_file()
+    buf = ReplayBuffer(64, 4, 2)
+    buf.add(_entry("late", 4, 1.0, P=2))
+    save_snapshot(os.path.join(claas_dir, new_name), buf.state_dict())
+    state = rs.load_state(claas_dir, ident, global_steps=2)
+    assert state.buffer["file"] == "replay_buffer.1.pkl" and load_snapshot(
+        os.path.join(claas_dir, state.buffer["file"]))["slots"] == []
+    # the re-capture that completes names its own snapshot and removes the others
+    rs.save_state(claas_dir, _state(2, buffer={"file": new_name, "k": 2, "size": 1, "uids": ["late"]}))
+    assert sorted(n for n in os.listdir(claas_dir) if n.endswith(".pkl")) == [new_name]
+    assert rs.load_state(claas_dir, ident, global_steps=2).buffer["uids"] == ["late"]
+
+
 def test_state_round_trip_nan_cells_and_positions(tmp_path):
     claas_dir = _write_checkpoint(tmp_path, 2)
     state = rs.load_state(claas_dir, rs.config_identity(IDENTITY), global_steps=2)
@@ -117,8 +135,8 @@ def test_torn_or_foreign_checkpoints_are_refused_with_the_path(tmp_path):
     claas_dir = _write_checkpoint(tmp_path, 2)
     with pytest.raises(rs.ResumeMismatch, match="global_steps=2 but sits in the folder of step 3"):
         rs.load_state(claas_dir, ident, global_steps=3)
-    os.remove(os.path.join(claas_dir, rs.BUFFER_FILE))
-    with pytest.raises(rs.ResumeMismatch, match="replay_buffer.pkl is missing"):
+    os.remove(os.path.join(claas_dir, "replay_buffer.1.pkl"))
+    with pytest.raises(rs.ResumeMismatch, match="replay_buffer.1.pkl is missing"):
         rs.load_state(claas_dir, ident)
     empty = tmp_path / "global_step_5" / rs.CLAAS_DIR
     empty.mkdir(parents=True)
@@ -127,7 +145,7 @@ def test_torn_or_foreign_checkpoints_are_refused_with_the_path(tmp_path):
     (empty / rs.STATE_FILE).write_text(json.dumps({**_state(5).to_json(), "format": 99}))
     with pytest.raises(rs.ResumeMismatch, match="format=99"):
         rs.load_state(str(empty), ident)
-    bad_k = _write_checkpoint(tmp_path, 6, buffer={"file": rs.BUFFER_FILE, "k": 5, "size": 0, "uids": []})
+    bad_k = _write_checkpoint(tmp_path, 6, buffer={"file": "replay_buffer.1.pkl", "k": 5, "size": 0, "uids": []})
     with pytest.raises(rs.ResumeMismatch, match="buffer k=5 != global_steps=6"):
         rs.load_state(bad_k, ident)
 
@@ -140,7 +158,7 @@ def test_buffer_and_ema_resume_exactly(tmp_path):
     buf.on_update()
     ema = EmaRewardStats()
     ema.update_many([0.0, 1.0, 1.0])
-    path = save_snapshot(str(tmp_path / rs.BUFFER_FILE), buf.state_dict())
+    path = save_snapshot(str(tmp_path / rs.new_buffer_file()), buf.state_dict())
 
     restored = ReplayBuffer(b_max=8, b_min=2, a_max=1, seed=99)  # another seed: the RNG state comes from the file
     restored.load_state_dict(load_snapshot(path))
@@ -299,3 +317,48 @@ def test_sdpo_teacher_state_round_trip(tmp_path):
     wide.lora_B = torch.nn.Parameter(torch.zeros(3, 2))
     with pytest.raises(rs.ResumeMismatch, match=r"params\['lora_A'\] has shape \(2, 3\)"):
         load_teacher_state(SimpleNamespace(ema=EmaTeacher(wide), probe={}), str(tmp_path), rank=0)
+
+
+# ---------------------------------------------------------------------------------------------- chat API writes
+def test_chat_api_writes_pause_and_drain_for_a_capture():
+    import concurrent.futures
+    import threading
+    import time
+
+    from claas_verl.service.sinks import ActorSink
+    from claas_verl.trainer.claas.trainer import _pausable
+
+    pending: list[concurrent.futures.Future] = []
+
+    class Handle:  # add.remote(...) -> an object ref whose .future() completes when the test says so
+        def __init__(self):
+            self.add = SimpleNamespace(remote=self._add)
+
+        def _add(self, batch):
+            fut = concurrent.futures.Future()
+            pending.append(fut)
+            return SimpleNamespace(future=lambda: fut)
+
+    accepted = []
+    sink = _pausable(ActorSink)(Handle(), on_accepted=lambda entries, n: accepted.append(n))
+    sink.submit([_entry("a", 0, 1.0)])  # in flight: its callback has not run
+    drained = threading.Event()
+
+    def capture():
+        with sink.paused(timeout_s=5):
+            drained.set()
+            time.sleep(0.2)  # a write submitted now must wait for the end of the capture
+
+    t = threading.Thread(target=capture)
+    t.start()
+    time.sleep(0.1)
+    assert not drained.is_set()  # the capture waits for the write in flight and its EMA callback
+    pending[0].set_result(1)
+    assert drained.wait(2) and accepted == [1]
+    writer = threading.Thread(target=sink.submit, args=([_entry("b", 1, 0.0)],))
+    writer.start()
+    time.sleep(0.05)
+    assert len(pending) == 1  # blocked by the capture
+    t.join()
+    writer.join(2)
+    assert len(pending) == 2 and sink.stats()["in_flight"] == 1

@@ -4,8 +4,8 @@ A CLaaS run's state is verl's checkpoint (policy, optimizer, critic: ``global_st
 and loaded by verl's own ``_save_checkpoint`` / ``_load_checkpoint`` with ``trainer.resume_mode``) plus what verl
 does not know about, saved by the CLaaS trainer in ``global_step_N/claas/``:
 
-* ``replay_buffer.pkl``: the replay buffer (entries, their use counts, ``k``, the sampling RNG), written by the
-  ``ReplayBufferActor`` itself (atomic: temporary file, fsync, rename);
+* ``replay_buffer.<time_ns>.pkl``: the replay buffer (entries, their use counts, ``k``, the sampling RNG), written
+  by the ``ReplayBufferActor`` itself (atomic: temporary file, fsync, rename), named by ``state.json``;
 * ``state.json`` (this module, atomic too): ``k`` (= N), the update count, the REINFORCE++ EMA reward statistics
   (b, v), the stream position (split in progress, which of its scenarios are committed, whether the split ended),
   the rows of M evaluated so far, the producer counters, the config identity (:data:`IDENTITY_KEYS`);
@@ -35,6 +35,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -44,7 +45,7 @@ from claas_verl.replay.snapshot import atomic_write
 STATE_FORMAT = 1
 CLAAS_DIR = "claas"  # inside verl's global_step_N folder
 STATE_FILE = "state.json"
-BUFFER_FILE = "replay_buffer.pkl"
+BUFFER_PREFIX = "replay_buffer."  # replay_buffer.<time_ns>.pkl: each capture writes a new file (see save_state)
 TEACHER_FILE = "sdpo_teacher_rank{rank}.pt"
 
 # Settings a resumed run must share with the run that wrote the checkpoint (everything that shapes the buffer, the
@@ -167,10 +168,24 @@ class ClaasState:
         return state
 
 
+def new_buffer_file() -> str:
+    """A fresh name for the next buffer snapshot of a checkpoint folder."""
+    return f"{BUFFER_PREFIX}{time.time_ns()}.pkl"
+
+
 def save_state(claas_dir: str, state: ClaasState) -> str:
-    """Atomically write ``state.json`` into ``claas_dir``; return its path."""
+    """Atomically write ``state.json`` into ``claas_dir`` (the commit of the CLaaS part), then delete the buffer
+    snapshots it no longer names; return its path.
+
+    The snapshot is written first under a NEW name and ``state.json`` names it, so re-capturing the state of a
+    checkpoint (a split end at the step of a periodic checkpoint, a service shutdown) never pairs a state.json with
+    another capture's buffer: a crash before the rename keeps the previous pair, after it the new one."""
     text = json.dumps(state.to_json(), indent=1, sort_keys=True, default=str).encode()
-    return atomic_write(os.path.join(claas_dir, STATE_FILE), lambda f: f.write(text))
+    path = atomic_write(os.path.join(claas_dir, STATE_FILE), lambda f: f.write(text))
+    for name in os.listdir(claas_dir):
+        if name.startswith(BUFFER_PREFIX) and name.endswith(".pkl") and name != state.buffer["file"]:
+            os.remove(os.path.join(claas_dir, name))
+    return path
 
 
 def load_state(claas_dir: str, identity: Mapping, global_steps: int | None = None) -> ClaasState:

@@ -269,6 +269,7 @@ class ClaasTrainer(PPOTrainer):
             self._start_next_split()
         if not self._advance_until_ready():
             self.total_training_steps = self.global_steps - 1  # nothing to train on (e.g. ICL): skip the loop
+            self._checkpoint_at_shutdown()
 
     def on_step_end(self):
         self._updates += 1
@@ -296,9 +297,7 @@ class ClaasTrainer(PPOTrainer):
             more = False if stop else self._advance_until_ready()
         if not more:
             self.total_training_steps = self.global_steps  # verl's loop ends after this step
-            if (not self.claas.producer.enabled and int(_get(self.config, "trainer.save_freq", -1)) > 0
-                    and self._last_ckpt_step != self.global_steps):
-                self._claas_checkpoint()  # service-driven: a shutdown leaves a checkpoint to resume from
+            self._checkpoint_at_shutdown()
         self._pending_sync_metrics = {"claas/evicted_age": evicted, "claas/buffer_size": size_before}
 
     def fit(self, agent_loop_manager=None):
@@ -433,13 +432,21 @@ class ClaasTrainer(PPOTrainer):
         self._trace({"event": "checkpoint", "global_steps": k, "path": folder, "buffer_size": state.buffer["size"],
                      "position": dataclasses.asdict(state.position)})
 
+    def _checkpoint_at_shutdown(self) -> None:
+        """Service-driven runs with ``trainer.save_freq > 0``: a shutdown checkpoints the last update, or re-captures
+        the CLaaS state of that checkpoint (the chats accepted since then are kept; verl's part is unchanged)."""
+        if (not self.claas.producer.enabled and self.claas.trains
+                and int(_get(self.config, "trainer.save_freq", -1)) > 0):
+            self._claas_checkpoint()
+
     def _capture_state(self, k: int, claas_dir: str, teacher: list | None) -> rs.ClaasState:
         """Buffer snapshot + state.json, captured with commits paused (producers: their commit lock; chat API: its
         sink drained and gated), so the snapshot, the EMA and the committed-scenario list describe one instant."""
         split_size = self.stream.split_size if self.claas.producer.enabled else 0
 
         async def capture() -> rs.ClaasState:
-            await self.replay.save.remote(os.path.join(claas_dir, rs.BUFFER_FILE))
+            buffer_file = rs.new_buffer_file()
+            await self.replay.save.remote(os.path.join(claas_dir, buffer_file))
             summary = await self.replay.summary.remote()
             if summary["k"] != k:
                 raise RuntimeError(f"the buffer's k moved from {k} to {summary['k']} during the checkpoint")
@@ -454,7 +461,7 @@ class ClaasTrainer(PPOTrainer):
                                          complete=self._split_complete)
             state = rs.ClaasState(
                 global_steps=k, updates=self._updates, config=self._identity(), position=position,
-                buffer={"file": rs.BUFFER_FILE, **summary}, matrix=[list(r) for r in self._matrix],
+                buffer={"file": buffer_file, **summary}, matrix=[list(r) for r in self._matrix],
                 split_records=list(self._split_records), ema=ema, producer=prod["stats"],
                 icl_memory=self.icl_memory.state_dict() if self.icl_memory is not None else None,
                 service=self.service.stats() if self.service is not None else None, sdpo_teacher=teacher,
