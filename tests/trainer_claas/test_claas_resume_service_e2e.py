@@ -1,7 +1,7 @@
 """Kill the service-driven CLaaS job (``claas/tiny_service``) with SIGKILL after a checkpoint, start the same command
 again, and check over HTTP that it continues from that checkpoint (slow: two Ray job start-ups).
 
-Run 1 chats and gives feedback until the trainer has updated and checkpointed (``trainer.save_freq=1``), then records a
+Run 1 chats and gives feedback until the trainer has updated and checkpointed (``trainer.save_freq=2``), then records a
 few more turns and is killed once the buffer accepted them. Run 2, the same command, must restore k = N (the committed
 checkpoint), the buffer of ``global_step_N/claas`` (entry uids; its insert count carries on), the EMA statistics of
 ``state.json``, count the turns accepted after N as discarded (snapshot + discarded = every turn the killed run's
@@ -65,7 +65,7 @@ def test_killed_service_job_resumes_from_its_checkpoint(tmp_path):
                CLAAS_API_KEY=KEY, CLAAS_ADMIN_KEY=ADMIN)
     env.setdefault("RAY_raylet_start_wait_time_s", "180")
     cmd = [sys.executable, "-m", "claas_verl.main_claas", "--config-name", "claas/tiny_service",
-           "claas.service.port=0", "trainer.save_freq=1"]
+           "claas.service.port=0", "trainer.save_freq=2"]
     run_dir = out / "claas_tiny_service"
 
     # ---- run 1: chats until a checkpoint, then 3 more accepted turns, then SIGKILL

@@ -540,10 +540,11 @@ class ClaasTrainer(PPOTrainer):
         where = (f"split {r.position.split + 1} ({len(r.position.done)}/{self.stream.split_size} scenarios committed, "
                  f"{len(regenerate)} to generate)" if r.position.split >= 0 and not r.position.complete
                  else f"after split {r.position.split + 1}" if r.position.split >= 0 else "service-driven")
+        redo = (f"scenarios {d.get('scenarios', '?')}, generated again" if self.claas.producer.enabled
+                else "chat turns, not recorded again")
         print(f"[claas] resumed from {os.path.dirname(self._resume_dir)}: k={r.buffer['k']}, buffer "
               f"{r.buffer['size']} entries, {where}; discarded from the killed run: {d.get('updates', '?')} updates, "
-              f"{d.get('entries_accepted', '?')} entries accepted after the checkpoint "
-              f"(scenarios {d.get('scenarios', '?')}, generated again)", flush=True)
+              f"{d.get('entries_accepted', '?')} entries accepted after the checkpoint ({redo})", flush=True)
         return record
 
     # ------------------------------------------------------------------ split protocol
