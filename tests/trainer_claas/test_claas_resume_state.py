@@ -286,8 +286,6 @@ class _Lora(torch.nn.Module):
 
 
 def test_sdpo_teacher_state_round_trip(tmp_path):
-    from claas_verl.trainer.claas.sdpo_worker import load_teacher_state, save_teacher_state
-
     student = _Lora(0)
     teacher = EmaTeacher(student, tau=0.1)
     rng = random.Random(0)
@@ -295,28 +293,28 @@ def test_sdpo_teacher_state_round_trip(tmp_path):
         with torch.no_grad():
             student.lora_A.add_(rng.random())
         teacher.update(student)
-    worker = SimpleNamespace(ema=teacher, probe={"ema_updates": 3, "steps_applied": 3, "steps_skipped": 1})
-    path = save_teacher_state(worker, str(tmp_path), rank=0)
+    probe = {"ema_updates": 3, "steps_applied": 3, "steps_skipped": 1}
+    path = rs.save_teacher_state(teacher, probe, str(tmp_path), rank=0)
     assert os.path.basename(path) == "sdpo_teacher_rank0.pt"
 
-    fresh = SimpleNamespace(ema=EmaTeacher(_Lora(1), tau=0.1), probe={})  # θ_T = θ⁰ of another start
-    assert load_teacher_state(fresh, str(tmp_path), rank=0) == 3
-    assert fresh.probe["steps_skipped"] == 1
+    fresh = EmaTeacher(_Lora(1), tau=0.1)  # θ_T = θ⁰ of another start
+    assert rs.load_teacher_state(fresh, str(tmp_path), rank=0) == probe
+    assert fresh.num_updates == 3
     for n in teacher.params:
-        assert torch.equal(fresh.ema.params[n], teacher.params[n])
+        assert torch.equal(fresh.params[n], teacher.params[n])
     # the next EMA step is the same from both
     teacher.update(student)
-    fresh.ema.update(student)
+    fresh.update(student)
     for n in teacher.params:
-        assert torch.equal(fresh.ema.params[n], teacher.params[n])
+        assert torch.equal(fresh.params[n], teacher.params[n])
 
     with pytest.raises(rs.ResumeMismatch, match="sdpo_teacher_rank1.pt is missing"):
-        load_teacher_state(fresh, str(tmp_path), rank=1)
+        rs.load_teacher_state(fresh, str(tmp_path), rank=1)
     wide = torch.nn.Module()
     wide.lora_A = torch.nn.Parameter(torch.zeros(4, 3))
     wide.lora_B = torch.nn.Parameter(torch.zeros(3, 2))
     with pytest.raises(rs.ResumeMismatch, match=r"params\['lora_A'\] has shape \(2, 3\)"):
-        load_teacher_state(SimpleNamespace(ema=EmaTeacher(wide), probe={}), str(tmp_path), rank=0)
+        rs.load_teacher_state(EmaTeacher(wide), str(tmp_path), rank=0)
 
 
 # ---------------------------------------------------------------------------------------------- chat API writes
@@ -326,7 +324,6 @@ def test_chat_api_writes_pause_and_drain_for_a_capture():
     import time
 
     from claas_verl.service.sinks import ActorSink
-    from claas_verl.trainer.claas.trainer import _pausable
 
     pending: list[concurrent.futures.Future] = []
 
@@ -340,7 +337,7 @@ def test_chat_api_writes_pause_and_drain_for_a_capture():
             return SimpleNamespace(future=lambda: fut)
 
     accepted = []
-    sink = _pausable(ActorSink)(Handle(), on_accepted=lambda entries, n: accepted.append(n))
+    sink = rs.pausable_sink(ActorSink)(Handle(), on_accepted=lambda entries, n: accepted.append(n))
     sink.submit([_entry("a", 0, 1.0)])  # in flight: its callback has not run
     drained = threading.Event()
 

@@ -1,4 +1,5 @@
-"""Resuming a killed CLaaS run: the state saved next to verl's checkpoint, and its checks. No Ray or verl import.
+"""Resuming a killed CLaaS run: the state saved next to verl's checkpoint, and its checks. No Ray or verl import
+(torch only for the SDPO teacher files).
 
 A CLaaS run's state is verl's checkpoint (policy, optimizer, critic: ``global_step_N/actor``, ``.../critic``, written
 and loaded by verl's own ``_save_checkpoint`` / ``_load_checkpoint`` with ``trainer.resume_mode``) plus what verl
@@ -32,9 +33,11 @@ logged at resume.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
+import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import asdict, dataclass, field
@@ -251,3 +254,55 @@ def discarded_since(trace: Iterable[Mapping], global_steps: int) -> dict:
         "scenarios": sorted(int(r["scenario"]) for r in commits if r.get("scenario") is not None),
         "entries_accepted": int(sum(int(r.get("accepted", 0)) for r in commits)),
     }
+
+
+def save_teacher_state(ema: Any, probe: Mapping | None, claas_dir: str, rank: int) -> str:
+    """Write an SDPO ``EmaTeacher`` (``state_dict``: τ, EMA step count, this rank's local shards) and the worker's probe
+    counters to ``claas_dir/sdpo_teacher_rank<rank>.pt`` (temporary file, fsync, rename); return the path."""
+    import torch
+
+    state = {"rank": rank, "ema": ema.state_dict(), "probe": dict(probe or {})}
+    return atomic_write(os.path.join(claas_dir, TEACHER_FILE.format(rank=rank)), lambda f: torch.save(state, f))
+
+
+def load_teacher_state(ema: Any, claas_dir: str, rank: int) -> dict:
+    """Restore what :func:`save_teacher_state` wrote for ``rank`` into ``ema`` (in place) and return the probe
+    counters; a missing file, another rank's file or other tensors are refused naming the path."""
+    import torch
+
+    path = os.path.join(claas_dir, TEACHER_FILE.format(rank=rank))
+    if not os.path.isfile(path):
+        raise ResumeMismatch(f"{path} is missing: the checkpoint holds no SDPO teacher for training rank {rank} "
+                             "(written by a non-SDPO recipe or with another number of ranks)")
+    state = torch.load(path, map_location="cpu", weights_only=False)
+    if state.get("rank") != rank:
+        raise ResumeMismatch(f"{path}: rank={state.get('rank')!r}, expected {rank}")
+    try:
+        ema.load_state_dict(state["ema"])
+    except ValueError as exc:
+        raise ResumeMismatch(f"{path}: {exc}") from exc
+    return dict(state["probe"])
+
+
+def pausable_sink(sink_cls: type) -> type:
+    """``sink_cls`` (the chat API's ``ActorSink``) plus ``paused()``: new writes block, those in flight are drained
+    (their ``on_accepted`` callbacks, which feed the EMA, included); the service-driven checkpoint captures the buffer
+    and the EMA inside it."""
+
+    class PausableSink(sink_cls):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self._gate = threading.Lock()
+
+        def submit(self, entries: list) -> None:
+            with self._gate:
+                super().submit(entries)
+
+        @contextlib.contextmanager
+        def paused(self, timeout_s: float = 60.0):
+            with self._gate:
+                if not self.flush(timeout_s):
+                    raise RuntimeError(f"chat API writes still in flight after {timeout_s}s; checkpoint not taken")
+                yield
+
+    return PausableSink

@@ -327,12 +327,21 @@ class ClaasSdpoWorker(ActorRolloutRefWorker):
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def claas_sdpo_save(self, claas_dir: str) -> str:
         """Checkpoint: this rank's EMA teacher (local shards) and bookkeeping, atomically, into ``claas_dir``."""
-        return save_teacher_state(self.actor, claas_dir, _rank())
+        from claas_verl.trainer.claas.resume import save_teacher_state
+
+        if self.actor.ema is None:
+            raise ValueError("the SDPO EMA teacher is not set up (claas_sdpo_setup was not called)")
+        return save_teacher_state(self.actor.ema, self.actor.probe, claas_dir, _rank())
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def claas_sdpo_load(self, claas_dir: str) -> int:
         """Resume: restore this rank's EMA teacher from ``claas_dir``; returns its EMA step count."""
-        return load_teacher_state(self.actor, claas_dir, _rank())
+        from claas_verl.trainer.claas.resume import load_teacher_state
+
+        if self.actor.ema is None:
+            raise ValueError("the SDPO EMA teacher is not set up (claas_sdpo_setup was not called)")
+        self.actor.probe = load_teacher_state(self.actor.ema, claas_dir, _rank())
+        return self.actor.ema.num_updates
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def claas_sdpo_probe(self) -> dict:
@@ -352,40 +361,3 @@ def ema_relation_error(probe: dict) -> float:
 def _rank() -> int:
     return torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
 
-
-def save_teacher_state(worker: ClaasSdpoTrainingWorker, claas_dir: str, rank: int) -> str:
-    """Write ``worker``'s EMA teacher (``EmaTeacher.state_dict``: τ, step count, local shards) and its probe counters
-    to ``claas_dir/sdpo_teacher_rank<rank>.pt`` (temporary file, fsync, rename)."""
-    import os
-
-    from claas_verl.replay.snapshot import atomic_write
-    from claas_verl.trainer.claas.resume import TEACHER_FILE
-
-    if worker.ema is None:
-        raise ValueError("the SDPO EMA teacher is not set up (claas_sdpo_setup was not called)")
-    state = {"rank": rank, "ema": worker.ema.state_dict(), "probe": dict(worker.probe or {})}
-    return atomic_write(os.path.join(claas_dir, TEACHER_FILE.format(rank=rank)), lambda f: torch.save(state, f))
-
-
-def load_teacher_state(worker: ClaasSdpoTrainingWorker, claas_dir: str, rank: int) -> int:
-    """Restore what :func:`save_teacher_state` wrote for ``rank``; a missing file or another rank's file is an error
-    naming the path."""
-    import os
-
-    from claas_verl.trainer.claas.resume import TEACHER_FILE, ResumeMismatch
-
-    if worker.ema is None:
-        raise ValueError("the SDPO EMA teacher is not set up (claas_sdpo_setup was not called)")
-    path = os.path.join(claas_dir, TEACHER_FILE.format(rank=rank))
-    if not os.path.isfile(path):
-        raise ResumeMismatch(f"{path} is missing: the checkpoint holds no SDPO teacher for training rank {rank} "
-                             "(written by a non-SDPO recipe or with another number of ranks)")
-    state = torch.load(path, map_location="cpu", weights_only=False)
-    if state.get("rank") != rank:
-        raise ResumeMismatch(f"{path}: rank={state.get('rank')!r}, expected {rank}")
-    try:
-        worker.ema.load_state_dict(state["ema"])
-    except ValueError as exc:
-        raise ResumeMismatch(f"{path}: {exc}") from exc
-    worker.probe = dict(state["probe"])
-    return worker.ema.num_updates

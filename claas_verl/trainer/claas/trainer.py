@@ -146,29 +146,6 @@ def _served_fingerprint(named: dict[str, torch.Tensor]) -> str:
     return h.hexdigest()
 
 
-def _pausable(sink_cls):
-    """``sink_cls`` (the chat API's ``ActorSink``) plus ``paused()``: block new writes, drain those in flight (their
-    ``on_accepted`` callbacks included); a checkpoint captures the buffer and the EMA inside it."""
-
-    class PausableSink(sink_cls):
-        def __init__(self, *args, **kwargs):
-            super().__init__(*args, **kwargs)
-            self._gate = threading.Lock()
-
-        def submit(self, entries: list) -> None:
-            with self._gate:
-                super().submit(entries)
-
-        @contextlib.contextmanager
-        def paused(self, timeout_s: float = 60.0):
-            with self._gate:
-                if not self.flush(timeout_s):
-                    raise RuntimeError(f"chat API writes still in flight after {timeout_s}s; checkpoint not taken")
-                yield
-
-    return PausableSink
-
-
 @register_trainer("claas")
 class ClaasTrainer(PPOTrainer):
     """CLaaS replay trainer (see the module docstring). Configure with a ``claas:`` block (:class:`ClaasConfig`)."""
@@ -680,7 +657,7 @@ class ClaasTrainer(PPOTrainer):
         backend = RolloutBackend(generate, tokenizer, model_name=s.model_name, default_max_tokens=cap,
                                  max_model_len=max_model_len, eos_token_ids=self._eos_ids(),
                                  policy_version=self.global_steps)
-        sink = self._sink = _pausable(ActorSink)(self.replay, on_accepted=self._on_service_accepted)
+        sink = self._sink = rs.pausable_sink(ActorSink)(self.replay, on_accepted=self._on_service_accepted)
         self.service = ChatService(backend, sink, config=cfg, extra_stats=self._service_extra_stats,
                                    on_shutdown=self._stop.set)
         self._service_thread = ServiceThread(build_app(self.service), host=s.host, port=s.port).start()
