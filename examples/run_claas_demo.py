@@ -6,7 +6,9 @@ Builds the offline tiny model if needed, runs ``python -m claas_verl.main_claas`
 built-in rule-following environment, 2 splits), then prints the continual metrics of SPEC A.4 — the matrix
 M[j, k] (checkpoint after split j evaluated on split k), forward transfer, forgetting, final performance —
 and the replay buffer's statistics, and says where the heatmap PNG is. Other recipes: ``claas/tiny_ppo``,
-``claas/tiny_sdpo``, ``claas/tiny_icl``. Extra ``key=value`` arguments are Hydra overrides.
+``claas/tiny_sdpo``, ``claas/tiny_icl``. Extra ``key=value`` arguments are Hydra overrides. The demo starts afresh
+every time (``trainer.resume_mode=disable``; the recipes themselves resume a killed run: pass
+``trainer.resume_mode=auto`` to continue an interrupted demo).
 """
 
 from __future__ import annotations
@@ -31,6 +33,8 @@ def main(argv: list[str] | None = None) -> int:
     subprocess.run([sys.executable, "-m", "claas_verl.tiny", "make", tiny_dir], check=True, cwd=REPO)
 
     env = dict(os.environ, CLAAS_OUT_DIR=args.out, PYTHONUNBUFFERED="1")
+    if not any(o.lstrip("+~").startswith("trainer.resume_mode=") for o in overrides):
+        overrides.append("trainer.resume_mode=disable")  # a demo run starts afresh in its fixed folder
     cmd = [sys.executable, "-m", "claas_verl.main_claas", f"--config-name={args.recipe}", *overrides]
     print("$", " ".join(cmd), flush=True)
     proc = subprocess.run(cmd, cwd=REPO, env=env)

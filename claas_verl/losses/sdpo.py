@@ -344,16 +344,33 @@ class EmaTeacher:
                     p.copy_(saved[n])
 
     def state_dict(self) -> dict:
+        """τ, scope, the number of EMA steps and the teacher tensors (a sharded tensor's LOCAL shard: each training
+        rank saves and restores its own part)."""
         return {"tau": self.tau, "scope": self.scope, "num_updates": self.num_updates,
-                "params": {n: t.clone() for n, t in self.params.items()}}
+                "params": {n: _local(t).detach().clone() for n, t in self.params.items()}}
 
     def load_state_dict(self, state: dict) -> None:
-        if set(state["params"]) != set(self.params):
-            raise ValueError("EmaTeacher.load_state_dict: parameter names differ from this teacher's")
+        """Restore :meth:`state_dict` in place (names and local shapes must match; nothing changes on error)."""
+        names, mine = set(state["params"]), set(self.params)
+        if names != mine:
+            diff = sorted(names ^ mine)[:3]
+            raise ValueError(f"EmaTeacher.load_state_dict: parameter names differ from this teacher's (e.g. {diff})")
+        for n, t in state["params"].items():
+            if tuple(t.shape) != tuple(_local(self.params[n]).shape):
+                raise ValueError(f"EmaTeacher.load_state_dict: params[{n!r}] has shape {tuple(t.shape)}, this "
+                                 f"teacher's (local) shape is {tuple(_local(self.params[n]).shape)}")
+        if state["scope"] != self.scope:
+            raise ValueError(f"EmaTeacher.load_state_dict: scope={state['scope']!r}, this teacher's is {self.scope!r}")
+        with torch.no_grad():
+            for n, t in state["params"].items():
+                _local(self.params[n]).copy_(t.to(torch.float32))
         self.tau = float(state["tau"])
-        self.scope = state["scope"]
         self.num_updates = int(state["num_updates"])
-        self.params = {n: t.detach().float().clone() for n, t in state["params"].items()}
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """The local shard of a sharded (DTensor) tensor, the tensor itself otherwise (a view: writes go through)."""
+    return t.to_local() if hasattr(t, "to_local") else t
 
 
 @torch.no_grad()

@@ -245,6 +245,12 @@ class AsyncReplayBuffer:
         with self._lock:
             return self._buffer.entries()
 
+    async def summary(self) -> dict:
+        """``k``, size and the stored uids in insertion order, from one state (what a checkpoint records)."""
+        with self._lock:
+            return {"k": self._buffer.update_count, "size": len(self._buffer),
+                    "uids": [e.uid for e in self._buffer.entries()]}
+
     async def stats(self) -> dict:
         """``ReplayBuffer.stats`` plus snapshot and reference bookkeeping (``stored_nbytes`` counts the token bytes
         of the stored rows, wherever they live; ``ref_batches`` the object-store buffers the buffer refers to)."""

@@ -113,4 +113,7 @@ def test_tiny_reinforce_pp_stream_end_to_end(tiny_model_dir, tmp_path):
         state = json.loads((run_dir / f"claas_split_{j}" / "state.json").read_text())
         assert state["split"] == j == split["split"]
         assert (Path(split["checkpoint"]) / "actor").is_dir()
+        claas_state = json.loads((Path(split["checkpoint"]) / "claas" / "state.json").read_text())  # resume state
+        assert claas_state["global_steps"] == split["global_steps"] and claas_state["position"]["complete"]
+        assert claas_state["position"]["split"] == j - 1
         assert (run_dir / f"claas_split_{j}" / "replay_buffer.pkl").exists()

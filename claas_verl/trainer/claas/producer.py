@@ -27,7 +27,7 @@ import threading
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from claas_verl.envs.base import Grade, Scenario
@@ -86,7 +86,9 @@ class StepRecord:
 
 @dataclass
 class ProducerStats:
-    """Counters of one producer (cumulative over splits)."""
+    """Counters of one producer (cumulative over splits; restored at a resume). The commit counters (scenarios,
+    steps, entries, rewards, drops) are exact at a checkpoint; the generation counters (tokens, aborts, retries,
+    prompt_too_long, empty replies) also include work on the scenarios in flight then, which a resume re-generates."""
 
     scenarios: int = 0
     steps: int = 0
@@ -212,6 +214,24 @@ class RolloutProducer:
             raise ValueError("entry_unit='scenario' is for reinforce_pp / ppo (SDPO and ICL work per step)")
         self.entry_unit = entry_unit
         self.stats = ProducerStats()
+        # A scenario's outcome is committed atomically (entries into the buffer, rewards into the EMA, counters, index
+        # into ``done``) under this lock; a checkpoint holds it while it captures the buffer and the EMA (resume.py).
+        self.commit_lock = asyncio.Lock()
+        self.done: set[int] = set()  # global indices of the scenarios whose outcome is committed
+        self.on_commit: Callable[[dict], None] | None = None  # called under the lock with each commit's record
+
+    def state_dict(self) -> dict:
+        """Counters and committed scenario indices (take it under :meth:`paused` for a consistent checkpoint)."""
+        return {"stats": asdict(self.stats), "done": sorted(self.done)}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.stats = ProducerStats(**state["stats"])
+        self.done = {int(i) for i in state["done"]}
+
+    async def paused(self, fn: Callable[[], Awaitable[Any]]) -> Any:
+        """Run ``await fn()`` with commits paused (generation goes on); the checkpoint capture point."""
+        async with self.commit_lock:
+            return await fn()
 
     async def _generate_complete(self, session: str, prompt_ids: list, sampling: dict):
         """One complete generation: an aborted one (finish reason ``abort``: cut by a weight update) or a raised
@@ -332,11 +352,22 @@ class RolloutProducer:
         async with sem:
             sampling = {**TRAIN_SAMPLING, "logprobs": True, "max_tokens": self.max_new_tokens}
             try:
-                records = await self.run_scenario(scenario, index, sampling, learn_icl=True)
+                records, dropped = await self.run_scenario(scenario, index, sampling, learn_icl=True), None
             except ScenarioDropped as exc:
-                self.stats.dropped_scenarios += 1
-                self.stats.last_drop_cause = str(exc)
-                return
+                records, dropped = [], str(exc)
+        async with self.commit_lock:
+            accepted = await self._commit(scenario, index, records, dropped)
+            self.done.add(index)
+            if self.on_commit is not None:
+                self.on_commit({"scenario": index, "accepted": accepted, "dropped": dropped is not None})
+
+    async def _commit(self, scenario: Scenario, index: int, records: list[StepRecord], dropped: str | None) -> int:
+        """One scenario's outcome into the buffer, the EMA and the counters (caller holds ``commit_lock``);
+        returns the number of entries the buffer accepted."""
+        if dropped is not None:
+            self.stats.dropped_scenarios += 1
+            self.stats.last_drop_cause = dropped
+            return 0
         self.stats.scenarios += 1
         self.stats.steps += len(records)
         entries = []
@@ -349,10 +380,10 @@ class RolloutProducer:
             entries.append(self._to_entry(rec, scenario))
         if self.entry_unit == "scenario":
             if not records or len(entries) != len(records):
-                return  # SPEC A.1.5: a scenario with any None step is dropped (counted in none_rewards)
+                return 0  # SPEC A.1.5: a scenario with any None step is dropped (counted in none_rewards)
             entries = [ScenarioEntry(steps=entries, reward_agg="min", metadata={"scenario": scenario.scenario_id})]
         if not entries or self.replay is None:
-            return
+            return 0
         self.stats.entries_sent += len(entries)
         accepted = int(await self.replay.add.remote(send_format(self.replay, entries)))
         self.stats.entries_accepted += accepted
@@ -365,13 +396,18 @@ class RolloutProducer:
                     self.ema_stats.update_many(e.reward for e in entries)
             else:
                 self.stats.ema_skipped += accepted
+        return accepted
 
-    async def run_split(self, scenarios: Sequence[Scenario], index_offset: int = 0) -> dict:
-        """Produce every scenario of one split (``max_concurrent`` at a time); return the cumulative stats."""
+    async def run_split(self, scenarios: Sequence[Scenario], index_offset: int = 0,
+                        skip: Sequence[int] = ()) -> dict:
+        """Produce every scenario of one split (``max_concurrent`` at a time), except the global indices in ``skip``
+        (a resumed split's committed scenarios); return the cumulative stats."""
         sem = asyncio.Semaphore(self.max_concurrent)
+        skip = set(skip)
         t0 = time.perf_counter()
         try:
-            await asyncio.gather(*[self._produce_one(s, index_offset + i, sem) for i, s in enumerate(scenarios)])
+            await asyncio.gather(*[self._produce_one(s, index_offset + i, sem) for i, s in enumerate(scenarios)
+                                   if index_offset + i not in skip])
         finally:
             self.stats.rollout_wall_s += time.perf_counter() - t0
         return self.stats.as_dict()

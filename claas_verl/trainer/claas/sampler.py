@@ -67,8 +67,8 @@ class ClaasReplaySampler:
         fields = list_of_dict_to_tensordict([entry_fields(e, self.data_source, sdpo=self.sdpo) for e in entries])
         tags = [entry_tag(e) for e in entries]
         tq.kv_batch_put(keys=keys, partition_id=partition_id, fields=fields, tags=tags)
-        self.last_sample = [{"uid": e.uid, "P": int(e.P), "reward": float(e.reward), "seq": int(e.seq)}
-                            for e in entries]
+        self.last_sample = [{"uid": e.uid, "P": int(e.P), "reward": float(e.reward), "seq": int(e.seq),
+                             "scenario": int(e.scenario_id)} for e in entries]
         # Policy-version lag of the sampled entries: updates done before this one minus the serving version.
         lag = np.array([(global_steps - 1) - int(e.P) for e in entries], dtype=float)
         metrics = {
@@ -77,3 +77,4 @@ class ClaasReplaySampler:
             "claas/sample/reward_mean": float(np.mean([e.reward for e in entries])),
         }
         return KVBatchMeta(partition_id=partition_id, keys=keys, tags=tags), metrics
+

@@ -325,6 +325,25 @@ class ClaasSdpoWorker(ActorRolloutRefWorker):
         return True
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def claas_sdpo_save(self, claas_dir: str) -> str:
+        """Checkpoint: this rank's EMA teacher (local shards) and bookkeeping, atomically, into ``claas_dir``."""
+        from claas_verl.trainer.claas.resume import save_teacher_state
+
+        if self.actor.ema is None:
+            raise ValueError("the SDPO EMA teacher is not set up (claas_sdpo_setup was not called)")
+        return save_teacher_state(self.actor.ema, self.actor.probe, claas_dir, _rank())
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def claas_sdpo_load(self, claas_dir: str) -> int:
+        """Resume: restore this rank's EMA teacher from ``claas_dir``; returns its EMA step count."""
+        from claas_verl.trainer.claas.resume import load_teacher_state
+
+        if self.actor.ema is None:
+            raise ValueError("the SDPO EMA teacher is not set up (claas_sdpo_setup was not called)")
+        self.actor.probe = load_teacher_state(self.actor.ema, claas_dir, _rank())
+        return self.actor.ema.num_updates
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def claas_sdpo_probe(self) -> dict:
         """EMA-teacher bookkeeping of the last update (sums of the LoRA tensors, counts of applied steps)."""
         return dict(self.actor.probe or {})
@@ -336,4 +355,9 @@ def ema_relation_error(probe: dict) -> float:
     expect = (1 - tau) * probe["teacher_sum_before"] + tau * probe["student_sum"]
     return abs(probe["teacher_sum_after"] - expect) / max(1.0, abs(probe["teacher_sum_after"]))
 
+
+
+
+def _rank() -> int:
+    return torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
 

@@ -28,6 +28,14 @@ end, training continues until ``|B| < B_min``; checkpoint j is saved; the served
 every split (row j of M); then split j+1 starts. ``continual_metrics.json`` (M, forward transfer,
 forgetting, final, buffer statistics) is written in ``trainer.default_local_dir``.
 
+Checkpoints and resume (:mod:`claas_verl.trainer.claas.resume`): verl's own ``_save_checkpoint`` /
+``_load_checkpoint`` (``trainer.save_freq``, ``trainer.resume_mode``) save and load the policy and optimizer;
+the overrides here add the CLaaS state (buffer snapshot, k, EMA statistics, SDPO teacher, stream position) to
+the same ``global_step_N`` folder, at one checkpoint point: in ``on_step_end`` after update N is applied,
+counted (k = N) and pushed, with the producers' commits paused. verl's loop calls ``_save_checkpoint`` before
+``on_step_end`` (k one behind); the override only marks it due. A split end always checkpoints. Resuming
+restores every piece from one N (the restart-consistency invariant stated in resume.py).
+
 The base class's semantics stay those of the synchronous trainer (``trainer_mode`` is reset to
 ``"sync"`` after construction: verl switches checkpoint/TransferQueue behaviour on any other name).
 """
@@ -35,6 +43,8 @@ The base class's semantics stay those of the synchronous trainer (``trainer_mode
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
+import dataclasses
 import hashlib
 import json
 import logging
@@ -53,6 +63,7 @@ from omegaconf import OmegaConf, open_dict
 from verl.trainer.ppo.v1.trainer_base import PPOTrainer, register_trainer
 from verl.utils.debug import marked_timer
 
+from claas_verl.trainer.claas import resume as rs
 from claas_verl.trainer.claas.config import ClaasConfig
 from claas_verl.trainer.claas.producer import BackgroundLoop, ChatRenderer, RolloutProducer
 from claas_verl.trainer.claas.sampler import ClaasReplaySampler
@@ -174,6 +185,16 @@ class ClaasTrainer(PPOTrainer):
         self.service = None
         self._service_thread = None
         self._stop = threading.Event()  # set by POST /v1/claas/shutdown: the loop ends after the current update
+        self._trace_lock = threading.Lock()  # trace lines come from the trainer thread and the producers' loop
+        self._split_complete = False  # the current split's rollouts ended and its training ran until |B| < B_min
+        self._resume: rs.ClaasState | None = None  # the CLaaS state of the checkpoint this run resumes from
+        self._resume_dir: str | None = None
+        self._resumes: list[dict] = []  # one record per resume of this run's history
+        self._ckpt_due = False  # verl's loop asked for a checkpoint; taken at the checkpoint point (on_step_end)
+        self._in_checkpoint = False
+        self._last_ckpt_step: int | None = None  # step of the latest verl checkpoint this history wrote or loaded
+        self._sink = None
+        self._sdpo_restored: int | None = None  # EMA steps of the SDPO teacher restored at a resume
 
     # ------------------------------------------------------------------ verl hooks
     def _init_resource_pool_mgr(self):
@@ -201,12 +222,13 @@ class ClaasTrainer(PPOTrainer):
 
     def on_init_end(self):
         if self.claas.algorithm == "sdpo":
-            import dataclasses
-
             from claas_verl.trainer.claas import verl_couplings as vc
 
             # θ_T = θ⁰: the EMA teacher copies the LoRA adapter before any update (SPEC A.3.3)
             vc.actor_worker_group(self).claas_sdpo_setup(dataclasses.asdict(self.claas.sdpo))
+            if self._resume is not None:  # θ_T of checkpoint N (θ of N was loaded by verl's _load_checkpoint)
+                self._sdpo_restored = vc.actor_worker_group(self).claas_sdpo_load(self._resume_dir)[0]
+                logger.info("SDPO EMA teacher restored (%s EMA steps)", self._sdpo_restored)
         # Serve the initial weights (version 0) before any rollout, as verl's sync trainer does.
         self.checkpoint_manager.update_weights(self.global_steps)
         self._setup_claas()
@@ -226,9 +248,16 @@ class ClaasTrainer(PPOTrainer):
         return out
 
     def on_train_begin(self):
-        self._start_next_split()
+        pos = self._resume.position if self._resume is not None else None
+        if pos is not None and pos.split >= 0 and not pos.complete:
+            self._start_split(pos.split, skip=pos.done)  # the split in progress: its uncommitted scenarios
+        else:
+            if pos is not None and pos.split >= 0 and len(self._matrix) <= pos.split:
+                self._record_row(pos.split)  # killed after checkpoint j, before row j of M was evaluated
+            self._start_next_split()
         if not self._advance_until_ready():
             self.total_training_steps = self.global_steps - 1  # nothing to train on (e.g. ICL): skip the loop
+            self._checkpoint_at_shutdown()
 
     def on_step_end(self):
         self._updates += 1
@@ -249,10 +278,14 @@ class ClaasTrainer(PPOTrainer):
                      "split": self._split_idx + 1, "buffer_size_at_update": size_before, "evicted_age": evicted,
                      "sampled": self.replay_buffer.last_sample, **probe})
         stop = self.claas.max_updates is not None and self._updates >= self.claas.max_updates
+        if self._ckpt_due:  # trainer.save_freq: the checkpoint point (k = N, update N pushed)
+            with marked_timer("save_checkpoint", self.timing_raw, color="green"):
+                self._claas_checkpoint()
         with marked_timer("claas_wait_buffer", self.timing_raw, color="blue"):
             more = False if stop else self._advance_until_ready()
         if not more:
             self.total_training_steps = self.global_steps  # verl's loop ends after this step
+            self._checkpoint_at_shutdown()
         self._pending_sync_metrics = {"claas/evicted_age": evicted, "claas/buffer_size": size_before}
 
     def fit(self, agent_loop_manager=None):
@@ -292,6 +325,14 @@ class ClaasTrainer(PPOTrainer):
         self.replay = make_replay_actor(c.b_max, c.b_min, c.a_max, seed=c.seed, entry_unit=c.entry_unit,
                                         max_restarts=0, adopt=False)
         self.replay_buffer.bind(self.replay, data_source=f"claas/{c.env.name}", sdpo=c.algorithm == "sdpo")
+        r = self._resume
+        if r is not None:
+            ray.get(self.replay.load.remote(os.path.join(self._resume_dir, r.buffer["file"])))
+            got = ray.get(self.replay.summary.remote())
+            if got["k"] != r.global_steps or got["uids"] != r.buffer["uids"]:
+                raise rs.ResumeMismatch(f"{self._resume_dir}: the buffer snapshot (k={got['k']}, {got['size']} "
+                                        f"entries) is not the one state.json records (k={r.buffer['k']}, "
+                                        f"{r.buffer['size']} entries)")
 
         self._ema_lock = threading.Lock()
         self._ema_live = self._ema_bound = None
@@ -299,6 +340,11 @@ class ClaasTrainer(PPOTrainer):
             self._ema_live = EmaRewardStats(beta=c.rpp.beta, b0=c.rpp.b0, v0=c.rpp.v0, v_min=c.rpp.v_min)
             self._ema_bound = EmaRewardStats(beta=c.rpp.beta, b0=c.rpp.b0, v0=c.rpp.v0, v_min=c.rpp.v_min)
             bind_rpp_ema_stats(self._ema_bound)
+            if r is not None:
+                if r.ema is None:
+                    raise rs.ResumeMismatch(f"{self._resume_dir}: the checkpoint holds no EMA reward statistics")
+                self._ema_live.load_state_dict(r.ema)
+                self._ema_bound.load_state_dict(r.ema)
 
         tokenizer = self.tokenizer
         self.icl_memory = None
@@ -306,6 +352,8 @@ class ClaasTrainer(PPOTrainer):
             self.icl_memory = ICLFeedbackMemory(lambda s: len(tokenizer.encode(s, add_special_tokens=False)),
                                                 token_budget=c.icl.token_budget,
                                                 max_quote_chars=c.icl.max_quote_chars)
+            if r is not None and r.icl_memory is not None:
+                self.icl_memory.load_state_dict(r.icl_memory)
         rollout = self.config.actor_rollout_ref.rollout
         max_len = _get(rollout, "max_model_len")
         max_prompt = (int(max_len) - c.producer.max_new_tokens) if max_len else int(_get(rollout, "prompt_length"))
@@ -322,25 +370,190 @@ class ClaasTrainer(PPOTrainer):
             icl_memory=self.icl_memory,
             sdpo_reprompt={"reprompt_success": c.sdpo.reprompt_success} if c.algorithm == "sdpo" else None,
         )
+        self.producer.on_commit = lambda record: self._trace({"event": "commit", **record})
         self._loop = BackgroundLoop()
         os.makedirs(self.config.trainer.default_local_dir, exist_ok=True)
+        record = self._restore_run_state() if r is not None else None
         if c.service.enabled:
             self._start_service(generate, tokenizer, int(max_len) if max_len else None)
         self._trace({"event": "start", "claas": OmegaConf.to_container(self.config.claas, resolve=True),
                      "split_ids": self.stream.ids(), "warnings": self._warnings})
+        if record is not None:
+            self._trace(record)
+
+    # ------------------------------------------------------------------ checkpoints and resume (resume.py)
+    def _save_checkpoint(self):
+        """verl's checkpoint (policy, optimizer, critic, tracker file), only from :meth:`_claas_checkpoint`.
+
+        verl's ``fit`` calls this right after ``step()`` when ``trainer.save_freq`` says so; there the buffer's k is
+        still one behind the policy and update N is not pushed, so the call only marks a checkpoint due, and
+        ``on_step_end`` takes it at the checkpoint point."""
+        if not self._in_checkpoint:
+            self._ckpt_due = True
+            return None
+        return super()._save_checkpoint()
+
+    def _claas_checkpoint(self) -> None:
+        """Checkpoint N = k: the CLaaS state into ``global_step_N/claas/`` first, then verl's part, whose tracker file
+        (``latest_checkpointed_iteration.txt``, written last) commits it. See the invariant in resume.py."""
+        self._ckpt_due = False
+        k = int(ray.get(self.replay.update_count.remote()))
+        if k != self._updates:
+            raise RuntimeError(f"checkpoint point broken: the buffer's k={k} but {self._updates} updates were done")
+        folder = os.path.join(self.config.trainer.default_local_dir, f"global_step_{k}")
+        claas_dir = os.path.join(folder, rs.CLAAS_DIR)
+        os.makedirs(claas_dir, exist_ok=True)
+        teacher = None
+        if self.claas.algorithm == "sdpo":
+            from claas_verl.trainer.claas import verl_couplings as vc
+
+            # θ_T changes only inside an update, which runs in this thread: no pause needed
+            teacher = [os.path.basename(p) for p in vc.actor_worker_group(self).claas_sdpo_save(claas_dir)]
+        state = self._capture_state(k, claas_dir, teacher)
+        if self._last_ckpt_step != k:  # a split end at the step of a periodic checkpoint re-writes only the state
+            saved, self.global_steps, self._in_checkpoint = self.global_steps, k, True
+            try:
+                self._save_checkpoint()
+            finally:
+                self.global_steps, self._in_checkpoint = saved, False
+            self._last_ckpt_step = k
+        self._trace({"event": "checkpoint", "global_steps": k, "path": folder, "buffer_size": state.buffer["size"],
+                     "position": dataclasses.asdict(state.position)})
+
+    def _checkpoint_at_shutdown(self) -> None:
+        """Service-driven runs with ``trainer.save_freq > 0``: a shutdown checkpoints the last update, or re-captures
+        the CLaaS state of that checkpoint (the chats accepted since then are kept; verl's part is unchanged)."""
+        if (not self.claas.producer.enabled and self.claas.trains
+                and int(_get(self.config, "trainer.save_freq", -1)) > 0):
+            self._claas_checkpoint()
+
+    def _capture_state(self, k: int, claas_dir: str, teacher: list | None) -> rs.ClaasState:
+        """Buffer snapshot + state.json, captured with commits paused (producers: their commit lock; chat API: its
+        sink drained and gated), so the snapshot, the EMA and the committed-scenario list describe one instant."""
+        split_size = self.stream.split_size if self.claas.producer.enabled else 0
+
+        async def capture() -> rs.ClaasState:
+            buffer_file = rs.new_buffer_file()
+            await self.replay.save.remote(os.path.join(claas_dir, buffer_file))
+            summary = await self.replay.summary.remote()
+            if summary["k"] != k:
+                raise RuntimeError(f"the buffer's k moved from {k} to {summary['k']} during the checkpoint")
+            ema = None
+            if self._ema_live is not None:
+                with self._ema_lock:
+                    ema = self._ema_live.state_dict()
+            prod = self.producer.state_dict()
+            j = self._split_idx if self.claas.producer.enabled and self._split_idx < self.stream.num_splits else -1
+            lo = j * split_size
+            position = rs.StreamPosition(split=j, done=[i for i in prod["done"] if lo <= i < lo + split_size],
+                                         complete=self._split_complete)
+            state = rs.ClaasState(
+                global_steps=k, updates=self._updates, config=self._identity(), position=position,
+                buffer={"file": buffer_file, **summary}, matrix=[list(r) for r in self._matrix],
+                split_records=list(self._split_records), ema=ema, producer=prod["stats"],
+                icl_memory=self.icl_memory.state_dict() if self.icl_memory is not None else None,
+                service=self.service.stats() if self.service is not None else None, sdpo_teacher=teacher,
+                resumes=list(self._resumes))
+            rs.save_state(claas_dir, state)
+            # Written while commits are paused: commits traced before it are in this snapshot, those after are not.
+            self._trace({"event": "claas_state", "global_steps": k, "buffer_size": summary["size"]})
+            return state
+
+        if self.claas.producer.enabled:
+            return self._loop.submit(self.producer.paused(capture)).result()
+        with self._sink.paused() if self._sink is not None else contextlib.nullcontext():
+            return self._loop.submit(capture()).result()
+
+    def _identity(self) -> dict:
+        def select(key: str):
+            value = OmegaConf.select(self.config, key)
+            return OmegaConf.to_container(value, resolve=True) if OmegaConf.is_config(value) else value
+
+        return rs.config_identity(select)
+
+    def _resume_folder(self) -> str | None:
+        """The ``global_step_N`` folder verl's ``_load_checkpoint`` will load (same rules), or None."""
+        from verl.utils.checkpoint.checkpoint_manager import find_latest_ckpt_path, get_checkpoint_tracker_filename
+
+        mode = self.config.trainer.resume_mode
+        if mode == "auto":
+            root = os.path.abspath(self.config.trainer.default_local_dir)
+            try:
+                return find_latest_ckpt_path(root)
+            except ValueError as exc:
+                raise rs.ResumeMismatch(
+                    f"{get_checkpoint_tracker_filename(root)} is unreadable ({exc}): it names the last complete "
+                    "checkpoint; write the highest N of a global_step_N folder holding claas/state.json and actor/ "
+                    "into it, or remove it to start afresh") from exc
+        if mode == "resume_path":
+            return os.path.abspath(self.config.trainer.resume_from_path)
+        return None
+
+    def _load_checkpoint(self):
+        """verl's ``_load_checkpoint`` (policy, optimizer, critic), after the CLaaS state of the same folder was read
+        and checked (so a state of another recipe or config is refused before anything is loaded)."""
+        folder = self._resume_folder()
+        if folder is not None:
+            n = int(os.path.basename(folder.rstrip("/")).split("global_step_")[-1])
+            self._resume_dir = os.path.join(folder, rs.CLAAS_DIR)
+            self._resume = rs.load_state(self._resume_dir, self._identity(), global_steps=n)
+        super()._load_checkpoint()
+        if self._resume is not None:
+            if self.global_steps != self._resume.global_steps:
+                raise rs.ResumeMismatch(f"verl loaded step {self.global_steps}, the CLaaS state is of step "
+                                        f"{self._resume.global_steps}")
+            self._last_ckpt_step = self.global_steps
+
+    def _restore_run_state(self) -> dict:
+        """Trainer-side state of the resumed checkpoint (counters, M rows, stream position) and the record of what the
+        killed run did after it (discarded, re-done), read from the trace before this run appends to it."""
+        r = self._resume
+        self._updates = r.updates
+        self._matrix = [list(row) for row in r.matrix]
+        self._split_records = list(r.split_records)
+        self._split_idx, self._split_complete = r.position.split, r.position.complete
+        self.producer.load_state_dict({"stats": r.producer, "done": r.position.done})
+        discarded = None
+        if self.claas.trace:
+            trace = rs.read_trace(os.path.join(self.config.trainer.default_local_dir, TRACE_FILE))
+            discarded = rs.discarded_since(trace, r.global_steps)
+        regenerate = r.position.remaining(self.stream.split_size) if self.claas.producer.enabled else []
+        record = {"event": "resume", "global_steps": r.global_steps, "k": r.buffer["k"],
+                  "buffer_size": r.buffer["size"], "buffer_uids": r.buffer["uids"], "ema": r.ema,
+                  "position": dataclasses.asdict(r.position), "regenerate": regenerate,
+                  "discarded": discarded, "sdpo_teacher_ema_steps": self._sdpo_restored,
+                  "path": os.path.dirname(self._resume_dir)}
+        self._resumes = [*r.resumes, {k: v for k, v in record.items() if k not in ("event", "buffer_uids")}]
+        d = discarded or {}
+        where = (f"split {r.position.split + 1} ({len(r.position.done)}/{self.stream.split_size} scenarios committed, "
+                 f"{len(regenerate)} to generate)" if r.position.split >= 0 and not r.position.complete
+                 else f"after split {r.position.split + 1}" if r.position.split >= 0 else "service-driven")
+        redo = (f"scenarios {d.get('scenarios', '?')}, generated again" if self.claas.producer.enabled
+                else "chat turns, not recorded again")
+        print(f"[claas] resumed from {os.path.dirname(self._resume_dir)}: k={r.buffer['k']}, buffer "
+              f"{r.buffer['size']} entries, {where}; discarded from the killed run: {d.get('updates', '?')} updates, "
+              f"{d.get('entries_accepted', '?')} entries accepted after the checkpoint ({redo})", flush=True)
+        return record
 
     # ------------------------------------------------------------------ split protocol
     def _start_next_split(self) -> None:
         if not self.claas.producer.enabled:
             return  # service-driven: no scenario stream
-        self._split_idx += 1
-        if self._split_idx >= self.stream.num_splits:
+        if self._split_idx + 1 >= self.stream.num_splits:
+            self._split_idx = self.stream.num_splits
             self._split_future = None
             return
-        scenarios = self.stream.split(self._split_idx)
-        offset = self._split_idx * self.stream.split_size
-        self._split_future = self._loop.submit(self.producer.run_split(scenarios, index_offset=offset))
-        self._trace({"event": "split_start", "split": self._split_idx + 1, "global_steps": self.global_steps})
+        self._start_split(self._split_idx + 1)
+
+    def _start_split(self, j: int, skip=()) -> None:
+        """Run split j's rollouts in the background, except the global scenario indices in ``skip`` (committed
+        before the checkpoint a resumed run starts from)."""
+        self._split_idx, self._split_complete = j, False
+        scenarios = self.stream.split(j)
+        offset = j * self.stream.split_size
+        self._split_future = self._loop.submit(self.producer.run_split(scenarios, index_offset=offset, skip=skip))
+        self._trace({"event": "split_start", "split": j + 1, "global_steps": self.global_steps,
+                     "skip": sorted(skip)})
 
     def _advance_until_ready(self) -> bool:
         """Block until an update is possible (True) or the whole stream is done (False), running split ends.
@@ -392,14 +605,18 @@ class ClaasTrainer(PPOTrainer):
     def _finish_split(self) -> None:
         j = self._split_idx
         out_dir = self.config.trainer.default_local_dir
+        self._split_complete = True
+        k = self._updates
+        self._split_records.append({"split": j + 1, "global_steps": k, "updates": self._updates,
+                                    "checkpoint": os.path.join(out_dir, f"global_step_{k}") if self.claas.trains
+                                    else None})
         if self.claas.trains:
-            self._save_checkpoint()  # verl's actor (+critic) checkpoint at global_step_{k}
+            self._claas_checkpoint()  # checkpoint j: verl's actor (+critic) and the CLaaS state at global_step_{k}
         split_dir = os.path.join(out_dir, f"claas_split_{j + 1}")
         os.makedirs(split_dir, exist_ok=True)
         ray.get(self.replay.save.remote(os.path.join(split_dir, "replay_buffer.pkl")))
-        state = {"split": j + 1, "global_steps": self.global_steps, "updates": self._updates,
-                 "checkpoint": os.path.join(out_dir, f"global_step_{self.global_steps}") if self.claas.trains else None,
-                 "producer": self.producer.stats.as_dict(), "buffer": ray.get(self.replay.stats.remote())}
+        state = {**self._split_records[-1], "producer": self.producer.stats.as_dict(),
+                 "buffer": ray.get(self.replay.stats.remote())}
         if self._ema_live is not None:
             with self._ema_lock:
                 state["ema"] = self._ema_live.state_dict()
@@ -407,11 +624,14 @@ class ClaasTrainer(PPOTrainer):
             state["icl_memory"] = self.icl_memory.state_dict()
         with open(os.path.join(split_dir, "state.json"), "w") as f:
             json.dump(state, f, indent=2, default=str)
+        self._record_row(j)
+
+    def _record_row(self, j: int) -> None:
+        """Row j of M (evaluated after checkpoint j, so a run killed in between evaluates it when resumed)."""
         row = self._evaluate_row() if self.claas.eval.enabled else [float("nan")] * self.stream.num_splits
         self._matrix.append(row)
-        self._split_records.append({k: state[k] for k in ("split", "global_steps", "updates", "checkpoint")})
-        self._trace({"event": "split_end", "split": j + 1, "global_steps": self.global_steps, "M_row": row,
-                     "buffer_size": state["buffer"]["size"]})
+        self._trace({"event": "split_end", "split": j + 1, "global_steps": self._updates, "M_row": row,
+                     "buffer_size": ray.get(self.replay.size.remote())})
         print(f"[claas] split {j + 1}/{self.stream.num_splits} done at update {self._updates}: M[{j + 1},:] = "
               + ", ".join(f"{v:.3f}" for v in row), flush=True)
 
@@ -448,7 +668,7 @@ class ClaasTrainer(PPOTrainer):
         backend = RolloutBackend(generate, tokenizer, model_name=s.model_name, default_max_tokens=cap,
                                  max_model_len=max_model_len, eos_token_ids=self._eos_ids(),
                                  policy_version=self.global_steps)
-        sink = ActorSink(self.replay, on_accepted=self._on_service_accepted)
+        sink = self._sink = rs.pausable_sink(ActorSink)(self.replay, on_accepted=self._on_service_accepted)
         self.service = ChatService(backend, sink, config=cfg, extra_stats=self._service_extra_stats,
                                    on_shutdown=self._stop.set)
         self._service_thread = ServiceThread(build_app(self.service), host=s.host, port=s.port).start()
@@ -473,7 +693,9 @@ class ClaasTrainer(PPOTrainer):
         return sorted(ids)
 
     def _on_service_accepted(self, entries: list, accepted: int) -> None:
-        """SPEC A.3.1: the EMA sees every reward the buffer accepted, at insertion time (as the producers do)."""
+        """SPEC A.3.1: the EMA sees every reward the buffer accepted, at insertion time (as the producers do). The
+        trace's commit line lets a resume count the entries accepted after its checkpoint."""
+        self._trace({"event": "commit", "scenario": None, "accepted": accepted})
         if self._ema_live is None:
             return
         if accepted != len(entries):
@@ -483,7 +705,7 @@ class ClaasTrainer(PPOTrainer):
             self._ema_live.update_many(e.reward for e in entries)
 
     def _service_extra_stats(self) -> dict:
-        out = {"buffer": ray.get(self.replay.stats.remote()), "updates": self._updates}
+        out = {"buffer": ray.get(self.replay.stats.remote()), "updates": self._updates, "resumes": self._resumes}
         if self._ema_live is not None:
             with self._ema_lock:
                 out["ema"] = self._ema_live.state_dict()
@@ -494,6 +716,7 @@ class ClaasTrainer(PPOTrainer):
         self.service.recorder.sink.flush(30.0)
         stats = self.service.stats()
         record = {"algorithm": self.claas.algorithm, "updates": self._updates, "service": stats,
+                  "resumes": self._resumes,
                   "trainer_wait_buffer_s": self._wait_s, "wall_s": time.time() - self._t_start,
                   "warnings": self._warnings}
         path = Path(self.config.trainer.default_local_dir) / "service_stats.json"
@@ -527,8 +750,9 @@ class ClaasTrainer(PPOTrainer):
         if not self.claas.trace:
             return
         record = {"t": round(time.time() - self._t_start, 3), **record}
-        with open(os.path.join(self.config.trainer.default_local_dir, TRACE_FILE), "a") as f:
-            f.write(json.dumps(record, default=str) + "\n")
+        line = json.dumps(record, default=str) + "\n"
+        with self._trace_lock, open(os.path.join(self.config.trainer.default_local_dir, TRACE_FILE), "a") as f:
+            f.write(line)
 
     def _finalize(self) -> None:
         from claas_verl.metrics import write_continual_metrics
@@ -546,6 +770,7 @@ class ClaasTrainer(PPOTrainer):
             "splits": self._split_records,
             "split_ids": self.stream.ids(),
             "producer": self.producer.stats.as_dict(),
+            "resumes": self._resumes,
             "trainer_wait_buffer_s": self._wait_s,
             "wall_s": time.time() - self._t_start,
             "warnings": self._warnings,

@@ -16,6 +16,11 @@ loudly when a verl upgrade moves one of them):
 * ``BaseEngine.eval_mode`` and the FSDP engine's ``module`` attribute: the no-grad pre/teacher forwards.
 * the non-tensor batch key ``distillation_use_topk``: makes verl's FSDP engine call the installed loss as a
   logits processor ``fn(student_logits=[1, N, V], data=micro_batch)`` (``prepare_model_outputs``).
+* ``PPOTrainer._save_checkpoint`` / ``_load_checkpoint`` (every algorithm; resume.py): extended so the CLaaS state
+  sits in verl's ``global_step_N`` folder. The resume invariant relies on verl's ``fit`` calling
+  ``_save_checkpoint`` (deferred by the override to ``on_step_end``), on ``_save_checkpoint`` writing
+  ``latest_checkpointed_iteration.txt`` after the actor (the commit point), and on ``_load_checkpoint`` finding the
+  folder with ``find_latest_ckpt_path`` (the override resolves the same folder first).
 """
 
 from __future__ import annotations
@@ -32,6 +37,8 @@ COUPLINGS: tuple[tuple[str, str, str], ...] = (
     ("verl.workers.engine.base", "BaseEngine", "optimizer_step"),
     ("verl.workers.engine.base", "BaseEngine", "eval_mode"),
     ("verl.workers.engine.fsdp.transformer_impl", "FSDPEngineWithLMHead", "prepare_model_outputs"),
+    ("verl.trainer.ppo.v1.trainer_base", "PPOTrainer", "_save_checkpoint"),
+    ("verl.trainer.ppo.v1.trainer_base", "PPOTrainer", "_load_checkpoint"),
 )
 # (method whose source must mention the string, string): checked against verl's source by the test.
 SOURCE_MARKERS: tuple[tuple[str, str, str, str], ...] = (
@@ -40,6 +47,9 @@ SOURCE_MARKERS: tuple[tuple[str, str, str, str], ...] = (
     ("verl.workers.engine.fsdp.transformer_impl", "FSDPEngineWithLMHead", "prepare_model_outputs",
      "logits_processor_func(student_logits="),
     ("verl.trainer.ppo.v1.trainer_base", "PPOTrainer", "_init_resource_pool_mgr", "self.role_worker_mapping"),
+    ("verl.trainer.ppo.v1.trainer_base", "PPOTrainer", "fit", "self._save_checkpoint()"),
+    ("verl.trainer.ppo.v1.trainer_base", "PPOTrainer", "_save_checkpoint", "latest_checkpointed_iteration.txt"),
+    ("verl.trainer.ppo.v1.trainer_base", "PPOTrainer", "_load_checkpoint", "find_latest_ckpt_path"),
 )
 
 
