@@ -24,6 +24,9 @@ PAPER_STEPS = {
     "fsar_shared_recovery": 167, "fsar_recovery": 209, "replay_kl_expert_recovery": 167,
     "joint": 104, "joint2": 208,
 }
+# the continual benchmark's recipes (recipes/mopd/data/gym.yaml: 12 blocks per domain) and their plan lengths
+GYM_STEPS = {"gym_seq": 36, "gym_replay_kl": 44, "gym_replay_kl_fixed": 46, "gym_seq_recovery": 42,
+             "gym_fsar_shared": 44, "gym_joint": 36}
 TINY = ["tiny_seq", "tiny_replay_kl", "tiny_fsar_shared", "tiny_replay_kl_fixed", "tiny_seq_recovery", "tiny_joint"]
 
 
@@ -33,7 +36,7 @@ def load(name, overrides=()):
 
 
 def test_every_table6_configuration_and_tiny_variant_has_a_recipe():
-    assert set(PAPER_STEPS) | set(TINY) <= set(ALL)
+    assert set(PAPER_STEPS) | set(TINY) | set(GYM_STEPS) <= set(ALL)
 
 
 @pytest.mark.parametrize("name", ALL)
@@ -53,6 +56,11 @@ def test_recipe_composes_and_plans(name):
             4, 1.0, 1.0, 2048, 16384)
         assert (t.lr, list(t.betas), t.weight_decay, t.grad_clip, t.topk, cfg.mopd.block_size) == (
             1e-5, [0.9, 0.999], 0.01, 1000.0, 16, 32)
+    elif name in GYM_STEPS:
+        assert len(plan) == GYM_STEPS[name]
+        assert list(cfg.mopd.order) == ["spell", "reverse", "arith"]
+        assert cfg.mopd.domains.arith.expert.endswith("/experts/arith")
+        assert cfg.mopd.domains.spell.test_prompts.endswith("/data/spell/test.parquet")
     else:
         assert name.startswith("tiny_") and list(cfg.mopd.order) == ["logic", "math", "code"]
         assert cfg.mopd.domains.code.expert.endswith("/experts/code")
