@@ -92,7 +92,7 @@ def test_report_tables():
     row_a = next(line for line in text.splitlines() if line.startswith("| claas/a |"))
     assert f"| 3 | 0.660 ± {hw_final:.3f} | 0.133 ± " in row_a
     row_b = next(line for line in text.splitlines() if line.startswith("| claas/b |"))
-    assert "| 1 | 0.200 | 1.000 | 0.000 | 10.000 |" in row_b
+    assert "| 1 | 0.200 | 1.000 | 0.000 | 10.0 |" in row_b
     # A's mean M: row "after split 5" = (0.5+0.4+1)/3 x4, then (0.5+0.8+1)/3
     assert "| after split 5 | 0.63 | 0.63 | 0.63 | 0.63 | 0.77 |" in text
     assert "### claas/b: mean M[j, k] over 1 seed(s)" in text
