@@ -11,7 +11,8 @@ from omegaconf import open_dict
 from claas_verl.trainer.claas import ClaasConfig
 
 RECIPES = os.path.join(os.path.dirname(__file__), "..", "..", "recipes")
-ALL_RECIPES = ["reinforce_pp", "ppo", "sdpo", "icl", "tiny_reinforce_pp", "tiny_ppo", "tiny_sdpo", "tiny_icl"]
+ALL_RECIPES = ["reinforce_pp", "ppo", "sdpo", "icl", "tiny_reinforce_pp", "tiny_ppo", "tiny_sdpo", "tiny_icl",
+               "tiny_no_update"]
 
 
 def compose_recipe(name: str, overrides=()):
@@ -33,6 +34,14 @@ def test_sizes_and_keys_are_validated():
     assert ClaasConfig.from_config({"entry_unit": "scenario"}).entry_unit == "scenario"
     with pytest.raises(ValueError, match="claas.algorithm"):
         ClaasConfig.from_config({"algorithm": "grpo"})
+
+
+def test_baselines_do_not_train():
+    assert ClaasConfig.from_config({"algorithm": "reinforce_pp"}).trains
+    assert not ClaasConfig.from_config({"algorithm": "icl"}).trains
+    assert not ClaasConfig.from_config({"algorithm": "no_update"}).trains
+    with pytest.raises(ValueError, match="service.enabled with claas.algorithm=no_update"):
+        ClaasConfig.from_config({"algorithm": "no_update", "service": {"enabled": True}})
 
 
 @pytest.mark.parametrize("name", ALL_RECIPES)

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-ALGORITHMS = ("reinforce_pp", "ppo", "sdpo", "icl")
+ALGORITHMS = ("reinforce_pp", "ppo", "sdpo", "icl", "no_update")
 
 
 def _plain(value: Any) -> Any:
@@ -188,7 +188,10 @@ class SdpoConfig:
 class ClaasConfig:
     """Validated ``claas:`` recipe block.
 
-    ``algorithm``: ``reinforce_pp`` | ``ppo`` | ``sdpo`` | ``icl`` (``icl`` never updates parameters).
+    ``algorithm``: ``reinforce_pp`` | ``ppo`` | ``sdpo`` | ``icl`` | ``no_update``. ``icl`` never updates parameters
+    (feedback goes into the system prompt); ``no_update`` is the plain baseline: the same producers and the same
+    split evaluation, but nothing is inserted into the buffer, no optimizer step runs and no system-prompt memory
+    is kept, so every row of M is the initial policy.
     ``m``/``b_min``/``b_max``/``a_max``: SPEC A.1 sizes (counted in entries of ``entry_unit``). ``entry_unit``:
     ``"step"`` (SPEC A.1.5 default) or ``"scenario"`` (one entry per scenario, trained as one multi-turn sequence
     with the scenario reward ``min_t r_t``; REINFORCE++ / PPO, producer-driven).
@@ -235,6 +238,9 @@ class ClaasConfig:
         if not self.producer.enabled and not self.service.enabled:
             raise ValueError("claas.producer.enabled=false needs claas.service.enabled=true: with neither the "
                              "scenario producers nor the chat API nothing would ever reach the buffer")
+        if self.service.enabled and self.algorithm == "no_update":
+            raise ValueError("claas.service.enabled with claas.algorithm=no_update: the chat API's feedback would "
+                             "never update anything; use reinforce_pp or ppo behind the API")
         if self.service.enabled and self.algorithm == "sdpo":
             raise ValueError("claas.service.enabled with claas.algorithm=sdpo: the chat API does not build SDPO's "
                              "re-prompted teacher context yet; use reinforce_pp or ppo behind the API")
@@ -244,8 +250,8 @@ class ClaasConfig:
 
     @property
     def trains(self) -> bool:
-        """False for the ICL baseline (no parameter updates)."""
-        return self.algorithm != "icl"
+        """False for the ICL and no-update baselines (no parameter updates, nothing inserted into the buffer)."""
+        return self.algorithm not in ("icl", "no_update")
 
     @classmethod
     def from_config(cls, raw: Any) -> ClaasConfig:

@@ -1,0 +1,347 @@
+"""The CLaaS half of the continual benchmark (``benchmarks/continual.py --recipes claas/<a>,...``).
+
+Every method is a CLaaS recipe run through its real trainer, ``python -m claas_verl.main_claas``, over one stream
+of K = 5 splits of the rule-following environment (001 §4: the split protocol of SPEC A.1.6; every checkpoint j is
+evaluated on every split k, giving M[j, k]). The methods of 001: ``claas/tiny_reinforce_pp``, ``claas/tiny_ppo``,
+``claas/tiny_sdpo``, ``claas/tiny_icl`` and the no-update baseline ``claas/tiny_no_update`` (same producers and
+evaluation, the policy never changes).
+
+What the seed changes (each a key of the run): the stream shuffle (``claas.stream.seed``: which scenarios form
+which split, 001's "data shuffles"), the replay sampling (``claas.seed``) and the rollout sampling
+(``actor_rollout_ref.rollout.seed``: training rollouts and the τ = 1 evaluation samples). The scenario pool
+(``claas.env.kwargs.seed``) stays fixed, as in 001: the same 5·S scenarios, split differently per seed.
+
+Sizes (:data:`QUICK` / :data:`FULL`): split size S, turns per scenario and tokens per reply; the rest is the tiny
+recipes' (M = 4, B_min = 4, A_max per recipe). Per run this module reads the trainer's own records:
+``continual_metrics.json`` (M, forward transfer, forgetting, final: :mod:`claas_verl.metrics.continual`) and
+``claas_trace.jsonl`` (one line per update, with the rewards of the M entries it drew: the reward curve of
+001 Fig. 6). Over seeds, :func:`claas_summary` reports ``[mean, half_width]`` (95% t-interval of the mean,
+:func:`claas_verl.metrics.benchmark.mean_half_width`; ``None`` with one seed).
+
+Reading the numbers: M's cells are pass rates over a few graded steps each, sampled at τ = 1, so a cell moves by
+sampling noise alone; the no-update baseline measures that floor (its rows differ only by noise, and its
+"forgetting", a mean of maxima minus the last row, is positive from noise alone).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+from claas_verl.metrics.benchmark import mean_half_width, summarize  # noqa: E402  (pure python)
+
+K = 5
+METRIC_KEYS = ("final_avg", "forgetting", "forward_transfer")
+METHODS = ("claas/tiny_reinforce_pp", "claas/tiny_ppo", "claas/tiny_sdpo", "claas/tiny_icl", "claas/tiny_no_update")
+LABELS = {"claas/tiny_reinforce_pp": "REINFORCE++", "claas/tiny_ppo": "PPO", "claas/tiny_sdpo": "SDPO",
+          "claas/tiny_icl": "ICL", "claas/tiny_no_update": "no update"}
+
+# Stream sizes per mode: split_size scenarios per split (the pool is exactly K * split_size scenarios, so every
+# seed sees the same scenarios in another order), turns per scenario, tokens per reply (training and evaluation).
+QUICK = {"split_size": 2, "num_turns": 2, "max_new_tokens": 12}
+FULL = {"split_size": 4, "num_turns": 2, "max_new_tokens": 12}
+
+
+def label(recipe: str) -> str:
+    return LABELS.get(recipe, recipe)
+
+
+def run_name(recipe: str, seed: int) -> str:
+    return f"{recipe.replace('/', '_')}_s{seed}"
+
+
+def run_overrides(recipe: str, seed: int, quick: bool) -> list[str]:
+    """The Hydra overrides of one run (before the user's ``extra``, which win): K = 5 stream and the seed keys."""
+    size = QUICK if quick else FULL
+    s = int(size["split_size"])
+    return [
+        f"trainer.experiment_name={run_name(recipe, seed)}",
+        f"claas.stream.num_splits={K}",
+        f"claas.stream.split_size={s}",
+        f"claas.stream.seed={seed}",
+        f"claas.seed={seed}",
+        f"actor_rollout_ref.rollout.seed={seed}",
+        f"claas.env.kwargs.num_scenarios={K * s}",
+        f"claas.env.kwargs.num_turns={size['num_turns']}",
+        f"claas.producer.max_new_tokens={size['max_new_tokens']}",
+        f"claas.eval.max_new_tokens={size['max_new_tokens']}",
+    ]
+
+
+def _env() -> dict:
+    venv_bin = str(Path(sys.executable).parent)
+    env = dict(os.environ, PATH=venv_bin + os.pathsep + os.environ.get("PATH", ""), PYTHONUNBUFFERED="1")
+    # Start a cluster of our own unless the caller named one: never join another job's cluster by accident
+    # (a `ray start` on this node leaves its address where a plain ray.init() would find it).
+    env.setdefault("RAY_ADDRESS", "local")
+    return env
+
+
+def _run_job(cmd: list[str], env: dict, log_path: Path) -> float:
+    start = time.time()
+    with log_path.open("w") as log:
+        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        for line in proc.stdout:
+            log.write(line)
+            if "[claas] split" in line or ("[claas] " in line and "updates;" in line):
+                print("   " + line.split("[claas]", 1)[1].strip(), flush=True)
+        if proc.wait() != 0:
+            tail = log_path.read_text().splitlines()[-40:]
+            raise RuntimeError(f"{' '.join(cmd[1:4])} failed (exit {proc.returncode}); log {log_path}:\n"
+                               + "\n".join(tail))
+    return time.time() - start
+
+
+def read_reward_curve(trace_path: Path) -> list[list[float]]:
+    """``[[update, mean reward of the M entries it drew], ...]`` from ``claas_trace.jsonl`` (empty without updates)."""
+    curve = []
+    if not trace_path.exists():
+        return curve
+    for line in trace_path.read_text().splitlines():
+        if not line.strip():
+            continue
+        ev = json.loads(line)
+        if ev.get("event") != "update":
+            continue
+        rewards = [float(s["reward"]) for s in ev.get("sampled") or []]
+        if rewards:
+            curve.append([int(ev["update"]), math.fsum(rewards) / len(rewards)])
+    return curve
+
+
+def record_from_run_dir(recipe: str, seed: int, run_dir: Path, seconds: float) -> dict:
+    """The run record built from a finished run's ``continual_metrics.json`` and ``claas_trace.jsonl``."""
+    path = run_dir / "continual_metrics.json"
+    if not path.exists():
+        raise RuntimeError(f"{path} is missing: the CLaaS run did not finish its split protocol")
+    rec = json.loads(path.read_text())
+    M = rec["M"]
+    if len(M) != K or any(len(row) != K for row in M):
+        raise RuntimeError(f"{path}: M is {len(M)}x{len(M[0]) if M else 0}, expected {K}x{K}; was "
+                           "claas.stream.num_splits overridden?")
+    stage_scores = {j + 1: {f"split_{k + 1}": M[j][k] for k in range(K)} for j in range(K)}
+    producer = rec.get("producer") or {}
+    return {
+        "recipe": recipe, "seed": seed, "kind": "claas", "algorithm": rec.get("algorithm"),
+        "stage_scores": stage_scores, "M": M,
+        "final_avg": rec["final"], "forgetting": rec["forgetting"], "forward_transfer": rec["forward_transfer"],
+        "reward_curve": read_reward_curve(run_dir / "claas_trace.jsonl"),
+        "updates": int(rec.get("updates", 0)),
+        "rollout_mean_reward": producer.get("mean_reward"),
+        "warnings": rec.get("warnings", []),
+        "run_dir": str(run_dir), "seconds": round(float(seconds), 1),
+    }
+
+
+def claas_run(recipe: str, seed: int, out_dir: Path, quick: bool, extra: list[str]) -> dict:
+    """One CLaaS method under one seed: ``python -m claas_verl.main_claas --config-name <recipe>`` over K = 5 splits.
+
+    The run writes into ``out_dir/runs/<recipe with / as _>_s<seed>/`` (emptied first: its trace file is appended
+    to) and logs to ``out_dir/runs/<name>.log``. Returns the run record: ``recipe``, ``seed``, ``stage_scores``
+    ``{j: {"split_k": M[j, k]}}`` (j = checkpoint after split j, 1-based), ``M``, ``final_avg``, ``forgetting``,
+    ``forward_transfer``, ``reward_curve`` ``[[update, mean reward of the drawn entries], ...]``, ``updates``,
+    ``rollout_mean_reward`` (all training rollouts), ``run_dir``, ``seconds``.
+    """
+    out_dir = Path(out_dir)
+    name = run_name(recipe, seed)
+    runs = out_dir / "runs"
+    runs.mkdir(parents=True, exist_ok=True)
+    run_dir = runs / name
+    if run_dir.exists():
+        shutil.rmtree(run_dir)
+    cmd = [sys.executable, "-m", "claas_verl.main_claas", f"--config-name={recipe}",
+           *run_overrides(recipe, seed, quick), *extra]
+    env = dict(_env(), CLAAS_OUT_DIR=str(runs))
+    seconds = _run_job(cmd, env, runs / f"{name}.log")
+    record = record_from_run_dir(recipe, seed, run_dir, seconds)
+    record["quick"] = bool(quick)
+    return record
+
+
+# ---------------------------------------------------------------------------------------------------- summary
+def _by_recipe(runs: Sequence[Mapping]) -> dict[str, list[Mapping]]:
+    by: dict[str, list[Mapping]] = {}
+    for r in runs:
+        by.setdefault(str(r["recipe"]), []).append(r)
+    return by
+
+
+def mean_matrix(runs: Sequence[Mapping]) -> list[list[float | None]]:
+    """Cell-wise mean of the runs' M (cells that are None in a run are left out of that cell's mean).
+
+    For display only: the metrics of the mean matrix are not the mean metrics (the max in forgetting does not
+    commute with the mean), so the summary averages the per-run metrics.
+    """
+    n = len(runs[0]["M"])
+    out = []
+    for j in range(n):
+        row = []
+        for k in range(n):
+            vals = [float(r["M"][j][k]) for r in runs if r["M"][j][k] is not None]
+            row.append(math.fsum(vals) / len(vals) if vals else None)
+        out.append(row)
+    return out
+
+
+def claas_summary(runs: Sequence[Mapping]) -> dict:
+    """``{recipe: {"final_avg": [mean, hw], "forgetting": [...], "forward_transfer": [...], "seeds": [...],
+    "M_mean": K x K cell-wise mean, "updates": [mean, hw]}}`` over each recipe's seeds (hw: 95% t half-width)."""
+    out = summarize(runs, METRIC_KEYS)
+    for recipe, rs in _by_recipe(runs).items():
+        out[recipe]["M_mean"] = mean_matrix(rs)
+        out[recipe]["updates"] = mean_half_width([r.get("updates") for r in rs])
+    return out
+
+
+def _pm(pair, digits: int = 3) -> str:
+    m, hw = pair
+    if m is None:
+        return "n/a"
+    return f"{m:.{digits}f}" if hw is None else f"{m:.{digits}f} ± {hw:.{digits}f}"
+
+
+def claas_report(runs: Sequence[Mapping], summary: Mapping) -> str:
+    """Markdown: the per-method table (final, forgetting, FWT with 95% intervals) and each method's mean M."""
+    by = _by_recipe(runs)
+    n_seeds = sorted({len(rs) for rs in by.values()})
+    lines = [
+        f"## CLaaS: K = {K} splits of the rule-following stream",
+        "",
+        "Mean over seeds ± half-width of the 95% t-interval of the mean (no interval with one seed). "
+        "M[j, k] = defender pass rate of the checkpoint after split j on split k; FWT = mean of the cells above "
+        "the diagonal, forgetting = mean over k < K of (best M[j, k] for j ≥ k) − M[K, k], final = mean of the "
+        "last row (SPEC A.4).",
+        "",
+        "| method | recipe | seeds | final | forgetting | forward transfer | updates |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for recipe, rs in by.items():
+        s = summary[recipe]
+        upd = s.get("updates") or mean_half_width([r.get("updates") for r in rs])
+        lines.append(f"| {label(recipe)} | `{recipe}` | {len(rs)} | {_pm(s['final_avg'])} | {_pm(s['forgetting'])} | "
+                     f"{_pm(s['forward_transfer'])} | {_pm(upd, 1)} |")
+    if n_seeds == [1]:
+        lines += ["", "One seed per method: no intervals; differences below about ±0.2 are within the sampling "
+                  "noise of one cell (a handful of graded steps per cell)."]
+    for recipe, rs in by.items():
+        M = summary[recipe].get("M_mean") or mean_matrix(rs)
+        lines += ["", f"### {label(recipe)}: mean M[j, k] over {len(rs)} seed(s)", "",
+                  "| checkpoint \\ split | " + " | ".join(str(k + 1) for k in range(len(M))) + " |",
+                  "|---" * (len(M) + 1) + "|"]
+        for j, row in enumerate(M):
+            lines.append(f"| after split {j + 1} | "
+                         + " | ".join("n/a" if v is None else f"{v:.2f}" for v in row) + " |")
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------------- plots
+def _figure(width: float, height: float):
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(width, height))
+    FigureCanvasAgg(fig)
+    return fig
+
+
+def mean_reward_curve(runs: Sequence[Mapping]) -> list[list[float]]:
+    """``[[update, mean over the seeds that reached it], ...]``: the per-update reward averaged over seeds."""
+    cells: dict[int, list[float]] = {}
+    for r in runs:
+        for u, v in r.get("reward_curve") or []:
+            cells.setdefault(int(u), []).append(float(v))
+    return [[u, math.fsum(vs) / len(vs)] for u, vs in sorted(cells.items())]
+
+
+def _smooth(values: Sequence[float], window: int) -> list[float]:
+    out = []
+    for i in range(len(values)):
+        part = values[max(0, i - window + 1): i + 1]
+        out.append(math.fsum(part) / len(part))
+    return out
+
+
+def claas_plots(runs: Sequence[Mapping], out_dir: Path) -> list[Path]:
+    """PNGs in ``out_dir``: mean M heatmap per method, reward over updates per method, final/forgetting/FWT bars."""
+    from claas_verl.metrics.plots import plot_transfer_heatmap
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    by = _by_recipe(runs)
+    summary = claas_summary(runs)
+    paths: list[Path] = []
+    for recipe, rs in by.items():
+        M = mean_matrix(rs)
+        if any(v is None for row in M for v in row):
+            continue  # a cell no run could grade: the heatmap needs every cell
+        paths.append(plot_transfer_heatmap(
+            M, out_dir / f"claas_M_{recipe.replace('/', '_')}.png",
+            title=f"{label(recipe)}: mean M[j, k] ({len(rs)} seed{'s' if len(rs) > 1 else ''})"))
+
+    # reward over updates (001 Fig. 6): mean reward of the entries each update drew, mean over seeds
+    fig = _figure(7.0, 4.2)
+    ax = fig.add_subplot(1, 1, 1)
+    colors = {}
+    flat = 0  # methods drawn as a horizontal line get distinct dash styles (equal values would hide each other)
+    for i, (recipe, rs) in enumerate(by.items()):
+        color = f"C{i}"
+        colors[recipe] = color
+        curve = mean_reward_curve(rs)
+        if curve:
+            xs = [u for u, _ in curve]
+            ys = [v for _, v in curve]
+            ax.plot(xs, ys, color=color, alpha=0.25, linewidth=0.8)
+            ax.plot(xs, _smooth(ys, 5), color=color, linewidth=1.8, label=f"{label(recipe)} (5-update mean)")
+        else:
+            vals = [r.get("rollout_mean_reward") for r in rs if r.get("rollout_mean_reward") is not None]
+            if vals:
+                style = ("--", ":", "-.")[flat % 3]
+                flat += 1
+                ax.axhline(math.fsum(vals) / len(vals), color=color, linestyle=style, linewidth=1.6,
+                           label=f"{label(recipe)} (no updates: mean rollout reward)")
+    ax.set_xlabel("update")
+    ax.set_ylabel("mean reward of the drawn entries")
+    ax.set_ylim(-0.02, 1.02)
+    ax.set_title(f"CLaaS reward over updates (mean over seeds, K = {K} splits)")
+    ax.legend(fontsize=8, loc="best")
+    fig.tight_layout()
+    path = out_dir / "claas_reward_curve.png"
+    fig.savefig(path, format="png", dpi=100)
+    paths.append(path)
+
+    # final / forgetting / FWT with 95% intervals
+    names = list(by)
+    fig = _figure(4.0 * len(METRIC_KEYS), 3.8)
+    for i, key in enumerate(METRIC_KEYS):
+        ax = fig.add_subplot(1, len(METRIC_KEYS), i + 1)
+        means = [summary[r][key][0] for r in names]
+        hws = [summary[r][key][1] for r in names]
+        xs = list(range(len(names)))
+        ax.bar(xs, [0.0 if m is None else m for m in means], color=[colors[r] for r in names])
+        for x, m, h in zip(xs, means, hws):
+            if m is not None and h is not None:  # one seed: no interval, and no zero-width bar pretending one
+                ax.errorbar([x], [m], yerr=[h], color="black", capsize=4)
+        ax.set_ylim(0.0, 1.0)  # pass rates and their differences: one fixed scale, so methods compare at a glance
+        ax.set_xticks(xs, [label(r) for r in names], rotation=30, ha="right", fontsize=8)
+        ax.set_title({"final_avg": "final", "forgetting": "forgetting",
+                      "forward_transfer": "forward transfer"}[key])
+        ax.axhline(0.0, color="black", linewidth=0.6)
+    seeds = sorted({len(rs) for rs in by.values()})
+    note = ", 95% interval of the mean" if seeds != [1] else " (one seed: no interval)"
+    fig.suptitle("CLaaS: mean over seeds" + note, fontsize=10)
+    fig.tight_layout()
+    path = out_dir / "claas_final_forgetting_fwt.png"
+    fig.savefig(path, format="png", dpi=100)
+    paths.append(path)
+    return paths

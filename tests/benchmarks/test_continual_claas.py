@@ -1,0 +1,164 @@
+"""The CLaaS half of the continual benchmark (benchmarks/continual_claas.py): its arithmetic on hand-made runs,
+the record it reads from a run directory, its plots, and (slow) one real quick run through main_claas."""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+import continual_claas as CC  # noqa: E402
+
+from claas_verl.metrics.continual import continual_metrics, write_continual_metrics  # noqa: E402
+
+T_975_2 = 4.302652729911275  # Student t quantile 0.975 with 2 degrees of freedom (3 seeds)
+
+
+def _const(v: float) -> list[list[float]]:
+    return [[v] * 5 for _ in range(5)]
+
+
+# Three seeds of method A and one of method B, with metrics derived by hand (K = 5):
+#   s1: every cell 0.5                        -> FWT 0.5, forgetting 0,   final 0.5
+#   s2: above diag 0.2, diag 0.8, below 0.4   -> FWT 0.2, forgetting 0.4 (each column: 0.8 on the diagonal,
+#                                                0.4 in the last row), final (4*0.4 + 0.8)/5 = 0.48
+#   s3: every cell 0.1, last row 1.0          -> FWT 0.1 (the last row has no cell above the diagonal),
+#                                                forgetting 0 (the last row is each column's max), final 1.0
+#   B:  identity                              -> FWT 0, forgetting 1, final 0.2
+M_S2 = [[0.8 if j == k else (0.2 if k > j else 0.4) for k in range(5)] for j in range(5)]
+M_S3 = [[1.0 if j == 4 else 0.1 for _ in range(5)] for j in range(5)]
+M_B = [[1.0 if j == k else 0.0 for k in range(5)] for j in range(5)]
+HAND = [("claas/a", 1, _const(0.5), 0.5, 0.0, 0.5), ("claas/a", 2, M_S2, 0.2, 0.4, 0.48),
+        ("claas/a", 3, M_S3, 0.1, 0.0, 1.0), ("claas/b", 1, M_B, 0.0, 1.0, 0.2)]
+
+
+def _runs() -> list[dict]:
+    return [{"recipe": r, "seed": s, "M": M, "stage_scores": {j + 1: {f"split_{k + 1}": M[j][k] for k in range(5)}
+                                                               for j in range(5)},
+             "forward_transfer": fwt, "forgetting": fg, "final_avg": fin, "updates": 10 * s,
+             "reward_curve": [[u, 0.1 * s] for u in range(1, 10 * s + 1)], "rollout_mean_reward": 0.3}
+            for r, s, M, fwt, fg, fin in HAND]
+
+
+def test_hand_values_match_the_trainer_metrics():
+    for _, _, M, fwt, fg, fin in HAND:
+        m = continual_metrics(M)
+        assert (m.forward_transfer, m.forgetting, m.final) == pytest.approx((fwt, fg, fin), abs=1e-9)
+
+
+def test_summary_means_and_half_widths_by_hand():
+    s = CC.claas_summary(_runs())
+    assert list(s) == ["claas/a", "claas/b"]
+    a, b = s["claas/a"], s["claas/b"]
+    assert a["seeds"] == [1, 2, 3] and b["seeds"] == [1]
+    # final 0.5, 0.48, 1.0: mean 0.66, squared deviations 0.0256 + 0.0324 + 0.1156 = 0.1736, s^2 = 0.0868
+    assert a["final_avg"] == pytest.approx([0.66, T_975_2 * math.sqrt(0.0868) / math.sqrt(3)], abs=1e-9)
+    # forgetting 0, 0.4, 0: mean 0.4/3, squared deviations (0.4/3)^2*2 + (0.8/3)^2 = 0.96/9, s^2 = 0.48/9
+    assert a["forgetting"] == pytest.approx([0.4 / 3, T_975_2 * math.sqrt(0.48 / 9) / math.sqrt(3)], abs=1e-9)
+    # FWT 0.5, 0.2, 0.1: mean 0.8/3, squared deviations (0.7/3)^2 + (0.2/3)^2 + (0.5/3)^2 = 0.78/9, s^2 = 0.39/9
+    assert a["forward_transfer"] == pytest.approx([0.8 / 3, T_975_2 * math.sqrt(0.39 / 9) / math.sqrt(3)], abs=1e-9)
+    assert a["updates"] == pytest.approx([20.0, T_975_2 * 10.0 / math.sqrt(3)])  # 10, 20, 30: s = 10
+    # one seed: the mean, no interval
+    assert b["final_avg"] == [pytest.approx(0.2), None]
+    assert b["forgetting"] == [pytest.approx(1.0), None]
+    assert b["forward_transfer"] == [pytest.approx(0.0), None]
+    # the displayed mean matrix is cell-wise: (0, 1) = (0.5 + 0.2 + 0.1)/3, (4, 0) = (0.5 + 0.4 + 1.0)/3
+    assert a["M_mean"][0][1] == pytest.approx(0.8 / 3) and a["M_mean"][4][0] == pytest.approx(1.9 / 3)
+    assert b["M_mean"] == M_B
+
+
+def test_summary_is_order_invariant_and_skips_missing_metrics():
+    runs = _runs()
+    s1 = CC.claas_summary(runs)
+    s2 = CC.claas_summary(runs[2::-1] + runs[3:])  # seeds of A in reverse order
+    for k in CC.METRIC_KEYS:
+        assert s2["claas/a"][k] == pytest.approx(s1["claas/a"][k])
+    runs[1]["forgetting"] = None  # a run whose M had an ungradable cell: its metrics are null
+    s3 = CC.claas_summary(runs)
+    assert s3["claas/a"]["forgetting"][0] == pytest.approx(0.0)  # seeds 1 and 3 only: 0 and 0
+    assert s3["claas/a"]["forgetting"][1] == pytest.approx(0.0)
+
+
+def test_report_tables():
+    runs = _runs()
+    text = CC.claas_report(runs, CC.claas_summary(runs))
+    hw_final = T_975_2 * math.sqrt(0.0868) / math.sqrt(3)
+    row_a = next(line for line in text.splitlines() if line.startswith("| claas/a |"))
+    assert f"| 3 | 0.660 ± {hw_final:.3f} | 0.133 ± " in row_a
+    row_b = next(line for line in text.splitlines() if line.startswith("| claas/b |"))
+    assert "| 1 | 0.200 | 1.000 | 0.000 | 10.0 |" in row_b
+    # A's mean M: row "after split 5" = (0.5+0.4+1)/3 x4, then (0.5+0.8+1)/3
+    assert "| after split 5 | 0.63 | 0.63 | 0.63 | 0.63 | 0.77 |" in text
+    assert "### claas/b: mean M[j, k] over 1 seed(s)" in text
+    assert "| after split 1 | 1.00 | 0.00 | 0.00 | 0.00 | 0.00 |" in text
+
+
+def test_mean_reward_curve_averages_the_seeds_that_reached_each_update():
+    runs = [{"reward_curve": [[1, 0.0], [2, 1.0]]}, {"reward_curve": [[1, 1.0], [2, 1.0], [3, 0.5]]}, {}]
+    assert CC.mean_reward_curve(runs) == [[1, 0.5], [2, 1.0], [3, 0.5]]
+
+
+def test_record_from_a_run_directory(tmp_path):
+    M = [[0.1 * (j + k) for k in range(5)] for j in range(5)]
+    write_continual_metrics(tmp_path, M, buffer_stats={"size": 0}, extra={"algorithm": "reinforce_pp", "updates": 2,
+                            "producer": {"mean_reward": 0.25}, "warnings": []}, heatmap=False)
+    trace = [{"event": "start"}, {"event": "update", "update": 1, "sampled": [{"reward": 1.0}, {"reward": 0.0}]},
+             {"event": "split_end", "split": 1}, {"event": "update", "update": 2, "sampled": [{"reward": 1.0}]}]
+    (tmp_path / "claas_trace.jsonl").write_text("".join(json.dumps(e) + "\n" for e in trace))
+    rec = CC.record_from_run_dir("claas/tiny_reinforce_pp", 7, tmp_path, 12.34)
+    m = continual_metrics(M)
+    assert rec["final_avg"] == pytest.approx(m.final) and rec["forgetting"] == pytest.approx(m.forgetting)
+    assert rec["forward_transfer"] == pytest.approx(m.forward_transfer)
+    assert rec["stage_scores"][2]["split_4"] == pytest.approx(0.4)  # checkpoint 2 (row 1) on split 4 (column 3)
+    assert rec["reward_curve"] == [[1, 0.5], [2, 1.0]]
+    assert (rec["updates"], rec["rollout_mean_reward"], rec["seconds"], rec["seed"]) == (2, 0.25, 12.3, 7)
+    # a run over another K is refused with the cause
+    write_continual_metrics(tmp_path, [[0.5, 0.5], [0.5, 0.5]], heatmap=False)
+    with pytest.raises(RuntimeError, match="expected 5x5"):
+        CC.record_from_run_dir("claas/tiny_reinforce_pp", 7, tmp_path, 1.0)
+
+
+def test_overrides_carry_the_seed_and_k():
+    o1, o2 = CC.run_overrides("claas/tiny_ppo", 1, True), CC.run_overrides("claas/tiny_ppo", 2, True)
+    for key in ("claas.stream.seed", "claas.seed", "actor_rollout_ref.rollout.seed"):
+        assert f"{key}=1" in o1 and f"{key}=2" in o2
+    assert "claas.stream.num_splits=5" in o1 and "trainer.experiment_name=claas_tiny_ppo_s2" in o2
+    size = CC.QUICK["split_size"]
+    assert f"claas.env.kwargs.num_scenarios={5 * size}" in o1  # the pool is exactly the stream: seeds reshuffle it
+
+
+def test_plots_are_written(tmp_path):
+    runs = _runs()
+    runs[3]["reward_curve"] = []  # a method without updates: drawn as its mean rollout reward
+    paths = CC.claas_plots(runs, tmp_path)
+    names = sorted(p.name for p in paths)
+    assert names == ["claas_M_claas_a.png", "claas_M_claas_b.png", "claas_final_forgetting_fwt.png",
+                     "claas_reward_curve.png"]
+    for p in paths:
+        assert p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and p.stat().st_size > 1000
+
+
+@pytest.mark.slow
+def test_quick_claas_run_through_main_claas(tiny, tmp_path):
+    rec = CC.claas_run("claas/tiny_reinforce_pp", 1, tmp_path, quick=True, extra=[])
+    assert rec["recipe"] == "claas/tiny_reinforce_pp" and rec["seed"] == 1 and rec["algorithm"] == "reinforce_pp"
+    M = rec["M"]
+    assert len(M) == CC.K == 5 and all(len(row) == 5 for row in M)
+    assert all(v is None or 0.0 <= v <= 1.0 for row in M for v in row)
+    assert sorted(rec["stage_scores"]) == [1, 2, 3, 4, 5]
+    assert rec["updates"] >= 1 and len(rec["reward_curve"]) == rec["updates"]
+    assert [u for u, _ in rec["reward_curve"]] == list(range(1, rec["updates"] + 1))
+    m = continual_metrics(M)
+    assert rec["final_avg"] == pytest.approx(m.final) and rec["forgetting"] == pytest.approx(m.forgetting)
+    assert rec["forward_transfer"] == pytest.approx(m.forward_transfer)
+    run_dir = Path(rec["run_dir"])
+    assert run_dir == tmp_path / "runs" / "claas_tiny_reinforce_pp_s1"
+    start = json.loads((run_dir / "claas_trace.jsonl").read_text().splitlines()[0])
+    assert start["claas"]["stream"] == {"seed": 1, "num_splits": 5, "split_size": CC.QUICK["split_size"]}
+    assert rec["seconds"] > 0
