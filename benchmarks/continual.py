@@ -166,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
             results["runs"].append(record)
             results["summary"] = summarize(results["runs"])
             _save(out, results)
-            print(f"=== {recipe} seed {seed}: final_avg {record['final_avg']:.3f}, forgetting "
+            print(f"=== {recipe} seed {seed}: final_avg {_fmt(record.get('final_avg'))}, forgetting "
                   f"{_fmt(record.get('forgetting'))} in {record.get('seconds', 0):.0f}s", flush=True)
     results["summary"] = summarize(results["runs"])
     if manifest is not None:
