@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -46,6 +47,7 @@ CLAAS_FULL = ("claas/tiny_reinforce_pp", "claas/tiny_ppo", "claas/tiny_sdpo", "c
 # no-stage reference), with every stage's blocks halved
 QUICK_MOPD_OVERRIDES = ["mopd.domains.spell.num_blocks=8", "mopd.domains.reverse.num_blocks=8",
                         "mopd.domains.arith.num_blocks=8"]
+FINISHED = ".benchmark_finished"  # written in a run's directory when its trainer job exited 0
 RUN_OVERRIDES = ["trainer.save_freq=-1", "trainer.resume_mode=disable"]
 LABELS = {"mopd/gym_seq": "Seq", "mopd/gym_replay_kl": "Replay-KL (shared)",
           "mopd/gym_replay_kl_fixed": "Replay-KL (fixed share)", "mopd/gym_seq_recovery": "Seq + recovery",
@@ -96,20 +98,31 @@ def mopd_run(recipe: str, seed: int, out: Path, quick: bool, extra: list[str], m
                  *(QUICK_MOPD_OVERRIDES if quick else []), *extra]
     cmd = [sys.executable, "-m", "claas_verl.main_mopd", f"--config-name={recipe}", *overrides]
     env = dict(_env(), CLAAS_OUT_DIR=str(runs))
-    seconds = _run_job(cmd, env, runs / f"{name}.log")
+    finished = runs / name / FINISHED
+    if finished.exists():  # the job ended but its record was not saved (a kill or an error while scoring)
+        seconds = float(json.loads(finished.read_text())["seconds"])
+    else:
+        if (runs / name).exists():  # a job killed half-way: start it again from scratch (resume is disabled)
+            shutil.rmtree(runs / name)
+        seconds = _run_job(cmd, env, runs / f"{name}.log")
+        finished.write_text(json.dumps({"seconds": seconds, "cmd": cmd[1:]}) + "\n")
     rows = S.stage_end_rows(S.read_forgetting(str(runs / name)))
     stage_scores: dict[int, dict[str, float]] = {}
     full_kl: dict[int, dict[str, float]] = {}
     for r in rows:
         stage_scores.setdefault(int(r["stage"]), {})[r["domain"]] = float(r["score"])
         full_kl.setdefault(int(r["stage"]), {})[r["domain"]] = float(r["kl_binned"])
-    order = list(manifest["domains"])
+    order: list[str] = []  # stage order, as the trainer evaluated them (the manifest's keys are sorted)
+    for r in rows:
+        if r["domain"] not in order:
+            order.append(r["domain"])
     staged = "joint" not in recipe
     experts = {k: v for k, v in manifest["accuracy"].items() if k.startswith("expert:")}
     metrics = B.run_metrics(stage_scores, order, staged=staged, base=manifest["accuracy"]["student"],
                             experts=experts)
-    return {"recipe": recipe, "seed": seed, "kind": "mopd", "quick": quick, "stage_scores": stage_scores,
-            "kl_to_expert": full_kl, **metrics, "run_dir": str(runs / name), "seconds": round(seconds, 1)}
+    return {"recipe": recipe, "seed": seed, "kind": "mopd", "quick": quick, "order": order,
+            "stage_scores": stage_scores, "kl_to_expert": full_kl, **metrics, "run_dir": str(runs / name),
+            "seconds": round(seconds, 1)}
 
 
 def _load(out: Path) -> dict:
@@ -209,8 +222,7 @@ def write_report(results: dict, out: Path) -> str:
         from claas_verl.metrics.plots import plot_final_bars, plot_stage_accuracy
 
         by = _by_recipe(mopd)
-        order = list(results.get("bundle", {}).get("domains")
-                     or sorted({d for r in mopd for row in r["stage_scores"].values() for d in row}))
+        order = _order(mopd)
         curves = {LABELS.get(k, k): B.mean_stage_scores(v) for k, v in by.items()}
         plot_stage_accuracy(curves, order, out / "mopd_stage_accuracy.png")
         summ = results["summary"]
@@ -230,6 +242,16 @@ def write_report(results: dict, out: Path) -> str:
     return text
 
 
+def _order(runs: list[dict]) -> list[str]:
+    """Domains in stage order (the first run's order, then any domain only other runs have)."""
+    order: list[str] = []
+    for r in runs:
+        for d in r.get("order") or [d for row in r["stage_scores"].values() for d in row]:
+            if d not in order:
+                order.append(d)
+    return order
+
+
 def _by_recipe(runs: list[dict]) -> dict[str, list[dict]]:
     by: dict[str, list[dict]] = {}
     for r in runs:
@@ -240,7 +262,7 @@ def _by_recipe(runs: list[dict]) -> dict[str, list[dict]]:
 def mopd_report(runs: list[dict], results: dict) -> list[str]:
     summ = results["summary"]
     bundle = results.get("bundle", {})
-    order = list(bundle.get("domains") or [])
+    order = _order(runs)
     lines = ["## MOPD: three reasoning-gym domains, spell → reverse → arith", ""]
     acc = bundle.get("accuracy")
     if acc:
