@@ -282,7 +282,7 @@ def mopd_report(runs: list[dict], results: dict) -> list[str]:
         cells = B.mean_stage_scores(rs)
         kl = _mean_kl(rs)
         lines += [f"**{LABELS.get(recipe, recipe)}**", "", "| after stage | " + " | ".join(
-            f"{d} acc (KL to E_{d})" for d in order) + " |", "|---|" + "---|" * len(order)]
+            f"{d} acc ((k+1)-bin KL to E_{d})" for d in order) + " |", "|---|" + "---|" * len(order)]
         for st, row in cells.items():
             lines.append(f"| {st} | " + " | ".join(
                 "" if d not in row else f"{_cell(row[d])} ({kl[st][d]:.3f})" for d in order) + " |")

@@ -69,7 +69,9 @@ def plot_stage_accuracy(curves: dict[str, dict[int, dict[str, list]]], domains: 
     """
     fig = _figure(4.0 * len(domains) + 0.5, 3.6)
     axes = [fig.add_subplot(1, len(domains), i + 1) for i in range(len(domains))]
+    stages = sorted({st for by_stage in curves.values() for st in by_stage})
     for ax, d in zip(axes, domains):
+        ax.set_xticks(stages)
         for label, by_stage in curves.items():
             xs = [st for st in sorted(by_stage) if d in by_stage[st]]
             if not xs:
