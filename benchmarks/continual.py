@@ -28,7 +28,6 @@ import argparse
 import json
 import os
 import shutil
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -36,6 +35,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from benchmarks.bench_jobs import job_env, run_job  # noqa: E402
 from claas_verl.metrics import benchmark as B  # noqa: E402  (pure python)
 
 MOPD_FULL = ("mopd/gym_seq", "mopd/gym_replay_kl", "mopd/gym_replay_kl_fixed", "mopd/gym_seq_recovery",
@@ -58,24 +58,10 @@ def run_name(recipe: str, seed: int) -> str:
     return f"{recipe.replace('/', '_')}_s{seed}"
 
 
-def _env() -> dict:
-    venv_bin = str(Path(sys.executable).parent)
-    return dict(os.environ, PATH=venv_bin + os.pathsep + os.environ.get("PATH", ""), PYTHONUNBUFFERED="1")
-
-
-def _run_job(cmd: list[str], env: dict, log_path: Path) -> float:
-    start = time.time()
-    with log_path.open("w") as log:
-        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        for line in proc.stdout:
-            log.write(line)
-            if "[mopd] stage" in line and ("end:" in line or "start:" in line):
-                print("   " + line.split("[mopd]", 1)[1].strip(), flush=True)
-        if proc.wait() != 0:
-            tail = log_path.read_text().splitlines()[-40:]
-            raise SystemExit(f"{' '.join(cmd[1:4])} failed (exit {proc.returncode}); log {log_path}:\n"
-                             + "\n".join(tail))
-    return time.time() - start
+def _echo(line: str) -> str | None:
+    if "[mopd] stage" in line and ("end:" in line or "start:" in line):
+        return line.split("[mopd]", 1)[1].strip()
+    return None
 
 
 def gym_manifest() -> dict:
@@ -97,14 +83,13 @@ def mopd_run(recipe: str, seed: int, out: Path, quick: bool, extra: list[str], m
                  f"actor_rollout_ref.actor.data_loader_seed={seed}", *RUN_OVERRIDES,
                  *(QUICK_MOPD_OVERRIDES if quick else []), *extra]
     cmd = [sys.executable, "-m", "claas_verl.main_mopd", f"--config-name={recipe}", *overrides]
-    env = dict(_env(), CLAAS_OUT_DIR=str(runs))
     finished = runs / name / FINISHED
     if finished.exists():  # the job ended but its record was not saved (a kill or an error while scoring)
         seconds = float(json.loads(finished.read_text())["seconds"])
     else:
         if (runs / name).exists():  # a job killed half-way: start it again from scratch (resume is disabled)
             shutil.rmtree(runs / name)
-        seconds = _run_job(cmd, env, runs / f"{name}.log")
+        seconds = run_job(cmd, job_env(CLAAS_OUT_DIR=str(runs)), runs / f"{name}.log", _echo)
         finished.write_text(json.dumps({"seconds": seconds, "cmd": cmd[1:]}) + "\n")
     rows = S.stage_end_rows(S.read_forgetting(str(runs / name)))
     stage_scores: dict[int, dict[str, float]] = {}

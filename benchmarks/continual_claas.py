@@ -27,11 +27,8 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import shutil
-import subprocess
 import sys
-import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
@@ -39,6 +36,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
+from benchmarks.bench_jobs import job_env, run_job  # noqa: E402
 from claas_verl.metrics.benchmark import mean_half_width, summarize  # noqa: E402  (pure python)
 
 K = 5
@@ -79,28 +77,10 @@ def run_overrides(recipe: str, seed: int, quick: bool) -> list[str]:
     ]
 
 
-def _env() -> dict:
-    venv_bin = str(Path(sys.executable).parent)
-    env = dict(os.environ, PATH=venv_bin + os.pathsep + os.environ.get("PATH", ""), PYTHONUNBUFFERED="1")
-    # Start a cluster of our own unless the caller named one: never join another job's cluster by accident
-    # (a `ray start` on this node leaves its address where a plain ray.init() would find it).
-    env.setdefault("RAY_ADDRESS", "local")
-    return env
-
-
-def _run_job(cmd: list[str], env: dict, log_path: Path) -> float:
-    start = time.time()
-    with log_path.open("w") as log:
-        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        for line in proc.stdout:
-            log.write(line)
-            if "[claas] split" in line or ("[claas] " in line and "updates;" in line):
-                print("   " + line.split("[claas]", 1)[1].strip(), flush=True)
-        if proc.wait() != 0:
-            tail = log_path.read_text().splitlines()[-40:]
-            raise RuntimeError(f"{' '.join(cmd[1:4])} failed (exit {proc.returncode}); log {log_path}:\n"
-                               + "\n".join(tail))
-    return time.time() - start
+def _echo(line: str) -> str | None:
+    if "[claas] split" in line or ("[claas] " in line and "updates;" in line):
+        return line.split("[claas]", 1)[1].strip()
+    return None
 
 
 def read_reward_curve(trace_path: Path) -> list[list[float]]:
@@ -162,8 +142,7 @@ def claas_run(recipe: str, seed: int, out_dir: Path, quick: bool, extra: list[st
         shutil.rmtree(run_dir)
     cmd = [sys.executable, "-m", "claas_verl.main_claas", f"--config-name={recipe}",
            *run_overrides(recipe, seed, quick), *extra]
-    env = dict(_env(), CLAAS_OUT_DIR=str(runs))
-    seconds = _run_job(cmd, env, runs / f"{name}.log")
+    seconds = run_job(cmd, job_env(CLAAS_OUT_DIR=str(runs)), runs / f"{name}.log", _echo)
     record = record_from_run_dir(recipe, seed, run_dir, seconds)
     record["quick"] = bool(quick)
     return record
