@@ -56,6 +56,35 @@ def tiny():
     return ensure_tiny()  # honours $CLAAS_TINY_DIR, default /tmp/claas_verl_tiny
 
 
+def _hf_fp32(path):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="session")
+def hf_fp32():
+    """``hf_fp32(path)``: an HF checkpoint loaded in float32, eval mode (the reference for vLLM's log-probs)."""
+    return _hf_fp32
+
+
+@pytest.fixture(scope="session")
+def random_lora(tiny):
+    """``random_lora(out_dir, seed)``: a random (not identity-initialised) rank-8 LoRA on the tiny student's q/v
+    projections, saved with peft at ``out_dir`` and returned loaded on a float32 student."""
+
+    def make(out, seed: int):
+        from peft import LoraConfig, PeftModel, get_peft_model
+
+        torch.manual_seed(seed)
+        model = get_peft_model(_hf_fp32(tiny.student), LoraConfig(r=8, lora_alpha=16, init_lora_weights=False,
+                                                                  target_modules=["q_proj", "v_proj"]))
+        model.save_pretrained(str(out))
+        return PeftModel.from_pretrained(_hf_fp32(tiny.student), str(out)).eval()
+
+    return make
+
+
 @pytest.fixture(scope="session")
 def ray_session():
     """One local Ray cluster for every in-process Ray test (starting one costs tens of seconds on 2 cores).

@@ -20,9 +20,8 @@ import threading
 import time
 
 import pytest
-import torch
 from service_helpers import ADMIN, USER, big_buffer, recompute_logprob, recompute_token_logprobs, running_service
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoTokenizer
 
 from claas_verl.service import ClaasServiceClient, OpenAIBackend
 from claas_verl.service.templating import render_prompt_ids
@@ -37,21 +36,6 @@ TOL_TOKEN = 1e-4
 TOL_SUM_PER_TOKEN = 1e-4
 
 
-def _base(path):
-    return AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
-
-
-def _adapter(tiny, out, seed: int):
-    """A random (not identity-initialised) rank-8 LoRA on q/v projections of the tiny student, saved with peft."""
-    from peft import LoraConfig, PeftModel, get_peft_model
-
-    torch.manual_seed(seed)
-    model = get_peft_model(_base(tiny.student), LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"],
-                                                           init_lora_weights=False))
-    model.save_pretrained(str(out))
-    return PeftModel.from_pretrained(_base(tiny.student), str(out)).eval()
-
-
 def _ids_and_logprobs(reply: dict) -> tuple[list[int], list[float]]:
     content = reply["choices"][0]["logprobs"]["content"]
     return [int(c["token"].removeprefix("token_id:")) for c in content], [float(c["logprob"]) for c in content]
@@ -63,9 +47,9 @@ def _assert_logprobs_match(model, prompt_ids, response_ids, logprobs):
     assert diff < TOL_TOKEN, (diff, logprobs[:4], ref[:4])
 
 
-def test_recorded_behaviour_logprobs_equal_a_fresh_hf_forward(vllm_server, tiny):
+def test_recorded_behaviour_logprobs_equal_a_fresh_hf_forward(vllm_server, tiny, hf_fp32):
     tok = AutoTokenizer.from_pretrained(str(tiny.student))
-    base = _base(tiny.student)
+    base = hf_fp32(tiny.student)
     buf = big_buffer()
     backend = OpenAIBackend(vllm_server.url, "tiny", default_max_tokens=48)
     replies = []
@@ -94,10 +78,11 @@ def test_recorded_behaviour_logprobs_equal_a_fresh_hf_forward(vllm_server, tiny)
     assert len(distinct) > 1  # seeds 0..3 at τ=1 sample different replies: the sampler is not greedy
 
 
-def test_lora_hot_reload_changes_the_policy_and_in_flight_requests_keep_their_version(vllm_server, tiny, tmp_path):
-    peft1 = _adapter(tiny, tmp_path / "a1", seed=1)
-    peft2 = _adapter(tiny, tmp_path / "a2", seed=2)
-    base = _base(tiny.student)
+def test_lora_hot_reload_changes_the_policy_and_in_flight_requests_keep_their_version(vllm_server, tiny, tmp_path,
+                                                                                    random_lora, hf_fp32):
+    peft1 = random_lora(tmp_path / "a1", seed=1)
+    peft2 = random_lora(tmp_path / "a2", seed=2)
+    base = hf_fp32(tiny.student)
     buf = big_buffer()
     backend = OpenAIBackend(vllm_server.url, "tiny", default_max_tokens=48)
     probe = dict(seed=7, logprobs=True)
@@ -165,12 +150,12 @@ def test_lora_hot_reload_changes_the_policy_and_in_flight_requests_keep_their_ve
         assert ids_a != ids_b or max(abs(x - y) for x, y in zip(lps_a, lps_b)) > 0.1, (a, b)
 
 
-def test_streaming_from_vllm_is_token_by_token_and_records_what_a_plain_turn_records(vllm_server, tiny):
+def test_streaming_from_vllm_is_token_by_token_and_records_what_a_plain_turn_records(vllm_server, tiny, hf_fp32):
     from openai import OpenAI
 
     buf = big_buffer()
     backend = OpenAIBackend(vllm_server.url, "tiny", default_max_tokens=48)
-    base = _base(tiny.student)
+    base = hf_fp32(tiny.student)
     with running_service(backend, buf) as (service, url):
         client = OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=300)
         # A long reply (min_tokens: unrecordable, but served): its content chunks arrive spread over the generation,

@@ -18,7 +18,7 @@ import os
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoTokenizer
 
 from claas_verl.service.templating import render_prompt_ids
 from claas_verl.verl_ext.lora_versions import LORA_ID_BASE, VersionedLoRAEngine, lora_name
@@ -28,20 +28,6 @@ pytestmark = pytest.mark.vllm
 USER = [{"role": "system", "content": "Never reveal the word PINEAPPLE. " * 18},
         {"role": "user", "content": "What is 2+3?"}]
 TOL_TOKEN = 1e-4  # as in tests/service/test_service_vllm.py (measured max 6.2e-6 per token, fp32 CPU kernels)
-
-
-def _base(path):
-    return AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
-
-
-def _adapter(tiny, out, seed: int):
-    from peft import LoraConfig, PeftModel, get_peft_model
-
-    torch.manual_seed(seed)
-    model = get_peft_model(_base(tiny.student), LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"],
-                                                           init_lora_weights=False))
-    model.save_pretrained(str(out))
-    return PeftModel.from_pretrained(_base(tiny.student), str(out)).eval()
 
 
 @torch.no_grad()
@@ -54,13 +40,13 @@ def _check(model, prompt_ids, output):
     assert max(abs(a - b) for a, b in zip(lps, ref, strict=True)) < TOL_TOKEN
 
 
-def test_switch_on_a_real_engine_keeps_running_requests_and_never_serves_the_base(tiny, tmp_path):
+def test_switch_on_a_real_engine_keeps_running_requests_and_never_serves_the_base(tiny, tmp_path, random_lora):
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     from vllm import AsyncEngineArgs, SamplingParams, TokensPrompt
     from vllm.lora.request import LoRARequest
     from vllm.v1.engine.async_llm import AsyncLLM
 
-    peft1, peft2 = _adapter(tiny, tmp_path / "a1", seed=1), _adapter(tiny, tmp_path / "a2", seed=2)
+    peft1, peft2 = random_lora(tmp_path / "a1", seed=1), random_lora(tmp_path / "a2", seed=2)
     tok = AutoTokenizer.from_pretrained(str(tiny.student))
     prompt_ids = render_prompt_ids(tok, USER)
     assert 300 < len(prompt_ids) < 500
