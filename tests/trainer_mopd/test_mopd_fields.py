@@ -40,19 +40,40 @@ def test_gather_is_differentiable():
 
 def test_split_and_stack_fields_round_trip():
     x = torch.randn(2, 5, 3)
-    parts = F.split_last(x, F.ADVANTAGES)
-    assert sorted(parts) == ["mopd_adv_0", "mopd_adv_1", "mopd_adv_2"]
+    parts = F.split_last(x, F.TEACHER_LP_PACKED)
+    assert sorted(parts) == ["mopd_tlp_packed_0", "mopd_tlp_packed_1", "mopd_tlp_packed_2"]
     assert all(v.shape == (2, 5) for v in parts.values())
-    assert torch.equal(F.stack_fields(parts, F.ADVANTAGES, 3), x)
+    assert torch.equal(F.stack_fields(parts, F.TEACHER_LP_PACKED, 3), x)
 
 
 def test_missing_field_names_itself():
-    with pytest.raises(KeyError, match="mopd_adv_2"):
-        F.stack_fields({"mopd_adv_0": torch.zeros(1), "mopd_adv_1": torch.zeros(1)}, F.ADVANTAGES, 3)
+    with pytest.raises(KeyError, match="mopd_tlp_packed_2"):
+        F.stack_fields({"mopd_tlp_packed_0": torch.zeros(1), "mopd_tlp_packed_1": torch.zeros(1)}, F.TEACHER_LP_PACKED, 3)
 
 
 def test_bad_lengths_are_rejected():
     with pytest.raises(ValueError, match="non-empty prompt"):
         F.response_positions(torch.tensor([2]), torch.tensor([2]))
     with pytest.raises(ValueError, match=">= 1"):
-        F.names(F.ADVANTAGES, 0)
+        F.names(F.TEACHER_LP_PACKED, 0)
+
+
+def test_pack_rows_round_trip_keeps_each_rows_values_in_order_and_pads_with_zeros():
+    x = torch.arange(2 * 3 * 4, dtype=torch.float32).view(2, 3, 4) + 1
+    packed = F.pack_rows(x, torch.tensor([3, 1]))
+    assert packed.is_nested and packed.offsets().tolist() == [0, 12, 16]  # one field: T_b * K values per row
+    assert torch.equal(packed.values()[12:], x[1, 0])
+    back = F.unpack_rows(packed, 4, "f")
+    assert back.shape == (2, 3, 4)
+    assert torch.equal(back[0], x[0]) and torch.equal(back[1, 0], x[1, 0])
+    assert not back[1, 1:].any()  # padding positions are zeros
+
+
+def test_pack_rows_takes_lengths_from_a_nested_mask_and_unpack_refuses_another_kappa():
+    mask = torch.nested.as_nested_tensor([torch.ones(2), torch.ones(1)], layout=torch.jagged)
+    packed = F.pack_rows(torch.ones(2, 2, 3), mask)
+    assert packed.offsets().tolist() == [0, 6, 9]
+    with pytest.raises(ValueError, match="mopd_adv.*mopd.train.topk=4"):
+        F.unpack_rows(packed, 4, F.ADVANTAGES)
+    with pytest.raises(ValueError, match="do not fit"):
+        F.pack_rows(torch.ones(2, 2, 3), torch.tensor([3, 1]))

@@ -38,8 +38,8 @@ def _batch(phase: str, extra: dict | None = None, **non_tensor) -> TensorDict:
 
 
 def _ids_fields(ids_resp):
-    # response-layout ids [B, T_r, K] -> K nested fields, as the trainer stores them
-    return {f"{F.TOPK_IDS}{j}": _nested(ids_resp[b, :RESPONSES[b], j] for b in range(2)) for j in range(K)}
+    # response-layout ids [B, T_r, K] -> one flattened-rows field, as the trainer stores them
+    return {F.TOPK_IDS: F.pack_rows(ids_resp, torch.tensor(RESPONSES))}
 
 
 def _packed_idx():
@@ -77,7 +77,7 @@ def test_update_loss_equals_eq5_with_the_b7_micro_batch_weight_and_backpropagate
     ids_resp = torch.randint(0, V, (2, max(RESPONSES), K))
     adv = torch.randn(2, max(RESPONSES), K)
     extra = _ids_fields(ids_resp)
-    extra.update({f"{F.ADVANTAGES}{j}": _nested(adv[b, :RESPONSES[b], j] for b in range(2)) for j in range(K)})
+    extra[F.ADVANTAGES] = F.pack_rows(adv, torch.tensor(RESPONSES))
     # this micro-batch (2 responses) is part of an update batch of 6 responses over 2 ranks (3 per rank): B.7 weight
     # n_resp(mb)/n_resp(rank) = 2/3; verl's global token count (batch_num_tokens) must not enter
     data = _batch(F.PHASE_UPDATE, extra, dp_size=2, global_batch_size=6, batch_num_tokens=999)

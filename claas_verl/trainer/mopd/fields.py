@@ -1,9 +1,15 @@
 """Per-token fields the MOPD trainer stores in verl's TransferQueue, and the packing helpers (pure torch).
 
-Why K separate 2-D fields: TransferQueue and verl's tensordict utilities treat the LAST dimension of a
-nested tensor as the ragged one, so a ``[B, T, K]`` tensor of top-k values does not survive the trip. Every
-κ-vector per token is therefore stored as K fields ``<prefix><j>`` of shape ``[B, T]`` (j = 0..K-1) and
-re-stacked into ``[B, T, K]`` where it is used (SPEC B.2.1 shapes).
+TransferQueue and verl's tensordict utilities treat the LAST dimension of a nested tensor as the ragged one,
+so a ``[B, T, K]`` tensor of top-k values does not survive the trip. Two ways around it:
+
+* **flattened rows** (the fields the trainer writes: ids, S, advantages): ONE field per quantity, row ``b``
+  holding its ``T_b × K`` values row-major (:func:`pack_rows` / :func:`unpack_rows`). TransferQueue encodes
+  every (row, field) pair separately, so K fields per quantity made a step cost grow with κ (measured on 2
+  CPU cores, 64 responses: κ = 32 about 3 s, κ = 261 about 30 s); one field per quantity does not.
+* **K fields** ``<prefix><j>`` of shape ``[N]`` (j = 0..K-1): what a logits processor returns, since verl's
+  engine requires every processor output to have exactly one value per packed token
+  (``FSDPEngineWithLMHead.prepare_model_outputs``); re-stacked into ``[..., K]`` where it is used.
 
 Two layouts appear:
 
@@ -19,13 +25,15 @@ from __future__ import annotations
 
 import torch
 
-# Field-name prefixes (one field per candidate j: f"{prefix}{j}").
+# Logits-processor outputs: one field per candidate j, f"{prefix}{j}", packed layout.
 STUDENT_IDS_PACKED = "mopd_sid_packed_"  # student top-k ids, packed layout (pre-update forward output)
 STUDENT_LP_PACKED = "mopd_slp_packed_"  # student top-k log-probs S, packed layout
 TEACHER_LP_PACKED = "mopd_tlp_packed_"  # teacher log-probs Q at the student's ids, packed layout
 CURRENT_LP_PACKED = "mopd_clp_packed_"  # differentiable log π_θ at the stored ids, packed (update forward)
-TOPK_IDS = "mopd_ids_"  # student top-k ids, response layout (stored by the trainer)
-ADVANTAGES = "mopd_adv_"  # per-candidate advantages A, response layout
+# Trainer-written fields: one flattened-rows field each (pack_rows), response layout.
+TOPK_IDS = "mopd_ids"  # student top-k ids
+STUDENT_LP = "mopd_slp"  # student top-k log-probs S (θ_old)
+ADVANTAGES = "mopd_adv"  # per-candidate advantages A
 
 # Non-tensor keys the trainer puts on a batch to tell the loss function what a forward is for.
 PHASE_KEY = "mopd_phase"
@@ -59,6 +67,42 @@ def stack_fields(data, prefix: str, k: int) -> torch.Tensor:
             )
         parts.append(data[name])
     return torch.stack(parts, dim=-1)
+
+
+def pack_rows(x: torch.Tensor, lengths) -> torch.Tensor:
+    """Response-layout ``[B, T, K]`` (right padded) -> nested ``[B, T_b·K]``: row b is ``x[b, :T_b]`` flattened.
+
+    ``lengths`` is ``[B]`` (T_b per row) or a nested ``[B, T_b]`` tensor whose row lengths are used (e.g. the
+    response mask)."""
+    if x.dim() != 3:
+        raise ValueError(f"pack_rows expects [B, T, K], got {tuple(x.shape)}")
+    lens = lengths.offsets().diff() if getattr(lengths, "is_nested", False) else torch.as_tensor(lengths)
+    lens = lens.long().cpu()
+    if lens.shape != (x.shape[0],) or bool((lens < 0).any()) or bool((lens > x.shape[1]).any()):
+        raise ValueError(f"pack_rows: row lengths {lens.tolist()} do not fit a [B={x.shape[0]}, T={x.shape[1]}, K] tensor")
+    rows = [x[b, : int(n)].reshape(-1) for b, n in enumerate(lens.tolist())]
+    return torch.nested.as_nested_tensor(rows, layout=torch.jagged)
+
+
+def unpack_rows(x: torch.Tensor, k: int, name: str = "field") -> torch.Tensor:
+    """Nested ``[B, T_b·K]`` from :func:`pack_rows` -> ``[B, max T_b, K]``, zero padded.
+
+    A row whose length is not a multiple of ``k`` raises naming the field: it was written with another κ."""
+    if k < 1:
+        raise ValueError(f"k (mopd.train.topk) must be >= 1, got {k}")
+    if not getattr(x, "is_nested", False):
+        raise ValueError(f"{name} must be a nested [B, T_b*K] tensor written by pack_rows, got {type(x).__name__}")
+    offsets = x.offsets().long().cpu()
+    sizes = offsets.diff()
+    if bool((sizes % k).any()):
+        raise ValueError(f"{name} has rows of {sizes.tolist()} values, not multiples of mopd.train.topk={k}: it "
+                         "was written for another kappa")
+    values = x.values()
+    lens = (sizes // k).tolist()
+    out = values.new_zeros((len(lens), max(lens, default=0), k))
+    for b, n in enumerate(lens):
+        out[b, :n] = values[int(offsets[b]): int(offsets[b + 1])].view(n, k)
+    return out
 
 
 def response_positions(seq_lens: torch.Tensor, resp_lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -110,7 +110,7 @@ class MOPDLoss:
             out.update(F.split_last(logp, F.STUDENT_LP_PACKED))
             return out
         seq, resp = _lengths(data)
-        stored = torch.stack([_padded(data[n]) for n in F.names(F.TOPK_IDS, k)], dim=-1).long()  # [B, T_r, K]
+        stored = F.unpack_rows(data[F.TOPK_IDS], k, F.TOPK_IDS).long()  # [B, T_r, K]
         packed_ids = F.scatter_response_to_packed(stored.to(logits.device), seq, resp, logits.shape[1])[None]
         if phase == F.PHASE_TEACHER:
             q = teacher_logprobs_at(logits, packed_ids, chunk_size=self.chunk_size)
@@ -135,7 +135,7 @@ class MOPDLoss:
         # model_output fields are nested over the packed sequence; values() keeps the autograd graph
         packed = torch.stack([model_output[n].values() for n in F.names(F.CURRENT_LP_PACKED, k)], dim=-1)
         logp = F.gather_packed_to_response(packed, seq, resp, width)  # [B, T_r, K], differentiable
-        adv = torch.stack([_padded(data[n]) for n in F.names(F.ADVANTAGES, k)], dim=-1).to(logp.device)
+        adv = F.unpack_rows(data[F.ADVANTAGES], k, F.ADVANTAGES).to(logp.device)
         mask = _padded(data["response_mask"]).to(logp.device).bool()
         if adv.shape != logp.shape or mask.shape != logp.shape[:2]:
             raise ValueError(

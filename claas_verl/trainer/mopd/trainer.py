@@ -249,10 +249,13 @@ class MOPDTrainer(MOPDTrainerCouplings, PPOTrainerSync):
         packed = F.names(F.STUDENT_IDS_PACKED, self.topk) + F.names(F.STUDENT_LP_PACKED, self.topk)
         data = tq.kv_batch_get(keys=batch.keys, partition_id=batch.partition_id,
                                select_fields=packed + ["response_mask"])
-        out = {}
-        for j in range(self.topk):
-            out[f"{F.TOPK_IDS}{j}"] = response_from_nested(data[f"{F.STUDENT_IDS_PACKED}{j}"], data["response_mask"])
-            out[f"mopd_slp_{j}"] = response_from_nested(data[f"{F.STUDENT_LP_PACKED}{j}"], data["response_mask"])
+        mask = data["response_mask"]
+
+        def response(prefix: str) -> torch.Tensor:  # K packed [N] fields -> [B, T_r, K]
+            return torch.stack([_padded(response_from_nested(data[n], mask)) for n in F.names(prefix, self.topk)], -1)
+
+        out = {F.TOPK_IDS: F.pack_rows(response(F.STUDENT_IDS_PACKED), mask),
+               F.STUDENT_LP: F.pack_rows(response(F.STUDENT_LP_PACKED), mask)}
         tq.kv_batch_put(keys=batch.keys, partition_id=batch.partition_id, fields=tu.get_tensordict(out))
         return batch
 
@@ -261,13 +264,13 @@ class MOPDTrainer(MOPDTrainerCouplings, PPOTrainerSync):
         batch.extra_info[TEACHER_KEY] = teacher
         self.actor_rollout_wg.mopd_teacher_forward(batch)
         batch.extra_info.pop(TEACHER_KEY, None)
-        names = F.names(F.TEACHER_LP_PACKED, self.topk) + [f"mopd_slp_{j}" for j in range(self.topk)]
+        names = F.names(F.TEACHER_LP_PACKED, self.topk) + [F.STUDENT_LP]
         data = tq.kv_batch_get(keys=batch.keys, partition_id=batch.partition_id,
                                select_fields=names + ["response_mask"])
         mask_nested = data["response_mask"]
         Q = torch.stack([_padded(response_from_nested(data[f"{F.TEACHER_LP_PACKED}{j}"], mask_nested))
                          for j in range(self.topk)], dim=-1).float()
-        Sx = torch.stack([_padded(data[f"mopd_slp_{j}"]) for j in range(self.topk)], dim=-1).float()
+        Sx = F.unpack_rows(data[F.STUDENT_LP], self.topk, F.STUDENT_LP).float()
         mask = _padded(mask_nested).float()
         return Sx, Q, mask, mask_nested
 
@@ -287,7 +290,7 @@ class MOPDTrainer(MOPDTrainerCouplings, PPOTrainerSync):
         dom = torch.full((r.shape[0],), self.domain_index[step["domain"]], dtype=torch.long)
         A = domain_normalized_advantages(r, mask, dom, sync=False)
         stats = domain_stds(r, mask, dom, sync=False)[self.domain_index[step["domain"]]]
-        out = {f"{F.ADVANTAGES}{j}": response_to_nested(A[..., j], mask_nested) for j in range(self.topk)}
+        out = {F.ADVANTAGES: F.pack_rows(A, mask_nested)}
         # verl's metrics read 2-D advantages/returns: Σ_v A[t, v] per token
         per_token = A.sum(-1)
         out["advantages"] = response_to_nested(per_token, mask_nested)
