@@ -48,7 +48,8 @@ def test_split_and_stack_fields_round_trip():
 
 def test_missing_field_names_itself():
     with pytest.raises(KeyError, match="mopd_tlp_packed_2"):
-        F.stack_fields({"mopd_tlp_packed_0": torch.zeros(1), "mopd_tlp_packed_1": torch.zeros(1)}, F.TEACHER_LP_PACKED, 3)
+        parts = {"mopd_tlp_packed_0": torch.zeros(1), "mopd_tlp_packed_1": torch.zeros(1)}
+        F.stack_fields(parts, F.TEACHER_LP_PACKED, 3)
 
 
 def test_bad_lengths_are_rejected():

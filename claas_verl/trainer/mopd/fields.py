@@ -79,7 +79,8 @@ def pack_rows(x: torch.Tensor, lengths) -> torch.Tensor:
     lens = lengths.offsets().diff() if getattr(lengths, "is_nested", False) else torch.as_tensor(lengths)
     lens = lens.long().cpu()
     if lens.shape != (x.shape[0],) or bool((lens < 0).any()) or bool((lens > x.shape[1]).any()):
-        raise ValueError(f"pack_rows: row lengths {lens.tolist()} do not fit a [B={x.shape[0]}, T={x.shape[1]}, K] tensor")
+        raise ValueError(f"pack_rows: row lengths {lens.tolist()} do not fit a "
+                         f"[B={x.shape[0]}, T={x.shape[1]}, K] tensor")
     rows = [x[b, : int(n)].reshape(-1) for b, n in enumerate(lens.tolist())]
     return torch.nested.as_nested_tensor(rows, layout=torch.jagged)
 
