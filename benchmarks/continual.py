@@ -16,7 +16,7 @@ claas_verl.main_claas``); ``key=value`` arguments after the options go to every 
 A run whose record is already in ``results.json`` is not run again: a benchmark killed half-way resumes where it
 stopped when started again with the same ``--out``.
 
-MOPD methods use the reasoning-gym bundle (``claas_verl/tiny/gym.py``, built on first use, about 5 minutes):
+MOPD methods use the reasoning-gym bundle (``claas_verl/tiny/gym.py``, built on first use, about 8 CPU-minutes):
 the domains ``spell``, ``reverse`` and ``arith`` in that stage order, scored by reasoning-gym's own scorers on
 48 held-out prompts × 4 samples at τ = 1 at every stage end. The seed sets the rollout sampling and the evaluation
 samples; the bundle (π0, experts, data) is the same for every seed.
