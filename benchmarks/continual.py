@@ -47,8 +47,14 @@ CLAAS_FULL = ("claas/tiny_reinforce_pp", "claas/tiny_ppo", "claas/tiny_sdpo", "c
 # starting point; stage 2 (reverse, where the full runs showed the forgetting of spell: Seq 0.21 -> 0.08, Replay-KL
 # 0.21 -> 0.21 over three seeds) keeps 8 of its 12 blocks and stage 3 (arith) 2 (with 4: 15.1 min on 2 cores).
 QUICK_MOPD_OVERRIDES = ["mopd.domains.reverse.num_blocks=8", "mopd.domains.arith.num_blocks=2"]
+# 2: every stage-final snapshot scored by claas_verl.eval.gym_snapshots (48 prompts x 4 samples, exact
+# full-vocabulary KL). Records without it came from the trainer's in-run table, which the CPU runtime group cut to
+# 4 prompts (recipes/mopd/common/base.yaml): they are scored again, not rerun.
+EVAL_VERSION = 2
 FINISHED = ".benchmark_finished"  # written in a run's directory when its trainer job exited 0
-RUN_OVERRIDES = ["trainer.save_freq=-1", "trainer.resume_mode=disable"]
+# mopd.eval.enabled=false: the snapshots are scored here (score_stage_snapshots), once, by one evaluator; the
+# trainer's in-run table would sample the same prompts again through the rollout (minutes per run on 2 cores).
+RUN_OVERRIDES = ["trainer.save_freq=-1", "trainer.resume_mode=disable", "mopd.eval.enabled=false"]
 LABELS = {"mopd/gym_seq": "Seq", "mopd/gym_replay_kl": "Replay-KL (shared)",
           "mopd/gym_replay_kl_fixed": "Replay-KL (fixed share)", "mopd/gym_seq_recovery": "Seq + recovery",
           "mopd/gym_fsar_shared": "FSAR (shared)", "mopd/gym_joint": "Joint MOPD"}
@@ -72,7 +78,7 @@ def gym_manifest() -> dict:
     return json.loads(paths.manifest.read_text())
 
 
-def mopd_run(recipe: str, seed: int, out: Path, quick: bool, extra: list[str], manifest: dict) -> dict:
+def mopd_run(recipe: str, seed: int, out: Path, quick: bool, extra: list[str]) -> dict:
     """One MOPD method under one seed through ``python -m claas_verl.main_mopd``; returns its run record."""
     from claas_verl.trainer.mopd import stages as S
 
@@ -91,23 +97,105 @@ def mopd_run(recipe: str, seed: int, out: Path, quick: bool, extra: list[str], m
             shutil.rmtree(runs / name)
         seconds = run_job(cmd, job_env(CLAAS_OUT_DIR=str(runs)), runs / f"{name}.log", _echo)
         finished.write_text(json.dumps({"seconds": seconds, "cmd": cmd[1:]}) + "\n")
-    rows = S.stage_end_rows(S.read_forgetting(str(runs / name)))
-    stage_scores: dict[int, dict[str, float]] = {}
-    full_kl: dict[int, dict[str, float]] = {}
-    for r in rows:
-        stage_scores.setdefault(int(r["stage"]), {})[r["domain"]] = float(r["score"])
-        full_kl.setdefault(int(r["stage"]), {})[r["domain"]] = float(r["kl"])  # full vocabulary (SPEC B.9)
-    order: list[str] = []  # stage order, as the trainer evaluated them (the manifest's keys are sorted)
-    for r in rows:
-        if r["domain"] not in order:
-            order.append(r["domain"])
-    staged = "joint" not in recipe
-    experts = {k: v for k, v in manifest["accuracy"].items() if k.startswith("expert:")}
-    metrics = B.run_metrics(stage_scores, order, staged=staged, base=manifest["accuracy"]["student"],
+    # the trainer's own stage-end table, when the job kept it (mopd.eval.enabled): a cross-check of the scorer
+    trainer_scores: dict[int, dict[str, float]] = {}
+    for r in S.stage_end_rows(S.read_forgetting(str(runs / name))):
+        trainer_scores.setdefault(int(r["stage"]), {})[r["domain"]] = float(r["score"])
+    method = recipe_stages(recipe, [*(QUICK_MOPD_OVERRIDES if quick else []), *extra])
+    protocol = method["eval"]
+    stage_scores, full_kl = score_stage_snapshots(runs / name, method["stage_domains"], seed, protocol)
+    refs = reference_scores(out, seed, protocol)
+    experts = {k: v for k, v in refs.items() if k.startswith("expert:")}
+    metrics = B.run_metrics(stage_scores, method["order"], staged=method["staged"], base=refs["student"],
                             experts=experts)
-    return {"recipe": recipe, "seed": seed, "kind": "mopd", "quick": quick, "order": order,
-            "stage_scores": stage_scores, "kl_to_expert": full_kl, **metrics, "run_dir": str(runs / name),
+    return {"recipe": recipe, "seed": seed, "kind": "mopd", "quick": quick, "order": method["order"],
+            "stage_scores": stage_scores, "kl_to_expert": full_kl, **metrics, "eval": protocol,
+            "eval_version": EVAL_VERSION, "trainer_stage_scores": trainer_scores, "run_dir": str(runs / name),
             "seconds": round(seconds, 1)}
+
+
+def recipe_stages(recipe: str, overrides: list[str]) -> dict:
+    """What the benchmark scores for a recipe, composed as the trainer composes it (``mopd.*`` overrides included):
+    ``stage_domains`` {stage: domains learned by its end} from the recipe's plan, ``order`` (stage order),
+    ``staged`` (False for joint MOPD), and ``eval``: prompts x samples of the stage-end evaluation and the
+    sampling of the training rollouts (reply length, temperature)."""
+    from hydra import compose, initialize_config_dir
+
+    from claas_verl.schedule import plan_from_config, recipes_dir
+    from claas_verl.trainer.mopd import stages as S
+
+    with initialize_config_dir(config_dir=str(recipes_dir()), version_base=None):
+        cfg = compose(config_name=recipe, overrides=[o for o in overrides if o.lstrip("+").startswith("mopd.")])
+    m = cfg.mopd
+    if float(m.train.top_p) != 1.0:
+        raise ValueError(f"{recipe}: mopd.train.top_p={m.train.top_p}; the snapshot scorer samples the full "
+                         "distribution (top_p 1.0), as the benchmark recipes train")
+    steps = [s.to_dict() for s in plan_from_config(cfg).steps]
+    last = {s["stage"]: i for i, s in enumerate(steps)}
+    return {"stage_domains": {st: S.learned_domains(steps, i) for st, i in sorted(last.items())},
+            "order": list(m.order), "staged": not any(s["kind"] == "joint" for s in steps),
+            "eval": {"prompts": int(m.eval.prompts), "samples": int(m.eval.responses_per_prompt),
+                     "max_new_tokens": int(m.train.max_response_length), "temperature": float(m.train.temperature)}}
+
+
+def _score(model_dir: str, domain: str, expert: str | None, seed: int, protocol: dict, tag: str, models: dict):
+    """One model on one domain's held-out prompts (``claas_verl.eval.gym_snapshots``); ``models`` caches loads."""
+    import pandas as pd
+
+    from claas_verl.eval.gym_snapshots import load_model, score_snapshot
+    from claas_verl.tiny.gym import default_gym_dir
+
+    test = default_gym_dir() / "data" / domain / "test.parquet"
+    rows = pd.read_parquet(test).to_dict("records")[: protocol["prompts"]]
+    for path in (model_dir, expert):
+        if path is not None and path not in models:
+            models[path] = load_model(path)
+    return score_snapshot(model_dir, rows, expert_path=expert, n=protocol["samples"],
+                          max_new_tokens=protocol["max_new_tokens"], temperature=protocol["temperature"],
+                          seed=seed, tag=tag, model=models[model_dir], expert=models.get(expert))
+
+
+def score_stage_snapshots(run_dir: Path, stage_domains: dict[int, list[str]], seed: int, protocol: dict):
+    """Accuracy and full-vocabulary KL to each domain's expert of every stage-final snapshot
+    (``run_dir/snapshots/student_<stage>``), on the domains learned by that stage's end."""
+    from claas_verl.tiny.gym import default_gym_dir
+
+    experts = default_gym_dir() / "experts"
+    scores: dict[int, dict[str, float]] = {}
+    kl: dict[int, dict[str, float]] = {}
+    models: dict = {}
+    for stage, domains in sorted(stage_domains.items()):
+        snap = run_dir / "snapshots" / f"student_{stage}"
+        if not (snap / "config.json").exists():
+            raise FileNotFoundError(f"{snap}: the stage-{stage} snapshot is missing; the benchmark scores every "
+                                    "stage-final snapshot (rerun the method: delete its run directory)")
+        for d in domains:
+            s = _score(str(snap), d, str(experts / d), seed, protocol, f"student_{stage}/{d}", models)
+            scores.setdefault(stage, {})[d] = s.score
+            kl.setdefault(stage, {})[d] = s.kl
+        models.pop(str(snap), None)
+    return scores, kl
+
+
+def reference_scores(out: Path, seed: int, protocol: dict) -> dict[str, dict[str, float]]:
+    """π0's and every expert's accuracy on every domain, scored like the snapshots (same seed, same protocol);
+    cached in ``out/reference_scores.json``. Norm's denominators and the "no update" baseline."""
+    from claas_verl.tiny.gym import DOMAIN_NAMES, default_gym_dir
+
+    path = out / "reference_scores.json"
+    cache = json.loads(path.read_text()) if path.exists() else {}
+    key = f"{seed}:{json.dumps(protocol, sort_keys=True)}"
+    if key not in cache:
+        root = default_gym_dir()
+        models: dict = {}
+        table: dict[str, dict[str, float]] = {}
+        for name, model_dir in [("student", root / "student")] + [
+                (f"expert:{e}", root / "experts" / e) for e in DOMAIN_NAMES]:
+            table[name] = {d: _score(str(model_dir), d, None, seed, protocol, f"{name}/{d}", models).score
+                           for d in DOMAIN_NAMES}
+        cache[key] = table
+        path.write_text(json.dumps(cache, indent=2) + "\n")
+    return cache[key]
 
 
 def _load(out: Path) -> dict:
@@ -145,6 +233,8 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
 
     results = _load(out)
+    # records scored by an older evaluation are scored again from their run directories (the jobs are not rerun)
+    results["runs"] = [r for r in results["runs"] if r.get("kind") == "claas" or r.get("eval_version") == EVAL_VERSION]
     done = {(r["recipe"], int(r["seed"])) for r in results["runs"]}
     manifest = gym_manifest() if any(r.startswith("mopd/") for r in recipes) else None
     t0 = time.time()
@@ -155,7 +245,7 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             print(f"=== {recipe} seed {seed}", flush=True)
             if recipe.startswith("mopd/"):
-                record = mopd_run(recipe, seed, out, args.quick, extra, manifest)
+                record = mopd_run(recipe, seed, out, args.quick, extra)
             else:
                 from continual_claas import claas_run
 
@@ -169,6 +259,9 @@ def main(argv: list[str] | None = None) -> int:
     results["summary"] = summarize(results["runs"])
     if manifest is not None:
         results["bundle"] = {k: manifest[k] for k in ("domains", "accuracy", "accuracy_protocol", "sizes")}
+        # π0 and the experts as the snapshots were scored, per seed of the runs (reference_scores.json)
+        ref_path = out / "reference_scores.json"
+        results["references"] = json.loads(ref_path.read_text()) if ref_path.exists() else {}
     _save(out, results)
     report = write_report(results, out)
     print("\n" + report)
@@ -246,17 +339,22 @@ def _by_recipe(runs: list[dict]) -> dict[str, list[dict]]:
 
 def mopd_report(runs: list[dict], results: dict) -> list[str]:
     summ = results["summary"]
-    bundle = results.get("bundle", {})
     order = _order(runs)
     lines = ["## MOPD: three reasoning-gym domains, spell → reverse → arith", ""]
-    acc = bundle.get("accuracy")
-    if acc:
-        proto = bundle.get("accuracy_protocol", {})
-        lines += [f"Bundle (task accuracy, {proto.get('prompts', '?')} held-out prompts × {proto.get('samples', '?')} "
-                  "samples at τ = 1):", "",
+    proto = runs[0].get("eval", {})
+    lines += [f"Every stage-final snapshot, π0 and the experts are scored by one evaluator "
+              f"(`claas_verl/eval/gym_snapshots.py`): {proto.get('prompts', '?')} held-out prompts × "
+              f"{proto.get('samples', '?')} samples at τ = {proto.get('temperature', '?')}, replies ≤ "
+              f"{proto.get('max_new_tokens', '?')} tokens, reasoning-gym's scorers; the KL is the exact "
+              "full-vocabulary KL(student || expert), token-mean over the student's own replies.", ""]
+    seeds = sorted({str(r["seed"]) for r in runs})
+    refs = [t for key, t in (results.get("references") or {}).items() if key.split(":", 1)[0] in seeds]
+    if refs:
+        lines += [f"References (task accuracy, mean over seeds {', '.join(seeds)}):", "",
                   "| model | " + " | ".join(order) + " |", "|---|" + "---|" * len(order)]
-        for name, row in acc.items():
-            lines.append(f"| {name} | " + " | ".join(f"{row[d]:.3f}" for d in order) + " |")
+        for name in refs[0]:
+            lines.append(f"| {name} | " + " | ".join(
+                f"{sum(t[name][d] for t in refs) / len(refs):.3f}" for d in order) + " |")
         lines.append("")
     lines += ["| method | seeds | final avg | forgetting | BWT | Norm |", "|---|---|---|---|---|---|"]
     for recipe in _by_recipe(runs):

@@ -1,0 +1,130 @@
+"""Score a saved model on the reasoning-gym bundle: task accuracy and the full-vocabulary KL to a domain's expert.
+
+The continual benchmark (``benchmarks/continual.py``) scores every stage-final snapshot of every run with this one
+evaluator, and π0 and the experts with it too, so every method, seed and reference is measured the same way:
+
+* **accuracy**: ``n`` replies per held-out prompt sampled at temperature τ (no top-k / top-p truncation), at most
+  ``max_new_tokens`` tokens, scored by reasoning-gym's own scorer (``claas_verl/data/rewards.py``);
+* **KL**: on the same replies (the student's own samples, as 003 logs it), the token-mean over every reply token of
+  the exact full-vocabulary ``KL(π_s(·|x, y_<t) || π_E(·|x, y_<t)) = Σ_v p_s(v) (log p_s(v) − log p_E(v))`` (the
+  trainer's in-run table restricts the sum to the student's top-κ tokens).
+
+The replies of one prompt are sampled as one unpadded batch (no left padding, so no position-id subtleties) with
+``torch.manual_seed`` set from ``(seed, domain, tag)``: a snapshot's score is reproducible and independent of which
+other models or domains were scored before it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class SnapshotScore:
+    score: float  # mean reasoning-gym score over every sampled reply
+    kl: float | None  # token-mean full-vocabulary KL to the expert (None when no expert was given)
+    replies: int  # prompts x samples
+    tokens: int  # reply tokens the KL averages over
+
+
+def sampling_seed(seed: int, *parts: str) -> int:
+    """A 31-bit seed from the run seed and labels (stable across processes, unlike ``hash``)."""
+    digest = hashlib.sha256(",".join([str(int(seed)), *parts]).encode()).digest()
+    return int.from_bytes(digest[:4], "little") & 0x7FFFFFFF
+
+
+def load_model(path: str):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+@torch.no_grad()
+def sample_replies(model, prompt_ids: list[int], n: int, max_new_tokens: int, temperature: float,
+                   eos_ids: list[int], pad_id: int) -> list[list[int]]:
+    """``n`` sampled replies to one prompt (token ids, the stop token included when one was produced)."""
+    x = torch.tensor([prompt_ids] * n)
+    out = model.generate(input_ids=x, attention_mask=torch.ones_like(x), do_sample=True, temperature=temperature,
+                         top_k=0, top_p=1.0, max_new_tokens=max_new_tokens, eos_token_id=eos_ids,
+                         pad_token_id=pad_id)
+    replies = []
+    for row in out[:, len(prompt_ids):].tolist():
+        reply = []
+        for t in row:
+            reply.append(t)
+            if t in eos_ids:
+                break  # what follows is generate's padding of the finished row
+        replies.append(reply)
+    return replies
+
+
+@torch.no_grad()
+def reply_kl_sum(student, expert, prompt_ids: list[int], replies: list[list[int]]) -> tuple[float, int]:
+    """``(Σ over reply tokens of KL(p_s || p_E), number of reply tokens)`` for replies to one prompt.
+
+    Sequences are right-padded (positions stay 0..L-1 for every real token); the logits at position ``t`` predict
+    token ``t + 1``, so reply token ``j`` is predicted at ``len(prompt) + j - 1``.
+    """
+    kept = [r for r in replies if r]
+    if not kept:
+        return 0.0, 0
+    P = len(prompt_ids)
+    L = P + max(len(r) for r in kept)
+    ids = torch.zeros(len(kept), L, dtype=torch.long)
+    attn = torch.zeros(len(kept), L, dtype=torch.long)
+    pred = torch.zeros(len(kept), L, dtype=torch.bool)  # positions whose next token is a reply token
+    for i, r in enumerate(kept):
+        ids[i, : P + len(r)] = torch.tensor(prompt_ids + r)
+        attn[i, : P + len(r)] = 1
+        pred[i, P - 1: P + len(r) - 1] = True
+    ls = torch.log_softmax(student(input_ids=ids, attention_mask=attn).logits.float(), dim=-1)
+    le = torch.log_softmax(expert(input_ids=ids, attention_mask=attn).logits.float(), dim=-1)
+    kl = (ls.exp() * (ls - le)).sum(-1)  # [B, L]
+    return float(kl[pred].sum()), int(pred.sum())
+
+
+def score_snapshot(model_path: str, rows: list[dict], *, expert_path: str | None, n: int, max_new_tokens: int,
+                   temperature: float, seed: int, tag: str, model=None, expert=None) -> SnapshotScore:
+    """Score ``model_path`` on ``rows`` (held-out rows of one domain, verl's RL format: ``prompt``, ``data_source``,
+    ``reward_model.ground_truth``, ``extra_info``); KL to ``expert_path`` when given.
+
+    ``model`` / ``expert``: already-loaded models to reuse (the paths still name them). ``tag`` labels the sampling
+    seed (e.g. ``"student_2/spell"``).
+    """
+    from transformers import AutoTokenizer
+
+    from claas_verl.data.rewards import compute_score
+    from claas_verl.verl_ext.cpu.hf_rollout import eos_token_ids
+
+    if not rows:
+        raise ValueError(f"no held-out rows to score {model_path} on ({tag})")
+    if n < 1 or max_new_tokens < 1 or temperature <= 0:
+        raise ValueError(f"n={n}, max_new_tokens={max_new_tokens}, temperature={temperature}: need n >= 1, "
+                         "max_new_tokens >= 1 and a sampling temperature > 0")
+    tok = AutoTokenizer.from_pretrained(model_path)
+    model = model if model is not None else load_model(model_path)
+    expert = expert if expert is not None or expert_path is None else load_model(expert_path)
+    eos = eos_token_ids(model, tok)
+    pad = tok.pad_token_id if tok.pad_token_id is not None else eos[0]
+    torch.manual_seed(sampling_seed(seed, tag))
+    total, count, kl_sum, kl_tokens = 0.0, 0, 0.0, 0
+    for row in rows:
+        prompt = tok.apply_chat_template(list(row["prompt"]), add_generation_prompt=True, tokenize=False)
+        prompt_ids = tok.encode(prompt, add_special_tokens=False)
+        replies = sample_replies(model, prompt_ids, n, max_new_tokens, temperature, eos, pad)
+        for reply in replies:
+            text = tok.decode(reply, skip_special_tokens=True)
+            total += compute_score(row["data_source"], text, row["reward_model"]["ground_truth"],
+                                   dict(row["extra_info"]))
+            count += 1
+        if expert is not None:
+            s, t = reply_kl_sum(model, expert, prompt_ids, replies)
+            kl_sum, kl_tokens = kl_sum + s, kl_tokens + t
+    kl = (kl_sum / kl_tokens if kl_tokens else 0.0) if expert is not None else None
+    return SnapshotScore(score=total / count, kl=kl, replies=count, tokens=kl_tokens)
+
+
+__all__ = ["SnapshotScore", "load_model", "reply_kl_sum", "sample_replies", "sampling_seed", "score_snapshot"]

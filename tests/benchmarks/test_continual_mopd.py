@@ -1,0 +1,100 @@
+"""The MOPD half of the continual benchmark (benchmarks/continual.py): what it scores for each recipe, read from
+the recipe's own plan and evaluation settings composed as the trainer composes them."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO))
+
+from benchmarks import continual as C  # noqa: E402
+
+ALL = ["spell", "reverse", "arith"]
+
+
+def test_staged_recipe_scores_every_stage_end_on_the_domains_learned_so_far():
+    m = C.recipe_stages("mopd/gym_seq", [])
+    assert m["order"] == ALL and m["staged"]
+    assert m["stage_domains"] == {1: ["spell"], 2: ["spell", "reverse"], 3: ALL}
+    # the gym data group's evaluation size and the training rollouts' sampling
+    assert m["eval"] == {"prompts": 48, "samples": 4, "max_new_tokens": 40, "temperature": 1.0}
+
+
+def test_recovery_is_one_more_scored_stage_and_joint_is_one_unstaged_stage():
+    rec = C.recipe_stages("mopd/gym_seq_recovery", [])
+    assert rec["stage_domains"] == {1: ["spell"], 2: ["spell", "reverse"], 3: ALL, 4: ALL} and rec["staged"]
+    joint = C.recipe_stages("mopd/gym_joint", [])
+    assert joint["stage_domains"] == {1: ALL} and not joint["staged"]
+
+
+def test_command_line_mopd_overrides_reach_the_scored_protocol_and_others_are_left_to_the_trainer():
+    m = C.recipe_stages("mopd/gym_replay_kl", [*C.QUICK_MOPD_OVERRIDES, "mopd.eval.prompts=8",
+                                               "actor_rollout_ref.rollout.seed=3"])
+    assert m["eval"]["prompts"] == 8 and m["stage_domains"][3] == ALL
+    with pytest.raises(ValueError, match="top_p"):
+        C.recipe_stages("mopd/gym_seq", ["mopd.train.top_p=0.9"])
+
+
+def test_benchmark_jobs_skip_the_trainers_in_run_table():
+    """The snapshots are scored once by the benchmark; the trainer's own table would sample them again."""
+    assert "mopd.eval.enabled=false" in C.RUN_OVERRIDES
+
+
+@pytest.fixture(scope="module")
+def fake_gym(tmp_path_factory):
+    """A gym-shaped directory with tiny random models (π0, experts) and the real held-out rows."""
+    from claas_verl.tiny import gym
+    from claas_verl.tiny.data import write_parquet
+    from claas_verl.tiny.model import build_student, save_model
+    from claas_verl.tiny.tokenizer import EOT_TOKEN, IM_END, special_token_ids
+
+    root = tmp_path_factory.mktemp("gym")
+    tok = gym.byte_tokenizer()
+    ids = special_token_ids(tok)
+
+    def model(seed):
+        return build_student(len(tok), [ids[IM_END], ids[EOT_TOKEN]], ids[EOT_TOKEN], seed)
+
+    for i, d in enumerate(gym.GYM_DOMAINS):
+        write_parquet(gym.gym_rows(d, seed=0)[1], root / "data" / d.name / "test.parquet")
+        save_model(model(10 + i), tok, root / "experts" / d.name)
+    save_model(model(0), tok, root / "student")
+    return root, tok, model
+
+
+def test_a_finished_run_is_scored_from_its_stage_snapshots(fake_gym, tmp_path, monkeypatch):
+    """mopd_run on a finished job (no trainer run): every stage snapshot scored, references cached per seed, the
+    record carries the protocol; forgetting and BWT follow from the snapshot scores."""
+    from claas_verl.tiny.model import save_model
+
+    root, tok, model = fake_gym
+    monkeypatch.setenv("CLAAS_GYM_DIR", str(root))
+    run = tmp_path / "runs" / C.run_name("mopd/gym_seq", 1)
+    for st in (1, 2, 3):
+        save_model(model(100 + st), tok, run / "snapshots" / f"student_{st}")
+    (run / C.FINISHED).write_text('{"seconds": 12.5}\n')
+    small = ["mopd.eval.prompts=2", "mopd.eval.responses_per_prompt=1"]
+    rec = C.mopd_run("mopd/gym_seq", 1, tmp_path, False, small)
+    assert rec["eval_version"] == C.EVAL_VERSION and rec["seconds"] == 12.5
+    assert rec["eval"] == {"prompts": 2, "samples": 1, "max_new_tokens": 40, "temperature": 1.0}
+    assert {st: sorted(row) for st, row in rec["stage_scores"].items()} == {
+        1: ["spell"], 2: ["reverse", "spell"], 3: sorted(ALL)}
+    assert all(v > 0 for row in rec["kl_to_expert"].values() for v in row.values())  # random models differ
+    ss = rec["stage_scores"]
+    f_spell = max(max(ss[1]["spell"], ss[2]["spell"]) - ss[3]["spell"], 0.0)
+    f_reverse = max(ss[2]["reverse"] - ss[3]["reverse"], 0.0)
+    assert rec["forgetting"] == pytest.approx((f_spell + f_reverse) / 2)
+    assert rec["bwt"] == pytest.approx((ss[3]["spell"] - ss[1]["spell"] + ss[3]["reverse"] - ss[2]["reverse"]) / 2)
+    assert rec["trainer_stage_scores"] == {}  # the job ran without the in-run table
+    refs = C.json.loads((tmp_path / "reference_scores.json").read_text())
+    assert list(refs) == [f"1:{C.json.dumps(rec['eval'], sort_keys=True)}"]
+    assert set(refs[next(iter(refs))]) == {"student", "expert:spell", "expert:reverse", "expert:arith"}
+    # scoring is a pure function of (snapshot, seed, protocol): scoring again gives the same record
+    assert C.mopd_run("mopd/gym_seq", 1, tmp_path, False, small)["stage_scores"] == rec["stage_scores"]
+    (run / "snapshots" / "student_2" / "config.json").unlink()
+    with pytest.raises(FileNotFoundError, match="stage-2 snapshot"):
+        C.mopd_run("mopd/gym_seq", 1, tmp_path, False, small)
