@@ -55,6 +55,8 @@ FINISHED = ".benchmark_finished"  # written in a run's directory when its traine
 # mopd.eval.enabled=false: the snapshots are scored here (score_stage_snapshots), once, by one evaluator; the
 # trainer's in-run table would sample the same prompts again through the rollout (minutes per run on 2 cores).
 RUN_OVERRIDES = ["trainer.save_freq=-1", "trainer.resume_mode=disable", "mopd.eval.enabled=false"]
+# Every MOPD method is also compared with Seq seed by seed (same seed = same rollouts until the schedules part)
+PAIRED_BASELINE = "mopd/gym_seq"
 LABELS = {"mopd/gym_seq": "Seq", "mopd/gym_replay_kl": "Replay-KL (shared)",
           "mopd/gym_replay_kl_fixed": "Replay-KL (fixed share)", "mopd/gym_seq_recovery": "Seq + recovery",
           "mopd/gym_fsar_shared": "FSAR (shared)", "mopd/gym_joint": "Joint MOPD"}
@@ -257,6 +259,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"=== {recipe} seed {seed}: final_avg {_fmt(record.get('final_avg'))}, forgetting "
                   f"{_fmt(record.get('forgetting'))} in {record.get('seconds', 0):.0f}s", flush=True)
     results["summary"] = summarize(results["runs"])
+    mopd = [r for r in results["runs"] if r.get("kind") != "claas"]
+    if any(r["recipe"] == PAIRED_BASELINE for r in mopd):
+        results["paired"] = {"baseline": PAIRED_BASELINE,
+                             "differences": B.paired_differences(mopd, PAIRED_BASELINE)}
     if manifest is not None:
         results["bundle"] = {k: manifest[k] for k in ("domains", "accuracy", "accuracy_protocol", "sizes")}
         # π0 and the experts as the snapshots were scored, per seed of the runs (reference_scores.json)
@@ -361,6 +367,14 @@ def mopd_report(runs: list[dict], results: dict) -> list[str]:
         s = summ[recipe]
         lines.append(f"| {LABELS.get(recipe, recipe)} (`{recipe}`) | {len(s['seeds'])} | {_cell(s['final_avg'])} | "
                      f"{_cell(s['forgetting'])} | {_cell(s['bwt'])} | {_cell(s['norm'])} |")
+    paired = (results.get("paired") or {}).get("differences") or {}
+    if paired:
+        base = LABELS.get(results["paired"]["baseline"], results["paired"]["baseline"])
+        lines += ["", f"Paired with {base}, seed by seed (method − {base}; mean ± 95% interval of the per-seed "
+                  "differences):", "", "| method | seeds | Δ final avg | Δ forgetting |", "|---|---|---|---|"]
+        for recipe, row in paired.items():
+            lines.append(f"| {LABELS.get(recipe, recipe)} | {len(row['seeds'])} | {_cell(row['final_avg'])} | "
+                         f"{_cell(row['forgetting'])} |")
     lines += ["", "Per-domain accuracy after each stage (mean ± 95% interval over seeds; the last row of a "
               "recovery run is after recovery):", ""]
     for recipe, rs in _by_recipe(runs).items():

@@ -125,6 +125,29 @@ def summarize(runs: Sequence[Mapping], keys: Sequence[str] = ("final_avg", "forg
     return out
 
 
+def paired_differences(runs: Sequence[Mapping], baseline: str,
+                       keys: Sequence[str] = ("final_avg", "forgetting")) -> dict:
+    """{recipe: {key: [mean, half_width], "seeds": [...]}} of ``recipe − baseline`` per seed, over the seeds both
+    ran (a run and its baseline share the seed's rollouts up to where the schedules part, e.g. the same stage-1
+    student, so the paired interval is the one that tells two methods apart). The baseline itself is left out."""
+    by: dict[str, dict[int, Mapping]] = {}
+    for r in runs:
+        by.setdefault(str(r["recipe"]), {})[int(r["seed"])] = r
+    base = by.get(baseline, {})
+    out = {}
+    for recipe, seeds in by.items():
+        common = sorted(set(seeds) & set(base))
+        if recipe == baseline or not common:
+            continue
+        row: dict = {"seeds": common}
+        for k in keys:
+            diffs = [None if seeds[s].get(k) is None or base[s].get(k) is None else
+                     float(seeds[s][k]) - float(base[s][k]) for s in common]
+            row[k] = mean_half_width(diffs)
+        out[recipe] = row
+    return out
+
+
 def mean_stage_scores(runs: Sequence[Mapping]) -> dict[int, dict[str, list[float | None]]]:
     """Per stage and domain, ``[mean, half_width]`` over the given runs' ``stage_scores`` (one recipe's seeds)."""
     cells: dict[int, dict[str, list[float]]] = {}

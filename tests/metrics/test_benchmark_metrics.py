@@ -93,3 +93,22 @@ def test_mean_stage_scores_per_stage_and_domain():
     assert cells[2]["b"][0] == pytest.approx(0.8)
     # two seeds: t_{0.975, 1} = 12.7062, s = 0.1414, hw = t * s / sqrt(2) = 12.7062 * 0.1
     assert cells[2]["a"][1] == pytest.approx(12.7062 * 0.1, rel=1e-4)
+
+
+def test_paired_differences_pair_by_seed_and_skip_the_baseline():
+    # Seeds share a lot (the same stage-1 student): the methods' spreads overlap, the per-seed differences do not.
+    # seq: 0.10, 0.30, 0.50; replay: 0.15, 0.36, 0.53 -> differences 0.05, 0.06, 0.03 (mean 0.0467, s = 0.01528)
+    runs = [{"recipe": "seq", "seed": s, "final_avg": f, "forgetting": 0.2} for s, f in ((1, 0.1), (2, 0.3), (3, 0.5))]
+    runs += [{"recipe": "replay", "seed": s, "final_avg": f, "forgetting": None}
+             for s, f in ((3, 0.53), (1, 0.15), (2, 0.36))]
+    runs += [{"recipe": "other", "seed": 9, "final_avg": 1.0, "forgetting": 0.0}]  # no common seed: left out
+    d = B.paired_differences(runs, "seq")
+    assert list(d) == ["replay"] and d["replay"]["seeds"] == [1, 2, 3]
+    m, hw = d["replay"]["final_avg"]
+    assert m == pytest.approx(0.14 / 3)
+    assert hw == pytest.approx(4.302653 * math.sqrt(((0.05 - m) ** 2 + (0.06 - m) ** 2 + (0.03 - m) ** 2) / 2)
+                               / math.sqrt(3), rel=1e-5)
+    assert m - hw > 0  # the paired interval excludes 0 ...
+    (ms, hs), (mr, hr) = (B.summarize(runs)[k]["final_avg"] for k in ("seq", "replay"))
+    assert mr - hr < ms + hs  # ... while the two methods' own intervals overlap
+    assert d["replay"]["forgetting"] == [None, None]  # no difference where one side has no value
