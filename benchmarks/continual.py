@@ -17,9 +17,12 @@ A run whose record is already in ``results.json`` is not run again: a benchmark 
 stopped when started again with the same ``--out``.
 
 MOPD methods use the reasoning-gym bundle (``claas_verl/tiny/gym.py``, built on first use, about 8 CPU-minutes):
-the domains ``spell``, ``reverse`` and ``arith`` in that stage order, scored by reasoning-gym's own scorers on
-48 held-out prompts × 4 samples at τ = 1 at every stage end. The seed sets the rollout sampling and the evaluation
-samples; the bundle (π0, experts, data) is the same for every seed.
+the domains ``spell``, ``reverse`` and ``arith`` in that stage order. Every stage-final snapshot the trainer saves
+(``snapshots/student_<stage>``), π0 and the experts are scored by one evaluator
+(``claas_verl/eval/gym_snapshots.py``): reasoning-gym's own scorers on the recipe's 48 held-out prompts × 4 samples
+at τ = 1, and the exact full-vocabulary KL to each domain's expert on those samples. The seed sets the rollout
+sampling and the evaluation samples; the bundle (π0, experts, data) is the same for every seed. Each method is
+also compared with Seq seed by seed (``results.json`` ``paired``).
 """
 
 from __future__ import annotations
@@ -44,8 +47,8 @@ MOPD_QUICK = ("mopd/gym_seq", "mopd/gym_replay_kl")
 CLAAS_FULL = ("claas/tiny_reinforce_pp", "claas/tiny_ppo", "claas/tiny_sdpo", "claas/tiny_icl",
               "claas/tiny_no_update")
 # --quick: one seed, Seq against Replay-KL. Stage 1 (spell) is the full run's, so that its score is the same
-# starting point; stage 2 (reverse, where the full runs showed the forgetting of spell: Seq 0.21 -> 0.08, Replay-KL
-# 0.21 -> 0.21 over three seeds) keeps 8 of its 12 blocks and stage 3 (arith) 2 (with 4: 15.1 min on 2 cores).
+# starting point; stage 2 (reverse, where the full runs show the forgetting of spell: Seq 0.31 -> 0.18, Replay-KL
+# 0.31 -> 0.30 over three seeds) keeps 8 of its 12 blocks and stage 3 (arith) 2, to stay under 15 min on 2 cores.
 QUICK_MOPD_OVERRIDES = ["mopd.domains.reverse.num_blocks=8", "mopd.domains.arith.num_blocks=2"]
 # 2: every stage-final snapshot scored by claas_verl.eval.gym_snapshots (48 prompts x 4 samples, exact
 # full-vocabulary KL). Records without it came from the trainer's in-run table, which the CPU runtime group cut to

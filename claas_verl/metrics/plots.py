@@ -60,6 +60,13 @@ def _figure(width: float, height: float):
     return fig
 
 
+def accuracy_axis_top(curves: dict[str, dict[int, dict[str, list]]]) -> float:
+    """Upper y limit of the stage-accuracy panels: the highest mean + half-width plus 0.05, at most 1.02."""
+    tops = [c[0] + (c[1] or 0.0) for by_stage in curves.values() for row in by_stage.values() for c in row.values()
+            if c[0] is not None]
+    return min(1.02, max(tops, default=1.0) + 0.05)
+
+
 def plot_stage_accuracy(curves: dict[str, dict[int, dict[str, list]]], domains: list[str], path: str | Path,
                         title: str = "task accuracy after each stage", dpi: int = 100) -> Path:
     """One panel per domain: accuracy after every stage, one line per method, error bars = the seed interval.
@@ -70,6 +77,10 @@ def plot_stage_accuracy(curves: dict[str, dict[int, dict[str, list]]], domains: 
     fig = _figure(4.0 * len(domains) + 0.5, 3.6)
     axes = [fig.add_subplot(1, len(domains), i + 1) for i in range(len(domains))]
     stages = sorted({st for by_stage in curves.values() for st in by_stage})
+    # one y range for every panel, fitted to the data (small scores stay readable), and each method shifted
+    # sideways a little so that overlapping error bars stay apart
+    top = accuracy_axis_top(curves)
+    shift = {label: (i - (len(curves) - 1) / 2) * 0.05 for i, label in enumerate(curves)}
     for ax, d in zip(axes, domains):
         ax.set_xticks(stages)
         for label, by_stage in curves.items():
@@ -78,10 +89,10 @@ def plot_stage_accuracy(curves: dict[str, dict[int, dict[str, list]]], domains: 
                 continue
             ms = [by_stage[st][d][0] for st in xs]
             hws = [by_stage[st][d][1] or 0.0 for st in xs]
-            ax.errorbar(xs, ms, yerr=hws, marker="o", capsize=3, label=label)
+            ax.errorbar([x + shift[label] for x in xs], ms, yerr=hws, marker="o", capsize=3, label=label)
         ax.set_title(d)
         ax.set_xlabel("after stage")
-        ax.set_ylim(-0.02, 1.02)
+        ax.set_ylim(-0.02, top)
         ax.grid(alpha=0.3)
     axes[0].set_ylabel("accuracy (reasoning-gym score)")
     axes[-1].legend(fontsize=7, loc="best")

@@ -120,3 +120,15 @@ def test_heatmap_5x5_and_backend_untouched(tmp_path):
     (w, h), n_bytes = _png_size(p)
     assert w > h  # colour bar on the right
     assert matplotlib.get_backend() == before
+
+
+def test_stage_accuracy_axis_fits_small_scores_and_caps_at_one(tmp_path):
+    from claas_verl.metrics.plots import accuracy_axis_top, plot_stage_accuracy
+
+    curves = {"Seq": {1: {"spell": [0.31, 0.05]}, 2: {"spell": [0.17, None], "reverse": [0.0, 0.0]}},
+              "Replay": {1: {"spell": [0.30, None]}, 2: {"spell": [0.30, 0.10]}}}
+    assert accuracy_axis_top(curves) == pytest.approx(0.45)  # 0.30 + 0.10 + 0.05
+    assert accuracy_axis_top({"a": {1: {"d": [0.99, 0.2]}}}) == 1.02
+    assert accuracy_axis_top({}) == 1.02
+    p = plot_stage_accuracy(curves, ["spell", "reverse"], tmp_path / "acc.png")
+    assert p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
