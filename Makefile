@@ -56,6 +56,8 @@ test-cluster: install
 	$(RUN) $(PY) -m pytest -q -m slow tests/cluster
 
 BENCH_OUT ?= /tmp/claas_verl_continual
+# trainer jobs at once in `make benchmark` (a job wants about 2 cores: e.g. BENCH_JOBS=4 on 8 cores)
+BENCH_JOBS ?= 2
 
 # The quick continual comparison (benchmarks/continual.py --quick): prints the table and where the PNGs are.
 demo: install
@@ -65,7 +67,7 @@ demo-tiny: install
 	$(RUN) $(PY) examples/run_mopd_demo.py
 
 benchmark: install
-	$(RUN) $(PY) benchmarks/continual.py --out $(BENCH_OUT)
+	$(RUN) $(PY) benchmarks/continual.py --jobs $(BENCH_JOBS) --out $(BENCH_OUT)
 
 demo-grpo: install
 	$(RUN) examples/tiny_grpo_cpu.sh

@@ -22,6 +22,14 @@ def job_env(**extra: str) -> dict:
     return env
 
 
+def tagged(name: str, echo: Callable[[str], str | None]) -> Callable[[str], str | None]:
+    """``echo`` with the run's name in front, so that the lines of jobs running side by side stay attributable."""
+    def tag(line: str) -> str | None:
+        shown = echo(line)
+        return None if shown is None else f"[{name}] {shown}"
+    return tag
+
+
 def run_job(cmd: list[str], env: dict, log_path: Path, echo: Callable[[str], str | None]) -> float:
     """Run ``cmd`` in the repository root; every output line goes to ``log_path`` and ``echo(line)``, when not
     None, to stdout. Returns the wall seconds; a non-zero exit raises RuntimeError with the log's last 40 lines."""

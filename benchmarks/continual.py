@@ -14,7 +14,9 @@ claas_verl.main_claas``); ``key=value`` arguments after the options go to every 
 * ``runs/<recipe>_s<seed>/``: each run's own outputs (``steps.jsonl``, ``forgetting.jsonl``, snapshots).
 
 A run whose record is already in ``results.json`` is not run again: a benchmark killed half-way resumes where it
-stopped when started again with the same ``--out``.
+stopped when started again with the same ``--out``. ``--jobs N`` runs N trainer jobs at once (each its own Ray
+cluster; scoring stays one at a time, since the scorer seeds torch's global generator); a job that fails is
+reported at the end, after the others finished, and the exit status is 1.
 
 MOPD methods use the reasoning-gym bundle (``claas_verl/tiny/gym.py``, built on first use, about 8 CPU-minutes):
 the domains ``spell``, ``reverse`` and ``arith`` in that stage order. Every stage-final snapshot the trainer saves
@@ -32,13 +34,15 @@ import json
 import os
 import shutil
 import sys
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from benchmarks.bench_jobs import job_env, run_job  # noqa: E402
+from benchmarks.bench_jobs import job_env, run_job, tagged  # noqa: E402
 from claas_verl.metrics import benchmark as B  # noqa: E402  (pure python)
 
 MOPD_FULL = ("mopd/gym_seq", "mopd/gym_replay_kl", "mopd/gym_replay_kl_fixed", "mopd/gym_seq_recovery",
@@ -65,6 +69,12 @@ LABELS = {"mopd/gym_seq": "Seq", "mopd/gym_replay_kl": "Replay-KL (shared)",
           "mopd/gym_fsar_shared": "FSAR (shared)", "mopd/gym_joint": "Joint MOPD"}
 
 
+# The snapshot scorer seeds torch's global generator (claas_verl.eval.gym_snapshots): with --jobs > 1, two runs
+# scoring at once would draw from one generator and neither score would be reproducible. Jobs run in parallel;
+# scoring, a small part of each run's time, takes this lock.
+_SCORING = threading.Lock()
+
+
 def run_name(recipe: str, seed: int) -> str:
     return f"{recipe.replace('/', '_')}_s{seed}"
 
@@ -85,8 +95,6 @@ def gym_manifest() -> dict:
 
 def mopd_run(recipe: str, seed: int, out: Path, quick: bool, extra: list[str]) -> dict:
     """One MOPD method under one seed through ``python -m claas_verl.main_mopd``; returns its run record."""
-    from claas_verl.trainer.mopd import stages as S
-
     name = run_name(recipe, seed)
     runs = out / "runs"
     runs.mkdir(parents=True, exist_ok=True)
@@ -100,8 +108,17 @@ def mopd_run(recipe: str, seed: int, out: Path, quick: bool, extra: list[str]) -
     else:
         if (runs / name).exists():  # a job killed half-way: start it again from scratch (resume is disabled)
             shutil.rmtree(runs / name)
-        seconds = run_job(cmd, job_env(CLAAS_OUT_DIR=str(runs)), runs / f"{name}.log", _echo)
+        seconds = run_job(cmd, job_env(CLAAS_OUT_DIR=str(runs)), runs / f"{name}.log", tagged(name, _echo))
         finished.write_text(json.dumps({"seconds": seconds, "cmd": cmd[1:]}) + "\n")
+    with _SCORING:
+        return _score_run(recipe, seed, out, quick, extra, seconds)
+
+
+def _score_run(recipe: str, seed: int, out: Path, quick: bool, extra: list[str], seconds: float) -> dict:
+    from claas_verl.trainer.mopd import stages as S
+
+    name = run_name(recipe, seed)
+    runs = out / "runs"
     # the trainer's own stage-end table, when the job kept it (mopd.eval.enabled): a cross-check of the scorer
     trainer_scores: dict[int, dict[str, float]] = {}
     for r in S.stage_end_rows(S.read_forgetting(str(runs / name))):
@@ -222,10 +239,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seeds", default=None, help="comma-separated seeds (default 1,2,3; --quick: 1)")
     ap.add_argument("--out", default="/tmp/claas_verl_continual", help="output directory (default %(default)s)")
     ap.add_argument("--quick", action="store_true", help="the reduced comparison (< 15 min on 2 cores)")
+    ap.add_argument("--jobs", type=int, default=1,
+                    help="trainer jobs at once (default 1; each job wants about 2 cores and 3 GB)")
     args, extra = ap.parse_known_args(argv)
     bad = [a for a in extra if "=" not in a or a.startswith("-")]
     if bad:
-        ap.error(f"unrecognised arguments {bad}: options are --recipes/--seeds/--out/--quick, the rest key=value")
+        ap.error(f"unrecognised arguments {bad}: options are --recipes/--seeds/--out/--quick/--jobs, the rest "
+                 "key=value")
+    if args.jobs < 1:
+        ap.error(f"--jobs {args.jobs}: give at least 1")
     recipes = args.recipes.split(",") if args.recipes else list(MOPD_QUICK if args.quick else MOPD_FULL + CLAAS_FULL)
     unknown = [r for r in recipes if not r.startswith(("mopd/", "claas/"))]
     if unknown:
@@ -238,29 +260,46 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
 
     results = _load(out)
-    # records scored by an older evaluation are scored again from their run directories (the jobs are not rerun)
-    results["runs"] = [r for r in results["runs"] if r.get("kind") == "claas" or r.get("eval_version") == EVAL_VERSION]
+    # MOPD records scored by an older evaluation are scored again from their run directories (the jobs are not
+    # rerun); CLaaS records of an older stream design are dropped and rerun (another stream is another experiment)
+    from continual_claas import DESIGN as CLAAS_DESIGN
+
+    results["runs"] = [r for r in results["runs"]
+                       if (r.get("design") == CLAAS_DESIGN if r.get("kind") == "claas"
+                           else r.get("eval_version") == EVAL_VERSION)]
     done = {(r["recipe"], int(r["seed"])) for r in results["runs"]}
     manifest = gym_manifest() if any(r.startswith("mopd/") for r in recipes) else None
     t0 = time.time()
+    todo = []
     for recipe in recipes:
         for seed in seeds:
             if (recipe, seed) in done:
                 print(f"=== {recipe} seed {seed}: already in {out / 'results.json'}", flush=True)
-                continue
-            print(f"=== {recipe} seed {seed}", flush=True)
-            if recipe.startswith("mopd/"):
-                record = mopd_run(recipe, seed, out, args.quick, extra)
             else:
-                from continual_claas import claas_run
+                todo.append((recipe, seed))
+    saving = threading.Lock()
 
-                record = claas_run(recipe, seed, out, args.quick, extra)
-                record.setdefault("kind", "claas")
+    def one(recipe: str, seed: int) -> None:
+        print(f"=== {recipe} seed {seed}", flush=True)
+        if recipe.startswith("mopd/"):
+            record = mopd_run(recipe, seed, out, args.quick, extra)
+        else:
+            from continual_claas import claas_run
+
+            record = claas_run(recipe, seed, out, args.quick, extra)
+            record.setdefault("kind", "claas")
+        with saving:  # every finished run is on disk at once: a kill loses only the runs in flight
             results["runs"].append(record)
             results["summary"] = summarize(results["runs"])
             _save(out, results)
-            print(f"=== {recipe} seed {seed}: final_avg {_fmt(record.get('final_avg'))}, forgetting "
-                  f"{_fmt(record.get('forgetting'))} in {record.get('seconds', 0):.0f}s", flush=True)
+        print(f"=== {recipe} seed {seed}: final_avg {_fmt(record.get('final_avg'))}, forgetting "
+              f"{_fmt(record.get('forgetting'))} in {record.get('seconds', 0):.0f}s", flush=True)
+
+    with ThreadPoolExecutor(max_workers=args.jobs) as pool:
+        futures = {pool.submit(one, recipe, seed): (recipe, seed) for recipe, seed in todo}
+    failed = [(rs, f.exception()) for f, rs in futures.items() if f.exception() is not None]
+    for (recipe, seed), err in failed:
+        print(f"=== {recipe} seed {seed} FAILED: {err}", file=sys.stderr, flush=True)
     results["summary"] = summarize(results["runs"])
     mopd = [r for r in results["runs"] if r.get("kind") != "claas"]
     if any(r["recipe"] == PAIRED_BASELINE for r in mopd):
@@ -276,6 +315,10 @@ def main(argv: list[str] | None = None) -> int:
     print("\n" + report)
     print(f"\nresults: {out / 'results.json'}; report: {out / 'report.md'}; plots: {out}/*.png "
           f"({time.time() - t0:.0f}s)")
+    if failed:
+        print(f"{len(failed)} run(s) failed: {', '.join(f'{r} seed {s}' for (r, s), _ in failed)} (logs in "
+              f"{out / 'runs'}); run the same command again to retry them", file=sys.stderr)
+        return 1
     return 0
 
 

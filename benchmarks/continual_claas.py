@@ -6,13 +6,28 @@ evaluated on every split k, giving M[j, k]). The methods of 001: ``claas/tiny_re
 ``claas/tiny_sdpo``, ``claas/tiny_icl`` and the no-update baseline ``claas/tiny_no_update`` (same producers and
 evaluation, the policy never changes).
 
+The stream (:data:`DESIGN`), chosen so that the tiny random model can learn and forget. Each scenario has one rule:
+``capital_start`` (the reply starts with a capital letter) or ``lowercase`` (no capital letter anywhere), two
+rules no reply satisfies together. The tiny model's 12-token samples pass them about 38% and 25% of the time by
+chance, so a reward signal exists from the first update, and a REINFORCE++ LoRA policy learns either one alone
+within about a dozen updates (one seed each: 0.38 -> 0.92 and 0.25 -> 0.92 after 15 updates). Splits 1-2 are
+``capital_start``, splits 3-5 ``lowercase`` (``claas.stream.split_groups``): a policy that learns the first rule
+as a habit instead of reading the system prompt loses it while it learns the second, the forgetting that M's
+columns 1-2 show. Designed on seeds 1-2 (the README's run uses seeds 3-5). Rejected designs, measured: 001's mixed
+stream of six rule families (the tiny model's pass or fail was fixed by the rule family, and no method moved M
+beyond the no-update baseline's noise); both rules mixed in every split (no learning: a 15-update LoRA does not
+learn to read the system prompt; final 0.38 vs 0.36 without updates); ``lowercase`` first (it is learned so
+thoroughly that ``capital_start`` is never sampled again, so the later splits give no reward signal: no forgetting,
+only a collapse of the later rule).
+
 What the seed changes (each a key of the run): the stream shuffle (``claas.stream.seed``: which scenarios form
 which split, 001's "data shuffles"), the replay sampling (``claas.seed``) and the rollout sampling
 (``actor_rollout_ref.rollout.seed``: training rollouts and the τ = 1 evaluation samples). The scenario pool
 (``claas.env.kwargs.seed``) stays fixed, as in 001: the same 5·S scenarios, split differently per seed.
 
 Sizes (:data:`QUICK` / :data:`FULL`): split size S, turns per scenario and tokens per reply; the rest is the tiny
-recipes' (M = 4, B_min = 4, A_max per recipe). Per run this module reads the trainer's own records:
+recipes' (M = 4, B_min = 4, A_max per recipe). Each cell of M grades S scenarios × turns × :data:`EVAL_SAMPLES`
+replies (full mode: 4 × 2 × 4 = 32). Per run this module reads the trainer's own records:
 ``continual_metrics.json`` (M, forward transfer, forgetting, final: :mod:`claas_verl.metrics.continual`) and
 ``claas_trace.jsonl`` (one line per update, with the rewards of the M entries it drew: the reward curve of
 001 Fig. 6). Over seeds, :func:`claas_summary` reports ``[mean, half_width]`` (95% t-interval of the mean,
@@ -36,17 +51,23 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from benchmarks.bench_jobs import job_env, run_job  # noqa: E402
+from benchmarks.bench_jobs import job_env, run_job, tagged  # noqa: E402
 from claas_verl.metrics.benchmark import mean_half_width, summarize  # noqa: E402  (pure python)
 
 K = 5
+# Version of the stream design below: records of an older design are dropped from results.json and rerun.
+DESIGN = 2
+RULE_FAMILIES = ("lowercase", "capital_start")
+SPLIT_GROUPS = ("capital_start", "capital_start", "lowercase", "lowercase", "lowercase")
+POOL_SIZE = 60      # the scenario pool (fixed: claas.env.kwargs.seed=0); each group has more than the splits need
+EVAL_SAMPLES = 4    # replies per graded step in M's evaluation
 METRIC_KEYS = ("final_avg", "forgetting", "forward_transfer")
 METHODS = ("claas/tiny_reinforce_pp", "claas/tiny_ppo", "claas/tiny_sdpo", "claas/tiny_icl", "claas/tiny_no_update")
 LABELS = {"claas/tiny_reinforce_pp": "REINFORCE++", "claas/tiny_ppo": "PPO", "claas/tiny_sdpo": "SDPO",
           "claas/tiny_icl": "ICL", "claas/tiny_no_update": "no update"}
 
-# Stream sizes per mode: split_size scenarios per split (the pool is exactly K * split_size scenarios, so every
-# seed sees the same scenarios in another order), turns per scenario, tokens per reply (training and evaluation).
+# Stream sizes per mode: split_size scenarios per split, turns per scenario, tokens per reply (training and
+# evaluation).
 QUICK = {"split_size": 2, "num_turns": 2, "max_new_tokens": 12}
 FULL = {"split_size": 4, "num_turns": 2, "max_new_tokens": 12}
 
@@ -60,18 +81,25 @@ def run_name(recipe: str, seed: int) -> str:
 
 
 def run_overrides(recipe: str, seed: int, quick: bool) -> list[str]:
-    """The Hydra overrides of one run (before the user's ``extra``, which win): K = 5 stream and the seed keys."""
+    """The Hydra overrides of one run (before the user's ``extra``, which win): the K = 5 grouped stream of
+    :data:`SPLIT_GROUPS` over one-rule scenarios of :data:`RULE_FAMILIES`, its sizes and the seed keys."""
     size = QUICK if quick else FULL
     s = int(size["split_size"])
     return [
         f"trainer.experiment_name={run_name(recipe, seed)}",
         f"claas.stream.num_splits={K}",
         f"claas.stream.split_size={s}",
+        f"claas.stream.split_groups=[{','.join(SPLIT_GROUPS)}]",
         f"claas.stream.seed={seed}",
         f"claas.seed={seed}",
         f"actor_rollout_ref.rollout.seed={seed}",
-        f"claas.env.kwargs.num_scenarios={K * s}",
+        "claas.env.kwargs.seed=0",
+        f"claas.env.kwargs.num_scenarios={POOL_SIZE}",
+        f"++claas.env.kwargs.families=[{','.join(RULE_FAMILIES)}]",
+        "++claas.env.kwargs.min_rules=1",
+        "claas.env.kwargs.max_rules=1",
         f"claas.env.kwargs.num_turns={size['num_turns']}",
+        f"claas.eval.n_samples={EVAL_SAMPLES}",
         f"claas.producer.max_new_tokens={size['max_new_tokens']}",
         f"claas.eval.max_new_tokens={size['max_new_tokens']}",
     ]
@@ -113,7 +141,7 @@ def record_from_run_dir(recipe: str, seed: int, run_dir: Path, seconds: float) -
     stage_scores = {j + 1: {f"split_{k + 1}": M[j][k] for k in range(K)} for j in range(K)}
     producer = rec.get("producer") or {}
     return {
-        "recipe": recipe, "seed": seed, "kind": "claas", "algorithm": rec.get("algorithm"),
+        "recipe": recipe, "seed": seed, "kind": "claas", "design": DESIGN, "algorithm": rec.get("algorithm"),
         "stage_scores": stage_scores, "M": M,
         "final_avg": rec["final"], "forgetting": rec["forgetting"], "forward_transfer": rec["forward_transfer"],
         "reward_curve": read_reward_curve(run_dir / "claas_trace.jsonl"),
@@ -142,7 +170,7 @@ def claas_run(recipe: str, seed: int, out_dir: Path, quick: bool, extra: list[st
         shutil.rmtree(run_dir)
     cmd = [sys.executable, "-m", "claas_verl.main_claas", f"--config-name={recipe}",
            *run_overrides(recipe, seed, quick), *extra]
-    seconds = run_job(cmd, job_env(CLAAS_OUT_DIR=str(runs)), runs / f"{name}.log", _echo)
+    seconds = run_job(cmd, job_env(CLAAS_OUT_DIR=str(runs)), runs / f"{name}.log", tagged(name, _echo))
     record = record_from_run_dir(recipe, seed, run_dir, seconds)
     record["quick"] = bool(quick)
     return record
@@ -173,13 +201,32 @@ def mean_matrix(runs: Sequence[Mapping]) -> list[list[float | None]]:
     return out
 
 
+def group_means(M: Sequence[Sequence[float | None]], groups: Sequence[str] = SPLIT_GROUPS
+                ) -> dict[str, list[float | None]]:
+    """``{group: [mean of M[j, k] over the splits k of that group, for each checkpoint j]}``: how well the policy
+    after split j follows each rule (cells that are None are left out)."""
+    out: dict[str, list[float | None]] = {}
+    for g in dict.fromkeys(groups):
+        cols = [k for k, gk in enumerate(groups) if gk == g]
+        row = []
+        for j in range(len(M)):
+            vals = [float(M[j][k]) for k in cols if M[j][k] is not None]
+            row.append(math.fsum(vals) / len(vals) if vals else None)
+        out[g] = row
+    return out
+
+
 def claas_summary(runs: Sequence[Mapping]) -> dict:
     """``{recipe: {"final_avg": [mean, hw], "forgetting": [...], "forward_transfer": [...], "seeds": [...],
-    "M_mean": K x K cell-wise mean, "updates": [mean, hw]}}`` over each recipe's seeds (hw: 95% t half-width)."""
+    "M_mean": K x K cell-wise mean, "updates": [mean, hw], "rule_means": {rule: [[mean, hw] after split j, ...]}}}``
+    over each recipe's seeds (hw: 95% t half-width; ``rule_means`` from :func:`group_means` of each run's M)."""
     out = summarize(runs, METRIC_KEYS)
     for recipe, rs in _by_recipe(runs).items():
         out[recipe]["M_mean"] = mean_matrix(rs)
         out[recipe]["updates"] = mean_half_width([r.get("updates") for r in rs])
+        per_run = [group_means(r["M"]) for r in rs]
+        out[recipe]["rule_means"] = {g: [mean_half_width([gm[g][j] for gm in per_run]) for j in range(K)]
+                                     for g in dict.fromkeys(SPLIT_GROUPS)}
     return out
 
 
@@ -190,12 +237,20 @@ def _pm(pair, digits: int = 3) -> str:
     return f"{m:.{digits}f}" if hw is None else f"{m:.{digits}f} ± {hw:.{digits}f}"
 
 
+def _split_label(k: int) -> str:
+    return f"{k + 1} ({SPLIT_GROUPS[k]})" if k < len(SPLIT_GROUPS) else str(k + 1)
+
+
 def claas_report(runs: Sequence[Mapping], summary: Mapping) -> str:
     """Markdown: the per-method table (final, forgetting, FWT with 95% intervals) and each method's mean M."""
     by = _by_recipe(runs)
     n_seeds = sorted({len(rs) for rs in by.values()})
     lines = [
         f"## CLaaS: K = {K} splits of the rule-following stream",
+        "",
+        "Splits by rule (one rule per scenario, `claas.stream.split_groups`): "
+        + ", ".join(f"{k + 1}: `{g}`" for k, g in enumerate(SPLIT_GROUPS))
+        + ". The two rules contradict each other (no reply passes both).",
         "",
         "Mean over seeds ± half-width of the 95% t-interval of the mean (no interval with one seed). "
         "M[j, k] = defender pass rate of the checkpoint after split j on split k; FWT = mean of the cells above "
@@ -213,10 +268,18 @@ def claas_report(runs: Sequence[Mapping], summary: Mapping) -> str:
     if n_seeds == [1]:
         lines += ["", "One seed per method: no intervals; differences below about ±0.2 are within the sampling "
                   "noise of one cell (a handful of graded steps per cell)."]
+    # each rule's mean pass rate after every checkpoint: learning (its own splits) and forgetting (later splits)
+    lines += ["", "### Pass rate per rule after each split (mean of M over that rule's splits; mean over seeds ± "
+              "95% half-width)", "", "| method | rule | " + " | ".join(f"after {j + 1}" for j in range(K)) + " |",
+              "|---|---" + "|---" * K + "|"]
+    for recipe, rs in by.items():
+        rule_means = summary[recipe].get("rule_means") or claas_summary(rs)[recipe]["rule_means"]
+        for g, row in rule_means.items():
+            lines.append(f"| {label(recipe)} | `{g}` | " + " | ".join(_pm(v, 2) for v in row) + " |")
     for recipe, rs in by.items():
         M = summary[recipe].get("M_mean") or mean_matrix(rs)
         lines += ["", f"### {label(recipe)}: mean M[j, k] over {len(rs)} seed(s)", "",
-                  "| checkpoint \\ split | " + " | ".join(str(k + 1) for k in range(len(M))) + " |",
+                  "| checkpoint \\ split | " + " | ".join(_split_label(k) for k in range(len(M))) + " |",
                   "|---" * (len(M) + 1) + "|"]
         for j, row in enumerate(M):
             lines.append(f"| after split {j + 1} | "

@@ -174,11 +174,13 @@ class Environment:
     def __len__(self) -> int:
         return len(self._scenarios)
 
-    def stream(self, seed: int, num_splits: int, split_size: int | None = None):
+    def stream(self, seed: int, num_splits: int, split_size: int | None = None,
+               split_groups: Sequence[str] | None = None, group_key: str = "families"):
         """Deterministic shuffled stream cut into K splits (see :class:`ScenarioStream`)."""
         from claas_verl.envs.stream import ScenarioStream
 
-        return ScenarioStream(self._scenarios, seed=seed, num_splits=num_splits, split_size=split_size)
+        return ScenarioStream(self._scenarios, seed=seed, num_splits=num_splits, split_size=split_size,
+                              split_groups=split_groups, group_key=group_key)
 
     def close(self) -> None:
         """Release external resources (grader sandboxes). Idempotent; the base holds none."""

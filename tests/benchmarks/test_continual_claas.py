@@ -96,7 +96,30 @@ def test_report_tables():
     # A's mean M: row "after split 5" = (0.5+0.4+1)/3 x4, then (0.5+0.8+1)/3
     assert "| after split 5 | 0.63 | 0.63 | 0.63 | 0.63 | 0.77 |" in text
     assert "### claas/b: mean M[j, k] over 1 seed(s)" in text
+    assert ("| checkpoint \\ split | 1 (capital_start) | 2 (capital_start) | 3 (lowercase) | 4 (lowercase) | "
+            "5 (lowercase) |") in text
+    assert "Splits by rule (one rule per scenario, `claas.stream.split_groups`): 1: `capital_start`" in text
+    # rule means of method A, after split 1: capital_start (splits 1-2) per seed 0.5, (0.8+0.2)/2, 0.1
+    hw = T_975_2 * math.sqrt(((0.5 - 1.1 / 3) ** 2 + (0.5 - 1.1 / 3) ** 2 + (0.1 - 1.1 / 3) ** 2) / 2) / math.sqrt(3)
+    row = next(line for line in text.splitlines() if line.startswith("| claas/a | `capital_start` |"))
+    assert row.split(" | ")[2] == f"{1.1 / 3:.2f} ± {hw:.2f}"
+    row_b = next(line for line in text.splitlines() if line.startswith("| claas/b | `lowercase` |"))
+    assert row_b.endswith("| 0.00 | 0.00 | 0.33 | 0.33 | 0.33 |")
     assert "| after split 1 | 1.00 | 0.00 | 0.00 | 0.00 | 0.00 |" in text
+
+
+def test_group_means_by_hand():
+    # identity M with groups a, a, b, b, b: rule a's splits are 1-2, rule b's 3-5
+    g = CC.group_means(M_B, ["a", "a", "b", "b", "b"])
+    assert g == {"a": [0.5, 0.5, 0.0, 0.0, 0.0], "b": [0.0, 0.0, 1 / 3, 1 / 3, 1 / 3]}
+    # M_S2 (0.8 diagonal, 0.2 above, 0.4 below), the benchmark's own groups (capital_start x2, lowercase x3)
+    g = CC.group_means(M_S2)
+    assert g["capital_start"] == pytest.approx([0.5, 0.6, 0.4, 0.4, 0.4])
+    assert g["lowercase"] == pytest.approx([0.2, 0.2, (0.8 + 0.2 + 0.2) / 3, (0.4 + 0.8 + 0.2) / 3,
+                                            (0.4 + 0.4 + 0.8) / 3])
+    # a cell nobody could grade is left out of its mean
+    holes = [[None, 1.0, 0.5, 0.5, 0.5]] + [[0.0] * 5 for _ in range(4)]
+    assert CC.group_means(holes)["capital_start"][0] == 1.0
 
 
 def test_mean_reward_curve_averages_the_seeds_that_reached_each_update():
@@ -129,8 +152,34 @@ def test_overrides_carry_the_seed_and_k():
     for key in ("claas.stream.seed", "claas.seed", "actor_rollout_ref.rollout.seed"):
         assert f"{key}=1" in o1 and f"{key}=2" in o2
     assert "claas.stream.num_splits=5" in o1 and "trainer.experiment_name=claas_tiny_ppo_s2" in o2
-    size = CC.QUICK["split_size"]
-    assert f"claas.env.kwargs.num_scenarios={5 * size}" in o1  # the pool is exactly the stream: seeds reshuffle it
+    # one scenario pool for every seed: the seed picks which of its scenarios land in which split
+    assert "claas.env.kwargs.seed=0" in o1 and f"claas.env.kwargs.num_scenarios={CC.POOL_SIZE}" in o2
+
+
+@pytest.mark.parametrize("quick", [True, False])
+@pytest.mark.parametrize("recipe", CC.METHODS)
+def test_every_method_composes_into_the_grouped_stream(recipe, quick):
+    """Each method's recipe, composed by Hydra with the benchmark's overrides exactly as ``claas_run`` passes them,
+    builds the designed stream: split j holds only one-rule scenarios of SPLIT_GROUPS[j], S per split."""
+    from hydra import compose, initialize_config_dir
+
+    from claas_verl.envs import make_environment
+    from claas_verl.trainer.claas import ClaasConfig
+
+    with initialize_config_dir(config_dir=str(REPO / "recipes"), version_base=None):
+        cfg = compose(config_name=recipe, overrides=CC.run_overrides(recipe, 2, quick))
+    c = ClaasConfig.from_config(cfg.claas)
+    assert cfg.claas.eval.n_samples == CC.EVAL_SAMPLES
+    env = make_environment(c.env.name, **c.env.kwargs)
+    stream = env.stream(seed=c.stream.seed, num_splits=c.stream.num_splits, split_size=c.stream.split_size,
+                        split_groups=c.stream.split_groups, group_key=c.stream.group_key)
+    size = (CC.QUICK if quick else CC.FULL)["split_size"]
+    for j, group in enumerate(CC.SPLIT_GROUPS):
+        split = stream.split(j)
+        assert len(split) == size
+        assert all(s.meta["families"] == [group] for s in split)
+        assert all(s.num_turns == (CC.QUICK if quick else CC.FULL)["num_turns"] for s in split)
+    assert len(set(CC.SPLIT_GROUPS)) == 2 and set(CC.SPLIT_GROUPS) == set(CC.RULE_FAMILIES)
 
 
 def test_plots_are_written(tmp_path):
@@ -160,5 +209,7 @@ def test_quick_claas_run_through_main_claas(tiny, tmp_path):
     run_dir = Path(rec["run_dir"])
     assert run_dir == tmp_path / "runs" / "claas_tiny_reinforce_pp_s1"
     start = json.loads((run_dir / "claas_trace.jsonl").read_text().splitlines()[0])
-    assert start["claas"]["stream"] == {"seed": 1, "num_splits": 5, "split_size": CC.QUICK["split_size"]}
+    assert start["claas"]["stream"] == {"seed": 1, "num_splits": 5, "split_size": CC.QUICK["split_size"],
+                                        "split_groups": list(CC.SPLIT_GROUPS), "group_key": "families"}
+    assert rec["design"] == CC.DESIGN
     assert rec["seconds"] > 0

@@ -1,5 +1,6 @@
 """Built-in rule-following environment: verifiers on hand examples and generator determinism."""
 
+import hashlib
 import json
 import pickle
 
@@ -7,13 +8,17 @@ import pytest
 
 from claas_verl.envs import RuleFollowingEnv, RuleSetVerifier, Verdict
 from claas_verl.envs.rule_following import (
+    ALL_FAMILIES,
+    EXCLUSIVE,
     FAMILIES,
+    CapitalStartRule,
     ForbiddenTopicRule,
     JsonRule,
     LowercaseRule,
     MaxWordsRule,
     PrefixRule,
     SecretWordRule,
+    max_compatible,
 )
 
 
@@ -106,3 +111,58 @@ def test_env_validation():
         RuleFollowingEnv(3, families=["prefix", "json"], max_rules=2)
     with pytest.raises(ValueError, match="num_turns"):
         RuleFollowingEnv(3, num_turns=0)
+
+
+@pytest.mark.parametrize("text,ok", [
+    ("Hello there", True),
+    ("  Hello", True),            # leading whitespace is invisible to the reader
+    ("hello there", False),
+    ("42 is the answer", False),
+    ("", False),
+    ("...Sure", False),
+])
+def test_capital_start_rule(text, ok):
+    why = CapitalStartRule().violation(text)
+    assert (why is None) == ok
+    if not ok:
+        assert "capital letter" in why
+
+
+def test_capital_start_conflicts_with_lowercase_on_every_reply():
+    # the interference the CLaaS benchmark relies on: no reply satisfies both rules
+    for text in ("Hello", "hello", "HELLO", "", "  Abc", "123"):
+        both = CapitalStartRule().violation(text) is None and LowercaseRule().violation(text) is None
+        assert not both
+
+
+def test_max_compatible_hand_derived():
+    assert max_compatible(FAMILIES) == 5                    # all six but one of prefix / json
+    assert max_compatible(ALL_FAMILIES) == 5                # capital_start excludes lowercase, prefix and json
+    assert max_compatible(("lowercase", "capital_start")) == 1
+    assert max_compatible(("capital_start", "secret_word", "max_words")) == 3
+    with pytest.raises(ValueError, match="max_rules"):
+        RuleFollowingEnv(3, families=["lowercase", "capital_start"], max_rules=2)
+
+
+def test_exclusive_families_never_share_a_scenario():
+    env = RuleFollowingEnv(200, seed=5, min_rules=1, max_rules=5, families=ALL_FAMILIES)
+    seen = set()
+    for s in env.scenarios():
+        fams = set(s.meta["families"])
+        seen |= fams
+        assert not any(pair <= fams for pair in EXCLUSIVE), fams
+    assert seen == set(ALL_FAMILIES)
+
+
+def test_capital_start_is_opt_in_and_leaves_default_scenarios_unchanged():
+    assert "capital_start" not in FAMILIES
+    # digest of RuleFollowingEnv(40, seed=3) computed with the code before capital_start existed: adding a
+    # family must not change any default scenario (the recorded benchmark streams depend on them)
+    h = hashlib.sha256()
+    for s in RuleFollowingEnv(40, seed=3).scenarios():
+        h.update(repr((s.scenario_id, s.system_prompt, s.user_turns, s.meta["families"])).encode())
+    assert h.hexdigest() == "b3abf68be6b1b8f8b401cf7e5b805418e98924b85a3673a267703462a1573d1f"
+    mixed = RuleFollowingEnv(20, seed=0, max_rules=1, families=["lowercase", "capital_start"])
+    assert {s.meta["families"][0] for s in mixed.scenarios()} == {"lowercase", "capital_start"}
+    cap = next(s for s in mixed.scenarios() if s.meta["families"] == ["capital_start"])
+    assert cap.grade("Sure.", 0).reward == 1.0 and cap.grade("sure.", 0).reward == 0.0

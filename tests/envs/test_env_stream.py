@@ -72,3 +72,47 @@ def test_make_environment_by_name(tmp_path):
         make_environment("nope")
     with pytest.raises(ValueError, match="bad arguments"):
         make_environment("rule_following", num_scenario=3)
+
+
+# ---------------------------------------------------------------------------------------------- grouped splits
+@pytest.fixture(scope="module")
+def mixed():
+    return RuleFollowingEnv(40, seed=0, num_turns=2, max_rules=1, families=["lowercase", "capital_start"])
+
+
+def test_grouped_splits_draw_each_split_from_its_group_in_shuffled_order(mixed):
+    groups = ["lowercase", "lowercase", "capital_start", "capital_start", "lowercase"]
+    st = mixed.stream(seed=3, num_splits=5, split_size=4, split_groups=groups)
+    for j, g in enumerate(groups):
+        assert [s.meta["families"] for s in st.split(j)] == [[g]] * 4
+    # without replacement, and in the order of the seed's shuffle of the whole pool
+    order = [s.scenario_id for s in ScenarioStream(mixed.scenarios(), seed=3, num_splits=1, split_size=40)]
+    low = [i for i in order if i in {s.scenario_id for s in mixed.scenarios() if s.meta["families"] == ["lowercase"]}]
+    assert st.ids()[0] + st.ids()[1] + st.ids()[4] == low[:12]
+    assert len({i for split in st.ids() for i in split}) == 20
+    other = mixed.stream(seed=4, num_splits=5, split_size=4, split_groups=groups)
+    assert other.ids() != st.ids()                    # the seed picks which scenarios land in which split
+    assert mixed.stream(seed=3, num_splits=5, split_size=4, split_groups=groups).ids() == st.ids()
+
+
+def test_grouped_splits_validation(mixed):
+    n_low = sum(s.meta["families"] == ["lowercase"] for s in mixed.scenarios())
+    with pytest.raises(ValueError, match=r"group 'lowercase' need .* but the pool has "
+                                         rf"{n_low}.*raise claas.env.kwargs.num_scenarios"):
+        mixed.stream(seed=0, num_splits=2, split_size=n_low, split_groups=["lowercase", "lowercase"])
+    with pytest.raises(ValueError, match="one group per split"):
+        mixed.stream(seed=0, num_splits=3, split_size=2, split_groups=["lowercase"])
+    with pytest.raises(ValueError, match="'json'.*pool has 0"):
+        mixed.stream(seed=0, num_splits=1, split_size=2, split_groups=["json"])
+    with pytest.raises(ValueError, match=r"group_key.*meta\['topic'\]"):
+        mixed.stream(seed=0, num_splits=1, split_size=2, split_groups=["lowercase"], group_key="topic")
+
+
+def test_stream_config_validates_split_groups():
+    from claas_verl.trainer.claas.config import StreamConfig
+
+    assert StreamConfig(num_splits=2, split_size=3, split_groups=["a", "b"]).split_groups == ["a", "b"]
+    with pytest.raises(ValueError, match="claas.stream.split_groups has 1 entries but num_splits is 2"):
+        StreamConfig(num_splits=2, split_size=3, split_groups=["a"])
+    with pytest.raises(ValueError, match="needs claas.stream.split_size"):
+        StreamConfig(num_splits=1, split_size=None, split_groups=["a"])

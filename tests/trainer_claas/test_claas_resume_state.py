@@ -359,3 +359,16 @@ def test_chat_api_writes_pause_and_drain_for_a_capture():
     t.join()
     writer.join(2)
     assert len(pending) == 2 and sink.stats()["in_flight"] == 1
+
+
+def test_stream_identity_ignores_the_later_split_groups_keys_at_their_defaults():
+    # a checkpoint written before claas.stream.split_groups/group_key existed stays resumable ...
+    old = rs.config_identity(IDENTITY)
+    new_cfg = {**IDENTITY, "claas": {**IDENTITY["claas"], "stream": {
+        **IDENTITY["claas"]["stream"], "split_groups": None, "group_key": "families"}}}
+    rs.check_identity(old, rs.config_identity(new_cfg), "checkpoint")
+    # ... but a grouped stream is another stream
+    grouped = {**IDENTITY, "claas": {**IDENTITY["claas"], "stream": {
+        **IDENTITY["claas"]["stream"], "split_groups": ["lowercase", "capital_start"], "group_key": "families"}}}
+    with pytest.raises(rs.ResumeMismatch, match="claas.stream"):
+        rs.check_identity(old, rs.config_identity(grouped), "checkpoint")

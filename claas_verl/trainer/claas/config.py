@@ -45,15 +45,28 @@ class EnvConfig:
 
 @dataclass
 class StreamConfig:
-    """K contiguous splits of a shuffled stream (SPEC A.1.6; 001 §4: 100 scenarios, K = 5 splits of 20)."""
+    """K contiguous splits of a shuffled stream (SPEC A.1.6; 001 §4: 100 scenarios, K = 5 splits of 20).
+
+    ``split_groups`` (not in 001): one scenario group per split (``scenario.meta[group_key]``, e.g. the rule
+    families ``lowercase``), for a stream whose task changes from split to split (:class:`ScenarioStream`).
+    """
 
     seed: int = 0
     num_splits: int = 5
     split_size: int | None = 20
+    split_groups: list | None = None
+    group_key: str = "families"
 
     def __post_init__(self):
         if not isinstance(self.num_splits, int) or self.num_splits < 1:
             raise ValueError(f"claas.stream.num_splits must be an int >= 1, got {self.num_splits!r}")
+        if self.split_groups is not None:
+            self.split_groups = [str(g) for g in self.split_groups]
+            if len(self.split_groups) != self.num_splits:
+                raise ValueError(f"claas.stream.split_groups has {len(self.split_groups)} entries but num_splits is "
+                                 f"{self.num_splits}; give one group per split (or null for 001's shuffled splits)")
+            if self.split_size is None:
+                raise ValueError("claas.stream.split_groups needs claas.stream.split_size (scenarios per split)")
 
 
 @dataclass

@@ -95,7 +95,15 @@ def config_identity(config: Mapping | Callable[[str], Any]) -> dict[str, Any]:
     """The :data:`IDENTITY_KEYS` of a config (a plain nested dict, or a ``select(dotted_key)`` function such as
     ``lambda k: OmegaConf.select(cfg, k)``), JSON-normalised for comparison."""
     select = config if callable(config) else (lambda key: _lookup(config, key))
-    return {k: json.loads(json.dumps(select(k), sort_keys=True, default=str)) for k in IDENTITY_KEYS}
+    out = {k: json.loads(json.dumps(select(k), sort_keys=True, default=str)) for k in IDENTITY_KEYS}
+    stream = out.get("claas.stream")
+    if isinstance(stream, dict) and stream.get("split_groups") is None:
+        # claas.stream.split_groups/group_key came later: at their defaults (001's shuffled splits) the stream is
+        # the one checkpoints written before them describe, so those stay resumable
+        stream.pop("split_groups", None)
+        if stream.get("group_key", "families") == "families":
+            stream.pop("group_key", None)
+    return out
 
 
 def check_identity(saved: Mapping, current: Mapping, where: str) -> None:

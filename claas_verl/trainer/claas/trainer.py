@@ -309,7 +309,8 @@ class ClaasTrainer(PPOTrainer):
         c = self.claas
         self.env = make_environment(c.env.name, **c.env.kwargs)
         self.stream = self.env.stream(seed=c.stream.seed, num_splits=c.stream.num_splits,
-                                      split_size=c.stream.split_size)
+                                      split_size=c.stream.split_size, split_groups=c.stream.split_groups,
+                                      group_key=c.stream.group_key)
         per_split = min(self.stream.max_entries_per_split(c.entry_unit))
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")

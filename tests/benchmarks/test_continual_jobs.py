@@ -1,0 +1,78 @@
+"""How benchmarks/continual.py runs its jobs: --jobs N in parallel, every finished run saved at once, a failed run
+reported after the others finished (exit 1) and retried by the same command, records of an older CLaaS stream
+design dropped and rerun. The trainer job is replaced by a function returning a record: what is tested here is
+the orchestration around it (the real jobs are tests/benchmarks/test_continual_claas.py::test_quick_claas_run_*)."""
+
+from __future__ import annotations
+
+import json
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+import continual_claas as CC  # noqa: E402  (the module continual.main imports)
+
+from benchmarks import continual as C  # noqa: E402
+
+RECIPE = "claas/tiny_no_update"
+
+
+def _record(recipe: str, seed: int, final: float) -> dict:
+    M = [[final] * 5 for _ in range(5)]
+    return {"recipe": recipe, "seed": seed, "kind": "claas", "design": CC.DESIGN, "M": M,
+            "stage_scores": {j + 1: {f"split_{k + 1}": final for k in range(5)} for j in range(5)},
+            "final_avg": final, "forgetting": 0.0, "forward_transfer": final, "reward_curve": [], "updates": 0,
+            "rollout_mean_reward": final, "seconds": 1.0}
+
+
+def test_parallel_jobs_overlap_and_a_failure_loses_no_other_run(tmp_path, monkeypatch, capsys):
+    both_in_flight = threading.Barrier(2, timeout=60)
+    calls = []
+
+    def job(recipe, seed, out, quick, extra):
+        calls.append(seed)
+        both_in_flight.wait()  # raises BrokenBarrierError unless the two jobs really run at the same time
+        if seed == 2:
+            raise RuntimeError("the trainer job died")
+        return _record(recipe, seed, 0.25)
+
+    monkeypatch.setattr(CC, "claas_run", job)
+    rc = C.main(["--recipes", RECIPE, "--seeds", "1,2", "--jobs", "2", "--out", str(tmp_path)])
+    assert rc == 1 and sorted(calls) == [1, 2]
+    saved = json.loads((tmp_path / "results.json").read_text())
+    assert [(r["recipe"], r["seed"]) for r in saved["runs"]] == [(RECIPE, 1)]  # the finished run is kept
+    err = capsys.readouterr().err
+    assert f"{RECIPE} seed 2 FAILED: the trainer job died" in err and "run the same command again" in err
+
+    # the same command again runs only the failed seed
+    calls.clear()
+    monkeypatch.setattr(CC, "claas_run", lambda recipe, seed, *a: calls.append(seed) or _record(recipe, seed, 0.75))
+    assert C.main(["--recipes", RECIPE, "--seeds", "1,2", "--jobs", "2", "--out", str(tmp_path)]) == 0
+    assert calls == [2]
+    saved = json.loads((tmp_path / "results.json").read_text())
+    assert sorted((r["seed"], r["final_avg"]) for r in saved["runs"]) == [(1, 0.25), (2, 0.75)]
+    assert saved["summary"][RECIPE]["final_avg"][0] == pytest.approx(0.5)
+    assert (tmp_path / "report.md").exists()
+
+
+def test_claas_records_of_an_older_stream_design_are_run_again(tmp_path, monkeypatch):
+    old = _record(RECIPE, 1, 0.9)
+    del old["design"]  # written before the grouped stream (DESIGN 2)
+    (tmp_path / "results.json").write_text(json.dumps({"runs": [old]}))
+    calls = []
+    monkeypatch.setattr(CC, "claas_run", lambda recipe, seed, *a: calls.append(seed) or _record(recipe, seed, 0.1))
+    assert C.main(["--recipes", RECIPE, "--seeds", "1", "--out", str(tmp_path)]) == 0
+    assert calls == [1]
+    runs = json.loads((tmp_path / "results.json").read_text())["runs"]
+    assert [(r["seed"], r["final_avg"], r["design"]) for r in runs] == [(1, 0.1, CC.DESIGN)]
+
+
+def test_jobs_must_be_positive(tmp_path):
+    with pytest.raises(SystemExit):
+        C.main(["--recipes", RECIPE, "--jobs", "0", "--out", str(tmp_path)])
