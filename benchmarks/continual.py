@@ -305,6 +305,12 @@ def main(argv: list[str] | None = None) -> int:
     if any(r["recipe"] == PAIRED_BASELINE for r in mopd):
         results["paired"] = {"baseline": PAIRED_BASELINE,
                              "differences": B.paired_differences(mopd, PAIRED_BASELINE)}
+    claas = [r for r in results["runs"] if r.get("kind") == "claas"]
+    if claas:
+        from continual_claas import BASELINE, claas_paired
+
+        if any(r["recipe"] == BASELINE for r in claas):
+            results["claas_paired"] = {"baseline": BASELINE, "differences": claas_paired(claas)}
     if manifest is not None:
         results["bundle"] = {k: manifest[k] for k in ("domains", "accuracy", "accuracy_protocol", "sizes")}
         # π0 and the experts as the snapshots were scored, per seed of the runs (reference_scores.json)

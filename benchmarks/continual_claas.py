@@ -52,7 +52,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from benchmarks.bench_jobs import job_env, run_job, tagged  # noqa: E402
-from claas_verl.metrics.benchmark import mean_half_width, summarize  # noqa: E402  (pure python)
+from claas_verl.metrics.benchmark import mean_half_width, paired_differences, summarize  # noqa: E402  (pure python)
 
 K = 5
 # Version of the stream design below: records of an older design are dropped from results.json and rerun.
@@ -63,6 +63,7 @@ POOL_SIZE = 60      # the scenario pool (fixed: claas.env.kwargs.seed=0); each g
 EVAL_SAMPLES = 4    # replies per graded step in M's evaluation
 METRIC_KEYS = ("final_avg", "forgetting", "forward_transfer")
 METHODS = ("claas/tiny_reinforce_pp", "claas/tiny_ppo", "claas/tiny_sdpo", "claas/tiny_icl", "claas/tiny_no_update")
+BASELINE = "claas/tiny_no_update"  # every method is also compared with it seed by seed (claas_paired)
 LABELS = {"claas/tiny_reinforce_pp": "REINFORCE++", "claas/tiny_ppo": "PPO", "claas/tiny_sdpo": "SDPO",
           "claas/tiny_icl": "ICL", "claas/tiny_no_update": "no update"}
 
@@ -230,6 +231,25 @@ def claas_summary(runs: Sequence[Mapping]) -> dict:
     return out
 
 
+def claas_paired(runs: Sequence[Mapping], baseline: str = BASELINE) -> dict:
+    """Each method minus ``baseline``, seed by seed (the same seed gives both the same splits, so the pairing
+    removes which scenarios landed where): ``{recipe: {"seeds": [...], "final_avg" / "forgetting" /
+    "forward_transfer": [mean, hw], "rule_means": {rule: [[mean, hw] after split j, ...]}}}``."""
+    out = paired_differences(runs, baseline, METRIC_KEYS)
+    base = {int(r["seed"]): group_means(r["M"]) for r in runs if r["recipe"] == baseline}
+    for recipe, row in out.items():
+        mine = {int(r["seed"]): group_means(r["M"]) for r in runs if r["recipe"] == recipe}
+        seeds = row["seeds"]
+
+        def diff(g: str, j: int, s: int) -> float | None:
+            a, b = mine[s][g][j], base[s][g][j]
+            return None if a is None or b is None else a - b
+
+        row["rule_means"] = {g: [mean_half_width([diff(g, j, s) for s in seeds]) for j in range(K)]
+                             for g in dict.fromkeys(SPLIT_GROUPS)}
+    return out
+
+
 def _pm(pair, digits: int = 3) -> str:
     m, hw = pair
     if m is None:
@@ -276,6 +296,16 @@ def claas_report(runs: Sequence[Mapping], summary: Mapping) -> str:
         rule_means = summary[recipe].get("rule_means") or claas_summary(rs)[recipe]["rule_means"]
         for g, row in rule_means.items():
             lines.append(f"| {label(recipe)} | `{g}` | " + " | ".join(_pm(v, 2) for v in row) + " |")
+    paired = claas_paired(runs)
+    if paired:
+        lines += ["", f"### Paired with {label(BASELINE)}, seed by seed (method − baseline; mean ± 95% half-width)",
+                  "", "| method | seeds | final | forgetting | FWT | "
+                  + " | ".join(f"`{g}` after {j + 1}" for g in dict.fromkeys(SPLIT_GROUPS) for j in range(K)) + " |",
+                  "|---|---|---|---|---" + "|---" * (K * len(set(SPLIT_GROUPS))) + "|"]
+        for recipe, row in paired.items():
+            cells = [_pm(v, 2) for g in dict.fromkeys(SPLIT_GROUPS) for v in row["rule_means"][g]]
+            lines.append(f"| {label(recipe)} | {len(row['seeds'])} | {_pm(row['final_avg'])} | "
+                         f"{_pm(row['forgetting'])} | {_pm(row['forward_transfer'])} | " + " | ".join(cells) + " |")
     for recipe, rs in by.items():
         M = summary[recipe].get("M_mean") or mean_matrix(rs)
         lines += ["", f"### {label(recipe)}: mean M[j, k] over {len(rs)} seed(s)", "",

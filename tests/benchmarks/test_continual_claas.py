@@ -122,6 +122,37 @@ def test_group_means_by_hand():
     assert CC.group_means(holes)["capital_start"][0] == 1.0
 
 
+def test_paired_with_the_baseline_by_hand():
+    # baseline claas/b has seed 1 only (identity M): A's seed 1 (every cell 0.5) is the one pair
+    out = CC.claas_paired(_runs(), baseline="claas/b")
+    assert list(out) == ["claas/a"] and out["claas/a"]["seeds"] == [1]
+    row = out["claas/a"]
+    assert row["final_avg"] == [pytest.approx(0.5 - 0.2), None]          # one pair: no interval
+    assert row["forgetting"][0] == pytest.approx(0.0 - 1.0)
+    assert row["forward_transfer"][0] == pytest.approx(0.5 - 0.0)
+    # identity's capital_start (splits 1-2) means: 0.5, 0.5, 0, 0, 0; lowercase: 0, 0, 1/3, 1/3, 1/3
+    assert [v for v, _ in row["rule_means"]["capital_start"]] == pytest.approx([0.0, 0.0, 0.5, 0.5, 0.5])
+    assert [v for v, _ in row["rule_means"]["lowercase"]] == pytest.approx([0.5, 0.5, 0.5 - 1 / 3, 0.5 - 1 / 3,
+                                                                              0.5 - 1 / 3])
+    # two paired seeds give an interval: A (seeds 1, 2) against itself shifted by +0.1 in every cell
+    shifted = [dict(r, recipe="claas/base", M=[[v - 0.1 for v in row] for row in r["M"]],
+                    final_avg=r["final_avg"] - 0.1, forgetting=r["forgetting"], forward_transfer=r["forward_transfer"])
+               for r in _runs() if r["recipe"] == "claas/a" and r["seed"] in (1, 2)]
+    both = CC.claas_paired([r for r in _runs() if r["recipe"] == "claas/a"] + shifted, baseline="claas/base")
+    assert both["claas/a"]["seeds"] == [1, 2]
+    m, hw = both["claas/a"]["final_avg"]
+    assert m == pytest.approx(0.1) and hw == pytest.approx(0.0, abs=1e-9)
+    assert all(v == pytest.approx(0.1) for v, _ in both["claas/a"]["rule_means"]["lowercase"])
+    # the report carries the paired table when the baseline ran
+    text = CC.claas_report(_runs(), CC.claas_summary(_runs()))
+    assert "Paired with no update" not in text  # the hand-made runs have no claas/tiny_no_update
+    runs = _runs() + [dict(r, recipe=CC.BASELINE) for r in _runs() if r["recipe"] == "claas/b"]
+    text = CC.claas_report(runs, CC.claas_summary(runs))
+    assert "### Paired with no update, seed by seed" in text
+    assert next(line for line in text.splitlines() if line.startswith("| claas/a | 1 |")).startswith(
+        "| claas/a | 1 | 0.300 | -1.000 | 0.500 | 0.00 | 0.00 | 0.50 |")
+
+
 def test_mean_reward_curve_averages_the_seeds_that_reached_each_update():
     runs = [{"reward_curve": [[1, 0.0], [2, 1.0]]}, {"reward_curve": [[1, 1.0], [2, 1.0], [3, 0.5]]}, {}]
     assert CC.mean_reward_curve(runs) == [[1, 0.5], [2, 1.0], [3, 0.5]]
