@@ -239,15 +239,14 @@ def claas_paired(runs: Sequence[Mapping], baseline: str = BASELINE) -> dict:
     base = {int(r["seed"]): group_means(r["M"]) for r in runs if r["recipe"] == baseline}
     for recipe, row in out.items():
         mine = {int(r["seed"]): group_means(r["M"]) for r in runs if r["recipe"] == recipe}
-        seeds = row["seeds"]
-
-        def diff(g: str, j: int, s: int) -> float | None:
-            a, b = mine[s][g][j], base[s][g][j]
-            return None if a is None or b is None else a - b
-
-        row["rule_means"] = {g: [mean_half_width([diff(g, j, s) for s in seeds]) for j in range(K)]
+        row["rule_means"] = {g: [mean_half_width([_diff(mine[s][g][j], base[s][g][j]) for s in row["seeds"]])
+                                 for j in range(K)]
                              for g in dict.fromkeys(SPLIT_GROUPS)}
     return out
+
+
+def _diff(a: float | None, b: float | None) -> float | None:
+    return None if a is None or b is None else a - b
 
 
 def _pm(pair, digits: int = 3) -> str:

@@ -34,7 +34,11 @@ def test_recovery_is_one_more_scored_stage_and_joint_is_one_unstaged_stage():
 def test_command_line_mopd_overrides_reach_the_scored_protocol_and_others_are_left_to_the_trainer():
     m = C.recipe_stages("mopd/gym_replay_kl", [*C.QUICK_MOPD_OVERRIDES, "mopd.eval.prompts=8",
                                                "actor_rollout_ref.rollout.seed=3"])
-    assert m["eval"]["prompts"] == 8 and m["stage_domains"][3] == ALL
+    assert m["eval"]["prompts"] == 8
+    # --quick: the first two domains, stage 2 shortened to 8 blocks
+    assert m["order"] == ["spell", "reverse"] and m["stage_domains"] == {1: ["spell"], 2: ["spell", "reverse"]}
+    full = C.recipe_stages("mopd/gym_replay_kl", [])
+    assert full["stage_domains"][3] == ALL
     with pytest.raises(ValueError, match="top_p"):
         C.recipe_stages("mopd/gym_seq", ["mopd.train.top_p=0.9"])
 
@@ -98,3 +102,25 @@ def test_a_finished_run_is_scored_from_its_stage_snapshots(fake_gym, tmp_path, m
     (run / "snapshots" / "student_2" / "config.json").unlink()
     with pytest.raises(FileNotFoundError, match="stage-2 snapshot"):
         C.mopd_run("mopd/gym_seq", 1, tmp_path, False, small)
+
+
+def test_report_names_the_domains_the_runs_learned():
+    """--quick learns spell and reverse only: the report's title, reference table and stage tables say so."""
+    from claas_verl.metrics import benchmark as B
+
+    stage_scores = {1: {"spell": 0.3}, 2: {"spell": 0.2, "reverse": 0.0}}
+    ref = {"student": {"spell": 0.25, "reverse": 0.0, "arith": 0.07},
+           "expert:spell": {"spell": 0.99, "reverse": 0.0, "arith": 0.0},
+           "expert:reverse": {"spell": 0.06, "reverse": 0.65, "arith": 0.0},
+           "expert:arith": {"spell": 0.0, "reverse": 0.0, "arith": 0.39}}
+    metrics = B.run_metrics(stage_scores, ["spell", "reverse"], staged=True, base=ref["student"],
+                            experts={k: v for k, v in ref.items() if k.startswith("expert:")})
+    run = {"recipe": "mopd/gym_seq", "seed": 1, "order": ["spell", "reverse"], "stage_scores": stage_scores,
+           "kl_to_expert": {1: {"spell": 4.0}, 2: {"spell": 5.0, "reverse": 3.0}}, **metrics,
+           "eval": {"prompts": 48, "samples": 4, "max_new_tokens": 40, "temperature": 1.0}}
+    results = {"summary": B.summarize([run]), "references": {"1:{}": ref}}
+    text = "\n".join(C.mopd_report([run], results))
+    assert "## MOPD: two reasoning-gym domains, spell → reverse" in text
+    assert "| model | spell | reverse |" in text and "expert:arith" not in text
+    assert "| 2 | 0.200 (5.000) | 0.000 (3.000) |" in text
+    assert metrics["forgetting"] == pytest.approx(0.1)
