@@ -10,7 +10,7 @@ The stream (:data:`DESIGN`), chosen so that the tiny random model can learn and 
 ``capital_start`` (the reply starts with a capital letter) or ``lowercase`` (no capital letter anywhere), two
 rules no reply satisfies together. The tiny model's 12-token samples pass them about 38% and 25% of the time by
 chance, so a reward signal exists from the first update, and a REINFORCE++ LoRA policy learns either one alone
-within about a dozen updates (one seed each: 0.38 -> 0.92 and 0.25 -> 0.92 after 15 updates). Splits 1-2 are
+within about a dozen updates (a stream of one rule only, one seed each: 0.92 and 0.93 after 15 updates). Splits 1-2 are
 ``capital_start``, splits 3-5 ``lowercase`` (``claas.stream.split_groups``): a policy that learns the first rule
 as a habit instead of reading the system prompt loses it while it learns the second, the forgetting that M's
 columns 1-2 show. Designed on seeds 1-2 (the README's run uses seeds 3-5). Rejected designs, measured: 001's mixed
