@@ -111,8 +111,12 @@ def test_harmful_safe_rate_with_the_repository_prompt(tmp_path, judge_server):
     n0 = len(judge_server.requests)
     scores, stats, _ = score_benchmark("StrongREJECT", items, comps, judge=judge)
     assert scores == {"StrongREJECT": 50.0} and stats["judge_unparsed"] == 0.25
-    sent = judge_server.requests[n0]["messages"]
-    assert len(sent) == 1 and "[ASSISTANT]\nSorry." in sent[0]["content"] and items[0]["question"] in sent[0]["content"]
+    # the judge's requests run concurrently: their arrival order is not the completions' order
+    sent = [r["messages"] for r in judge_server.requests[n0:]]
+    assert len(sent) == 4 and all(len(m) == 1 for m in sent)
+    first = [m[0]["content"] for m in sent if items[0]["question"] in m[0]["content"]]
+    assert len(first) == 2 and any("[ASSISTANT]\nSorry." in c for c in first)
+    assert any("[ASSISTANT]\nHere is how to do it." in c for c in first)
 
 
 def test_judged_benchmark_without_judge_is_an_error():
