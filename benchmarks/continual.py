@@ -95,20 +95,47 @@ def gym_manifest() -> dict:
     return json.loads(paths.manifest.read_text())
 
 
+def run_extra(quick: bool, extra: list[str]) -> list[str]:
+    """The overrides that make a MOPD run of this mode differ from the recipe's own (beyond name and seed)."""
+    return [*(QUICK_MOPD_OVERRIDES if quick else []), *extra]
+
+
+# Records written before they carried their overrides: the full runs had none, the quick ones a 3-domain plan.
+LEGACY_QUICK_OVERRIDES = ["mopd.domains.reverse.num_blocks=8", "mopd.domains.arith.num_blocks=2"]
+
+
+def current_record(r: dict, quick: bool, extra: list[str]) -> bool:
+    """Whether a saved record is a run of this command: same evaluation (MOPD) or stream design (CLaaS), and the
+    same overrides. Others are scored again from their run directories when the job was the same, else rerun."""
+    from continual_claas import DESIGN as CLAAS_DESIGN
+
+    if r.get("kind") == "claas":
+        return r.get("design") == CLAAS_DESIGN and r.get("overrides", []) == list(extra) \
+            and bool(r.get("quick")) == quick
+    legacy = LEGACY_QUICK_OVERRIDES if r.get("quick") else []
+    return (r.get("eval_version") == EVAL_VERSION and bool(r.get("quick")) == quick
+            and r.get("overrides", legacy) == run_extra(quick, extra))
+
+
+def mopd_job_args(recipe: str, seed: int, quick: bool, extra: list[str]) -> list[str]:
+    """The trainer job's arguments after the interpreter (also what a run directory's FINISHED marker records)."""
+    return ["-m", "claas_verl.main_mopd", f"--config-name={recipe}",
+            f"trainer.experiment_name={run_name(recipe, seed)}", f"actor_rollout_ref.rollout.seed={seed}",
+            f"actor_rollout_ref.actor.data_loader_seed={seed}", *RUN_OVERRIDES, *run_extra(quick, extra)]
+
+
 def mopd_run(recipe: str, seed: int, out: Path, quick: bool, extra: list[str]) -> dict:
     """One MOPD method under one seed through ``python -m claas_verl.main_mopd``; returns its run record."""
     name = run_name(recipe, seed)
     runs = out / "runs"
     runs.mkdir(parents=True, exist_ok=True)
-    overrides = [f"trainer.experiment_name={name}", f"actor_rollout_ref.rollout.seed={seed}",
-                 f"actor_rollout_ref.actor.data_loader_seed={seed}", *RUN_OVERRIDES,
-                 *(QUICK_MOPD_OVERRIDES if quick else []), *extra]
-    cmd = [sys.executable, "-m", "claas_verl.main_mopd", f"--config-name={recipe}", *overrides]
+    cmd = [sys.executable, *mopd_job_args(recipe, seed, quick, extra)]
     finished = runs / name / FINISHED
-    if finished.exists():  # the job ended but its record was not saved (a kill or an error while scoring)
+    if finished.exists() and json.loads(finished.read_text()).get("cmd") == cmd[1:]:
+        # the same job ended but its record was not saved (a kill or an error while scoring)
         seconds = float(json.loads(finished.read_text())["seconds"])
     else:
-        if (runs / name).exists():  # a job killed half-way: start it again from scratch (resume is disabled)
+        if (runs / name).exists():  # killed half-way, or run with other overrides: start again from scratch
             shutil.rmtree(runs / name)
         seconds = run_job(cmd, job_env(CLAAS_OUT_DIR=str(runs)), runs / f"{name}.log", tagged(name, _echo))
         finished.write_text(json.dumps({"seconds": seconds, "cmd": cmd[1:]}) + "\n")
@@ -134,7 +161,8 @@ def _score_run(recipe: str, seed: int, out: Path, quick: bool, extra: list[str],
                             experts=experts)
     return {"recipe": recipe, "seed": seed, "kind": "mopd", "quick": quick, "order": method["order"],
             "stage_scores": stage_scores, "kl_to_expert": full_kl, **metrics, "eval": protocol,
-            "eval_version": EVAL_VERSION, "trainer_stage_scores": trainer_scores, "run_dir": str(runs / name),
+            "eval_version": EVAL_VERSION, "overrides": run_extra(quick, extra),
+            "trainer_stage_scores": trainer_scores, "run_dir": str(runs / name),
             "seconds": round(seconds, 1)}
 
 
@@ -262,13 +290,10 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
 
     results = _load(out)
-    # MOPD records scored by an older evaluation are scored again from their run directories (the jobs are not
-    # rerun); CLaaS records of an older stream design are dropped and rerun (another stream is another experiment)
-    from continual_claas import DESIGN as CLAAS_DESIGN
-
-    results["runs"] = [r for r in results["runs"]
-                       if (r.get("design") == CLAAS_DESIGN if r.get("kind") == "claas"
-                           else r.get("eval_version") == EVAL_VERSION)]
+    # records of another evaluation, stream design, mode or overrides are not this command's: MOPD ones are scored
+    # again from their run directories when the job was the same (mopd_run compares the job's command), the rest
+    # rerun
+    results["runs"] = [r for r in results["runs"] if current_record(r, args.quick, extra)]
     done = {(r["recipe"], int(r["seed"])) for r in results["runs"]}
     manifest = gym_manifest() if any(r.startswith("mopd/") for r in recipes) else None
     t0 = time.time()

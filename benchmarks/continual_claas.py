@@ -174,6 +174,7 @@ def claas_run(recipe: str, seed: int, out_dir: Path, quick: bool, extra: list[st
     seconds = run_job(cmd, job_env(CLAAS_OUT_DIR=str(runs)), runs / f"{name}.log", tagged(name, _echo))
     record = record_from_run_dir(recipe, seed, run_dir, seconds)
     record["quick"] = bool(quick)
+    record["overrides"] = list(extra)
     return record
 
 

@@ -76,3 +76,31 @@ def test_claas_records_of_an_older_stream_design_are_run_again(tmp_path, monkeyp
 def test_jobs_must_be_positive(tmp_path):
     with pytest.raises(SystemExit):
         C.main(["--recipes", RECIPE, "--jobs", "0", "--out", str(tmp_path)])
+
+
+def test_saved_records_count_only_for_the_command_that_made_them():
+    full_mopd = {"kind": "mopd", "quick": False, "eval_version": C.EVAL_VERSION}  # written before "overrides"
+    assert C.current_record(full_mopd, quick=False, extra=[])
+    assert not C.current_record(full_mopd, quick=False, extra=["mopd.domains.spell.num_blocks=4"])
+    assert not C.current_record(full_mopd, quick=True, extra=[])
+    # a quick record of the old 3-domain plan is not a run of today's 2-domain --quick
+    old_quick = {"kind": "mopd", "quick": True, "eval_version": C.EVAL_VERSION}
+    assert not C.current_record(old_quick, quick=True, extra=[])
+    new_quick = dict(old_quick, overrides=C.run_extra(True, []))
+    assert C.current_record(new_quick, quick=True, extra=[])
+    assert not C.current_record(dict(full_mopd, eval_version=1), quick=False, extra=[])
+    claas = _record(RECIPE, 1, 0.5)
+    assert C.current_record(claas, quick=False, extra=[])
+    assert not C.current_record(claas, quick=False, extra=["claas.m=8"])
+    assert C.current_record(dict(claas, overrides=["claas.m=8"]), quick=False, extra=["claas.m=8"])
+
+
+def test_a_rerun_with_other_overrides_replaces_the_saved_records(tmp_path, monkeypatch):
+    calls = []
+    monkeypatch.setattr(CC, "claas_run", lambda recipe, seed, out, quick, extra: calls.append(extra) or
+                        dict(_record(recipe, seed, 0.2 if extra else 0.1), overrides=list(extra)))
+    assert C.main(["--recipes", RECIPE, "--seeds", "1", "--out", str(tmp_path)]) == 0
+    assert C.main(["--recipes", RECIPE, "--seeds", "1", "--out", str(tmp_path), "claas.m=8"]) == 0
+    assert calls == [[], ["claas.m=8"]]
+    runs = json.loads((tmp_path / "results.json").read_text())["runs"]
+    assert [(r["final_avg"], r["overrides"]) for r in runs] == [(0.2, ["claas.m=8"])]

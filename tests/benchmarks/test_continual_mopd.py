@@ -80,8 +80,9 @@ def test_a_finished_run_is_scored_from_its_stage_snapshots(fake_gym, tmp_path, m
     run = tmp_path / "runs" / C.run_name("mopd/gym_seq", 1)
     for st in (1, 2, 3):
         save_model(model(100 + st), tok, run / "snapshots" / f"student_{st}")
-    (run / C.FINISHED).write_text('{"seconds": 12.5}\n')
     small = ["mopd.eval.prompts=2", "mopd.eval.responses_per_prompt=1"]
+    (run / C.FINISHED).write_text(C.json.dumps({"seconds": 12.5, "cmd": C.mopd_job_args("mopd/gym_seq", 1, False,
+                                                                                      small)}))
     rec = C.mopd_run("mopd/gym_seq", 1, tmp_path, False, small)
     assert rec["eval_version"] == C.EVAL_VERSION and rec["seconds"] == 12.5
     assert rec["eval"] == {"prompts": 2, "samples": 1, "max_new_tokens": 40, "temperature": 1.0}
