@@ -366,6 +366,9 @@ class RuleFollowingEnv(Environment):
         unknown = set(families) - set(ALL_FAMILIES)
         if unknown:
             raise ValueError(f"families: unknown {sorted(unknown)}; choose from {ALL_FAMILIES}")
+        if len(set(families)) != len(families):  # a repeated family would repeat its rule (and grow max_compatible)
+            dup = sorted({f for f in families if families.count(f) > 1})
+            raise ValueError(f"families: {dup} listed more than once; list each family once")
         if num_scenarios < 1:
             raise ValueError(f"num_scenarios must be >= 1, got {num_scenarios}")
         if num_turns < 1:

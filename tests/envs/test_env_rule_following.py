@@ -111,6 +111,9 @@ def test_env_validation():
         RuleFollowingEnv(3, families=["prefix", "json"], max_rules=2)
     with pytest.raises(ValueError, match="num_turns"):
         RuleFollowingEnv(3, num_turns=0)
+    # repeated families are refused up front (max_compatible enumerates subsets: 2^len(families))
+    with pytest.raises(ValueError, match=r"families: \['lowercase'\] listed more than once"):
+        RuleFollowingEnv(3, families=["lowercase"] * 40)
 
 
 @pytest.mark.parametrize("text,ok", [
