@@ -34,6 +34,7 @@ def test_overridden_methods_keep_their_signatures():
         "_load_checkpoint": ["self"],
         "_init_dataloader": ["self"],
         "_init_resource_pool_mgr": ["self"],
+        "_build_replay_buffer": ["self"],
         "_compute_metrics": ["self", "batch", "metrics", "timing_raw", "global_steps", "epoch"],
     }
     for name, params in expected.items():
@@ -51,6 +52,7 @@ def test_instance_attributes_are_still_assigned(where, needle):
     module = {
         "PPOTrainer": "verl.trainer.ppo.v1.trainer_base",
         "FSDPEngine": "verl.workers.engine.fsdp.transformer_impl",
+        "ReplayBuffer": "verl.trainer.ppo.v1.replay_buffer",
     }[owner]
     src = inspect.getsource(getattr(getattr(importlib.import_module(module), owner), method))
     assert f"{needle} =" in src, f"{owner}.{method} no longer assigns {needle}"
@@ -161,3 +163,22 @@ def test_teacher_precision_follows_mopd_train_teacher_dtype(tiny_dir):
     assert engine._autocast_dtype == torch.bfloat16
     with pytest.raises(ValueError, match="teacher_dtype"):
         vc.apply_teacher_dtype(types.SimpleNamespace(), "fp32_bf16_autocast")
+
+
+def test_sampler_poll_interval_comes_from_the_recipe_and_bad_values_name_the_key():
+    from types import SimpleNamespace
+
+    from omegaconf import OmegaConf
+    from verl.trainer.ppo.v1.replay_buffer import ReplayBuffer
+
+    from claas_verl.trainer.mopd.trainer import MOPDTrainer
+
+    assert "poll_interval" in inspect.signature(ReplayBuffer.__init__).parameters
+    sampler = SimpleNamespace(poll_interval=2.0)
+    trainer = SimpleNamespace(config=OmegaConf.create({"mopd": {"sampler_poll_s": 0.05}}))
+    assert MOPDTrainer.mopd_tune_sampler(trainer, sampler) is sampler and sampler.poll_interval == 0.05
+    for bad in (0, -1, 120, "fast", True):
+        trainer.config.mopd.sampler_poll_s = bad
+        with pytest.raises(ValueError, match="mopd.sampler_poll_s"):
+            MOPDTrainer.mopd_tune_sampler(trainer, sampler)
+    assert sampler.poll_interval == 0.05  # a refused value changes nothing

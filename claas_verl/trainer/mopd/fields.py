@@ -3,13 +3,15 @@
 TransferQueue and verl's tensordict utilities treat the LAST dimension of a nested tensor as the ragged one,
 so a ``[B, T, K]`` tensor of top-k values does not survive the trip. Two ways around it:
 
-* **flattened rows** (the fields the trainer writes: ids, S, advantages): ONE field per quantity, row ``b``
-  holding its ``T_b × K`` values row-major (:func:`pack_rows` / :func:`unpack_rows`). TransferQueue encodes
-  every (row, field) pair separately, so K fields per quantity made a step cost grow with κ (measured on 2
-  CPU cores, 64 responses: κ = 32 about 3 s, κ = 261 about 30 s); one field per quantity does not.
+* **flattened rows** (every field that enters TransferQueue: ids, S, Q, advantages): ONE field per quantity,
+  row ``b`` holding its ``T_b × K`` values row-major (:func:`pack_rows` / :func:`unpack_rows`). TransferQueue
+  encodes every (row, field) pair separately, so K fields per quantity made a step cost grow with κ (measured
+  on 2 CPU cores, 64 responses: κ = 32 about 3 s, κ = 261 about 30 s); one field per quantity does not.
 * **K fields** ``<prefix><j>`` of shape ``[N]`` (j = 0..K-1): what a logits processor returns, since verl's
   engine requires every processor output to have exactly one value per packed token
-  (``FSDPEngineWithLMHead.prepare_model_outputs``); re-stacked into ``[..., K]`` where it is used.
+  (``FSDPEngineWithLMHead.prepare_model_outputs``). The worker folds them into one flattened-rows field
+  (:data:`FOLDED`) before its output reaches TransferQueue: at κ = 128 the K-field round trip through the
+  trainer cost about 1.5 s of a 9 s CPU step, per forward.
 
 Two layouts appear:
 
@@ -30,10 +32,13 @@ STUDENT_IDS_PACKED = "mopd_sid_packed_"  # student top-k ids, packed layout (pre
 STUDENT_LP_PACKED = "mopd_slp_packed_"  # student top-k log-probs S, packed layout
 TEACHER_LP_PACKED = "mopd_tlp_packed_"  # teacher log-probs Q at the student's ids, packed layout
 CURRENT_LP_PACKED = "mopd_clp_packed_"  # differentiable log π_θ at the stored ids, packed (update forward)
-# Trainer-written fields: one flattened-rows field each (pack_rows), response layout.
+# TransferQueue fields: one flattened-rows field each (pack_rows), response layout.
 TOPK_IDS = "mopd_ids"  # student top-k ids
 STUDENT_LP = "mopd_slp"  # student top-k log-probs S (θ_old)
+TEACHER_LP = "mopd_tlp"  # teacher log-probs Q at the student's ids (worker-written, from TEACHER_LP_PACKED)
 ADVANTAGES = "mopd_adv"  # per-candidate advantages A
+# The worker's output: K packed logits-processor fields -> the one flattened-rows field TransferQueue carries.
+FOLDED = {STUDENT_IDS_PACKED: TOPK_IDS, STUDENT_LP_PACKED: STUDENT_LP, TEACHER_LP_PACKED: TEACHER_LP}
 
 # Non-tensor keys the trainer puts on a batch to tell the loss function what a forward is for.
 PHASE_KEY = "mopd_phase"

@@ -40,7 +40,7 @@ from verl.utils import tensordict_utils as tu
 from verl.utils.dataset.rl_dataset import collate_fn
 from verl.utils.metric import reduce_metrics
 from verl.utils.py_functional import rename_dict
-from verl.workers.utils.padding import response_from_nested, response_to_nested
+from verl.workers.utils.padding import response_to_nested
 
 from claas_verl.align import separator_token_ids
 from claas_verl.distill import (
@@ -118,6 +118,16 @@ class MOPDTrainer(MOPDTrainerCouplings, PPOTrainerSync):
                 self.role_worker_mapping[role] = ray.remote(MOPDWorker)
 
     # ================================================================= data (called from the couplings)
+    def mopd_tune_sampler(self, sampler):
+        """verl's sync sampler sleeps ``poll_interval`` (2 s, not configurable in verl) between looks at the
+        step's finished rollouts; it becomes ``mopd.sampler_poll_s``. The samples do not depend on it."""
+        poll = self.config.mopd.get("sampler_poll_s", 2.0)
+        if isinstance(poll, bool) or not isinstance(poll, int | float) or not 0 < poll <= 60:
+            raise ValueError(f"mopd.sampler_poll_s={poll!r}: give the sampler's polling interval in seconds, "
+                             "0 < s <= 60 (default 0.05)")
+        sampler.poll_interval = float(poll)
+        return sampler
+
     def mopd_init_datasets(self):
         from verl.trainer.ppo.utils import create_rl_dataset
 
@@ -242,21 +252,14 @@ class MOPDTrainer(MOPDTrainerCouplings, PPOTrainerSync):
         return batch
 
     def mopd_student_topk(self, batch, metrics: dict):
-        """Pre-update forward of the training model: store the student's top-κ ids and log-probs S (B.2.1)."""
+        """Pre-update forward of the training model: store the student's top-κ ids and log-probs S (B.2.1).
+
+        The worker writes them as two flattened-rows fields, ``F.TOPK_IDS`` and ``F.STUDENT_LP``
+        (:func:`claas_verl.trainer.mopd.workers.fold_topk_outputs`).
+        """
         self.canonical_row_order(batch)
         batch.extra_info.update(self._distill_flags(F.PHASE_STUDENT_TOPK))
         self.actor_rollout_wg.compute_log_prob(batch)
-        packed = F.names(F.STUDENT_IDS_PACKED, self.topk) + F.names(F.STUDENT_LP_PACKED, self.topk)
-        data = tq.kv_batch_get(keys=batch.keys, partition_id=batch.partition_id,
-                               select_fields=packed + ["response_mask"])
-        mask = data["response_mask"]
-
-        def response(prefix: str) -> torch.Tensor:  # K packed [N] fields -> [B, T_r, K]
-            return torch.stack([_padded(response_from_nested(data[n], mask)) for n in F.names(prefix, self.topk)], -1)
-
-        out = {F.TOPK_IDS: F.pack_rows(response(F.STUDENT_IDS_PACKED), mask),
-               F.STUDENT_LP: F.pack_rows(response(F.STUDENT_LP_PACKED), mask)}
-        tq.kv_batch_put(keys=batch.keys, partition_id=batch.partition_id, fields=tu.get_tensordict(out))
         return batch
 
     def _teacher_q(self, batch, teacher: str):
@@ -264,12 +267,10 @@ class MOPDTrainer(MOPDTrainerCouplings, PPOTrainerSync):
         batch.extra_info[TEACHER_KEY] = teacher
         self.actor_rollout_wg.mopd_teacher_forward(batch)
         batch.extra_info.pop(TEACHER_KEY, None)
-        names = F.names(F.TEACHER_LP_PACKED, self.topk) + [F.STUDENT_LP]
         data = tq.kv_batch_get(keys=batch.keys, partition_id=batch.partition_id,
-                               select_fields=names + ["response_mask"])
+                               select_fields=[F.TEACHER_LP, F.STUDENT_LP, "response_mask"])
         mask_nested = data["response_mask"]
-        Q = torch.stack([_padded(response_from_nested(data[f"{F.TEACHER_LP_PACKED}{j}"], mask_nested))
-                         for j in range(self.topk)], dim=-1).float()
+        Q = F.unpack_rows(data[F.TEACHER_LP], self.topk, F.TEACHER_LP).float()
         Sx = F.unpack_rows(data[F.STUDENT_LP], self.topk, F.STUDENT_LP).float()
         mask = _padded(mask_nested).float()
         return Sx, Q, mask, mask_nested

@@ -16,6 +16,8 @@ Trainer overrides (``verl.trainer.ppo.v1.trainer_base.PPOTrainer``):
 * ``_init_resource_pool_mgr``: the roles verl maps to ``ActorRolloutRefWorker`` get the MOPD worker class.
 * ``_init_dataloader``: also builds one dataset per domain (train and held-out) for block lookup.
 * ``_next_train_batch``: the prompts of a step are the rows of the plan step's block (no sampler).
+* ``_build_replay_buffer``: verl's sync sampler, polled every ``mopd.sampler_poll_s`` instead of its fixed 2 s
+  (a step's rollouts finish in well under a second on the CPU benchmark, which then waited 2 s per step).
 * ``_compute_old_log_prob``: the pre-update forward returns the student's top-κ (SPEC B.2.1) through the
   engine's distillation logits-processor path, which the base method disables (``compute_loss=False``).
 * ``_compute_advantage``: teacher log-probs at the student's ids, rewards (eq. 4) and per-domain advantages
@@ -52,6 +54,7 @@ COUPLINGS: tuple[tuple[str, str, str], ...] = (
     ("verl.trainer.ppo.v1.trainer_base", "PPOTrainer", "_load_checkpoint"),
     ("verl.trainer.ppo.v1.trainer_base", "PPOTrainer", "_compute_metrics"),
     ("verl.trainer.ppo.v1.trainer_base", "PPOTrainer", "_balance_batch"),
+    ("verl.trainer.ppo.v1.trainer_base", "PPOTrainer", "_build_replay_buffer"),
     ("verl.workers.engine_workers", "ActorRolloutRefWorker", "actor_worker_cls"),
     ("verl.trainer.main_ppo", "TaskRunnerV1", "__ray_metadata__"),
     ("verl.workers.engine.fsdp.transformer_impl", "FSDPEngine", "_build_lr_scheduler"),
@@ -77,6 +80,8 @@ INSTANCE_ATTRIBUTES: tuple[tuple[str, str], ...] = (
     # the dtype of the autocast verl wraps every forward in (= mixed_precision.param_dtype); the alignment forwards
     # use the same, and teachers with mopd.train.teacher_dtype=fp32_bf16_autocast get bf16 over fp32 weights
     ("FSDPEngine._build_fsdp_module", "self._autocast_dtype"),
+    # the sync sampler's sleep between looks at TransferQueue (set from mopd.sampler_poll_s)
+    ("ReplayBuffer.__init__", "self.poll_interval"),
 )
 
 
@@ -104,6 +109,9 @@ class MOPDTrainerCouplings:
 
     def _next_train_batch(self, num_prompts: int | None = None):
         return self.mopd_block_batch(num_prompts)
+
+    def _build_replay_buffer(self):
+        return self.mopd_tune_sampler(super()._build_replay_buffer())
 
     # ---- the step's math
     def _compute_old_log_prob(self, batch, metrics: dict):

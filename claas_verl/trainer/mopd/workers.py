@@ -26,6 +26,7 @@ from verl.utils import tensordict_utils as tu
 from verl.utils.config import omega_conf_to_dataclass
 from verl.workers.config import ActorConfig
 from verl.workers.engine_workers import ActorRolloutRefWorker, TrainingWorker
+from verl.workers.utils.padding import response_from_nested
 
 from claas_verl.align import (
     AlignmentSignals,
@@ -48,6 +49,36 @@ logger = logging.getLogger(__name__)
 TEACHER_KEY = "mopd_teacher"  # non-tensor key naming the teacher of a teacher forward
 
 
+def _topk(data) -> int:
+    return int(tu.get_non_tensor_data(data=data, key=F.TOPK_KEY, default=0) or 0)
+
+
+def fold_topk_outputs(output, response_mask, k: int):
+    """Replace each group of K per-candidate logits-processor outputs by ONE flattened-rows field (``F.FOLDED``).
+
+    verl's engine returns a processor's outputs as K nested ``[B, L_b]`` fields over the whole sequence (prompt +
+    response); TransferQueue would then encode K × B (row, field) pairs per quantity, and the trainer would read
+    them back only to pack them. Here they become the response-layout ``[B, T_b·K]`` field the trainer and the
+    loss read (:func:`claas_verl.trainer.mopd.fields.pack_rows`), before the output leaves the worker.
+    ``output`` is returned unchanged when it holds no such group (a plain log-prob forward, a non-source rank).
+    """
+    if output is None or k < 1:
+        return output
+    for prefix, name in F.FOLDED.items():
+        keys = F.names(prefix, k)
+        if keys[0] not in output.keys():
+            continue
+        missing = [n for n in keys if n not in output.keys()]
+        if missing:
+            raise ValueError(f"the forward returned {k - len(missing)} of the {k} fields {prefix}<j> "
+                             f"(missing {missing[:3]}...): mopd.train.topk differs from the loss's kappa")
+        cols = [response_from_nested(output[n], response_mask).to_padded_tensor(0) for n in keys]
+        folded = F.pack_rows(torch.stack(cols, dim=-1), response_mask)
+        output = output.exclude(*keys)
+        output[name] = folded
+    return output
+
+
 class MOPDTrainingWorker(TrainingWorker):
     """verl's training worker whose step can be the balanced multi-pass update of SPEC B.6/B.7.
 
@@ -60,6 +91,12 @@ class MOPDTrainingWorker(TrainingWorker):
 
     # set by MOPDWorker.mopd_teacher_forward: {"fingerprint": str, "targets": [AlignmentSignals per micro-batch]}
     mopd_targets: dict | None = None
+
+    def infer_batch(self, data):
+        """verl's forward-only pass; a student top-κ forward returns its ids and S as two flattened-rows fields."""
+        k = _topk(data)
+        mask = data["response_mask"] if k else None  # read first: verl's infer_batch may pop batch keys
+        return fold_topk_outputs(super().infer_batch(data), mask, k)
 
     def train_batch(self, data):
         aux = tu.get_non_tensor_data(data=data, key=A.AUX_KEY, default=None)
@@ -390,7 +427,9 @@ class MOPDWorker(ActorRolloutRefWorker):
             groups = update_row_groups(data, _dp_group(self.actor.engine), self._update_partition())
             self.actor.mopd_targets = self._teacher_targets(self.teachers[name], data, A.AuxConfig.from_dict(aux),
                                                             groups)
-        output = self.teachers[name].infer_batch(data)
+        k = _topk(data)
+        mask = data["response_mask"] if k else None
+        output = fold_topk_outputs(self.teachers[name].infer_batch(data), mask, k)
         return output.cpu() if output is not None else None
 
     def _teacher_targets(self, teacher: TrainingWorker, data, cfg: A.AuxConfig, groups: list[list[int]]) -> dict:
