@@ -62,6 +62,8 @@ COUPLINGS: tuple[tuple[str, str, str], ...] = (
     # call, the engine's train_batch is shadowed by an instance attribute that re-sequences the engine's own
     # zero-grad / forward_backward_batch / optimizer_step with the alignment passes in between
     ("verl.workers.engine_workers", "TrainingWorker", "train_batch"),
+    # workers.MOPDTrainingWorker.infer_batch folds the K top-k logits-processor outputs into one field each
+    ("verl.workers.engine_workers", "TrainingWorker", "infer_batch"),
     ("verl.workers.engine.base", "BaseEngine", "train_batch"),
     ("verl.workers.engine.base", "BaseEngine", "forward_backward_batch"),
     ("verl.workers.engine.base", "BaseEngine", "optimizer_zero_grad"),

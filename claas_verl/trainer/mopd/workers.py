@@ -3,7 +3,8 @@
 :class:`MOPDWorker` extends ``ActorRolloutRefWorker`` through its extension points only:
 
 * ``actor_worker_cls = MOPDTrainingWorker`` (a ``TrainingWorker`` whose ``train_batch`` can run the balanced
-  multi-pass update of SPEC B.6/B.7 before the one optimizer step; single pass otherwise);
+  multi-pass update of SPEC B.6/B.7 before the one optimizer step, single pass otherwise, and whose
+  ``infer_batch`` hands TransferQueue the student's top-κ as one field per quantity, :func:`fold_topk_outputs`);
 * ``init_model`` installs :class:`claas_verl.trainer.mopd.loss.MOPDLoss` on the student engine and declares a
   ``teacher`` dispatch mesh (teachers live in the same processes and data-parallel layout as the student,
   like verl's colocated reference model);
