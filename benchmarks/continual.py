@@ -14,11 +14,14 @@ claas_verl.main_claas``); ``key=value`` arguments after the options go to every 
 * ``runs/<recipe>_s<seed>/``: each run's own outputs (``steps.jsonl``, ``forgetting.jsonl``, snapshots).
 
 A run whose record is already in ``results.json`` is not run again: a benchmark killed half-way resumes where it
-stopped when started again with the same ``--out``. ``--jobs N`` runs N trainer jobs at once (each its own Ray
-cluster; scoring stays one at a time, since the scorer seeds torch's global generator); a job that fails is
-reported at the end, after the others finished, and the exit status is 1.
+stopped when started again with the same ``--out``. A record counts only for the bundle it was made with: each
+carries its bundle's fingerprint (``claas_verl/tiny/fingerprint.py``), and after a rebuild (another bundle
+version, seed or ``CLAAS_GYM_DIR`` / ``CLAAS_TINY_DIR``) its run is done again. ``--jobs N`` runs N trainer
+jobs at once (each its own Ray cluster; scoring stays one at a time, since the scorer seeds torch's global
+generator); a job that fails is reported at the end, after the others finished, and the exit status is 1.
 
-MOPD methods use the reasoning-gym bundle (``claas_verl/tiny/gym.py``, built on first use, about 8 CPU-minutes):
+CLaaS methods use the tiny bundle (``claas_verl/tiny/build.py``, built on first use, under a minute). MOPD methods
+use the reasoning-gym bundle (``claas_verl/tiny/gym.py``, built on first use, about 8 CPU-minutes):
 the domains ``spell``, ``reverse`` and ``arith`` in that stage order. Every stage-final snapshot the trainer saves
 (``snapshots/student_<stage>``), π0 and the experts are scored by one evaluator
 (``claas_verl/eval/gym_snapshots.py``): reasoning-gym's own scorers on the recipe's 48 held-out prompts × 4 samples
@@ -95,6 +98,25 @@ def gym_manifest() -> dict:
     return json.loads(paths.manifest.read_text())
 
 
+def bundle_fingerprints(recipes: list[str]) -> dict[str, str]:
+    """``{kind: fingerprint}`` of the bundle each kind of run trains on, built first when missing: the gym bundle
+    for ``mopd/*`` recipes, the tiny bundle for ``claas/*`` ones. Their directories are exported
+    (``CLAAS_GYM_DIR``, ``CLAAS_TINY_DIR``) so that the trainer jobs read the bundle that was fingerprinted."""
+    from claas_verl.tiny.fingerprint import bundle_fingerprint
+
+    out = {}
+    if any(r.startswith("mopd/") for r in recipes):
+        gym_manifest()
+        out["mopd"] = bundle_fingerprint(os.environ["CLAAS_GYM_DIR"])
+    if any(r.startswith("claas/") for r in recipes):
+        from claas_verl.tiny import ensure_tiny
+
+        tiny = ensure_tiny()
+        os.environ["CLAAS_TINY_DIR"] = str(tiny.root)
+        out["claas"] = bundle_fingerprint(tiny.root)
+    return out
+
+
 def run_extra(quick: bool, extra: list[str]) -> list[str]:
     """The overrides that make a MOPD run of this mode differ from the recipe's own (beyond name and seed)."""
     return [*(QUICK_MOPD_OVERRIDES if quick else []), *extra]
@@ -104,11 +126,15 @@ def run_extra(quick: bool, extra: list[str]) -> list[str]:
 LEGACY_QUICK_OVERRIDES = ["mopd.domains.reverse.num_blocks=8", "mopd.domains.arith.num_blocks=2"]
 
 
-def current_record(r: dict, quick: bool, extra: list[str]) -> bool:
-    """Whether a saved record is a run of this command: same evaluation (MOPD) or stream design (CLaaS), and the
-    same overrides. Others are scored again from their run directories when the job was the same, else rerun."""
+def current_record(r: dict, quick: bool, extra: list[str], bundles: dict[str, str]) -> bool:
+    """Whether a saved record is a run of this command: same bundle (``bundles``: fingerprint per kind), same
+    evaluation (MOPD) or stream design (CLaaS), and the same overrides. Others are scored again from their run
+    directories when the job was the same (same command, same bundle), else rerun."""
     from continual_claas import DESIGN as CLAAS_DESIGN
 
+    kind = r.get("kind", "mopd")
+    if kind in bundles and r.get("bundle_fingerprint") != bundles[kind]:
+        return False  # (records of a kind this command does not run are left as they are)
     if r.get("kind") == "claas":
         return r.get("design") == CLAAS_DESIGN and r.get("overrides", []) == list(extra) \
             and bool(r.get("quick")) == quick
@@ -124,26 +150,29 @@ def mopd_job_args(recipe: str, seed: int, quick: bool, extra: list[str]) -> list
             f"actor_rollout_ref.actor.data_loader_seed={seed}", *RUN_OVERRIDES, *run_extra(quick, extra)]
 
 
-def mopd_run(recipe: str, seed: int, out: Path, quick: bool, extra: list[str]) -> dict:
-    """One MOPD method under one seed through ``python -m claas_verl.main_mopd``; returns its run record."""
+def mopd_run(recipe: str, seed: int, out: Path, quick: bool, extra: list[str], bundle: str) -> dict:
+    """One MOPD method under one seed through ``python -m claas_verl.main_mopd`` on the gym bundle whose
+    fingerprint is ``bundle`` (``$CLAAS_GYM_DIR``); returns its run record."""
     name = run_name(recipe, seed)
     runs = out / "runs"
     runs.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, *mopd_job_args(recipe, seed, quick, extra)]
     finished = runs / name / FINISHED
-    if finished.exists() and json.loads(finished.read_text()).get("cmd") == cmd[1:]:
+    marker = json.loads(finished.read_text()) if finished.exists() else {}
+    if marker.get("cmd") == cmd[1:] and marker.get("bundle_fingerprint") == bundle:
         # the same job ended but its record was not saved (a kill or an error while scoring)
-        seconds = float(json.loads(finished.read_text())["seconds"])
+        seconds = float(marker["seconds"])
     else:
-        if (runs / name).exists():  # killed half-way, or run with other overrides: start again from scratch
+        if (runs / name).exists():  # killed half-way, or run with other overrides or bundle: start from scratch
             shutil.rmtree(runs / name)
         seconds = run_job(cmd, job_env(CLAAS_OUT_DIR=str(runs)), runs / f"{name}.log", tagged(name, _echo))
-        finished.write_text(json.dumps({"seconds": seconds, "cmd": cmd[1:]}) + "\n")
+        finished.write_text(json.dumps({"seconds": seconds, "cmd": cmd[1:], "bundle_fingerprint": bundle}) + "\n")
     with _SCORING:
-        return _score_run(recipe, seed, out, quick, extra, seconds)
+        return _score_run(recipe, seed, out, quick, extra, seconds, bundle)
 
 
-def _score_run(recipe: str, seed: int, out: Path, quick: bool, extra: list[str], seconds: float) -> dict:
+def _score_run(recipe: str, seed: int, out: Path, quick: bool, extra: list[str], seconds: float,
+               bundle: str) -> dict:
     from claas_verl.trainer.mopd import stages as S
 
     name = run_name(recipe, seed)
@@ -155,13 +184,13 @@ def _score_run(recipe: str, seed: int, out: Path, quick: bool, extra: list[str],
     method = recipe_stages(recipe, [*(QUICK_MOPD_OVERRIDES if quick else []), *extra])
     protocol = method["eval"]
     stage_scores, full_kl = score_stage_snapshots(runs / name, method["stage_domains"], seed, protocol)
-    refs = reference_scores(out, seed, protocol)
+    refs = reference_scores(out, seed, protocol, bundle)
     experts = {k: v for k, v in refs.items() if k.startswith("expert:")}
     metrics = B.run_metrics(stage_scores, method["order"], staged=method["staged"], base=refs["student"],
                             experts=experts)
     return {"recipe": recipe, "seed": seed, "kind": "mopd", "quick": quick, "order": method["order"],
             "stage_scores": stage_scores, "kl_to_expert": full_kl, **metrics, "eval": protocol,
-            "eval_version": EVAL_VERSION, "overrides": run_extra(quick, extra),
+            "eval_version": EVAL_VERSION, "overrides": run_extra(quick, extra), "bundle_fingerprint": bundle,
             "trainer_stage_scores": trainer_scores, "run_dir": str(runs / name),
             "seconds": round(seconds, 1)}
 
@@ -229,13 +258,15 @@ def score_stage_snapshots(run_dir: Path, stage_domains: dict[int, list[str]], se
     return scores, kl
 
 
-def reference_scores(out: Path, seed: int, protocol: dict) -> dict[str, dict[str, float]]:
+def reference_scores(out: Path, seed: int, protocol: dict, bundle: str) -> dict[str, dict[str, float]]:
     """π0's and every expert's accuracy on every domain, scored like the snapshots (same seed, same protocol);
-    cached in ``out/reference_scores.json``. Norm's denominators and the "no update" baseline."""
+    cached in ``out/reference_scores.json`` (``{"bundle_fingerprint", "scores": {"<seed>:<protocol>": table}}``,
+    dropped whole when the bundle changed). Norm's denominators and the "no update" baseline."""
     from claas_verl.tiny.gym import DOMAIN_NAMES, default_gym_dir
 
     path = out / "reference_scores.json"
-    cache = json.loads(path.read_text()) if path.exists() else {}
+    saved = json.loads(path.read_text()) if path.exists() else {}
+    cache = saved.get("scores", {}) if saved.get("bundle_fingerprint") == bundle else {}
     key = f"{seed}:{json.dumps(protocol, sort_keys=True)}"
     if key not in cache:
         root = default_gym_dir()
@@ -246,7 +277,7 @@ def reference_scores(out: Path, seed: int, protocol: dict) -> dict[str, dict[str
             table[name] = {d: _score(str(model_dir), d, None, seed, protocol, f"{name}/{d}", models).score
                            for d in DOMAIN_NAMES}
         cache[key] = table
-        path.write_text(json.dumps(cache, indent=2) + "\n")
+        path.write_text(json.dumps({"bundle_fingerprint": bundle, "scores": cache}, indent=2) + "\n")
     return cache[key]
 
 
@@ -293,9 +324,10 @@ def main(argv: list[str] | None = None) -> int:
     # records of another evaluation, stream design, mode or overrides are not this command's: MOPD ones are scored
     # again from their run directories when the job was the same (mopd_run compares the job's command), the rest
     # rerun
-    results["runs"] = [r for r in results["runs"] if current_record(r, args.quick, extra)]
+    bundles = bundle_fingerprints(recipes)
+    results["runs"] = [r for r in results["runs"] if current_record(r, args.quick, extra, bundles)]
     done = {(r["recipe"], int(r["seed"])) for r in results["runs"]}
-    manifest = gym_manifest() if any(r.startswith("mopd/") for r in recipes) else None
+    manifest = gym_manifest() if "mopd" in bundles else None
     t0 = time.time()
     todo = []
     for recipe in recipes:
@@ -309,11 +341,12 @@ def main(argv: list[str] | None = None) -> int:
     def one(recipe: str, seed: int) -> None:
         print(f"=== {recipe} seed {seed}", flush=True)
         if recipe.startswith("mopd/"):
-            record = mopd_run(recipe, seed, out, args.quick, extra)
+            record = mopd_run(recipe, seed, out, args.quick, extra, bundles["mopd"])
         else:
             from continual_claas import claas_run
 
             record = claas_run(recipe, seed, out, args.quick, extra)
+            record["bundle_fingerprint"] = bundles["claas"]
             record.setdefault("kind", "claas")
         with saving:  # every finished run is on disk at once: a kill loses only the runs in flight
             results["runs"].append(record)
@@ -339,10 +372,12 @@ def main(argv: list[str] | None = None) -> int:
         if any(r["recipe"] == BASELINE for r in claas):
             results["claas_paired"] = {"baseline": BASELINE, "differences": claas_paired(claas)}
     if manifest is not None:
-        results["bundle"] = {k: manifest[k] for k in ("domains", "accuracy", "accuracy_protocol", "sizes")}
+        results["bundle"] = {"fingerprint": bundles["mopd"],
+                             **{k: manifest[k] for k in ("domains", "accuracy", "accuracy_protocol", "sizes")}}
         # π0 and the experts as the snapshots were scored, per seed of the runs (reference_scores.json)
         ref_path = out / "reference_scores.json"
-        results["references"] = json.loads(ref_path.read_text()) if ref_path.exists() else {}
+        saved = json.loads(ref_path.read_text()) if ref_path.exists() else {}
+        results["references"] = saved.get("scores", {}) if saved.get("bundle_fingerprint") == bundles["mopd"] else {}
     _save(out, results)
     report = write_report(results, out)
     print("\n" + report)

@@ -79,20 +79,51 @@ def test_jobs_must_be_positive(tmp_path):
 
 
 def test_saved_records_count_only_for_the_command_that_made_them():
-    full_mopd = {"kind": "mopd", "quick": False, "eval_version": C.EVAL_VERSION}  # written before "overrides"
-    assert C.current_record(full_mopd, quick=False, extra=[])
-    assert not C.current_record(full_mopd, quick=False, extra=["mopd.domains.spell.num_blocks=4"])
-    assert not C.current_record(full_mopd, quick=True, extra=[])
+    bundles = {"mopd": "gym-fp", "claas": "tiny-fp"}
+    full_mopd = {"kind": "mopd", "quick": False, "eval_version": C.EVAL_VERSION,  # written before "overrides"
+                 "bundle_fingerprint": "gym-fp"}
+    assert C.current_record(full_mopd, quick=False, extra=[], bundles=bundles)
+    assert not C.current_record(full_mopd, quick=False, extra=["mopd.domains.spell.num_blocks=4"], bundles=bundles)
+    assert not C.current_record(full_mopd, quick=True, extra=[], bundles=bundles)
     # a quick record of the old 3-domain plan is not a run of today's 2-domain --quick
-    old_quick = {"kind": "mopd", "quick": True, "eval_version": C.EVAL_VERSION}
-    assert not C.current_record(old_quick, quick=True, extra=[])
+    old_quick = dict(full_mopd, quick=True)
+    assert not C.current_record(old_quick, quick=True, extra=[], bundles=bundles)
     new_quick = dict(old_quick, overrides=C.run_extra(True, []))
-    assert C.current_record(new_quick, quick=True, extra=[])
-    assert not C.current_record(dict(full_mopd, eval_version=1), quick=False, extra=[])
-    claas = _record(RECIPE, 1, 0.5)
-    assert C.current_record(claas, quick=False, extra=[])
-    assert not C.current_record(claas, quick=False, extra=["claas.m=8"])
-    assert C.current_record(dict(claas, overrides=["claas.m=8"]), quick=False, extra=["claas.m=8"])
+    assert C.current_record(new_quick, quick=True, extra=[], bundles=bundles)
+    assert not C.current_record(dict(full_mopd, eval_version=1), quick=False, extra=[], bundles=bundles)
+    claas = dict(_record(RECIPE, 1, 0.5), bundle_fingerprint="tiny-fp")
+    assert C.current_record(claas, quick=False, extra=[], bundles=bundles)
+    assert not C.current_record(claas, quick=False, extra=["claas.m=8"], bundles=bundles)
+    assert C.current_record(dict(claas, overrides=["claas.m=8"]), quick=False, extra=["claas.m=8"], bundles=bundles)
+
+
+def test_a_record_counts_only_for_the_bundle_it_was_made_with():
+    """After a rebuild (another bundle version, seed or directory) a saved run is not this command's run; records
+    without a fingerprint (written before it was kept) are not trusted either; a kind this command does not run
+    is left as it is."""
+    mopd = {"kind": "mopd", "quick": False, "eval_version": C.EVAL_VERSION, "overrides": [],
+            "bundle_fingerprint": "gym-a"}
+    assert C.current_record(mopd, quick=False, extra=[], bundles={"mopd": "gym-a"})
+    assert not C.current_record(mopd, quick=False, extra=[], bundles={"mopd": "gym-b"})
+    assert not C.current_record({k: v for k, v in mopd.items() if k != "bundle_fingerprint"}, quick=False,
+                                extra=[], bundles={"mopd": "gym-a"})
+    claas = dict(_record(RECIPE, 1, 0.5), bundle_fingerprint="tiny-a")
+    assert not C.current_record(claas, quick=False, extra=[], bundles={"claas": "tiny-b"})
+    assert C.current_record(claas, quick=False, extra=[], bundles={"mopd": "gym-a"})
+
+
+def test_a_rebuilt_bundle_reruns_the_saved_runs(tmp_path, monkeypatch):
+    calls = []
+    monkeypatch.setattr(CC, "claas_run", lambda recipe, seed, *a: calls.append(seed) or _record(recipe, seed, 0.3))
+    monkeypatch.setattr(C, "bundle_fingerprints", lambda recipes: {"claas": "tiny-a"})
+    assert C.main(["--recipes", RECIPE, "--seeds", "1", "--out", str(tmp_path)]) == 0
+    assert C.main(["--recipes", RECIPE, "--seeds", "1", "--out", str(tmp_path)]) == 0  # same bundle: reused
+    assert calls == [1]
+    monkeypatch.setattr(C, "bundle_fingerprints", lambda recipes: {"claas": "tiny-b"})
+    assert C.main(["--recipes", RECIPE, "--seeds", "1", "--out", str(tmp_path)]) == 0
+    assert calls == [1, 1]
+    runs = json.loads((tmp_path / "results.json").read_text())["runs"]
+    assert [(r["seed"], r["bundle_fingerprint"]) for r in runs] == [(1, "tiny-b")]
 
 
 def test_a_rerun_with_other_overrides_replaces_the_saved_records(tmp_path, monkeypatch):
@@ -104,3 +135,14 @@ def test_a_rerun_with_other_overrides_replaces_the_saved_records(tmp_path, monke
     assert calls == [[], ["claas.m=8"]]
     runs = json.loads((tmp_path / "results.json").read_text())["runs"]
     assert [(r["final_avg"], r["overrides"]) for r in runs] == [(0.2, ["claas.m=8"])]
+
+
+def test_claas_runs_train_on_the_tiny_bundle_they_fingerprint(tiny, monkeypatch):
+    """The CLaaS half builds the tiny bundle when missing (ensure_tiny; a fresh machine's jobs used to fail
+    asking for `python -m claas_verl.tiny make`) and exports its directory to the trainer jobs."""
+    from claas_verl.tiny.fingerprint import bundle_fingerprint
+
+    monkeypatch.setenv("CLAAS_TINY_DIR", str(tiny.root))
+    fps = C.bundle_fingerprints([RECIPE])
+    assert fps == {"claas": bundle_fingerprint(tiny.root)}
+    assert C.os.environ["CLAAS_TINY_DIR"] == str(tiny.root)

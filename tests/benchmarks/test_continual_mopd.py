@@ -82,9 +82,10 @@ def test_a_finished_run_is_scored_from_its_stage_snapshots(fake_gym, tmp_path, m
         save_model(model(100 + st), tok, run / "snapshots" / f"student_{st}")
     small = ["mopd.eval.prompts=2", "mopd.eval.responses_per_prompt=1"]
     (run / C.FINISHED).write_text(C.json.dumps({"seconds": 12.5, "cmd": C.mopd_job_args("mopd/gym_seq", 1, False,
-                                                                                      small)}))
-    rec = C.mopd_run("mopd/gym_seq", 1, tmp_path, False, small)
-    assert rec["eval_version"] == C.EVAL_VERSION and rec["seconds"] == 12.5
+                                                                                      small),
+                                                "bundle_fingerprint": "gym-a"}))
+    rec = C.mopd_run("mopd/gym_seq", 1, tmp_path, False, small, "gym-a")
+    assert rec["eval_version"] == C.EVAL_VERSION and rec["seconds"] == 12.5 and rec["bundle_fingerprint"] == "gym-a"
     assert rec["eval"] == {"prompts": 2, "samples": 1, "max_new_tokens": 40, "temperature": 1.0}
     assert {st: sorted(row) for st, row in rec["stage_scores"].items()} == {
         1: ["spell"], 2: ["reverse", "spell"], 3: sorted(ALL)}
@@ -95,14 +96,50 @@ def test_a_finished_run_is_scored_from_its_stage_snapshots(fake_gym, tmp_path, m
     assert rec["forgetting"] == pytest.approx((f_spell + f_reverse) / 2)
     assert rec["bwt"] == pytest.approx((ss[3]["spell"] - ss[1]["spell"] + ss[3]["reverse"] - ss[2]["reverse"]) / 2)
     assert rec["trainer_stage_scores"] == {}  # the job ran without the in-run table
-    refs = C.json.loads((tmp_path / "reference_scores.json").read_text())
+    saved = C.json.loads((tmp_path / "reference_scores.json").read_text())
+    assert saved["bundle_fingerprint"] == "gym-a"
+    refs = saved["scores"]
     assert list(refs) == [f"1:{C.json.dumps(rec['eval'], sort_keys=True)}"]
     assert set(refs[next(iter(refs))]) == {"student", "expert:spell", "expert:reverse", "expert:arith"}
     # scoring is a pure function of (snapshot, seed, protocol): scoring again gives the same record
-    assert C.mopd_run("mopd/gym_seq", 1, tmp_path, False, small)["stage_scores"] == rec["stage_scores"]
-    (run / "snapshots" / "student_2" / "config.json").unlink()
+    assert C.mopd_run("mopd/gym_seq", 1, tmp_path, False, small, "gym-a")["stage_scores"] == rec["stage_scores"]
+
+    # another bundle: the finished job is not this bundle's run (it trained against other experts), so it is rerun
+    # from scratch, and the cached references of the old bundle are not used
+    class Rerun(Exception):
+        pass
+
+    def job(cmd, env, log, echo):
+        assert not run.exists()  # the old run directory was removed first
+        raise Rerun
+
+    def no_scoring(*args, **kwargs):
+        raise Rerun
+
+    monkeypatch.setattr(C, "run_job", job)
+    with pytest.raises(Rerun):
+        C.mopd_run("mopd/gym_seq", 1, tmp_path, False, small, "gym-b")
+    monkeypatch.setattr(C, "_score", no_scoring)
+    table = refs[next(iter(refs))]
+    assert C.reference_scores(tmp_path, 1, rec["eval"], "gym-a") == table  # cached: no model is scored
+    with pytest.raises(Rerun):  # the cache of bundle gym-a does not answer for gym-b
+        C.reference_scores(tmp_path, 1, rec["eval"], "gym-b")
+
+
+def test_a_finished_run_without_its_snapshot_is_refused(fake_gym, tmp_path, monkeypatch):
+    root, tok, model = fake_gym
+    monkeypatch.setenv("CLAAS_GYM_DIR", str(root))
+    run = tmp_path / "runs" / C.run_name("mopd/gym_seq", 1)
+    from claas_verl.tiny.model import save_model
+
+    for st in (1, 3):
+        save_model(model(100 + st), tok, run / "snapshots" / f"student_{st}")
+    small = ["mopd.eval.prompts=2", "mopd.eval.responses_per_prompt=1"]
+    (run / C.FINISHED).write_text(C.json.dumps({"seconds": 1.0, "cmd": C.mopd_job_args("mopd/gym_seq", 1, False,
+                                                                                     small),
+                                                "bundle_fingerprint": "gym-a"}))
     with pytest.raises(FileNotFoundError, match="stage-2 snapshot"):
-        C.mopd_run("mopd/gym_seq", 1, tmp_path, False, small)
+        C.mopd_run("mopd/gym_seq", 1, tmp_path, False, small, "gym-a")
 
 
 def test_report_names_the_domains_the_runs_learned():
