@@ -29,7 +29,11 @@ def main(argv: list[str] | None = None) -> int:
         from claas_verl.tiny.gym import ensure_gym
 
         t0 = time.time()
-        paths = ensure_gym(args.out_dir, seed=args.seed)
+        try:
+            paths = ensure_gym(args.out_dir, seed=args.seed)
+        except FileExistsError as err:
+            print(f"error: {err}", file=sys.stderr)
+            return 2
         m = json.loads(paths.manifest.read_text())
         print(f"gym bundle v{m['version']} (seed {m['seed']}) ready at {paths.root} in {time.time() - t0:.1f}s")
         for model, acc in m["accuracy"].items():

@@ -35,6 +35,7 @@ from claas_verl.tiny.data import (
 TINY_VERSION = "3"  # 3: head size 32 (vLLM CPU can serve it), marker boost 3; 2: pretrained student, fine-tuned experts
 DEFAULT_DIR = "/tmp/claas_verl_tiny"
 ENV_DIR = "CLAAS_TINY_DIR"
+TINY_MANIFEST_MARKER = "pretrain"  # a key only the tiny bundle's manifest has (refuse_foreign_dir)
 VOCAB_SIZE = 1024
 N_TRAIN = 128
 N_TEST = 32
@@ -86,6 +87,25 @@ def read_manifest(out_dir: str | os.PathLike) -> dict | None:
         return None
 
 
+def refuse_foreign_dir(out_dir: Path, what: str, marker_key: str, env_var: str) -> None:
+    """Raise ``FileExistsError`` unless ``out_dir`` is missing, empty or an older build of this kind of bundle
+    (a manifest with a ``version`` and ``marker_key``).
+
+    ``ensure_*`` rebuild a stale bundle in place, replacing the directory; one that is not a bundle (a typo in
+    ``env_var``, a data folder) must never be deleted.
+    """
+    if not out_dir.exists() or (out_dir.is_dir() and not any(out_dir.iterdir())):
+        return
+    m = read_manifest(out_dir) if out_dir.is_dir() else None
+    if isinstance(m, dict) and "version" in m and marker_key in m:
+        return
+    raise FileExistsError(
+        f"{out_dir} exists and is not a {what} bundle (no manifest.json of one), so it is not replaced by a "
+        f"build: point {env_var} (or the directory argument) at a new or empty directory, or remove {out_dir} "
+        "yourself if it is disposable"
+    )
+
+
 def is_current(out_dir: str | os.PathLike, seed: int = 0) -> bool:
     """True when OUT_DIR holds a complete bundle of this version and seed."""
     m = read_manifest(out_dir)
@@ -127,6 +147,7 @@ def make_tiny(out_dir: str | os.PathLike, seed: int = 0, force: bool = False) ->
 def ensure_tiny(out_dir: str | os.PathLike | None = None, seed: int = 0) -> TinyPaths:
     """Return the bundle at ``out_dir`` (default ``$CLAAS_TINY_DIR`` or /tmp/claas_verl_tiny),
     building it first if it is missing, incomplete, of another version or of another seed.
+    A directory there that is not a tiny bundle is refused (``FileExistsError``), never replaced.
 
     Idempotent and safe to call from many processes at once: the check runs again under the
     file lock, so only one process builds.
@@ -134,9 +155,11 @@ def ensure_tiny(out_dir: str | os.PathLike | None = None, seed: int = 0) -> Tiny
     out_dir = Path(out_dir if out_dir is not None else default_dir()).resolve()
     if is_current(out_dir, seed):
         return TinyPaths.under(out_dir)
+    refuse_foreign_dir(out_dir, "tiny", TINY_MANIFEST_MARKER, ENV_DIR)
     with _lock(out_dir):
         if is_current(out_dir, seed):  # another process built it while we waited
             return TinyPaths.under(out_dir)
+        refuse_foreign_dir(out_dir, "tiny", TINY_MANIFEST_MARKER, ENV_DIR)
         return _build_locked(out_dir, seed)
 
 

@@ -32,6 +32,7 @@ from pathlib import Path
 GYM_VERSION = "2"  # 2: the arith expert trains 3000 steps (800 gave 0.19 sampled accuracy)
 DEFAULT_GYM_DIR = "/tmp/claas_verl_gym"
 ENV_GYM_DIR = "CLAAS_GYM_DIR"
+GYM_MANIFEST_MARKER = "base_sft"  # a key only the gym bundle's manifest has (build.refuse_foreign_dir)
 
 
 @dataclass(frozen=True)
@@ -148,16 +149,21 @@ def is_current(out_dir: str | os.PathLike, seed: int = 0) -> bool:
 
 def ensure_gym(out_dir: str | os.PathLike | None = None, seed: int = 0) -> GymPaths:
     """The bundle at ``out_dir`` (default ``$CLAAS_GYM_DIR`` or /tmp/claas_verl_gym), built first if missing or
-    stale. File-locked and built into a temporary sibling that is renamed into place (like ``ensure_tiny``)."""
+    stale. File-locked and built into a temporary sibling that is renamed into place (like ``ensure_tiny``); a
+    directory there that is not a gym bundle is refused (``FileExistsError``), never replaced."""
     from filelock import FileLock
+
+    from claas_verl.tiny.build import refuse_foreign_dir
 
     out_dir = Path(out_dir if out_dir is not None else default_gym_dir()).resolve()
     if is_current(out_dir, seed):
         return GymPaths(out_dir)
+    refuse_foreign_dir(out_dir, "gym", GYM_MANIFEST_MARKER, ENV_GYM_DIR)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     with FileLock(str(out_dir) + ".lock", timeout=3600):
         if is_current(out_dir, seed):
             return GymPaths(out_dir)
+        refuse_foreign_dir(out_dir, "gym", GYM_MANIFEST_MARKER, ENV_GYM_DIR)
         tmp = out_dir.with_name(f".{out_dir.name}.build-{os.getpid()}")
         shutil.rmtree(tmp, ignore_errors=True)
         try:

@@ -57,3 +57,31 @@ def test_unknown_answer_format_is_refused_naming_the_key(splits):
     meta = dict(json.loads(row["extra_info"]["meta"]), answer_format="json")
     with pytest.raises(ValueError, match="answer_format"):
         compute_score(row["data_source"], "3", "3", {"meta": json.dumps(meta)})
+
+
+def test_gym_build_never_replaces_a_directory_that_is_not_a_gym_bundle(tmp_path, monkeypatch, capsys):
+    """`python -m claas_verl.tiny gym DIR` / CLAAS_GYM_DIR at the wrong place: refused before any build, naming
+    the variable; nothing deleted. A stale gym bundle (older version) is still rebuilt in place."""
+    from claas_verl.tiny import gym
+    from claas_verl.tiny.__main__ import main as cli
+
+    def no_build(root, seed):
+        raise AssertionError("no build may start")
+
+    monkeypatch.setattr(gym, "_build_into", no_build)
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("keep me")
+    monkeypatch.setenv("CLAAS_GYM_DIR", str(mine))
+    with pytest.raises(FileExistsError, match="not a gym bundle.*CLAAS_GYM_DIR"):
+        gym.ensure_gym()
+    assert cli(["gym", str(mine)]) == 2 and "not a gym bundle" in capsys.readouterr().err
+    assert (mine / "notes.txt").read_text() == "keep me"
+
+    stale = tmp_path / "stale"
+    stale.mkdir()
+    (stale / "manifest.json").write_text(json.dumps({"version": "0", "seed": 0, "base_sft": {}}))
+    built = []
+    monkeypatch.setattr(gym, "_build_into", lambda root, seed: built.append(seed) or root.mkdir(parents=True))
+    gym.ensure_gym(stale)
+    assert built == [0]

@@ -146,6 +146,31 @@ def test_make_refuses_to_clobber_unrelated_dir(tmp_path):
     assert (tmp_path / "precious.txt").read_text() == "keep me"
 
 
+@pytest.mark.parametrize("content", ["a data file", "another bundle's manifest", "a plain file"])
+def test_ensure_never_replaces_a_directory_that_is_not_a_tiny_bundle(tmp_path, monkeypatch, content):
+    """CLAAS_TINY_DIR pointed at the wrong place: ensure_tiny refuses, naming the variable, and deletes nothing
+    (it used to build a bundle and swap it in, removing whatever was there)."""
+    calls = _count_builds(monkeypatch)
+    target = tmp_path / "mine"
+    if content == "a plain file":
+        target.write_text("keep me")
+    else:
+        target.mkdir()
+        name, text = (("precious.txt", "keep me") if content == "a data file" else
+                      ("manifest.json", json.dumps({"version": "3", "seed": 0, "base_sft": {}})))  # the gym's
+        (target / name).write_text(text)
+    monkeypatch.setenv("CLAAS_TINY_DIR", str(target))
+    with pytest.raises(FileExistsError, match="not a tiny bundle.*CLAAS_TINY_DIR"):
+        ensure_tiny()
+    assert calls == []
+    kept = target.read_text() if target.is_file() else sorted(p.name for p in target.iterdir())
+    assert kept in ("keep me", ["precious.txt"], ["manifest.json"])
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    ensure_tiny(empty)  # an empty directory is a place to build in
+    assert calls == [0]
+
+
 def test_cli_make_and_info(fresh, tmp_path, capsys, monkeypatch):
     calls = _count_builds(monkeypatch)
     assert cli(["make", str(fresh.root)]) == 0  # already current: nothing rebuilt
