@@ -45,7 +45,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from benchmarks.bench_jobs import job_env, run_job, tagged  # noqa: E402
+from benchmarks.bench_jobs import job_env, run_job, stopping_jobs_on_signals, tagged  # noqa: E402
 from claas_verl.metrics import benchmark as B  # noqa: E402  (pure python)
 
 MOPD_FULL = ("mopd/gym_seq", "mopd/gym_replay_kl", "mopd/gym_replay_kl_fixed", "mopd/gym_seq_recovery",
@@ -313,10 +313,23 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [r for r in recipes if not r.startswith(("mopd/", "claas/"))]
     if unknown:
         ap.error(f"--recipes {unknown}: every recipe is mopd/<name> or claas/<name> (recipes/ holds them)")
+    from claas_verl.schedule import recipes_dir
+
+    missing = [r for r in recipes if not (recipes_dir() / f"{r}.yaml").is_file()]
+    if missing:  # refused before a bundle is built or a job started, not minutes later inside a job
+        ap.error(f"--recipes {missing}: no such recipe under {recipes_dir()} (the benchmark's own: "
+                 f"{','.join(MOPD_FULL + CLAAS_FULL)})")
+    seeds_arg = args.seeds if args.seeds is not None else ("1" if args.quick else "1,2,3")
     try:
-        seeds = [int(s) for s in (args.seeds or ("1" if args.quick else "1,2,3")).split(",")]
+        seeds = [int(s) for s in seeds_arg.split(",")]
     except ValueError:
         ap.error(f"--seeds {args.seeds!r}: expected comma-separated integers such as 1,2,3")
+    if any(s < 0 for s in seeds):
+        ap.error(f"--seeds {args.seeds!r}: seeds are non-negative integers (they seed verl's data loader)")
+    for name, values in (("--recipes", recipes), ("--seeds", seeds)):
+        twice = sorted({str(v) for v in values if values.count(v) > 1})
+        if twice:  # two jobs of one run would share its run directory
+            ap.error(f"{name}: {', '.join(twice)} given more than once")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
 
@@ -355,7 +368,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"=== {recipe} seed {seed}: final_avg {_fmt(record.get('final_avg'))}, forgetting "
               f"{_fmt(record.get('forgetting'))} in {record.get('seconds', 0):.0f}s", flush=True)
 
-    with ThreadPoolExecutor(max_workers=args.jobs) as pool:
+    # SIGTERM / Ctrl-C stop the running trainer jobs (each in a process group of its own) before the exit
+    with stopping_jobs_on_signals(), ThreadPoolExecutor(max_workers=args.jobs) as pool:
         futures = {pool.submit(one, recipe, seed): (recipe, seed) for recipe, seed in todo}
     failed = [(rs, f.exception()) for f, rs in futures.items() if f.exception() is not None]
     for (recipe, seed), err in failed:
@@ -517,4 +531,7 @@ def _mean_kl(runs: list[dict]) -> dict[int, dict[str, float]]:
 
 if __name__ == "__main__":
     sys.path.insert(0, str(Path(__file__).resolve().parent))  # continual_claas beside this script
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except KeyboardInterrupt:  # Ctrl-C: the jobs are stopped already (stopping_jobs_on_signals); no traceback
+        sys.exit(130)

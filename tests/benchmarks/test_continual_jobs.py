@@ -146,3 +146,24 @@ def test_claas_runs_train_on_the_tiny_bundle_they_fingerprint(tiny, monkeypatch)
     fps = C.bundle_fingerprints([RECIPE])
     assert fps == {"claas": bundle_fingerprint(tiny.root)}
     assert C.os.environ["CLAAS_TINY_DIR"] == str(tiny.root)
+
+
+@pytest.mark.parametrize(("args", "says"), [
+    (["--seeds", "1,2,1"], "--seeds: 1 given more than once"),
+    (["--recipes", f"{RECIPE},{RECIPE}"], f"--recipes: {RECIPE} given more than once"),
+    (["--seeds", "-1"], "seeds are non-negative"),
+    (["--seeds", ""], "expected comma-separated integers"),
+    (["--seeds", "1,x"], "expected comma-separated integers"),
+    (["--recipes", "mopd/gym_sequential"], "no such recipe"),
+])
+def test_bad_arguments_are_refused_before_anything_runs(tmp_path, monkeypatch, capsys, args, says):
+    def no_job(*a, **k):
+        raise AssertionError("nothing may run")
+
+    monkeypatch.setattr(C, "bundle_fingerprints", no_job)
+    monkeypatch.setattr(CC, "claas_run", no_job)
+    argv = ["--recipes", RECIPE, *args] if "--recipes" not in args else args
+    with pytest.raises(SystemExit) as exc:
+        C.main([*argv, "--out", str(tmp_path / "out")])
+    assert exc.value.code == 2 and says in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()

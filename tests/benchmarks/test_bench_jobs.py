@@ -1,0 +1,81 @@
+"""benchmarks/bench_jobs.py: a benchmark stopped by a signal stops its trainer jobs and everything they started.
+
+A trainer job stands in here as a Python process that starts a grandchild (as a job starts its Ray cluster) and
+sleeps; the benchmark is a real subprocess that runs it through ``run_job`` and gets SIGTERM or SIGINT."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+
+JOB = ("import subprocess, sys, time; p = subprocess.Popen(['sleep', '300']); "
+       "open(sys.argv[1], 'w').write(f'{__import__(\"os\").getpid()} {p.pid}'); print('job started', flush=True); "
+       "time.sleep(300)")
+
+BENCHMARK = f"""
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+sys.path.insert(0, {str(REPO)!r})
+from benchmarks.bench_jobs import job_env, run_job, stopping_jobs_on_signals
+
+pidfile, log = sys.argv[1], Path(sys.argv[2])
+cmd = [sys.executable, "-c", {JOB!r}, pidfile]
+with stopping_jobs_on_signals(), ThreadPoolExecutor(max_workers=1) as pool:
+    # two jobs, one at a time: the second must never start once the benchmark is stopping
+    first = pool.submit(run_job, cmd, job_env(), log, lambda line: line.strip() or None)
+    second = pool.submit(run_job, cmd + ["-second"], job_env(), log.with_suffix(".2"), lambda line: None)
+"""
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, IndexError):
+        return False
+    return state not in ("Z", "X")  # a zombie has exited; whoever reaps it is not this test's concern
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_to_the_benchmark_stops_its_jobs_and_their_children(tmp_path, sig):
+    pidfile = tmp_path / "pids"
+    bench = subprocess.Popen([sys.executable, "-c", BENCHMARK, str(pidfile), str(tmp_path / "job.log")],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert "job started" in bench.stdout.readline()
+        job_pid, grandchild_pid = map(int, pidfile.read_text().split())
+        assert _alive(job_pid) and _alive(grandchild_pid)
+        assert os.getpgid(job_pid) == job_pid != os.getpgid(bench.pid)  # the job leads a group of its own
+        bench.send_signal(sig)
+        out, err = bench.communicate(timeout=60)
+    finally:
+        if bench.poll() is None:
+            bench.kill()
+    assert bench.returncode == (143 if sig == signal.SIGTERM else -signal.SIGINT) or \
+        (sig == signal.SIGINT and bench.returncode == 130)
+    assert "stopped 1 running job(s)" in err
+    deadline = time.time() + 10
+    while (_alive(job_pid) or _alive(grandchild_pid)) and time.time() < deadline:
+        time.sleep(0.1)
+    assert not _alive(job_pid) and not _alive(grandchild_pid)
+    assert not (tmp_path / "job.2").exists()  # the queued job was not started
+
+
+def test_a_finished_job_returns_its_seconds_and_a_failed_one_its_log_tail(tmp_path):
+    from benchmarks.bench_jobs import job_env, run_job
+
+    seen = []
+    secs = run_job([sys.executable, "-c", "print('a'); print('b')"], job_env(), tmp_path / "ok.log",
+                   lambda line: seen.append(line.strip()) or None)
+    assert secs > 0 and seen == ["a", "b"] and (tmp_path / "ok.log").read_text() == "a\nb\n"
+    with pytest.raises(RuntimeError, match=r"failed \(exit 3\).*\n.*last words"):
+        run_job([sys.executable, "-c", "print('last words'); raise SystemExit(3)"], job_env(), tmp_path / "bad.log",
+                lambda line: None)
