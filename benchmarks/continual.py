@@ -332,13 +332,28 @@ def main(argv: list[str] | None = None) -> int:
             ap.error(f"{name}: {', '.join(twice)} given more than once")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    from filelock import FileLock, Timeout
 
+    lock = FileLock(str(out / ".benchmark.lock"))
+    try:  # two benchmarks on one --out would run the same jobs into the same run directories
+        lock.acquire(timeout=0)
+    except Timeout:
+        ap.error(f"--out {out}: another benchmark is running on this directory (it holds {lock.lock_file}); "
+                 "wait for it to end or choose another --out")
+    try:
+        return _run(args.quick, args.jobs, extra, recipes, seeds, out)
+    finally:
+        lock.release()
+
+
+def _run(quick: bool, jobs: int, extra: list[str], recipes: list[str], seeds: list[int], out: Path) -> int:
+    """The benchmark on a validated command, with ``out`` locked: runs what is not saved yet, then the report."""
     results = _load(out)
     # records of another evaluation, stream design, mode or overrides are not this command's: MOPD ones are scored
     # again from their run directories when the job was the same (mopd_run compares the job's command), the rest
     # rerun
     bundles = bundle_fingerprints(recipes)
-    results["runs"] = [r for r in results["runs"] if current_record(r, args.quick, extra, bundles)]
+    results["runs"] = [r for r in results["runs"] if current_record(r, quick, extra, bundles)]
     done = {(r["recipe"], int(r["seed"])) for r in results["runs"]}
     manifest = gym_manifest() if "mopd" in bundles else None
     t0 = time.time()
@@ -354,11 +369,11 @@ def main(argv: list[str] | None = None) -> int:
     def one(recipe: str, seed: int) -> None:
         print(f"=== {recipe} seed {seed}", flush=True)
         if recipe.startswith("mopd/"):
-            record = mopd_run(recipe, seed, out, args.quick, extra, bundles["mopd"])
+            record = mopd_run(recipe, seed, out, quick, extra, bundles["mopd"])
         else:
             from continual_claas import claas_run
 
-            record = claas_run(recipe, seed, out, args.quick, extra)
+            record = claas_run(recipe, seed, out, quick, extra)
             record["bundle_fingerprint"] = bundles["claas"]
             record.setdefault("kind", "claas")
         with saving:  # every finished run is on disk at once: a kill loses only the runs in flight
@@ -369,7 +384,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{_fmt(record.get('forgetting'))} in {record.get('seconds', 0):.0f}s", flush=True)
 
     # SIGTERM / Ctrl-C stop the running trainer jobs (each in a process group of its own) before the exit
-    with stopping_jobs_on_signals(), ThreadPoolExecutor(max_workers=args.jobs) as pool:
+    with stopping_jobs_on_signals(), ThreadPoolExecutor(max_workers=jobs) as pool:
         futures = {pool.submit(one, recipe, seed): (recipe, seed) for recipe, seed in todo}
     failed = [(rs, f.exception()) for f, rs in futures.items() if f.exception() is not None]
     for (recipe, seed), err in failed:

@@ -167,3 +167,29 @@ def test_bad_arguments_are_refused_before_anything_runs(tmp_path, monkeypatch, c
         C.main([*argv, "--out", str(tmp_path / "out")])
     assert exc.value.code == 2 and says in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
+
+
+def test_a_second_benchmark_on_the_same_out_is_refused(tmp_path, monkeypatch, capsys):
+    """Started twice on one --out (an operator restarting while the first still runs): the second is refused at
+    once, naming the lock, and the first one's directory is untouched; once the first ends, the command runs."""
+    import subprocess
+
+    out = tmp_path / "out"
+    out.mkdir()
+    holder = subprocess.Popen(  # the first benchmark: another process holding the directory's lock
+        [sys.executable, "-c", "import sys, time; from filelock import FileLock; l = FileLock(sys.argv[1]); "
+         "l.acquire(); print('held', flush=True); time.sleep(60)", str(out / ".benchmark.lock")],
+        stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        monkeypatch.setattr(CC, "claas_run", lambda *a: pytest.fail("the second benchmark may not run a job"))
+        monkeypatch.setattr(C, "bundle_fingerprints", lambda recipes: {"claas": "tiny-a"})
+        with pytest.raises(SystemExit) as exc:
+            C.main(["--recipes", RECIPE, "--seeds", "1", "--out", str(out)])
+        assert exc.value.code == 2 and "another benchmark is running" in capsys.readouterr().err
+        assert not (out / "results.json").exists()
+    finally:
+        holder.kill()
+        holder.wait()
+    monkeypatch.setattr(CC, "claas_run", lambda recipe, seed, *a: _record(recipe, seed, 0.4))
+    assert C.main(["--recipes", RECIPE, "--seeds", "1", "--out", str(out)]) == 0
