@@ -85,8 +85,16 @@ def run_name(recipe: str, seed: int) -> str:
 
 
 def _echo(line: str) -> str | None:
-    if "[mopd] stage" in line and ("end:" in line or "start:" in line):
-        return line.split("[mopd]", 1)[1].strip()
+    """The job's progress worth a line on the console: each stage's start and end (the trainer's
+    ``[mopd] stage N begins at global step S: teachers ...`` / ``[mopd] stage N ends: snapshot ...``) and, when the
+    in-run table is on, its stage-end evaluations (``[mopd] stage N start|end: KL ...``)."""
+    if "[mopd] stage" not in line:
+        return None
+    msg = line.split("[mopd]", 1)[1].strip()
+    if " begins at global step " in msg:
+        return msg.split(":", 1)[0]  # the teachers' paths are in the log
+    if " ends: " in msg or " start: " in msg or " end: " in msg:
+        return msg
     return None
 
 

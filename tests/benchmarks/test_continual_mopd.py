@@ -162,3 +162,24 @@ def test_report_names_the_domains_the_runs_learned():
     assert "| model | spell | reverse |" in text and "expert:arith" not in text
     assert "| 2 | 0.200 (5.000) | 0.000 (3.000) |" in text
     assert metrics["forgetting"] == pytest.approx(0.1)
+
+
+def test_the_console_shows_each_stage_of_a_job():
+    """The benchmark echoes the trainer's stage lines (it showed nothing for whole jobs once the in-run table was
+    turned off: it waited for the evaluation's lines only)."""
+    import inspect
+
+    from claas_verl.trainer.mopd.trainer import MOPDTrainer
+
+    src = inspect.getsource(MOPDTrainer)
+    assert '"[mopd] stage {stage} begins at global step {self.global_steps}: ' in src
+    assert '"[mopd] stage {stage} ends: snapshot M_{stage} -> {dst}"' in src
+    prefix = "\x1b[36m(MOPDTaskRunner pid=4566)\x1b[0m "
+    assert C._echo(prefix + "[mopd] stage 2 begins at global step 13: teachers {'reverse': '/x'}\n") == \
+        "stage 2 begins at global step 13"
+    assert C._echo(prefix + "[mopd] stage 2 ends: snapshot M_2 -> /runs/s/snapshots/student_2\n") == \
+        "stage 2 ends: snapshot M_2 -> /runs/s/snapshots/student_2"
+    assert C._echo(prefix + "[mopd] stage 1 end: KL(student || E[spell]) = 4.6 (binned 4.1), score 0.310") == \
+        "stage 1 end: KL(student || E[spell]) = 4.6 (binned 4.1), score 0.310"
+    assert C._echo(prefix + "[mopd] step 3/36 stage=1 kind=new domain=spell") is None
+    assert C._echo("step:1 - global_seqlen/min:4928.0") is None
