@@ -61,7 +61,7 @@ BENCH_JOBS ?= 2
 
 # The quick continual comparison (benchmarks/continual.py --quick): prints the table and where the PNGs are.
 demo: install
-	$(RUN) $(PY) benchmarks/continual.py --quick --out $(BENCH_OUT)_quick
+	$(RUN) $(PY) benchmarks/continual.py --quick --jobs $(BENCH_JOBS) --out $(BENCH_OUT)_quick
 
 demo-tiny: install
 	$(RUN) $(PY) examples/run_mopd_demo.py
