@@ -39,7 +39,10 @@ def sampling_seed(seed: int, *parts: str) -> int:
 def load_model(path: str):
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    from claas_verl.utils.hf_quiet import hf_progress_bars_off
+
+    with hf_progress_bars_off():  # one "Loading weights" bar per scored model would bury the benchmark's lines
+        return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
 
 
 @torch.no_grad()

@@ -182,14 +182,9 @@ def _mean_final_hidden(model, prompt_ids) -> torch.Tensor:
 
 def save_model(model, tokenizer, out_dir: Path) -> None:
     """Save weights (safetensors), config, generation config and the tokenizer files."""
-    from transformers.utils import logging as hf_logging
+    from claas_verl.utils.hf_quiet import hf_progress_bars_off
 
     out_dir.mkdir(parents=True, exist_ok=True)
-    bar_was_on = hf_logging.is_progress_bar_enabled()
-    hf_logging.disable_progress_bar()  # a "Writing model shards" bar per model is noise in test logs
-    try:
+    with hf_progress_bars_off():
         model.save_pretrained(out_dir, safe_serialization=True)
-    finally:
-        if bar_was_on:
-            hf_logging.enable_progress_bar()
     tokenizer.save_pretrained(out_dir)

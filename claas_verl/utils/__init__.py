@@ -1,1 +1,2 @@
-"""Small torch-only helpers shared by every math module (no Ray, no verl)."""
+"""Small helpers shared across the package, none of them importing Ray or verl: ``masked`` (torch-only, for the
+math modules), ``cli`` (the ``python -m claas_verl.*`` commands), ``hf_quiet`` (Hugging Face progress bars)."""
