@@ -273,8 +273,7 @@ def reference_scores(out: Path, seed: int, protocol: dict, bundle: str) -> dict[
     from claas_verl.tiny.gym import DOMAIN_NAMES, default_gym_dir
 
     path = out / "reference_scores.json"
-    saved = json.loads(path.read_text()) if path.exists() else {}
-    cache = saved.get("scores", {}) if saved.get("bundle_fingerprint") == bundle else {}
+    cache = _reference_cache(path, bundle)
     key = f"{seed}:{json.dumps(protocol, sort_keys=True)}"
     if key not in cache:
         root = default_gym_dir()
@@ -289,9 +288,33 @@ def reference_scores(out: Path, seed: int, protocol: dict, bundle: str) -> dict[
     return cache[key]
 
 
+def _reference_cache(path: Path, bundle: str) -> dict:
+    """The saved reference tables of ``bundle`` (``{"<seed>:<protocol>": table}``); empty when there are none, they
+    are of another bundle or the file is damaged (a cache: its tables are scored again)."""
+    try:
+        saved = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    if not isinstance(saved, dict) or saved.get("bundle_fingerprint") != bundle:
+        return {}
+    return saved.get("scores", {})
+
+
 def _load(out: Path) -> dict:
+    """``out/results.json`` (``{"runs": []}`` when there is none); ``ValueError`` naming the file when it is not a
+    results file, which is then left as it is (it holds runs that took hours)."""
     path = out / "results.json"
-    return json.loads(path.read_text()) if path.exists() else {"runs": []}
+    if not path.exists():
+        return {"runs": []}
+    try:
+        results = json.loads(path.read_text())
+    except ValueError as err:
+        raise ValueError(f"{path} is not valid JSON ({err}); it was not written by this benchmark as it is (the "
+                         "benchmark replaces it atomically): repair it, or move it away to start afresh") from None
+    if not isinstance(results, dict) or not isinstance(results.get("runs"), list):
+        raise ValueError(f"{path} has no \"runs\" list: it is not this benchmark's results file; use another --out "
+                         "or move it away")
+    return results
 
 
 def _save(out: Path, results: dict) -> None:
@@ -339,7 +362,13 @@ def main(argv: list[str] | None = None) -> int:
         if twice:  # two jobs of one run would share its run directory
             ap.error(f"{name}: {', '.join(twice)} given more than once")
     out = Path(args.out)
+    if out.exists() and not out.is_dir():
+        ap.error(f"--out {out}: a file, not a directory")
     out.mkdir(parents=True, exist_ok=True)
+    try:
+        _load(out)  # refused now, not after the bundles are built
+    except ValueError as err:
+        ap.error(f"--out: {err}")
     from filelock import FileLock, Timeout
 
     lock = FileLock(str(out / ".benchmark.lock"))
@@ -412,9 +441,7 @@ def _run(quick: bool, jobs: int, extra: list[str], recipes: list[str], seeds: li
         results["bundle"] = {"fingerprint": bundles["mopd"],
                              **{k: manifest[k] for k in ("domains", "accuracy", "accuracy_protocol", "sizes")}}
         # π0 and the experts as the snapshots were scored, per seed of the runs (reference_scores.json)
-        ref_path = out / "reference_scores.json"
-        saved = json.loads(ref_path.read_text()) if ref_path.exists() else {}
-        results["references"] = saved.get("scores", {}) if saved.get("bundle_fingerprint") == bundles["mopd"] else {}
+        results["references"] = _reference_cache(out / "reference_scores.json", bundles["mopd"])
     _save(out, results)
     report = write_report(results, out)
     print("\n" + report)

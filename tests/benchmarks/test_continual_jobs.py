@@ -193,3 +193,23 @@ def test_a_second_benchmark_on_the_same_out_is_refused(tmp_path, monkeypatch, ca
         holder.wait()
     monkeypatch.setattr(CC, "claas_run", lambda recipe, seed, *a: _record(recipe, seed, 0.4))
     assert C.main(["--recipes", RECIPE, "--seeds", "1", "--out", str(out)]) == 0
+
+
+@pytest.mark.parametrize(("content", "says"), [
+    ('{"runs": [{"recipe": "claas/tiny_no_update", "se', "is not valid JSON"),
+    ('[1, 2]', 'has no "runs" list'),
+])
+def test_a_damaged_results_file_is_refused_and_kept(tmp_path, monkeypatch, capsys, content, says):
+    monkeypatch.setattr(CC, "claas_run", lambda *a: pytest.fail("nothing may run"))
+    (tmp_path / "results.json").write_text(content)
+    with pytest.raises(SystemExit) as exc:
+        C.main(["--recipes", RECIPE, "--seeds", "1", "--out", str(tmp_path)])
+    assert exc.value.code == 2 and says in capsys.readouterr().err
+    assert (tmp_path / "results.json").read_text() == content
+
+
+def test_an_out_that_is_a_file_is_refused(tmp_path, capsys):
+    (tmp_path / "f").write_text("x")
+    with pytest.raises(SystemExit):
+        C.main(["--recipes", RECIPE, "--out", str(tmp_path / "f")])
+    assert "a file, not a directory" in capsys.readouterr().err

@@ -124,6 +124,9 @@ def test_a_finished_run_is_scored_from_its_stage_snapshots(fake_gym, tmp_path, m
     assert C.reference_scores(tmp_path, 1, rec["eval"], "gym-a") == table  # cached: no model is scored
     with pytest.raises(Rerun):  # the cache of bundle gym-a does not answer for gym-b
         C.reference_scores(tmp_path, 1, rec["eval"], "gym-b")
+    (tmp_path / "reference_scores.json").write_text('{"bundle_fingerprint": "gym-a", "sco')  # a damaged cache
+    with pytest.raises(Rerun):  # is scored again, not a crash
+        C.reference_scores(tmp_path, 1, rec["eval"], "gym-a")
 
 
 def test_a_finished_run_without_its_snapshot_is_refused(fake_gym, tmp_path, monkeypatch):
