@@ -213,3 +213,25 @@ def test_an_out_that_is_a_file_is_refused(tmp_path, capsys):
     with pytest.raises(SystemExit):
         C.main(["--recipes", RECIPE, "--out", str(tmp_path / "f")])
     assert "a file, not a directory" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("args", "mopd_seeds", "claas_seeds"), [
+    ([], [1, 2, 3], [3, 4, 5]),  # CLaaS's stream was designed on seeds 1-2: its default runs never use them
+    (["--quick"], [1], [3]),
+    (["--seeds", "7,8"], [7, 8], [7, 8]),
+])
+def test_default_seeds_per_kind(tmp_path, monkeypatch, args, mopd_seeds, claas_seeds):
+    ran = []
+    monkeypatch.setattr(C, "bundle_fingerprints", lambda recipes: {"mopd": "gym-a", "claas": "tiny-a"})
+    monkeypatch.setattr(C, "gym_manifest", lambda: {k: {} for k in ("domains", "accuracy", "accuracy_protocol",
+                                                                    "sizes")})
+    monkeypatch.setattr(CC, "claas_run", lambda recipe, seed, *a: ran.append((recipe, seed)) or
+                        _record(recipe, seed, 0.5))
+    def mopd_job(recipe, seed, *a):
+        ran.append((recipe, seed))
+        raise RuntimeError("not trained here: only which seeds were started is checked")
+
+    monkeypatch.setattr(C, "mopd_run", mopd_job)
+    assert C.main(["--recipes", f"mopd/gym_seq,{RECIPE}", *args, "--out", str(tmp_path)]) == 1  # the MOPD runs "failed"
+    assert sorted(s for r, s in ran if r == "mopd/gym_seq") == mopd_seeds
+    assert sorted(s for r, s in ran if r == RECIPE) == claas_seeds
