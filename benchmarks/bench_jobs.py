@@ -3,7 +3,9 @@ the venv first on PATH and a Ray cluster of its own, its whole output in a log f
 
 Each job runs in a process group of its own, and :func:`stopping_jobs_on_signals` makes SIGTERM and SIGINT to the
 benchmark stop every job's whole group (the trainer and the Ray cluster it started) before the benchmark exits.
-Without it, a benchmark killed by ``kill``, ``timeout`` or a CI cancel left its trainer jobs training on.
+Without it, a benchmark killed by ``kill``, ``timeout`` or a CI cancel left its trainer jobs training on. A
+benchmark killed by SIGKILL cannot stop anything: each job runs under ``job_guard.py``, which stops its group
+when the benchmark is gone.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+GUARD = Path(__file__).resolve().with_name("job_guard.py")
 STOP_GRACE_S = 15.0  # SIGTERM first (Ray's driver tears its cluster down), SIGKILL after this long
 
 _live: set[subprocess.Popen] = set()
@@ -50,9 +53,11 @@ def run_job(cmd: list[str], env: dict, log_path: Path, echo: Callable[[str], str
     with _live_lock:
         if _stopping.is_set():  # the benchmark is being stopped: start nothing new
             raise RuntimeError(f"{' '.join(cmd[1:4])} not started: the benchmark is stopping")
-        # a session (and process group) of its own: stop_jobs() reaches everything the job started
-        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                start_new_session=True)
+        # a session (and process group) of its own: stop_jobs() reaches everything the job started; the guard
+        # leads it and stops it if this process dies without doing so
+        guarded = [sys.executable, str(GUARD), "--parent", str(os.getpid()), "--", *cmd]
+        proc = subprocess.Popen(guarded, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                text=True, start_new_session=True)
         _live.add(proc)
     try:
         with log_path.open("w") as log:

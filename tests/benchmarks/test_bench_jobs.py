@@ -53,7 +53,7 @@ def test_a_signal_to_the_benchmark_stops_its_jobs_and_their_children(tmp_path, s
         assert "job started" in bench.stdout.readline()
         job_pid, grandchild_pid = map(int, pidfile.read_text().split())
         assert _alive(job_pid) and _alive(grandchild_pid)
-        assert os.getpgid(job_pid) == job_pid != os.getpgid(bench.pid)  # the job leads a group of its own
+        assert os.getpgid(job_pid) != os.getpgid(bench.pid)  # the job runs in a group of its own
         bench.send_signal(sig)
         out, err = bench.communicate(timeout=60)
     finally:
@@ -79,3 +79,33 @@ def test_a_finished_job_returns_its_seconds_and_a_failed_one_its_log_tail(tmp_pa
     with pytest.raises(RuntimeError, match=r"failed \(exit 3\).*\n.*last words"):
         run_job([sys.executable, "-c", "print('last words'); raise SystemExit(3)"], job_env(), tmp_path / "bad.log",
                 lambda line: None)
+
+
+def test_a_benchmark_killed_outright_still_leaves_no_job_running(tmp_path):
+    """SIGKILL cannot be caught: the job's guard (benchmarks/job_guard.py) sees its parent gone and stops the
+    job's whole group."""
+    pidfile = tmp_path / "pids"
+    bench = subprocess.Popen([sys.executable, "-c", BENCHMARK, str(pidfile), str(tmp_path / "job.log")],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert "job started" in bench.stdout.readline()
+        job_pid, grandchild_pid = map(int, pidfile.read_text().split())
+        bench.kill()
+        bench.wait(timeout=10)
+        deadline = time.time() + 30
+        while (_alive(job_pid) or _alive(grandchild_pid)) and time.time() < deadline:
+            time.sleep(0.2)
+        assert not _alive(job_pid) and not _alive(grandchild_pid)
+    finally:
+        if bench.poll() is None:
+            bench.kill()
+
+
+def test_the_guard_passes_the_jobs_exit_status_and_output(tmp_path):
+    out = subprocess.run([sys.executable, str(REPO / "benchmarks" / "job_guard.py"), "--parent", str(os.getpid()),
+                          "--", sys.executable, "-c", "print('from the job'); raise SystemExit(7)"],
+                         capture_output=True, text=True, timeout=30)
+    assert out.returncode == 7 and out.stdout == "from the job\n"
+    killed = subprocess.run([sys.executable, str(REPO / "benchmarks" / "job_guard.py"), "--parent",
+                             str(os.getpid()), "--", "sh", "-c", "kill -TERM $$"], timeout=30)
+    assert killed.returncode == 128 + signal.SIGTERM
