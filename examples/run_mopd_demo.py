@@ -20,9 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -34,22 +32,24 @@ RUNS = (("seq", "mopd/tiny_seq"), ("replay_kl", "mopd/tiny_replay_kl"))
 DEMO_OVERRIDES = ["mopd.eval.prompts=8", "trainer.save_freq=-1", "trainer.resume_mode=disable"]
 
 
+def _mopd_lines(line: str) -> str | None:
+    return line.split("[mopd]", 1)[1].rstrip() if "[mopd]" in line else None
+
+
 def run(name: str, recipe: str, out: Path, extra: list[str]) -> Path:
-    env = dict(os.environ, CLAAS_OUT_DIR=str(out), PYTHONUNBUFFERED="1")
+    """One trainer job through the benchmarks' job runner: its own process group, stopped with this script
+    (Ctrl-C, SIGTERM, or by its guard after a kill -9), its whole output in ``out/<name>.log``."""
+    from benchmarks.bench_jobs import job_env, run_job
+
     cmd = [sys.executable, "-m", "claas_verl.main_mopd", f"--config-name={recipe}",
            f"trainer.experiment_name={name}", *DEMO_OVERRIDES, *extra]
     print(f"\n=== {name}: {' '.join(cmd[1:])}", flush=True)
-    start = time.time()
-    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    log = []
-    for line in proc.stdout:
-        log.append(line)
-        if "[mopd]" in line:
-            print(line.split("[mopd]", 1)[1].rstrip(), flush=True)
-    if proc.wait() != 0:
-        print("".join(log[-80:]))
-        raise SystemExit(f"{name} failed (exit {proc.returncode})")
-    print(f"=== {name} finished in {time.time() - start:.0f}s", flush=True)
+    out.mkdir(parents=True, exist_ok=True)
+    try:
+        seconds = run_job(cmd, job_env(CLAAS_OUT_DIR=str(out)), out / f"{name}.log", _mopd_lines)
+    except RuntimeError as err:
+        raise SystemExit(f"{name} failed: {err}") from None
+    print(f"=== {name} finished in {seconds:.0f}s", flush=True)
     return out / name
 
 
@@ -61,7 +61,10 @@ def main() -> None:
 
     os.environ.setdefault("CLAAS_TINY_DIR", str(ensure_tiny().root))
     out = Path(args.out)
-    dirs = {name: run(name, recipe, out, extra) for name, recipe in RUNS}
+    from benchmarks.bench_jobs import stopping_jobs_on_signals
+
+    with stopping_jobs_on_signals():
+        dirs = {name: run(name, recipe, out, extra) for name, recipe in RUNS}
     rows = {name: S.read_forgetting(str(d)) for name, d in dirs.items()}
     print()
     for name in dirs:
