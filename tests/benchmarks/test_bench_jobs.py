@@ -5,6 +5,7 @@ sleeps; the benchmark is a real subprocess that runs it through ``run_job`` and 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -44,29 +45,53 @@ def _alive(pid: int) -> bool:
     return state not in ("Z", "X")  # a zombie has exited; whoever reaps it is not this test's concern
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
-def test_a_signal_to_the_benchmark_stops_its_jobs_and_their_children(tmp_path, sig):
+@contextlib.contextmanager
+def _benchmark_with_a_running_job(tmp_path):
+    """The benchmark process, its job's pid and the job's child's pid, once the job has started; whatever is
+    left of the three is killed afterwards, so that a failing test leaks no process."""
     pidfile = tmp_path / "pids"
     bench = subprocess.Popen([sys.executable, "-c", BENCHMARK, str(pidfile), str(tmp_path / "job.log")],
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    pids: list[int] = []
     try:
         assert "job started" in bench.stdout.readline()
-        job_pid, grandchild_pid = map(int, pidfile.read_text().split())
-        assert _alive(job_pid) and _alive(grandchild_pid)
-        assert os.getpgid(job_pid) != os.getpgid(bench.pid)  # the job runs in a group of its own
-        bench.send_signal(sig)
-        out, err = bench.communicate(timeout=60)
+        pids = [int(p) for p in pidfile.read_text().split()]
+        assert all(_alive(p) for p in pids)
+        yield bench, pids
     finally:
-        if bench.poll() is None:
-            bench.kill()
-    assert bench.returncode == (143 if sig == signal.SIGTERM else -signal.SIGINT) or \
-        (sig == signal.SIGINT and bench.returncode == 130)
-    assert "stopped 1 running job(s)" in err
-    deadline = time.time() + 10
-    while (_alive(job_pid) or _alive(grandchild_pid)) and time.time() < deadline:
+        for p in [bench.pid, *pids]:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(p, signal.SIGKILL)
+        bench.wait()
+
+
+def _gone(pids: list[int], within_s: float) -> bool:
+    deadline = time.time() + within_s
+    while any(_alive(p) for p in pids) and time.time() < deadline:
         time.sleep(0.1)
-    assert not _alive(job_pid) and not _alive(grandchild_pid)
+    return not any(_alive(p) for p in pids)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_to_the_benchmark_stops_its_jobs_and_their_children(tmp_path, sig):
+    with _benchmark_with_a_running_job(tmp_path) as (bench, pids):
+        assert os.getpgid(pids[0]) != os.getpgid(bench.pid)  # the job runs in a group of its own
+        bench.send_signal(sig)
+        _, err = bench.communicate(timeout=60)
+        assert bench.returncode == (143 if sig == signal.SIGTERM else -signal.SIGINT) or \
+            (sig == signal.SIGINT and bench.returncode == 130)
+        assert "stopped 1 running job(s)" in err
+        assert _gone(pids, within_s=10)
     assert not (tmp_path / "job.2").exists()  # the queued job was not started
+
+
+def test_a_benchmark_killed_outright_still_leaves_no_job_running(tmp_path):
+    """SIGKILL cannot be caught: the job's guard (benchmarks/job_guard.py) sees its parent gone and stops the
+    job's whole group."""
+    with _benchmark_with_a_running_job(tmp_path) as (bench, pids):
+        bench.kill()
+        bench.wait(timeout=10)
+        assert _gone(pids, within_s=30)
 
 
 def test_a_finished_job_returns_its_seconds_and_a_failed_one_its_log_tail(tmp_path):
@@ -79,26 +104,6 @@ def test_a_finished_job_returns_its_seconds_and_a_failed_one_its_log_tail(tmp_pa
     with pytest.raises(RuntimeError, match=r"failed \(exit 3\).*\n.*last words"):
         run_job([sys.executable, "-c", "print('last words'); raise SystemExit(3)"], job_env(), tmp_path / "bad.log",
                 lambda line: None)
-
-
-def test_a_benchmark_killed_outright_still_leaves_no_job_running(tmp_path):
-    """SIGKILL cannot be caught: the job's guard (benchmarks/job_guard.py) sees its parent gone and stops the
-    job's whole group."""
-    pidfile = tmp_path / "pids"
-    bench = subprocess.Popen([sys.executable, "-c", BENCHMARK, str(pidfile), str(tmp_path / "job.log")],
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        assert "job started" in bench.stdout.readline()
-        job_pid, grandchild_pid = map(int, pidfile.read_text().split())
-        bench.kill()
-        bench.wait(timeout=10)
-        deadline = time.time() + 30
-        while (_alive(job_pid) or _alive(grandchild_pid)) and time.time() < deadline:
-            time.sleep(0.2)
-        assert not _alive(job_pid) and not _alive(grandchild_pid)
-    finally:
-        if bench.poll() is None:
-            bench.kill()
 
 
 def test_the_guard_passes_the_jobs_exit_status_and_output(tmp_path):
