@@ -170,8 +170,11 @@ def mopd_run(recipe: str, seed: int, out: Path, quick: bool, extra: list[str], b
     runs.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, *mopd_job_args(recipe, seed, quick, extra)]
     finished = runs / name / FINISHED
-    marker = json.loads(finished.read_text()) if finished.exists() else {}
-    if marker.get("cmd") == cmd[1:] and marker.get("bundle_fingerprint") == bundle:
+    try:
+        marker = json.loads(finished.read_text())
+    except (OSError, ValueError):  # none (not finished), or damaged: the run is done again
+        marker = {}
+    if isinstance(marker, dict) and marker.get("cmd") == cmd[1:] and marker.get("bundle_fingerprint") == bundle:
         # the same job ended but its record was not saved (a kill or an error while scoring)
         seconds = float(marker["seconds"])
     else:

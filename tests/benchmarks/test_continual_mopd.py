@@ -119,6 +119,10 @@ def test_a_finished_run_is_scored_from_its_stage_snapshots(fake_gym, tmp_path, m
     monkeypatch.setattr(C, "run_job", job)
     with pytest.raises(Rerun):
         C.mopd_run("mopd/gym_seq", 1, tmp_path, False, small, "gym-b")
+    run.mkdir(parents=True)
+    (run / C.FINISHED).write_text('{"seconds": 12.5, "cmd": [')  # a marker cut short: the run is done again
+    with pytest.raises(Rerun):
+        C.mopd_run("mopd/gym_seq", 1, tmp_path, False, small, "gym-a")
     monkeypatch.setattr(C, "_score", no_scoring)
     table = refs[next(iter(refs))]
     assert C.reference_scores(tmp_path, 1, rec["eval"], "gym-a") == table  # cached: no model is scored
