@@ -74,7 +74,8 @@ def run_job(cmd: list[str], env: dict, log_path: Path, echo: Callable[[str], str
         with _live_lock:
             _live.discard(proc)
         if proc.poll() is None:  # an error here (in echo, in writing the log) must not leave the job running
-            _stop_group(proc, STOP_GRACE_S)
+            _stop_groups([proc], STOP_GRACE_S)
+            proc.wait()
     return time.time() - start
 
 
@@ -83,31 +84,24 @@ def _signal_group(proc: subprocess.Popen, sig: int) -> None:
         os.killpg(proc.pid, sig)  # the job's pid is its group id (start_new_session)
 
 
-def _stop_group(proc: subprocess.Popen, grace_s: float) -> None:
-    _signal_group(proc, signal.SIGTERM)
-    try:
-        proc.wait(timeout=grace_s)
-    except subprocess.TimeoutExpired:
-        pass
-    _signal_group(proc, signal.SIGKILL)  # the group's other processes too, even when the job itself has exited
-    proc.wait()
-
-
-def stop_jobs(grace_s: float = STOP_GRACE_S) -> int:
-    """Stop every running job's process group (SIGTERM, SIGKILL after ``grace_s``) and start no new job.
-    Returns how many jobs were running."""
-    _stopping.set()
-    with _live_lock:
-        procs = list(_live)
+def _stop_groups(procs: list[subprocess.Popen], grace_s: float) -> None:
+    """SIGTERM to every job's group, then SIGKILL to each group once its job exited or ``grace_s`` passed (the
+    group's other processes too, even when the job itself has exited)."""
     for p in procs:
         _signal_group(p, signal.SIGTERM)
     deadline = time.time() + grace_s
     for p in procs:
-        try:
+        with contextlib.suppress(subprocess.TimeoutExpired):
             p.wait(timeout=max(deadline - time.time(), 0.0))
-        except subprocess.TimeoutExpired:
-            pass
         _signal_group(p, signal.SIGKILL)
+
+
+def stop_jobs(grace_s: float = STOP_GRACE_S) -> int:
+    """Stop every running job's process group and start no new job. Returns how many jobs were running."""
+    _stopping.set()
+    with _live_lock:
+        procs = list(_live)
+    _stop_groups(procs, grace_s)
     return len(procs)
 
 

@@ -376,10 +376,6 @@ def main(argv: list[str] | None = None) -> int:
     if out.exists() and not out.is_dir():
         ap.error(f"--out {out}: a file, not a directory")
     out.mkdir(parents=True, exist_ok=True)
-    try:
-        _load(out)  # refused now, not after the bundles are built
-    except ValueError as err:
-        ap.error(f"--out: {err}")
     from filelock import FileLock, Timeout
 
     lock = FileLock(str(out / ".benchmark.lock"))
@@ -389,15 +385,19 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--out {out}: another benchmark is running on this directory (it holds {lock.lock_file}); "
                  "wait for it to end or choose another --out")
     try:
-        return _run(args.quick, args.jobs, extra, recipes, seeds, out)
+        try:
+            results = _load(out)  # read under the lock; refused now, not after the bundles are built
+        except ValueError as err:
+            ap.error(f"--out: {err}")
+        return _run(results, args.quick, args.jobs, extra, recipes, seeds, out)
     finally:
         lock.release()
 
 
-def _run(quick: bool, jobs: int, extra: list[str], recipes: list[str], seeds: dict[str, list[int]], out: Path) -> int:
-    """The benchmark on a validated command, with ``out`` locked: runs what is not saved yet, then the report.
-    ``seeds``: the seeds of each kind of recipe (``mopd``, ``claas``)."""
-    results = _load(out)
+def _run(results: dict, quick: bool, jobs: int, extra: list[str], recipes: list[str], seeds: dict[str, list[int]],
+         out: Path) -> int:
+    """The benchmark on a validated command, with ``out`` locked: runs what ``results`` (``out/results.json``) does
+    not hold yet, then the report. ``seeds``: the seeds of each kind of recipe (``mopd``, ``claas``)."""
     # records of another evaluation, stream design, mode or overrides are not this command's: MOPD ones are scored
     # again from their run directories when the job was the same (mopd_run compares the job's command), the rest
     # rerun
