@@ -183,36 +183,26 @@ def _build_into(root: Path, seed: int) -> None:
 
     from claas_verl.tiny.data import stable_seed, write_parquet
     from claas_verl.tiny.model import build_student, save_model
-    from claas_verl.tiny.tokenizer import EOT_TOKEN, IM_END, special_token_ids
 
     t0 = time.time()
     paths = GymPaths(root)
     root.mkdir(parents=True)
     tok = byte_tokenizer()
-    ids = special_token_ids(tok)
-    eos, pad = [ids[IM_END], ids[EOT_TOKEN]], ids[EOT_TOKEN]
+    eos, pad = stop_and_pad_ids(tok)
 
     splits = {d.name: gym_rows(d, seed) for d in GYM_DOMAINS}
     for name, (train, test) in splits.items():
         write_parquet(train, paths.data(name, "train"))
         write_parquet(test, paths.data(name, "test"))
 
-    def encode(row):
-        prompt = tok.apply_chat_template(row["prompt"], add_generation_prompt=True, tokenize=False)
-        return (tok.encode(prompt, add_special_tokens=False),
-                tok.encode(row["extra_info"]["reference"] + IM_END, add_special_tokens=False))
-
-    examples = {name: [encode(r) for r in train] for name, (train, _) in splits.items()}
+    examples = {name: sft_examples(tok, train) for name, (train, _) in splits.items()}
     # One thread: intra-op threads spin-wait on a busy 2-core machine (measured 4x slower there), and one thread
     # keeps the float reductions, and so the saved weights, reproducible.
     n_threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
         student = build_student(len(tok), eos, pad, seed)
-        # every domain equally often in π0's mix (arith has ~190 train questions, the others 2048)
-        per = max(len(v) for v in examples.values())
-        joint = [examples[name][i % len(examples[name])] for name in DOMAIN_NAMES for i in range(per)]
-        sft(student, joint, **BASE_SFT, seed=stable_seed("claas_gym.base", seed), pad_token_id=pad)
+        sft(student, joint_mix(examples), **BASE_SFT, seed=stable_seed("claas_gym.base", seed), pad_token_id=pad)
         save_model(student, tok, paths.student)
         accuracy = {"student": evaluate(student, tok, splits, seed)}
         for name in DOMAIN_NAMES:
@@ -240,6 +230,33 @@ def _build_into(root: Path, seed: int) -> None:
         "build_seconds": round(time.time() - t0, 1),
     }
     paths.manifest.write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
+
+
+def stop_and_pad_ids(tok) -> tuple[list[int], int]:
+    """``([<|im_end|>, <|endoftext|>], <|endoftext|>)``: the ids that end a reply and the padding id."""
+    from claas_verl.tiny.tokenizer import EOT_TOKEN, IM_END, special_token_ids
+
+    ids = special_token_ids(tok)
+    return [ids[IM_END], ids[EOT_TOKEN]], ids[EOT_TOKEN]
+
+
+def sft_examples(tok, rows: list[dict]) -> list[tuple[list[int], list[int]]]:
+    """``(prompt ids, reference ids + <|im_end|>)`` of each row: what ``sft`` trains on."""
+    from claas_verl.tiny.tokenizer import IM_END
+
+    out = []
+    for row in rows:
+        prompt = tok.apply_chat_template(list(row["prompt"]), add_generation_prompt=True, tokenize=False)
+        out.append((tok.encode(prompt, add_special_tokens=False),
+                    tok.encode(row["extra_info"]["reference"] + IM_END, add_special_tokens=False)))
+    return out
+
+
+def joint_mix(examples: dict[str, list]) -> list:
+    """π0's training mix: every domain equally often (arith has ~190 train questions, the others 2048), each
+    domain's examples cycled up to the largest domain's count, domains in ``DOMAIN_NAMES`` order."""
+    per = max(len(v) for v in examples.values())
+    return [examples[name][i % len(examples[name])] for name in DOMAIN_NAMES for i in range(per)]
 
 
 def sft(model, examples, steps: int, lr: float, batch_size: int, seed: int, pad_token_id: int) -> float:

@@ -85,3 +85,18 @@ def test_gym_build_never_replaces_a_directory_that_is_not_a_gym_bundle(tmp_path,
     monkeypatch.setattr(gym, "_build_into", lambda root, seed: built.append(seed) or root.mkdir(parents=True))
     gym.ensure_gym(stale)
     assert built == [0]
+
+
+def test_joint_mix_cycles_every_domain_up_to_the_largest_in_domain_order():
+    mix = gym.joint_mix({"arith": ["e", "f"], "spell": ["a", "b", "c"], "reverse": ["d"]})
+    assert mix == ["a", "b", "c", "d", "d", "d", "e", "f", "e"]
+
+
+def test_sft_examples_are_the_chat_prompt_and_the_reference_with_its_stop_token():
+    tok = gym.byte_tokenizer()
+    [(prompt, reply)] = gym.sft_examples(tok, [{"prompt": [{"role": "user", "content": "olleh"}],
+                                               "extra_info": {"reference": "hello"}}])
+    assert tok.decode(prompt).endswith("olleh<|im_end|>\n<|im_start|>assistant\n")
+    assert tok.decode(reply) == "hello<|im_end|>"
+    eos, pad = gym.stop_and_pad_ids(tok)
+    assert reply[-1] == eos[0] and pad == eos[1] == tok.pad_token_id

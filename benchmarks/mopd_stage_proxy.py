@@ -1,0 +1,240 @@
+"""Will a student learn a gym domain in one MOPD stage? The stage's math outside the trainer, in minutes.
+
+    python benchmarks/mopd_stage_proxy.py                                  # the bundle's Seq: spell -> reverse -> arith
+    python benchmarks/mopd_stage_proxy.py --order reverse --steps 36       # one longer stage
+    python benchmarks/mopd_stage_proxy.py --student DIR --experts DIR      # a candidate student / experts
+    python benchmarks/mopd_stage_proxy.py --build-generalist 1200 --variant-dir DIR   # the rejected design below
+
+A whole benchmark run is an hour; choosing a bundle design needs an answer in minutes (the bundle's three stages
+here: about 2 CPU-minutes). Each stage step is the trainer's per-step math (``claas_verl.distill.topk``, SPEC B.2):
+``prompts`` train prompts of the domain × ``replies`` replies sampled from the student at τ = 1 (at most 40 tokens,
+like ``recipes/mopd/train/gym.yaml``), the student's top-κ candidates and log-probs at θ_old, the expert's log-probs
+at them, eq. (4) rewards, per-domain σ normalisation, the eq. (5) loss and one AdamW update (no warm-up, weight
+decay 0.01, gradient clip 1000: the recipe's optimiser, fresh every stage). Before and after every stage the student
+is scored on every domain with the benchmark's own evaluator (``claas_verl/eval/gym_snapshots.py``:
+``--eval-replies`` replies per held-out prompt, τ = 1, reasoning-gym's scorer, and the exact KL to each domain's
+expert).
+
+It is a proxy, not the trainer: one process, Hugging Face ``generate`` for the rollouts, no Ray, FSDP or verl
+batching. Checked against the trainer on the committed bundle (seed 0 here, the benchmark's seeds there): both
+lift ``spell`` from about 0.26-0.27 to 0.31-0.32 in its 12 steps and leave ``reverse`` at 0.000 and ``arith`` near π0.
+
+``--build-generalist N`` writes into ``--variant-dir`` a bundle variant that shares the bundle's data: π0 trained
+N joint steps instead of ``BASE_SFT["steps"]`` (so it already solves part of every domain) and its own experts,
+each fine-tuned from that π0 with the bundle's recipe (``claas_verl/tiny/gym.py``); then it runs the stages on it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import random
+import shutil
+import time
+from pathlib import Path
+
+import torch
+
+from claas_verl.distill.topk import (
+    domain_normalized_advantages,
+    student_topk,
+    teacher_logprobs_at,
+    topk_distill_loss,
+    topk_rewards,
+)
+from claas_verl.eval.gym_snapshots import load_model, sample_replies, score_snapshot
+from claas_verl.tiny import gym
+
+VARIANT_DONE = "variant.json"  # the finished variant's marker: {"base_steps", "seed"}
+MAX_RESPONSE_TOKENS = 40  # recipes/mopd/train/gym.yaml max_response_length
+
+
+def read_rows(root: Path, domain: str, split: str) -> list[dict]:
+    import pandas as pd
+
+    return pd.read_parquet(gym.GymPaths(root).data(domain, split)).to_dict("records")
+
+
+def right_padded(prompt_ids: list[int], replies: list[list[int]], pad_id: int):
+    """``(input_ids, attention_mask, response_mask)`` of one prompt's replies; every real token keeps position
+    0..L-1 and ``response_mask[b, j]`` marks reply token j (whose logits sit at ``len(prompt) + j - 1``)."""
+    P, T = len(prompt_ids), max(len(r) for r in replies)
+    ids = torch.full((len(replies), P + T), pad_id, dtype=torch.long)
+    attn = torch.zeros_like(ids)
+    resp = torch.zeros(len(replies), T)
+    for i, r in enumerate(replies):
+        ids[i, : P + len(r)] = torch.tensor(prompt_ids + r)
+        attn[i, : P + len(r)] = 1
+        resp[i, : len(r)] = 1
+    return ids, attn, resp
+
+
+def response_logits(model, ids, attn, prompt_len: int):
+    """``[B, T, V]`` logits that predict the T reply tokens."""
+    return model(input_ids=ids, attention_mask=attn).logits[:, prompt_len - 1: -1].float()
+
+
+def stage(student, expert, tok, rows: list[dict], *, steps: int, prompts: int, replies: int, topk: int, lr: float,
+          seed: int) -> list[float]:
+    """``steps`` MOPD updates of ``student`` (in place) toward ``expert`` on ``rows``; the per-step top-κ weighted
+    KL (Σ_v −r on the student's samples, token mean) before each update."""
+    from claas_verl.verl_ext.cpu.hf_rollout import eos_token_ids
+
+    eos = eos_token_ids(student, tok)
+    pad = tok.pad_token_id if tok.pad_token_id is not None else eos[0]
+    rng = random.Random(seed)
+    opt = torch.optim.AdamW(student.parameters(), lr=lr, betas=(0.9, 0.999), weight_decay=0.01)
+    kls = []
+    for step in range(steps):
+        torch.manual_seed(seed * 100_003 + step)
+        batch = []
+        student.eval()
+        for row in rng.sample(rows, prompts):
+            text = tok.apply_chat_template(list(row["prompt"]), add_generation_prompt=True, tokenize=False)
+            prompt_ids = tok.encode(text, add_special_tokens=False)
+            sampled = sample_replies(student, prompt_ids, replies, MAX_RESPONSE_TOKENS, 1.0, eos, pad)
+            batch.append((prompt_ids, right_padded(prompt_ids, sampled, pad)))
+        # θ_old candidates and rewards for the whole step first (the trainer's order), then one update
+        prepared, rewards, masks = [], [], []
+        with torch.no_grad():
+            for prompt_ids, (ids, attn, resp) in batch:
+                P = len(prompt_ids)
+                cand, S = student_topk(response_logits(student, ids, attn, P), topk)
+                Q = teacher_logprobs_at(response_logits(expert, ids, attn, P), cand)
+                prepared.append((P, ids, attn, resp, cand))
+                rewards.append(topk_rewards(S, Q, resp))
+                masks.append(resp)
+        # σ_d over the whole step's responses (one domain): concatenate the ragged [B, T, K] rewards along T-padding
+        T = max(r.shape[1] for r in rewards)
+        r_all = torch.cat([torch.nn.functional.pad(r, (0, 0, 0, T - r.shape[1])) for r in rewards])
+        m_all = torch.cat([torch.nn.functional.pad(m, (0, T - m.shape[1])) for m in masks])
+        kls.append(float(-(r_all.sum(-1) * m_all).sum() / m_all.sum()))
+        adv = domain_normalized_advantages(r_all, m_all, sync=False)
+        student.train()
+        opt.zero_grad()
+        n_tokens = m_all.sum()
+        row0 = 0
+        for P, ids, attn, resp, cand in prepared:
+            B, Tp = resp.shape
+            logits = response_logits(student, ids, attn, P)
+            loss = topk_distill_loss(logits, cand, adv[row0: row0 + B, :Tp], resp, global_tokens=n_tokens)
+            loss.backward()
+            row0 += B
+        torch.nn.utils.clip_grad_norm_(student.parameters(), 1000.0)
+        opt.step()
+    student.eval()
+    return kls
+
+
+def score_all(student, student_dir: str, experts: dict, root: Path, domains: list[str], replies: int) -> dict:
+    out = {}
+    for d in domains:
+        s = score_snapshot(student_dir, read_rows(root, d, "test"), expert_path=None, n=replies,
+                           max_new_tokens=MAX_RESPONSE_TOKENS, temperature=1.0, seed=0, tag=f"proxy/{d}",
+                           model=student, expert=experts[d])
+        out[d] = (round(s.score, 3), round(s.kl, 2))
+    return out
+
+
+def build_generalist(root: Path, out: Path, base_steps: int, seed: int = 0) -> None:
+    """π0 with ``base_steps`` joint steps and its experts, trained as ``gym._build_into`` trains the bundle's."""
+    from transformers import AutoTokenizer
+
+    from claas_verl.tiny.data import stable_seed
+    from claas_verl.tiny.model import build_student, save_model
+
+    tok = AutoTokenizer.from_pretrained(gym.GymPaths(root).student)
+    eos, pad = gym.stop_and_pad_ids(tok)
+    examples = {d: gym.sft_examples(tok, read_rows(root, d, "train")) for d in gym.DOMAIN_NAMES}
+    torch.set_num_threads(1)
+    student = build_student(len(tok), eos, pad, seed)
+    gym.sft(student, gym.joint_mix(examples), **{**gym.BASE_SFT, "steps": base_steps},
+            seed=stable_seed("claas_gym.base", seed), pad_token_id=pad)
+    save_model(student, tok, gym.GymPaths(out).student)
+    for d in gym.DOMAIN_NAMES:
+        expert = copy.deepcopy(student)
+        gym.sft(expert, examples[d], steps=gym.EXPERT_STEPS[d], **gym.EXPERT_SFT,
+                seed=stable_seed("claas_gym.expert", seed, d), pad_token_id=pad)
+        save_model(expert, tok, gym.GymPaths(out).expert(d))
+    # written last: a variant killed while building is built again, never used half-made
+    (out / VARIANT_DONE).write_text(json.dumps({"base_steps": base_steps, "seed": seed}) + "\n")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--gym-dir", default=None, help="bundle with the data (default $CLAAS_GYM_DIR, built if missing)")
+    ap.add_argument("--student", default=None, help="student to train (default: the bundle's π0)")
+    ap.add_argument("--experts", default=None, help="folder with one expert per domain (default: the bundle's)")
+    ap.add_argument("--order", default=",".join(gym.DOMAIN_NAMES), help="stages, comma-separated domains")
+    ap.add_argument("--steps", type=int, default=12, help="updates per stage (the benchmark: 12)")
+    ap.add_argument("--prompts", type=int, default=16, help="prompts per step (the benchmark's block_size)")
+    ap.add_argument("--replies", type=int, default=4, help="replies per prompt")
+    ap.add_argument("--topk", type=int, default=128, help="κ (the gym recipes: 128)")
+    ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--eval-replies", type=int, default=4, help="replies per held-out prompt when scoring")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--build-generalist", type=int, default=None, metavar="N",
+                    help="first build a variant whose π0 had N joint SFT steps (and its experts) in --variant-dir")
+    ap.add_argument("--variant-dir", default=None)
+    args = ap.parse_args()
+    for name in ("steps", "prompts", "replies", "topk", "eval_replies"):
+        if getattr(args, name) < 1:
+            raise SystemExit(f"--{name.replace('_', '-')} must be at least 1; got {getattr(args, name)}")
+    if args.lr <= 0:
+        raise SystemExit(f"--lr must be positive; got {args.lr}")
+    if args.build_generalist is not None and (args.student or args.experts):
+        raise SystemExit("--build-generalist trains its own student and experts: drop --student / --experts")
+    order = [d for d in args.order.split(",") if d]
+    unknown = sorted(set(order) - set(gym.DOMAIN_NAMES))
+    if unknown or not order:
+        raise SystemExit(f"--order: unknown domain(s) {unknown or order}; choose from {list(gym.DOMAIN_NAMES)}")
+    root = gym.ensure_gym(args.gym_dir).root
+    t0 = time.time()
+    if args.build_generalist is not None:
+        if not args.variant_dir:
+            raise SystemExit("--build-generalist needs --variant-dir (where to write the variant)")
+        variant = Path(args.variant_dir)
+        done = variant / VARIANT_DONE
+        wanted = {"base_steps": args.build_generalist, "seed": args.seed}
+        if not done.is_file() or json.loads(done.read_text()) != wanted:
+            if variant.exists() and any(variant.iterdir()) and not (variant / "student").is_dir():
+                raise SystemExit(f"--variant-dir {variant} is not empty and not a variant: give an empty or new folder")
+            shutil.rmtree(variant, ignore_errors=True)
+            build_generalist(root, variant, args.build_generalist, args.seed)
+            print(f"built the variant (π0: {args.build_generalist} joint steps) in {time.time() - t0:.0f} s")
+        student_dir, experts_dir = variant / "student", variant / "experts"
+    else:
+        student_dir = Path(args.student) if args.student else gym.GymPaths(root).student
+        experts_dir = Path(args.experts) if args.experts else gym.GymPaths(root).root / "experts"
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(student_dir)
+    student = load_model(str(student_dir))
+    experts = {d: load_model(str(experts_dir / d)) for d in gym.DOMAIN_NAMES}
+    torch.set_num_threads(1)
+    domains = list(gym.DOMAIN_NAMES)
+    table = [{"after": "start", **score_all(student, str(student_dir), experts, root, domains, args.eval_replies)}]
+    print("experts on their own domain: " + ", ".join(
+        f"{d} {score_all(experts[d], str(experts_dir / d), experts, root, [d], args.eval_replies)[d][0]}"
+        for d in domains))
+    print("start: " + json.dumps(table[0]), flush=True)
+    for k, d in enumerate(order, 1):
+        rows = read_rows(root, d, "train")
+        if args.prompts > len(rows):
+            raise SystemExit(f"--prompts {args.prompts}: {d} has only {len(rows)} train prompts")
+        kls = stage(student, experts[d], tok, rows, steps=args.steps, prompts=args.prompts,
+                    replies=args.replies, topk=args.topk, lr=args.lr, seed=args.seed * 1000 + k)
+        row = {"after": f"{k}:{d}", **score_all(student, str(student_dir), experts, root, domains,
+                                                 args.eval_replies)}
+        table.append(row)
+        print(f"stage {k} ({d}, {args.steps} steps, top-κ KL {kls[0]:.2f} -> {kls[-1]:.2f}): "
+              + json.dumps(row) + f"  [{time.time() - t0:.0f} s]", flush=True)
+    print("\n| after | " + " | ".join(f"{d} (acc, KL to E_{d})" for d in domains) + " |")
+    print("|---|" + "---|" * len(domains))
+    for row in table:
+        print(f"| {row['after']} | " + " | ".join(f"{row[d][0]:.3f}, {row[d][1]:.2f}" for d in domains) + " |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,67 @@
+"""benchmarks/mopd_stage_proxy.py: the MOPD stage outside the trainer (used to choose the gym bundle's design)
+must be the trainer's math: no update toward a copy of itself, and a falling KL toward another teacher."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO))
+
+from benchmarks.mopd_stage_proxy import response_logits, right_padded, stage  # noqa: E402
+from claas_verl.tiny import gym  # noqa: E402
+from claas_verl.tiny.model import build_student  # noqa: E402
+
+ROWS = [{"prompt": [{"role": "user", "content": w}]} for w in ("cat", "dog", "bird", "fish", "ant", "owl")]
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return gym.byte_tokenizer()
+
+
+def _model(tok, seed):
+    eos, pad = gym.stop_and_pad_ids(tok)
+    return build_student(len(tok), eos, pad, seed)
+
+
+def test_right_padding_keeps_positions_and_marks_reply_tokens():
+    ids, attn, resp = right_padded([5, 6, 7], [[1, 2], [3]], pad_id=0)
+    assert ids.tolist() == [[5, 6, 7, 1, 2], [5, 6, 7, 3, 0]]
+    assert attn.tolist() == [[1, 1, 1, 1, 1], [1, 1, 1, 1, 0]]
+    assert resp.tolist() == [[1, 1], [1, 0]]
+
+
+def test_response_logits_predict_the_reply_tokens(tok):
+    model = _model(tok, 0)
+    ids, attn, _ = right_padded([5, 6, 7], [[1, 2]], pad_id=0)
+    with torch.no_grad():
+        full = model(input_ids=ids, attention_mask=attn).logits
+        got = response_logits(model, ids, attn, prompt_len=3)
+    assert got.shape == (1, 2, len(tok))
+    torch.testing.assert_close(got, full[:, 2:4].float())  # logits at 2 predict reply token 0 (position 3)
+
+
+def test_a_student_distilled_toward_itself_only_decays(tok):
+    # q = p gives r = 0 exactly (SPEC B.2.1), so every gradient is 0 and AdamW's update is its decoupled decay;
+    # the teacher is the student itself, so q = p at every step
+    student = _model(tok, 0)
+    before = [p.detach().clone() for p in student.parameters()]
+    lr, steps = 1e-3, 2
+    kls = stage(student, student, tok, ROWS, steps=steps, prompts=2, replies=2, topk=16, lr=lr, seed=0)
+    assert [abs(k) for k in kls] == [0.0] * steps
+    for b, p in zip(before, student.parameters()):
+        torch.testing.assert_close(p.detach(), b * (1 - lr * 0.01) ** steps, rtol=1e-6, atol=0)
+
+
+def test_the_stage_moves_the_student_toward_a_sharp_teacher(tok):
+    # κ = V: the per-step weighted KL is the exact reverse KL on that step's own samples, which eq. (5) lowers
+    student, expert = _model(tok, 0), _model(tok, 1)
+    with torch.no_grad():
+        expert.lm_head.weight.mul_(8.0)  # a sharp teacher, far (27 nats/token) from the near-uniform student
+    kls = stage(student, expert, tok, ROWS, steps=8, prompts=3, replies=2, topk=len(tok), lr=1e-2, seed=0)
+    assert kls[0] > 20 and kls[-1] < 0.5 * kls[0]
