@@ -43,7 +43,7 @@ from claas_verl.distill.topk import (
     topk_distill_loss,
     topk_rewards,
 )
-from claas_verl.eval.gym_snapshots import load_model, sample_replies, score_snapshot
+from claas_verl.eval.gym_snapshots import load_model, response_logits, right_padded, sample_replies, score_snapshot
 from claas_verl.tiny import gym
 
 VARIANT_DONE = "variant.json"  # the finished variant's marker: {"base_steps", "seed"}
@@ -54,25 +54,6 @@ def read_rows(root: Path, domain: str, split: str) -> list[dict]:
     import pandas as pd
 
     return pd.read_parquet(gym.GymPaths(root).data(domain, split)).to_dict("records")
-
-
-def right_padded(prompt_ids: list[int], replies: list[list[int]], pad_id: int):
-    """``(input_ids, attention_mask, response_mask)`` of one prompt's replies; every real token keeps position
-    0..L-1 and ``response_mask[b, j]`` marks reply token j (whose logits sit at ``len(prompt) + j - 1``)."""
-    P, T = len(prompt_ids), max(len(r) for r in replies)
-    ids = torch.full((len(replies), P + T), pad_id, dtype=torch.long)
-    attn = torch.zeros_like(ids)
-    resp = torch.zeros(len(replies), T)
-    for i, r in enumerate(replies):
-        ids[i, : P + len(r)] = torch.tensor(prompt_ids + r)
-        attn[i, : P + len(r)] = 1
-        resp[i, : len(r)] = 1
-    return ids, attn, resp
-
-
-def response_logits(model, ids, attn, prompt_len: int):
-    """``[B, T, V]`` logits that predict the T reply tokens."""
-    return model(input_ids=ids, attention_mask=attn).logits[:, prompt_len - 1: -1].float()
 
 
 def stage(student, expert, tok, rows: list[dict], *, steps: int, prompts: int, replies: int, topk: int, lr: float,

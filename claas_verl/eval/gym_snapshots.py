@@ -64,29 +64,38 @@ def sample_replies(model, prompt_ids: list[int], n: int, max_new_tokens: int, te
     return replies
 
 
+def right_padded(prompt_ids: list[int], replies: list[list[int]], pad_id: int):
+    """``(input_ids, attention_mask, response_mask)`` of one prompt's non-empty replies, right-padded so every real
+    token keeps position 0..L-1; ``response_mask[b, j]`` marks reply token j, ``[B, T]`` with T the longest reply."""
+    P, T = len(prompt_ids), max(len(r) for r in replies)
+    ids = torch.full((len(replies), P + T), pad_id, dtype=torch.long)
+    attn = torch.zeros_like(ids)
+    resp = torch.zeros(len(replies), T)
+    for i, r in enumerate(replies):
+        ids[i, : P + len(r)] = torch.tensor(prompt_ids + r)
+        attn[i, : P + len(r)] = 1
+        resp[i, : len(r)] = 1
+    return ids, attn, resp
+
+
+def response_logits(model, ids: torch.Tensor, attn: torch.Tensor, prompt_len: int) -> torch.Tensor:
+    """``[B, T, V]`` float32 logits that predict the T reply tokens (the logits at ``t`` predict token ``t + 1``)."""
+    return model(input_ids=ids, attention_mask=attn).logits[:, prompt_len - 1: -1].float()
+
+
 @torch.no_grad()
 def reply_kl_sum(student, expert, prompt_ids: list[int], replies: list[list[int]]) -> tuple[float, int]:
-    """``(Σ over reply tokens of KL(p_s || p_E), number of reply tokens)`` for replies to one prompt.
-
-    Sequences are right-padded (positions stay 0..L-1 for every real token); the logits at position ``t`` predict
-    token ``t + 1``, so reply token ``j`` is predicted at ``len(prompt) + j - 1``.
-    """
+    """``(Σ over reply tokens of KL(p_s || p_E), number of reply tokens)`` for replies to one prompt."""
     kept = [r for r in replies if r]
     if not kept:
         return 0.0, 0
+    ids, attn, resp = right_padded(prompt_ids, kept, pad_id=0)  # padding is masked out and never predicted
     P = len(prompt_ids)
-    L = P + max(len(r) for r in kept)
-    ids = torch.zeros(len(kept), L, dtype=torch.long)
-    attn = torch.zeros(len(kept), L, dtype=torch.long)
-    pred = torch.zeros(len(kept), L, dtype=torch.bool)  # positions whose next token is a reply token
-    for i, r in enumerate(kept):
-        ids[i, : P + len(r)] = torch.tensor(prompt_ids + r)
-        attn[i, : P + len(r)] = 1
-        pred[i, P - 1: P + len(r) - 1] = True
-    ls = torch.log_softmax(student(input_ids=ids, attention_mask=attn).logits.float(), dim=-1)
-    le = torch.log_softmax(expert(input_ids=ids, attention_mask=attn).logits.float(), dim=-1)
-    kl = (ls.exp() * (ls - le)).sum(-1)  # [B, L]
-    return float(kl[pred].sum()), int(pred.sum())
+    ls = torch.log_softmax(response_logits(student, ids, attn, P), dim=-1)
+    le = torch.log_softmax(response_logits(expert, ids, attn, P), dim=-1)
+    kl = (ls.exp() * (ls - le)).sum(-1)  # [B, T]
+    reply = resp.bool()
+    return float(kl[reply].sum()), int(reply.sum())
 
 
 def score_snapshot(model_path: str, rows: list[dict], *, expert_path: str | None, n: int, max_new_tokens: int,
@@ -130,4 +139,5 @@ def score_snapshot(model_path: str, rows: list[dict], *, expert_path: str | None
     return SnapshotScore(score=total / count, kl=kl, replies=count, tokens=kl_tokens)
 
 
-__all__ = ["SnapshotScore", "load_model", "reply_kl_sum", "sample_replies", "sampling_seed", "score_snapshot"]
+__all__ = ["SnapshotScore", "load_model", "reply_kl_sum", "response_logits", "right_padded", "sample_replies",
+           "sampling_seed", "score_snapshot"]

@@ -12,7 +12,8 @@ import torch
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
-from benchmarks.mopd_stage_proxy import response_logits, right_padded, stage  # noqa: E402
+from benchmarks.mopd_stage_proxy import stage  # noqa: E402
+from claas_verl.eval.gym_snapshots import response_logits, right_padded  # noqa: E402
 from claas_verl.tiny import gym  # noqa: E402
 from claas_verl.tiny.model import build_student  # noqa: E402
 
