@@ -1,38 +1,46 @@
-"""Sandbox zygote: a clean stdlib-only interpreter that forks one jailed child per call (issue 13).
+"""Sandbox zygote: a clean stdlib-only interpreter that forks jailed children for the calls.
 
 Started by :mod:`claas_verl.envs.sandbox` as ``python -I -S <this file> <config json>``, normally under
 ``unshare --net --pid --ipc --fork --mount --mount-proc`` so that this process is PID 1 of a fresh PID
 namespace, in a network namespace with no usable interface (only ``lo``, down) and a private mount
-namespace. It never runs untrusted code itself. It keeps one *spare* child forked ahead of time, with a
-fresh request pipe, result pipe and stdout pipe; the spare jails itself at once and only then waits for its
-request, so neither the fork nor the jail is on a call's path. The spare, before it reads anything of the call:
+namespace. It never runs untrusted code itself.
+
+Clean spares. Before it reads any request the zygote forks a *fork server*, which never holds anything of a
+call; every jailed child is forked from it (and handed to the zygote, its subreaper, with a double fork), so
+no child can find an earlier call's code, inputs, verdict or output in its memory: they never were in the
+memory it was copied from. The zygote keeps one *spare* ready, with a fresh request pipe, result pipe and
+stdout pipe; the spare jails itself at once and only then waits for its request. The spare, before it reads
+anything of the call:
 
 1. starts its own session / process group (the wall-clock kill is ``killpg``),
 2. points fd 0 and 2 at ``/dev/null`` and fd 1 at its stdout pipe, puts its result pipe on fd 3 and its
-   request pipe on fd 4 (closed once read), and closes every other descriptor (the zygote's protocol pipes
-   included),
+   request pipe on fd 4, and closes every other descriptor,
 3. ``chroot``\\ s into an empty read-only directory (no file, no ``/proc``, no device is visible; only the
    modules preloaded below can be imported) when it has the right to,
-4. drops to ``nobody`` (uid/gid 65534, no supplementary groups) when started as root, and asks to be
-   killed when the zygote dies (``PR_SET_PDEATHSIG``),
+4. drops to ``nobody`` (uid/gid 65534, no supplementary groups) when started as root, or, as root of a user
+   namespace, drops every capability; asks to be killed when the zygote dies (``PR_SET_PDEATHSIG``),
 5. sets rlimits: CPU seconds, address space, no file writes (FSIZE 0), no processes (NPROC 0), few fds,
    no core dumps,
-6. sets ``no_new_privs`` and loads a seccomp filter that fails process creation (fork/vfork/clone/clone3,
-   execve/execveat), sockets (socket/socketpair/connect/bind/listen/accept), file creation and write-opens,
-   ptrace/process_vm_*, kill, mount/namespace/chroot/keyring/bpf/io_uring calls, uid changes,
-7. reads its one request, runs the code and writes *one* JSON reply that carries the call's nonce to fd 3,
+6. sets ``no_new_privs`` and loads a seccomp *allow-list* (:data:`_ALLOW`: memory, reading its own
+   descriptors, read-only opens, clocks, signals to itself, exit); every other system call fails
+   (ENOSYS, or EPERM for the familiar escapes in :data:`_DENY_EPERM`), including ``prctl``, so the
+   parent-death signal cannot be cleared,
+7. reads its request, runs the code and writes *one* JSON reply that carries the call's nonce to fd 3,
    then ``_exit``\\ s. A grader's stdout is drained and dropped; a program's (IO tests) is returned.
 
+Assertion tests take two spares: the program's process answers queries and the checker's process runs the
+assertions (:mod:`claas_verl.envs._jail_rpc`); the zygote relays their frames.
+
 The zygote reads at most ``max_output_bytes`` from the result and capture pipes, kills the child's process
-group at the wall-clock limit or when the output limit is crossed, and answers the parent with a reply that
-echoes the request nonce. Child replies are validated (JSON object, the call's nonce, typed fields); anything
-else is reported as an error of that call, never passed on. Since each call has its own pipe and the zygote's
-pipes are closed in the child, no call can write into another call's verdict.
+group at the wall-clock limit (also when the child closed its pipes and lingers) or when the output limit is
+crossed, and answers the parent with a reply that echoes the request nonce. Child replies are validated
+(JSON object, the call's nonce, typed fields); anything else is reported as an error of that call. Once a
+request is handed over, whatever happens is that call's code's failure, never a sandbox failure; only a
+failure before the hand-over (a spare that could not jail itself) is ``sandbox_failure``.
 
 Protocol with the parent on fd 0/1: a request is a length-prefixed (4-byte big-endian) JSON header (nonce,
-kind, mode, limits) and a length-prefixed payload (code and inputs, JSON) that only the child parses; the
-zygote hands the payload over and zeroes its buffer before forking the next spare, so a call never inherits
-an earlier call's code or inputs. A reply is one length-prefixed JSON object.
+kind, mode, limits, ``parts``) and ``parts`` length-prefixed payloads (code and inputs, JSON; one per jailed
+process) that only the children parse. A reply is one length-prefixed JSON object.
 This file imports only the standard library (and libseccomp through the pyseccomp file given in the config):
 it runs outside the venv.
 """
@@ -56,7 +64,7 @@ import datetime  # noqa: F401
 import decimal  # noqa: F401
 import difflib  # noqa: F401
 import enum  # noqa: F401
-import errno  # noqa: F401
+import errno
 import fcntl
 import fractions  # noqa: F401
 import functools  # noqa: F401
@@ -78,7 +86,7 @@ import re  # noqa: F401
 import resource
 import select
 import signal
-import socket  # noqa: F401 - preloaded so that attacks meet the OS barriers, not a missing module
+import socket  # preloaded so that attacks meet the OS barriers, not a missing module; the fork server uses it
 import statistics  # noqa: F401
 import string  # noqa: F401
 import struct
@@ -93,22 +101,46 @@ import unicodedata  # noqa: F401
 
 unicodedata.normalize("NFKC", "x")  # load the unicode database now, not in the jail
 
+_RPC_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_jail_rpc.py")
+_rpc_spec = importlib.util.spec_from_file_location("_jail_rpc", _RPC_PATH)
+rpc = importlib.util.module_from_spec(_rpc_spec)
+_rpc_spec.loader.exec_module(rpc)
+sys.modules["_jail_rpc"] = rpc
+
 NOBODY = 65534
 _PR_SET_PDEATHSIG = 1
 _PR_SET_NO_NEW_PRIVS = 38
+_PR_SET_CHILD_SUBREAPER = 36
+_LINUX_CAPABILITY_VERSION_3 = 0x20080522
 _RESULT_FD = 3
 _REQUEST_FD = 4
 _READY_TIMEOUT_S = 10.0  # sandbox._PARENT_MARGIN_S leaves room for it
 _MAX_ERROR_CHARS = 2000
 
-# errno values: EPERM 1, EACCES 13, ENOSYS 38
+# The only system calls a jailed process may make: what the interpreter and the preloaded modules use once
+# loaded (traced while running graders and programs that exercise them), and harmless read-only queries.
+# Names an architecture lacks (e.g. open, stat on aarch64) are skipped.
+_ALLOW = (
+    "read", "write", "readv", "writev", "pread64", "pwrite64", "close", "lseek",
+    "fstat", "stat", "lstat", "newfstatat", "statx", "access", "faccessat", "faccessat2",
+    "readlink", "readlinkat", "getcwd", "getdents64", "fcntl",
+    "brk", "mmap", "munmap", "mremap", "mprotect", "madvise",
+    "rt_sigaction", "rt_sigprocmask", "rt_sigreturn", "sigaltstack", "rt_sigpending",
+    "getpid", "gettid", "getppid", "getuid", "geteuid", "getgid", "getegid", "getgroups", "getresuid",
+    "getresgid", "getpgrp", "getpgid", "getsid", "getrlimit", "getrusage", "times", "getcpu",
+    "clock_gettime", "clock_getres", "gettimeofday", "time", "nanosleep", "clock_nanosleep",
+    "alarm", "setitimer", "getitimer", "futex", "sched_yield", "sched_getaffinity", "getrandom", "uname",
+    "sysinfo", "select", "pselect6", "poll", "ppoll", "exit", "exit_group", "restart_syscall",
+)
+# Outside the allow-list anyway; failed with EPERM (not ENOSYS) so that an escape attempt reads as refused.
 _DENY_EPERM = (
     "fork", "vfork", "clone", "execve", "execveat",
     "socket", "socketpair", "connect", "bind", "listen", "accept", "accept4",
     "ptrace", "process_vm_readv", "process_vm_writev", "kill", "tkill", "rt_sigqueueinfo", "rt_tgsigqueueinfo",
     "pidfd_open", "pidfd_send_signal", "pidfd_getfd", "shmget", "shmat", "msgget", "msgsnd", "semget", "mq_open",
-    "mount", "umount2", "pivot_root", "chroot", "unshare", "setns",
-    "keyctl", "add_key", "request_key", "bpf", "perf_event_open", "userfaultfd",
+    "mount", "umount2", "pivot_root", "chroot", "unshare", "setns", "prctl", "setrlimit", "capset",
+    "fsopen", "fsconfig", "fsmount", "fspick", "open_tree", "move_mount", "mount_setattr",
+    "keyctl", "add_key", "request_key", "bpf", "perf_event_open", "userfaultfd", "seccomp",
     "io_uring_setup", "io_uring_enter", "io_uring_register",
     "creat", "mkdir", "mkdirat", "unlink", "unlinkat", "rename", "renameat", "renameat2", "link", "linkat",
     "symlink", "symlinkat", "chmod", "fchmod", "fchmodat", "chown", "fchown", "fchownat", "lchown",
@@ -117,7 +149,7 @@ _DENY_EPERM = (
     "open_by_handle_at", "name_to_handle_at", "setuid", "setgid", "setreuid", "setregid", "setresuid",
     "setresgid", "setgroups", "personality",
 )
-_DENY_ENOSYS = ("clone3", "openat2")  # their flags live in a struct the filter cannot read: glibc falls back
+_WRITE_OPEN_MASK = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND
 _WRITE_OPEN_BITS = (os.O_WRONLY, os.O_RDWR, os.O_CREAT, os.O_TRUNC, os.O_APPEND)
 
 
@@ -130,26 +162,29 @@ def _load_seccomp(path):
     return mod
 
 
+def _add(f, action, name, *args):
+    try:
+        f.add_rule(action, name, *args)
+    except Exception:  # noqa: BLE001 - a system call this architecture does not have (e.g. open on arm64)
+        pass
+
+
 def _build_filter(sc, own_pid):
-    f = sc.SyscallFilter(defaction=sc.ALLOW)
-    # signals only to itself: no call can stop or kill the spare that will serve the next call
-    f.add_rule(sc.ERRNO(1), "tgkill", sc.Arg(0, sc.NE, own_pid))
+    f = sc.SyscallFilter(defaction=sc.ERRNO(errno.ENOSYS))  # ENOSYS: what glibc falls back from
+    for name in _ALLOW:
+        _add(f, sc.ALLOW, name)
     for name in _DENY_EPERM:
-        try:
-            f.add_rule(sc.ERRNO(1), name)
-        except Exception:  # noqa: BLE001 - a syscall this architecture does not have (e.g. fork on arm64)
-            pass
-    for name in _DENY_ENOSYS:
-        try:
-            f.add_rule(sc.ERRNO(38), name)
-        except Exception:  # noqa: BLE001
-            pass
-    for name, flags_arg in (("open", 1), ("openat", 2)):
+        _add(f, sc.ERRNO(errno.EPERM), name)
+    # signals only to itself (raise, abort): no call can stop or kill the spare that will serve the next call
+    _add(f, sc.ALLOW, "tgkill", sc.Arg(0, sc.EQ, own_pid))
+    _add(f, sc.ERRNO(errno.EPERM), "tgkill", sc.Arg(0, sc.NE, own_pid))
+    # rlimits can be read, never changed (as root of a user namespace it could raise its hard limits)
+    _add(f, sc.ALLOW, "prlimit64", sc.Arg(2, sc.EQ, 0))
+    _add(f, sc.ERRNO(errno.EPERM), "prlimit64", sc.Arg(2, sc.NE, 0))
+    for name, flags_arg in (("open", 1), ("openat", 2)):  # read-only opens; a write-open is EACCES
+        _add(f, sc.ALLOW, name, sc.Arg(flags_arg, sc.MASKED_EQ, _WRITE_OPEN_MASK, 0))
         for bit in _WRITE_OPEN_BITS:
-            try:
-                f.add_rule(sc.ERRNO(13), name, sc.Arg(flags_arg, sc.MASKED_EQ, bit, bit))
-            except Exception:  # noqa: BLE001
-                pass
+            _add(f, sc.ERRNO(errno.EACCES), name, sc.Arg(flags_arg, sc.MASKED_EQ, bit, bit))
     return f
 
 
@@ -164,6 +199,14 @@ class _Jail:
         self.filter = _build_filter(self.seccomp, os.getpid()) if self.seccomp is not None else None  # a check
         self.libc = ctypes.CDLL(None, use_errno=True)
         self.devnull = os.open(os.devnull, os.O_RDWR)  # kept open: the jail has no /dev
+        self.zygote_pid = os.getpid()
+
+    def _drop_capabilities(self):
+        """Root of a user namespace (no uid to drop to): clear every capability set of this process."""
+        header = (ctypes.c_uint32 * 2)(_LINUX_CAPABILITY_VERSION_3, 0)
+        data = (ctypes.c_uint32 * 6)()
+        if self.libc.capset(header, data) != 0:
+            raise OSError(ctypes.get_errno(), "capset failed")
 
     def enter(self, req_r, result_w, stdout_w):
         os.setsid()
@@ -182,8 +225,12 @@ class _Jail:
             os.setgroups([])
             os.setresgid(NOBODY, NOBODY, NOBODY)
             os.setresuid(NOBODY, NOBODY, NOBODY)
+        elif os.geteuid() == 0:
+            self._drop_capabilities()
         # after the uid change, which clears it: the child dies with the zygote even outside a PID namespace
         self.libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        if os.getppid() != self.zygote_pid:
+            raise OSError("the zygote died before the jail was set up")
         resource.setrlimit(resource.RLIMIT_CPU, (self.cpu_s, self.cpu_s + 1))
         mem = self.memory_mb * 1024 * 1024
         resource.setrlimit(resource.RLIMIT_AS, (mem, mem))
@@ -227,8 +274,14 @@ def _err(e):
 
 
 def _run_program(req):
-    """``mode`` io: run as __main__ on stdin (stdout is captured by the zygote); call / assert: run tests."""
+    """``mode`` io: run as __main__ on stdin (stdout is captured by the zygote); call: run call tests;
+    serve / check: the program's and the checker's halves of assertion tests (see :mod:`_jail_rpc`)."""
     mode = req["mode"]
+    if mode == "serve":
+        rpc.serve_program(req["source"], _REQUEST_FD, _RESULT_FD)
+        return None
+    if mode == "check":
+        return {"ok": True, "results": rpc.run_checks(req["tests"], _RESULT_FD, _REQUEST_FD)}
     if mode == "io":
         sys.stdin = io.StringIO(req["stdin"])
         ns = {"__name__": "__main__", "__builtins__": __builtins__}
@@ -245,22 +298,23 @@ def _run_program(req):
     results = []
     for test in req["tests"]:
         try:
-            if mode == "call":
-                value = ns[test["fn"]](*test["args"])
-                results.append({"ok": True, "value": json.dumps(value, sort_keys=True, default=repr)})
-            else:  # assert
-                exec(compile(test["code"], "<test>", "exec"), ns)
-                results.append({"ok": True})
+            value = ns[test["fn"]](*test["args"])
+            results.append({"ok": True, "value": json.dumps(value, sort_keys=True, default=repr)})
         except BaseException as e:  # noqa: BLE001 - a failing test, not a failing sandbox
             results.append({"ok": False, "error": _err(e)})
     return {"ok": True, "results": results}
 
 
 def _child(jail, req_r, result_w, stdout_w):
-    """A spare: jail itself, say ``R`` on fd 3 (or ``E`` + why, and exit), wait for its one request on fd 4,
+    """A spare: jail itself, say ``R`` on fd 3 (or ``E`` + why, and exit), wait for its request on fd 4,
     run it, answer on fd 3, exit. The ready byte is read by the zygote before any request is handed over,
     so untrusted code can never fake a setup failure."""
     try:
+        deadline = time.monotonic() + _READY_TIMEOUT_S / 2
+        while os.getppid() != jail.zygote_pid:  # the double fork: wait to be the zygote's child (see _Forker)
+            if time.monotonic() > deadline:
+                raise OSError("the spare was not handed to the zygote")
+            time.sleep(0.0002)
         jail.enter(req_r, result_w, stdout_w)
     except BaseException as e:  # noqa: BLE001 - the jail could not be built: say so, run nothing
         try:
@@ -272,11 +326,14 @@ def _child(jail, req_r, result_w, stdout_w):
     try:
         hdr = _read_exact(_REQUEST_FD, 4)
         req = json.loads(_read_exact(_REQUEST_FD, struct.unpack(">I", hdr)[0]).decode())
-        os.close(_REQUEST_FD)
-        nonce = req["nonce"]
+        nonce = req.get("nonce")
+        if not (req["kind"] == "program" and req["mode"] in ("serve", "check")):
+            os.close(_REQUEST_FD)
         reply = _run_grader(req) if req["kind"] == "grade" else _run_program(req)
     except BaseException as e:  # noqa: BLE001 - any failure of the code is a reported error
         reply = {"ok": False, "error": _err(e)}
+    if reply is None:
+        os._exit(0)
     reply["nonce"] = nonce
     try:
         data = json.dumps(reply).encode()
@@ -323,24 +380,87 @@ def _validate(buf, nonce, kind):
     return {"ok": True}
 
 
+def _signal_name(sig):
+    try:
+        return signal.Signals(sig).name
+    except ValueError:  # real-time signals have no name
+        return f"signal {sig}"
+
+
 class _Spare:
     """A forked child that has jailed itself and waits for its request (fork and jail are off the call's path)."""
 
-    def __init__(self, jail):
-        req_r, self.req_w = os.pipe()
-        self.result_r, result_w = os.pipe()
-        self.cap_r, cap_w = os.pipe()
-        self.pid = os.fork()
-        if self.pid == 0:
-            _child(jail, req_r, result_w, cap_w)
-        for fd in (req_r, result_w, cap_w):
-            os.close(fd)
+    def __init__(self, pid, req_w, result_r, cap_r):
+        self.pid, self.req_w, self.result_r, self.cap_r = pid, req_w, result_r, cap_r
 
     def discard(self):
         _kill_group(self.pid)
         os.waitpid(self.pid, 0)
-        for fd in (self.req_w, self.result_r, self.cap_r):
-            os.close(fd)
+        _close_pipes(self)
+
+
+class _Forker:
+    """The fork server: forked from the zygote before any request, it forks every spare.
+
+    Its memory never held a call's code, inputs or replies, and neither does a spare forked from it. Each
+    spare is forked through a short-lived intermediate process (a double fork), so that it becomes a child
+    of the zygote (PID 1 of the namespace, or a child subreaper): the zygote reaps it, reads its exit
+    status, and its parent-death signal follows the zygote. The intermediate passes the zygote the parent
+    ends of the spare's three pipes over a Unix socket (SCM_RIGHTS), with the spare's pid.
+    """
+
+    def __init__(self, jail, keep_fds):
+        self.sock, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.pending = 0
+        self.pid = os.fork()
+        if self.pid == 0:
+            self.sock.close()
+            try:
+                for fd in keep_fds:
+                    os.close(fd)  # the zygote's protocol channel
+                jail.libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+                if os.getppid() == jail.zygote_pid:
+                    self._serve(jail, theirs)
+            finally:
+                os._exit(0)
+        theirs.close()
+
+    @staticmethod
+    def _serve(jail, sock):
+        while sock.recv(1):
+            req_r, req_w = os.pipe()
+            result_r, result_w = os.pipe()
+            cap_r, cap_w = os.pipe()
+            mid = os.fork()
+            if mid == 0:
+                try:
+                    pid = os.fork()
+                    if pid == 0:
+                        sock.close()
+                        _child(jail, req_r, result_w, cap_w)
+                    socket.send_fds(sock, [struct.pack(">i", pid)], [req_w, result_r, cap_r])
+                finally:
+                    os._exit(0)
+            os.waitpid(mid, 0)
+            for fd in (req_r, req_w, result_r, result_w, cap_r, cap_w):
+                os.close(fd)
+
+    def request(self):
+        """Ask for a spare; it forks and jails itself while the zygote goes on (see :meth:`receive`)."""
+        self.sock.sendall(b"F")
+        self.pending += 1
+
+    def receive(self):
+        """The spare of the oldest :meth:`request` (asked for now if none is pending)."""
+        if not self.pending:
+            self.request()
+        self.pending -= 1
+        msg, fds, _, _ = socket.recv_fds(self.sock, 4, 3)
+        if len(msg) != 4 or len(fds) != 3:
+            for fd in fds:
+                os.close(fd)
+            raise OSError("the fork server did not hand over a spare")
+        return _Spare(struct.unpack(">i", msg)[0], *fds)
 
 
 def _await_ready(spare):
@@ -354,8 +474,9 @@ def _await_ready(spare):
     return "sandbox: jail setup failed: " + rest.decode("utf-8", "replace")
 
 
-def _hand_over(spare, payload):
-    """Write the payload to the ready spare's request pipe, then zero it: no later spare inherits its content."""
+def _hand_over(spare, payload, keep_open=False):
+    """Write the payload to the ready spare's request pipe, then zero it. ``keep_open``: the request pipe
+    stays open for the relayed queries of an assertion test."""
     view = memoryview(payload)
     try:
         why = _await_ready(spare)
@@ -370,11 +491,43 @@ def _hand_over(spare, payload):
     finally:
         view.release()
         payload[:] = bytes(len(payload))
-        os.close(spare.req_w)
+        if not keep_open:
+            os.close(spare.req_w)
+            spare.req_w = -1
 
 
 def _frame_complete(buf):
     return len(buf) >= 4 and len(buf) >= 4 + struct.unpack(">I", buf[:4])[0]
+
+
+def _close_pipes(spare):
+    for name in ("req_w", "result_r", "cap_r"):
+        fd = getattr(spare, name)
+        if fd >= 0:
+            os.close(fd)
+            setattr(spare, name, -1)
+
+
+def _finish(spares, zombies):
+    """Kill the call's processes and close its pipes; they are reaped later (``zombies``), off the call's path."""
+    for spare in spares:
+        _close_pipes(spare)
+        if spare.pid not in zombies:
+            _kill_group(spare.pid)
+            zombies.append(spare.pid)
+
+
+def _exit_status(pid, deadline):
+    """The status of ``pid``, which closed its pipes; None when it is still alive at the deadline."""
+    pause = 0.0005
+    while True:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return status
+        if time.monotonic() >= deadline:
+            return None
+        time.sleep(min(pause, max(deadline - time.monotonic(), 0)))
+        pause = min(pause * 2, 0.02)
 
 
 def _serve_one(spare, req, why, zombies):
@@ -387,6 +540,7 @@ def _serve_one(spare, req, why, zombies):
     keep_stdout = kind == "program" and req["mode"] == "io"
     limit = int(req["max_output_bytes"])
     deadline = time.monotonic() + float(req["timeout_s"])
+    timeout = f"timeout: exceeded {req['timeout_s']}s wall clock"
     res, cap = spare.result_r, spare.cap_r
     bufs = {res: b"", cap: b""}
     open_fds = {res, cap}
@@ -397,7 +551,7 @@ def _serve_one(spare, req, why, zombies):
         left = deadline - time.monotonic()
         ready = select.select(list(open_fds), [], [], left)[0] if left > 0 else []
         if not ready:
-            why = f"timeout: exceeded {req['timeout_s']}s wall clock"
+            why = timeout
             break
         for fd in ready:
             chunk = os.read(fd, 65536)
@@ -410,21 +564,21 @@ def _serve_one(spare, req, why, zombies):
             if len(bufs[fd]) > limit:
                 why = f"output limit: more than {limit} bytes"
                 break
-    for fd in bufs:
-        os.close(fd)
-    if why is not None or _frame_complete(bufs[res]):
-        _kill_group(spare.pid)
-        zombies.append(spare.pid)
-        status = None
-    else:  # no complete frame and both pipes closed: the process is exiting; its status says why
-        _, status = os.waitpid(spare.pid, 0)
+    status = None
+    if why is None and not _frame_complete(bufs[res]):  # no frame, both pipes closed: why did it end?
+        status = _exit_status(spare.pid, deadline)
+        why = timeout if status is None else None
+    if status is None:
+        _finish([spare], zombies)
+    else:  # reaped already
+        _close_pipes(spare)
     if why is not None:
-        return {"ok": False, "error": why, "sandbox_failure": why.startswith("sandbox:")}
+        return {"ok": False, "error": why}
     frame = bufs[res]
     reply = _validate(frame[4:], req["nonce"], kind) if _frame_complete(frame) else None
     if reply is None:
         if status is not None and os.WIFSIGNALED(status):
-            sig = signal.Signals(os.WTERMSIG(status)).name
+            sig = _signal_name(os.WTERMSIG(status))
             if sig == "SIGXCPU":  # RLIMIT_CPU and the wall clock race for a spinning program: both are a timeout
                 return {"ok": False, "error": "timeout: exceeded the cpu time limit"}
             return {"ok": False, "error": f"process died: killed by {sig}"}
@@ -434,6 +588,71 @@ def _serve_one(spare, req, why, zombies):
     if keep_stdout and reply["ok"]:
         reply["stdout"] = bufs[cap].decode("utf-8", "replace")
     return reply
+
+
+def _serve_pair(prog, check, req, zombies):
+    """Relay an assertion test: the checker's queries to the program, each answer back, until the checker's
+    final frame. The program speaks only when asked; the zygote parses none of its frames."""
+    limit = int(req["max_output_bytes"])
+    deadline = time.monotonic() + float(req["timeout_s"])
+    for fd in (prog.req_w, check.req_w):
+        os.set_blocking(fd, False)
+    inbox = {check.result_r: b"", prog.result_r: b""}
+    outbox = {prog.req_w: b"", check.req_w: b""}
+    readers = {check.result_r, prog.result_r, prog.cap_r, check.cap_r}
+    asked, final, why = False, None, None
+    while final is None and why is None:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            why = f"timeout: exceeded {req['timeout_s']}s wall clock"
+            break
+        readable, writable, _ = select.select(list(readers), [fd for fd, out in outbox.items() if out], [], left)
+        for fd in writable:
+            try:
+                outbox[fd] = outbox[fd][os.write(fd, outbox[fd]):]
+            except BlockingIOError:
+                pass
+            except OSError:
+                why = "the program's process ended during the tests"
+        for fd in readable:
+            chunk = os.read(fd, 65536)
+            if not chunk:
+                readers.discard(fd)
+                if fd in inbox:
+                    why = why or ("the program's process ended during the tests" if fd == prog.result_r
+                                  else "the test process ended without a result")
+                continue
+            if fd not in inbox:
+                continue  # stdout of either process: drained and dropped
+            inbox[fd] += chunk
+            if len(inbox[fd]) > limit + 4:
+                why = f"output limit: more than {limit} bytes"
+                break
+            while why is None and final is None and _frame_complete(inbox[fd]):
+                n = 4 + struct.unpack(">I", inbox[fd][:4])[0]
+                frame, inbox[fd] = inbox[fd][:n], inbox[fd][n:]
+                if fd == prog.result_r:
+                    if not asked:
+                        why = "the program wrote a frame nobody asked for"
+                        break
+                    outbox[check.req_w] += frame
+                    asked = False
+                    continue
+                try:
+                    msg = json.loads(frame[4:].decode())
+                except (ValueError, RecursionError):
+                    msg = None
+                if isinstance(msg, dict) and set(msg) == {"q"} and not asked:
+                    query = json.dumps(msg["q"]).encode()
+                    outbox[prog.req_w] += struct.pack(">I", len(query)) + query
+                    asked = True
+                else:
+                    final = frame[4:]
+    _finish([prog, check], zombies)
+    if why is not None:
+        return {"ok": False, "error": why, "forged": why.startswith("the program wrote")}
+    reply = _validate(final, req["nonce"], "program")
+    return reply if reply is not None else {"ok": False, "error": "malformed result of the test process"}
 
 
 def _reap(zombies):
@@ -471,6 +690,42 @@ def _read_exact(fd, n):
     return buf
 
 
+def _read_request(inp):
+    """frame: 4-byte length + header JSON (nonce, kind, mode, limits, parts), then ``parts`` payloads, each
+    4-byte length + JSON (the code and its inputs; only a child parses it). None at end of file."""
+    hdr = _read_exact(inp, 4)
+    header = None if hdr is None else _read_exact(inp, struct.unpack(">I", hdr)[0])
+    if header is None:
+        return None, None
+    req = json.loads(header.decode())
+    payloads = []
+    for _ in range(int(req.get("parts", 1))):
+        size = _read_exact(inp, 4)
+        payload = None if size is None else _read_into(inp, struct.unpack(">I", size)[0])
+        if payload is None:
+            return None, None
+        payloads.append(payload)
+    return req, payloads
+
+
+def _serve(req, payloads, current, forker, zombies):
+    """One call: hand each payload to a spare of ``current``, ask for the next call's spare, collect the reply.
+    Failures before the hand-over are ``sandbox_failure``; anything after it is the call's own failure."""
+    pair = len(current) == 2
+    why = None
+    for spare, payload in zip(current, payloads):
+        why = why or _hand_over(spare, payload, keep_open=pair)
+    forker.request()  # the next call's spare forks and jails itself while this call runs
+    if why is not None:
+        _finish(current, zombies)
+        return {"ok": False, "error": why, "sandbox_failure": True}
+    try:
+        return _serve_pair(*current, req, zombies) if pair else _serve_one(current[0], req, None, zombies)
+    except Exception as e:  # noqa: BLE001 - after the hand-over: the call's failure, its processes killed
+        _finish(current, zombies)
+        return {"ok": False, "error": f"the call failed in the zygote: {_err(e)}"}
+
+
 def main():
     cfg = json.loads(sys.argv[1])
     inp, out = os.dup(0), os.dup(1)
@@ -479,33 +734,34 @@ def main():
         os.dup2(devnull, fd)  # stray prints from this process can never reach the protocol channel
     os.close(devnull)
     jail = _Jail(cfg)
+    ctypes.CDLL(None).prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)  # PID 1 of a namespace is one already
+    forker = _Forker(jail, (inp, out))
     hello = json.dumps({"ready": True, "pid": os.getpid(), "seccomp": jail.filter is not None}).encode()
     os.write(out, struct.pack(">I", len(hello)) + hello)
-    spare, zombies = _Spare(jail), []
+    forker.request()
+    spares, zombies = [], []
     while True:
-        # frame: 4-byte length + header JSON (nonce, kind, mode, limits), 4-byte length + payload (the code,
-        # its inputs; only the child parses it)
-        hdr = _read_exact(inp, 4)
-        header = None if hdr is None else _read_exact(inp, struct.unpack(">I", hdr)[0])
-        size = None if header is None else _read_exact(inp, 4)
-        payload = None if size is None else _read_into(inp, struct.unpack(">I", size)[0])
-        if payload is None:
-            spare.discard()
+        req, payloads = _read_request(inp)
+        if req is None:
+            for spare in spares:
+                spare.discard()
             return
-        req = json.loads(header.decode())
-        current = spare
-        why = _hand_over(current, payload)
-        spare = _Spare(jail)  # the next call's spare forks and jails while this one runs
         try:
-            reply = _serve_one(current, req, why, zombies)
-        except Exception as e:  # noqa: BLE001 - reported to the parent as a sandbox failure of this call
-            reply = {"ok": False, "error": f"zygote error: {_err(e)}", "sandbox_failure": True}
+            while len(spares) < len(payloads):
+                spares.append(forker.receive())
+            current, spares = spares[:len(payloads)], spares[len(payloads):]
+            reply = _serve(req, payloads, current, forker, zombies)
+        except OSError as e:  # the fork server is gone: report, and exit so that the parent starts afresh
+            reply, payloads = {"ok": False, "error": f"sandbox: {_err(e)}", "sandbox_failure": True}, None
         reply["nonce"] = req["nonce"]
         data = json.dumps(reply).encode()
         data = struct.pack(">I", len(data)) + data
         while data:
             data = data[os.write(out, data):]
+        if payloads is None:
+            return
         _reap(zombies)
+
 
 if __name__ == "__main__":
     main()

@@ -328,10 +328,17 @@ class GraderSandbox:
         """One request -> the zygote's validated reply. Raises only :class:`GraderError` (sandbox failures counted)."""
         nonce = secrets.token_hex(16)
         lim = self.limits
-        header = json.dumps({"nonce": nonce, "kind": req["kind"], "mode": req.get("mode"),
+        if req.get("mode") == "assert":  # the program and the assertions in two processes (_jail_rpc)
+            parts = [{"kind": "program", "mode": "serve", "source": req["source"]},
+                     {"kind": "program", "mode": "check", "tests": [t["code"] for t in req["tests"]], "nonce": nonce}]
+        else:
+            parts = [{**req, "nonce": nonce}]
+        header = json.dumps({"nonce": nonce, "kind": req["kind"], "mode": req.get("mode"), "parts": len(parts),
                              "timeout_s": lim.timeout_s, "max_output_bytes": lim.max_output_bytes}).encode()
-        payload = json.dumps({**req, "nonce": nonce}).encode()
-        frame = struct.pack(">I", len(header)) + header + struct.pack(">I", len(payload)) + payload
+        frame = struct.pack(">I", len(header)) + header
+        for part in parts:
+            payload = json.dumps(part).encode()
+            frame += struct.pack(">I", len(payload)) + payload
         with self._lock:
             self.stats.calls += 1
             try:
