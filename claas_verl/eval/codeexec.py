@@ -14,8 +14,9 @@ from claas_verl.envs.sandbox import run_program as _sandboxed
 
 
 def run_program(source: str, tests: str, timeout_s: float = 10.0) -> bool:
-    """True iff ``source`` followed by ``tests`` (Python statements, typically asserts, executed in the program's
-    namespace) runs without an exception inside the sandbox within ``timeout_s``."""
+    """True iff ``tests`` (Python statements, typically asserts, calling the functions ``source`` defines) run
+    without an exception within ``timeout_s``. The statements run in a jailed checker process, the program in
+    another; the program's return values cross as plain data (see the sandbox's assertion tests)."""
     if not isinstance(source, str) or not isinstance(tests, str):
         raise TypeError("run_program: source and tests must be str")
     return _sandboxed(source, [tests], timeout_s).all_passed

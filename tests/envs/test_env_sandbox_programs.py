@@ -4,6 +4,7 @@ import json
 import os
 import subprocess
 import sys
+import textwrap
 import time
 
 import pytest
@@ -167,4 +168,47 @@ def test_deeply_nested_values_and_frames_are_failures_not_crashes(pool):
     nested_frame = "import os\nos.write(3, b'[' * 60000)\nos._exit(0)\n"
     r = pool.run_program(nested_frame, [CallTest("f", (), 1)])
     assert (r.status, r.reward) == ("failed", 0.0) and "forged" in r.details[0]
+    assert pool.stats.sandbox_failures == 0
+
+
+def test_assertions_run_outside_the_program(pool):
+    """Assertion strings run in a checker process of their own: a program can neither fake a comparison nor
+    read the expected value from the assertion; it only answers calls with plain data."""
+    fake_eq = ("class Always:\n    def __eq__(self, other):\n        return True\n    def __bool__(self):\n"
+               "        return True\ndef solve(x):\n    return Always()\n")
+    r = pool.run_program(fake_eq, ["assert solve(3) == 9"])
+    assert (r.status, r.reward) == ("failed", 0.0) and "not plain data" in r.details[0]
+    # a value that merely claims to be an int is compared as the int it is
+    sub = "class I(int):\n    def __eq__(self, other):\n        return True\ndef solve(x):\n    return I(0)\n"
+    assert pool.run_program(sub, ["assert solve(3) == 9"]).status == "failed"
+    reader = ("import gc, re\ndef solve(x):\n    for o in gc.get_objects():\n"
+              "        if isinstance(o, str) and o.startswith('assert solve'):\n"
+              "            return int(re.findall(r'== (\\\\d+)', o)[0])\n    return -1\n")
+    assert pool.run_program(reader, ["assert solve(3) == 917"]).status == "failed"
+    # honest programs: the usual assertion forms still pass
+    honest = textwrap.dedent("""
+        import collections, math
+        def area(r):
+            return math.pi * r * r
+        def pair(a):
+            return collections.namedtuple('P', 'x y')(a, a + 1)
+        def freq(s):
+            return collections.Counter(s)
+        def check(x):
+            if x < 0:
+                raise ValueError('negative')
+            return {x, -x}
+        class Solution:
+            def double(self, n):
+                return [2 * n, (n,), b'x', 1.5]
+    """)
+    tests = ["assert math.isclose(area(2), 12.566, rel_tol=1e-3)", "assert pair(1) == (1, 2)",
+             "assert freq('aab') == {'a': 2, 'b': 1}", "assert set(check(2)) == {2, -2}",
+             "try:\n    check(-1)\nexcept ValueError:\n    pass\nelse:\n    raise AssertionError('no error')",
+             "assert Solution().double(3) == [6, (3,), b'x', 1.5]",
+             "for i in range(3):\n    assert sorted(check(i)) == [-i, i] or i == 0",
+             "assert area(1) == 3"]
+    r = pool.run_program(honest, tests)
+    assert r.details[:-1] == ("ok",) * 7 and r.details[-1].startswith("AssertionError"), r.details
+    assert (r.status, r.passed, r.total) == ("failed", 7, 8)
     assert pool.stats.sandbox_failures == 0
