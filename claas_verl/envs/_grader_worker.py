@@ -110,7 +110,8 @@ sys.modules["_jail_rpc"] = rpc
 NOBODY = 65534
 _PR_SET_PDEATHSIG = 1
 _PR_SET_NO_NEW_PRIVS = 38
-_PR_SET_CHILD_SUBREAPER = 36
+_PR_SET_SECCOMP, _SECCOMP_MODE_FILTER = 22, 2
+_PID_PLACEHOLDER = 0x5EC0FFEE  # stands for the spare's pid in the compiled filter (pids stay below 2**22)
 _LINUX_CAPABILITY_VERSION_3 = 0x20080522
 _RESULT_FD = 3
 _REQUEST_FD = 4
@@ -176,7 +177,7 @@ def _build_filter(sc, own_pid):
     for name in _DENY_EPERM:
         _add(f, sc.ERRNO(errno.EPERM), name)
     # signals only to itself (raise, abort): no call can stop or kill the spare that will serve the next call
-    _add(f, sc.ALLOW, "tgkill", sc.Arg(0, sc.EQ, own_pid))
+    _add(f, sc.ALLOW, "tgkill", sc.Arg(0, sc.EQ, own_pid))  # (the one rule that names the pid)
     _add(f, sc.ERRNO(errno.EPERM), "tgkill", sc.Arg(0, sc.NE, own_pid))
     # rlimits can be read, never changed (as root of a user namespace it could raise its hard limits)
     _add(f, sc.ALLOW, "prlimit64", sc.Arg(2, sc.EQ, 0))
@@ -188,6 +189,27 @@ def _build_filter(sc, own_pid):
     return f
 
 
+class _SockFprog(ctypes.Structure):
+    _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_void_p)]
+
+
+def _compile_filter(sc):
+    """The allow-list as BPF, compiled once, and the offsets of the pid placeholder's 32-bit words in it:
+    a spare patches in its own pid and loads it with one prctl (libseccomp would take milliseconds)."""
+    r, w = os.pipe()
+    try:
+        with os.fdopen(w, "wb", closefd=False) as out:
+            _build_filter(sc, _PID_PLACEHOLDER).export_bpf(out)
+    finally:
+        os.close(w)
+    with os.fdopen(r, "rb") as src:
+        bpf = src.read()
+    offsets = [i + 4 for i in range(0, len(bpf), 8) if struct.unpack_from("=I", bpf, i + 4)[0] == _PID_PLACEHOLDER]
+    if not offsets:
+        raise RuntimeError("the compiled seccomp filter does not contain the pid rule")
+    return bpf, offsets
+
+
 class _Jail:
     """What every child applies to itself after fork (see the module docstring)."""
 
@@ -195,11 +217,21 @@ class _Jail:
         self.root = cfg.get("root")  # empty directory to chroot into, or None
         self.drop_uid = bool(cfg.get("drop_uid")) and os.geteuid() == 0
         self.cpu_s, self.memory_mb = int(cfg["cpu_s"]), int(cfg["memory_mb"])
-        self.seccomp = _load_seccomp(cfg.get("pyseccomp"))
-        self.filter = _build_filter(self.seccomp, os.getpid()) if self.seccomp is not None else None  # a check
+        seccomp = _load_seccomp(cfg.get("pyseccomp"))
+        self.filter = _compile_filter(seccomp) if seccomp is not None else None
         self.libc = ctypes.CDLL(None, use_errno=True)
         self.devnull = os.open(os.devnull, os.O_RDWR)  # kept open: the jail has no /dev
         self.zygote_pid = os.getpid()
+        self.parent_pid = None  # the fork server's pid, set in the fork server
+
+    def _load_filter(self):
+        bpf, offsets = self.filter
+        buf = ctypes.create_string_buffer(bytes(bpf), len(bpf))
+        for off in offsets:
+            struct.pack_into("=I", buf, off, os.getpid())
+        prog = _SockFprog(len(bpf) // 8, ctypes.addressof(buf))
+        if self.libc.prctl(_PR_SET_SECCOMP, _SECCOMP_MODE_FILTER, ctypes.byref(prog), 0, 0) != 0:
+            raise OSError(ctypes.get_errno(), "prctl(PR_SET_SECCOMP) failed")
 
     def _drop_capabilities(self):
         """Root of a user namespace (no uid to drop to): clear every capability set of this process."""
@@ -229,8 +261,8 @@ class _Jail:
             self._drop_capabilities()
         # after the uid change, which clears it: the child dies with the zygote even outside a PID namespace
         self.libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-        if os.getppid() != self.zygote_pid:
-            raise OSError("the zygote died before the jail was set up")
+        if os.getppid() != self.parent_pid:
+            raise OSError("the fork server died before the jail was set up")
         resource.setrlimit(resource.RLIMIT_CPU, (self.cpu_s, self.cpu_s + 1))
         mem = self.memory_mb * 1024 * 1024
         resource.setrlimit(resource.RLIMIT_AS, (mem, mem))
@@ -243,8 +275,8 @@ class _Jail:
             pass  # does not bind root; the seccomp filter is what stops process creation
         if self.libc.prctl(_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0:
             raise OSError(ctypes.get_errno(), "prctl(PR_SET_NO_NEW_PRIVS) failed")
-        if self.seccomp is not None:
-            _build_filter(self.seccomp, os.getpid()).load()
+        if self.filter is not None:
+            self._load_filter()
 
 
 def _call_grader(fn, output, context):
@@ -310,11 +342,6 @@ def _child(jail, req_r, result_w, stdout_w):
     run it, answer on fd 3, exit. The ready byte is read by the zygote before any request is handed over,
     so untrusted code can never fake a setup failure."""
     try:
-        deadline = time.monotonic() + _READY_TIMEOUT_S / 2
-        while os.getppid() != jail.zygote_pid:  # the double fork: wait to be the zygote's child (see _Forker)
-            if time.monotonic() > deadline:
-                raise OSError("the spare was not handed to the zygote")
-            time.sleep(0.0002)
         jail.enter(req_r, result_w, stdout_w)
     except BaseException as e:  # noqa: BLE001 - the jail could not be built: say so, run nothing
         try:
@@ -395,23 +422,22 @@ class _Spare:
 
     def discard(self):
         _kill_group(self.pid)
-        os.waitpid(self.pid, 0)
         _close_pipes(self)
 
 
 class _Forker:
     """The fork server: forked from the zygote before any request, it forks every spare.
 
-    Its memory never held a call's code, inputs or replies, and neither does a spare forked from it. Each
-    spare is forked through a short-lived intermediate process (a double fork), so that it becomes a child
-    of the zygote (PID 1 of the namespace, or a child subreaper): the zygote reaps it, reads its exit
-    status, and its parent-death signal follows the zygote. The intermediate passes the zygote the parent
-    ends of the spare's three pipes over a Unix socket (SCM_RIGHTS), with the spare's pid.
+    Its memory never held a call's code, inputs or replies, and neither does a spare forked from it. It
+    passes the zygote the parent ends of each spare's three pipes with the spare's pid over a Unix socket
+    (SCM_RIGHTS), and, since the spares are its children, reaps them and reports each exit status. A spare
+    dies with the fork server, which dies with the zygote (parent-death signals the jail cannot clear).
+    Records on the socket: ``F`` pid (with the three descriptors) and ``S`` pid status, 9 bytes each.
     """
 
     def __init__(self, jail, keep_fds):
-        self.sock, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-        self.pending = 0
+        self.sock, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        self.pending, self.ready, self.statuses = 0, [], {}
         self.pid = os.fork()
         if self.pid == 0:
             self.sock.close()
@@ -420,47 +446,93 @@ class _Forker:
                     os.close(fd)  # the zygote's protocol channel
                 jail.libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
                 if os.getppid() == jail.zygote_pid:
-                    self._serve(jail, theirs)
+                    jail.parent_pid = os.getpid()
+                    _fork_server(jail, theirs)
             finally:
                 os._exit(0)
         theirs.close()
-
-    @staticmethod
-    def _serve(jail, sock):
-        while sock.recv(1):
-            req_r, req_w = os.pipe()
-            result_r, result_w = os.pipe()
-            cap_r, cap_w = os.pipe()
-            mid = os.fork()
-            if mid == 0:
-                try:
-                    pid = os.fork()
-                    if pid == 0:
-                        sock.close()
-                        _child(jail, req_r, result_w, cap_w)
-                    socket.send_fds(sock, [struct.pack(">i", pid)], [req_w, result_r, cap_r])
-                finally:
-                    os._exit(0)
-            os.waitpid(mid, 0)
-            for fd in (req_r, req_w, result_r, result_w, cap_r, cap_w):
-                os.close(fd)
 
     def request(self):
         """Ask for a spare; it forks and jails itself while the zygote goes on (see :meth:`receive`)."""
         self.sock.sendall(b"F")
         self.pending += 1
 
-    def receive(self):
-        """The spare of the oldest :meth:`request` (asked for now if none is pending)."""
-        if not self.pending:
-            self.request()
-        self.pending -= 1
-        msg, fds, _, _ = socket.recv_fds(self.sock, 4, 3)
-        if len(msg) != 4 or len(fds) != 3:
+    def _read_record(self, timeout=None):
+        """One record into ``ready`` / ``statuses``; False when none came within ``timeout`` seconds."""
+        if timeout is not None and not select.select([self.sock], [], [], max(timeout, 0.0))[0]:
+            return False
+        msg, fds, _, _ = socket.recv_fds(self.sock, 9, 3)
+        kind = msg[:1]
+        if len(msg) != 9 or len(fds) != (3 if kind == b"F" else 0) or kind not in (b"F", b"S"):
             for fd in fds:
                 os.close(fd)
-            raise OSError("the fork server did not hand over a spare")
-        return _Spare(struct.unpack(">i", msg)[0], *fds)
+            raise OSError("the fork server is gone")
+        pid, status = struct.unpack(">ii", msg[1:])
+        if kind == b"F":
+            self.pending -= 1
+            self.statuses.pop(pid, None)  # a status of an earlier process with this pid is stale
+            self.ready.append(_Spare(pid, *fds))
+        else:
+            self.statuses[pid] = status
+            while len(self.statuses) > 256:  # statuses of killed processes nobody asks for
+                del self.statuses[next(iter(self.statuses))]
+        return True
+
+    def receive(self):
+        """The spare of the oldest :meth:`request` (asked for now if none is pending)."""
+        if not self.ready and not self.pending:
+            self.request()
+        while not self.ready:
+            self._read_record()
+        return self.ready.pop(0)
+
+    def status(self, pid, deadline):
+        """The exit status of spare ``pid``; None when it has not exited by ``deadline``."""
+        while pid not in self.statuses:
+            if not self._read_record(deadline - time.monotonic()):
+                return None
+        return self.statuses.pop(pid)
+
+    def drain(self):
+        while self._read_record(0.0):
+            pass
+
+
+def _fork_server(jail, sock):
+    wake_r, wake_w = os.pipe()
+    for fd in (wake_r, wake_w):
+        os.set_blocking(fd, False)
+    signal.set_wakeup_fd(wake_w)
+    signal.signal(signal.SIGCHLD, lambda *_: None)  # a handler, so that SIGCHLD wakes the select below
+    while True:
+        readable = select.select([sock, wake_r], [], [])[0]
+        if wake_r in readable:
+            try:
+                os.read(wake_r, 512)
+            except BlockingIOError:
+                pass
+            while True:
+                try:
+                    pid, status = os.waitpid(-1, os.WNOHANG)
+                except ChildProcessError:
+                    break
+                if not pid:
+                    break
+                sock.sendall(b"S" + struct.pack(">ii", pid, status))
+        if sock in readable:
+            if not sock.recv(1):
+                return
+            req_r, req_w = os.pipe()
+            result_r, result_w = os.pipe()
+            cap_r, cap_w = os.pipe()
+            pid = os.fork()
+            if pid == 0:
+                signal.set_wakeup_fd(-1)
+                signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+                _child(jail, req_r, result_w, cap_w)  # closes every other descriptor before it runs anything
+            socket.send_fds(sock, [b"F" + struct.pack(">ii", pid, 0)], [req_w, result_r, cap_r])
+            for fd in (req_r, req_w, result_r, result_w, cap_r, cap_w):
+                os.close(fd)
 
 
 def _await_ready(spare):
@@ -508,33 +580,19 @@ def _close_pipes(spare):
             setattr(spare, name, -1)
 
 
-def _finish(spares, zombies):
-    """Kill the call's processes and close its pipes; they are reaped later (``zombies``), off the call's path."""
+def _finish(spares):
+    """Kill the call's processes and close its pipes (the fork server reaps them, off the call's path)."""
     for spare in spares:
         _close_pipes(spare)
-        if spare.pid not in zombies:
-            _kill_group(spare.pid)
-            zombies.append(spare.pid)
+        _kill_group(spare.pid)
 
 
-def _exit_status(pid, deadline):
-    """The status of ``pid``, which closed its pipes; None when it is still alive at the deadline."""
-    pause = 0.0005
-    while True:
-        done, status = os.waitpid(pid, os.WNOHANG)
-        if done:
-            return status
-        if time.monotonic() >= deadline:
-            return None
-        time.sleep(min(pause, max(deadline - time.monotonic(), 0)))
-        pause = min(pause * 2, 0.02)
-
-
-def _serve_one(spare, req, why, zombies):
+def _serve_one(spare, req, why, forker):
     """Collect the frame and stdout of ``spare`` (its request handed over) within the limits.
 
     The child's frame is length-prefixed and written after it closed its stdout, so the reply goes back as
-    soon as both are complete; the child is then killed and reaped later (``zombies``), off the call's path.
+    soon as both are complete; the child is then killed. A child that closed both pipes without a frame is
+    waited for (its exit status says why) until the call's deadline, then killed: a timeout.
     """
     kind = req["kind"]
     keep_stdout = kind == "program" and req["mode"] == "io"
@@ -566,12 +624,9 @@ def _serve_one(spare, req, why, zombies):
                 break
     status = None
     if why is None and not _frame_complete(bufs[res]):  # no frame, both pipes closed: why did it end?
-        status = _exit_status(spare.pid, deadline)
+        status = forker.status(spare.pid, deadline)
         why = timeout if status is None else None
-    if status is None:
-        _finish([spare], zombies)
-    else:  # reaped already
-        _close_pipes(spare)
+    _finish([spare])
     if why is not None:
         return {"ok": False, "error": why}
     frame = bufs[res]
@@ -590,7 +645,7 @@ def _serve_one(spare, req, why, zombies):
     return reply
 
 
-def _serve_pair(prog, check, req, zombies):
+def _serve_pair(prog, check, req):
     """Relay an assertion test: the checker's queries to the program, each answer back, until the checker's
     final frame. The program speaks only when asked; the zygote parses none of its frames."""
     limit = int(req["max_output_bytes"])
@@ -648,22 +703,11 @@ def _serve_pair(prog, check, req, zombies):
                     asked = True
                 else:
                     final = frame[4:]
-    _finish([prog, check], zombies)
+    _finish([prog, check])
     if why is not None:
         return {"ok": False, "error": why, "forged": why.startswith("the program wrote")}
     reply = _validate(final, req["nonce"], "program")
     return reply if reply is not None else {"ok": False, "error": "malformed result of the test process"}
-
-
-def _reap(zombies):
-    """Reap the killed children that have exited by now (WNOHANG); keep the others for later."""
-    for pid in list(zombies):
-        try:
-            done, _ = os.waitpid(pid, os.WNOHANG)
-        except ChildProcessError:
-            done = pid
-        if done:
-            zombies.remove(pid)
 
 
 def _read_into(fd, n):
@@ -708,7 +752,7 @@ def _read_request(inp):
     return req, payloads
 
 
-def _serve(req, payloads, current, forker, zombies):
+def _serve(req, payloads, current, forker):
     """One call: hand each payload to a spare of ``current``, ask for the next call's spare, collect the reply.
     Failures before the hand-over are ``sandbox_failure``; anything after it is the call's own failure."""
     pair = len(current) == 2
@@ -717,12 +761,12 @@ def _serve(req, payloads, current, forker, zombies):
         why = why or _hand_over(spare, payload, keep_open=pair)
     forker.request()  # the next call's spare forks and jails itself while this call runs
     if why is not None:
-        _finish(current, zombies)
+        _finish(current)
         return {"ok": False, "error": why, "sandbox_failure": True}
     try:
-        return _serve_pair(*current, req, zombies) if pair else _serve_one(current[0], req, None, zombies)
+        return _serve_pair(*current, req) if pair else _serve_one(current[0], req, None, forker)
     except Exception as e:  # noqa: BLE001 - after the hand-over: the call's failure, its processes killed
-        _finish(current, zombies)
+        _finish(current)
         return {"ok": False, "error": f"the call failed in the zygote: {_err(e)}"}
 
 
@@ -734,12 +778,11 @@ def main():
         os.dup2(devnull, fd)  # stray prints from this process can never reach the protocol channel
     os.close(devnull)
     jail = _Jail(cfg)
-    ctypes.CDLL(None).prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)  # PID 1 of a namespace is one already
     forker = _Forker(jail, (inp, out))
     hello = json.dumps({"ready": True, "pid": os.getpid(), "seccomp": jail.filter is not None}).encode()
     os.write(out, struct.pack(">I", len(hello)) + hello)
     forker.request()
-    spares, zombies = [], []
+    spares = []
     while True:
         req, payloads = _read_request(inp)
         if req is None:
@@ -750,7 +793,7 @@ def main():
             while len(spares) < len(payloads):
                 spares.append(forker.receive())
             current, spares = spares[:len(payloads)], spares[len(payloads):]
-            reply = _serve(req, payloads, current, forker, zombies)
+            reply = _serve(req, payloads, current, forker)
         except OSError as e:  # the fork server is gone: report, and exit so that the parent starts afresh
             reply, payloads = {"ok": False, "error": f"sandbox: {_err(e)}", "sandbox_failure": True}, None
         reply["nonce"] = req["nonce"]
@@ -760,7 +803,7 @@ def main():
             data = data[os.write(out, data):]
         if payloads is None:
             return
-        _reap(zombies)
+        forker.drain()
 
 
 if __name__ == "__main__":

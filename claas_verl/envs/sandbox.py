@@ -77,10 +77,11 @@ Programs (the code domain)
   shadows a builtin or a module name is not reachable from a snippet.
 
 All call tests of one ``run_program`` share one jailed process and the ``timeout_s`` budget, and so do all
-assertion tests (with their checker process); each IO test has its own. ``GraderPool(n).run_programs([(source, tests), ...])`` runs many programs
-n at a time (evaluation sets). :class:`ProgramResult` has ``status`` (``passed``, ``failed``,
-``timeout``, ``sandbox_error``), ``passed`` / ``total`` test counts, per-test ``details`` and ``reward``:
-1.0 when every test passed, 0.0 otherwise, None on a sandbox failure (SPEC A.1.4: never trained on).
+assertion tests (with their checker process); each IO test has its own.
+``GraderPool(n).run_programs([(source, tests), ...])`` runs many programs n at a time (evaluation sets).
+:class:`ProgramResult` has ``status`` (``passed``, ``failed``, ``timeout``, ``sandbox_error``), ``passed`` /
+``total`` test counts, per-test ``details`` and ``reward``: 1.0 when every test passed, 0.0 otherwise, None on
+a sandbox failure (SPEC A.1.4: never trained on).
 A program that crashes, times out or prints too much fails its tests (reward 0.0): that is the model's fault.
 
 Throughput: ``python benchmarks/bench_sandbox.py`` prints graders/s per pool size and the per-call overhead.
