@@ -5,8 +5,9 @@
 Prints, for a trivial grader: the in-process call (the floor), one sandbox's serial latency per call (fork
 + jail + seccomp + two pipe round trips), a fresh interpreter per call (what a zygote saves), zygote start,
 and graders/s through ``GraderPool.map`` for each pool size with the speed-up over one sandbox. Then
-``run_program`` with 5 call tests (one jailed process) and 5 IO tests (five). Figures depend on the
-machine's cores: the pool scales up to about one sandbox per core.
+``run_program`` with 5 call tests (one jailed process), 5 assertion tests (the program's process and a
+checker process) and 5 IO tests (five). Figures depend on the machine's cores: the pool scales up to about
+one sandbox per core.
 """
 
 from __future__ import annotations
@@ -82,12 +83,16 @@ def main() -> None:
     prog = "def add(a, b):\n    return a + b\nif __name__ == '__main__':\n    print(add(*map(int, input().split())))\n"
     calls5 = [CallTest("add", (i, i), 2 * i) for i in range(5)]
     io5 = [IOTest(f"{i} {i}\n", f"{2 * i}\n") for i in range(5)]
+    asserts5 = [f"assert add({i}, {i}) == {2 * i}" for i in range(5)]
     with GraderPool(1, LIMITS) as pool:
         pool.run_program(prog, calls5)
         m = max(args.n // 5, 10)
         t_call = _timed(lambda i: pool.run_program(prog, calls5), m)
+        t_assert = _timed(lambda i: pool.run_program(prog, asserts5), m)
         t_io = _timed(lambda i: pool.run_program(prog, io5), m // 2)
     print(f"run_program, 5 call tests      {t_call * 1e3:8.2f} ms/program ({1 / t_call:6.1f} programs/s, one sandbox)")
+    print(f"run_program, 5 assertions     {t_assert * 1e3:8.2f} ms/program ({1 / t_assert:6.1f} programs/s, "
+          "one sandbox)")
     print(f"run_program, 5 IO tests        {t_io * 1e3:8.2f} ms/program ({1 / t_io:6.1f} programs/s, one sandbox)")
 
 

@@ -6,11 +6,10 @@ namespace, in a network namespace with no usable interface (only ``lo``, down) a
 namespace. It never runs untrusted code itself.
 
 Clean spares. Before it reads any request the zygote forks a *fork server*, which never holds anything of a
-call; every jailed child is forked from it (and handed to the zygote, its subreaper, with a double fork), so
-no child can find an earlier call's code, inputs, verdict or output in its memory: they never were in the
-memory it was copied from. The zygote keeps one *spare* ready, with a fresh request pipe, result pipe and
-stdout pipe; the spare jails itself at once and only then waits for its request. The spare, before it reads
-anything of the call:
+call; every jailed child is forked from it (:class:`_Forker`), so no child can find an earlier call's code,
+inputs, verdict or output in its memory: they never were in the memory it was copied from. The zygote keeps
+two *spares* ready, each with a fresh request pipe, result pipe and stdout pipe; a spare jails itself at once
+and only then waits for its request. The spare, before it reads anything of the call:
 
 1. starts its own session / process group (the wall-clock kill is ``killpg``),
 2. points fd 0 and 2 at ``/dev/null`` and fd 1 at its stdout pipe, puts its result pipe on fd 3 and its
@@ -18,7 +17,8 @@ anything of the call:
 3. ``chroot``\\ s into an empty read-only directory (no file, no ``/proc``, no device is visible; only the
    modules preloaded below can be imported) when it has the right to,
 4. drops to ``nobody`` (uid/gid 65534, no supplementary groups) when started as root, or, as root of a user
-   namespace, drops every capability; asks to be killed when the zygote dies (``PR_SET_PDEATHSIG``),
+   namespace, drops every capability; asks to be killed when its parent, the fork server, dies
+   (``PR_SET_PDEATHSIG``; the fork server dies with the zygote),
 5. sets rlimits: CPU seconds, address space, no file writes (FSIZE 0), no processes (NPROC 0), few fds,
    no core dumps,
 6. sets ``no_new_privs`` and loads a seccomp *allow-list* (:data:`_ALLOW`: memory, reading its own
@@ -759,7 +759,8 @@ def _serve(req, payloads, current, forker):
     why = None
     for spare, payload in zip(current, payloads):
         why = why or _hand_over(spare, payload, keep_open=pair)
-    forker.request()  # the next call's spare forks and jails itself while this call runs
+    for _ in current:  # the next calls' spares fork and jail themselves while this call runs
+        forker.request()
     if why is not None:
         _finish(current)
         return {"ok": False, "error": why, "sandbox_failure": True}
@@ -781,7 +782,8 @@ def main():
     forker = _Forker(jail, (inp, out))
     hello = json.dumps({"ready": True, "pid": os.getpid(), "seccomp": jail.filter is not None}).encode()
     os.write(out, struct.pack(">I", len(hello)) + hello)
-    forker.request()
+    for _ in range(2):  # two ready spares: an assertion test takes both (the program's and the checker's)
+        forker.request()
     spares = []
     while True:
         req, payloads = _read_request(inp)

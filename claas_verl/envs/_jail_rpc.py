@@ -253,19 +253,32 @@ def run_checks(snippets, query_fd, answer_fd):
         return decode(answer["value"], lambda h: Remote(h, ask))
 
     modules = {name: mod for name, mod in sys.modules.items() if "." not in name and not name.startswith("_")}
-    results = []
+    codes, wanted = [], set()
     for snippet in snippets:
         try:
             code = compile(snippet, "<test>", "exec")
-            ns = {"__name__": "__test__", "__builtins__": builtins}
-            wanted = sorted(n for n in _code_names(code) if not hasattr(builtins, n) and not n.startswith("__"))
-            ns.update({n: modules[n] for n in wanted if n in modules})
-            asked = [n for n in wanted if n not in modules]
-            if asked:
-                found = ask({"op": "globals", "names": asked})
-                if type(found) is not dict:
-                    raise ValueError("malformed answer to a globals query")
-                ns.update({n: v for n, v in found.items() if n in asked})
+            wanted |= {n for n in _code_names(code) if not hasattr(builtins, n) and not n.startswith("__")}
+            codes.append(code)
+        except BaseException as e:  # noqa: BLE001 - a snippet that does not compile fails its test
+            codes.append(_err(e))
+    program = {}
+    asked = sorted(wanted - set(modules))
+    results = []
+    try:
+        if asked:  # one query for every name the snippets may take from the program
+            program = ask({"op": "globals", "names": asked})
+            if type(program) is not dict:
+                raise ValueError("malformed answer to a globals query")
+    except BaseException as e:  # noqa: BLE001 - the program failed to load: every test fails with its error
+        return [{"ok": False, "error": _err(e)} for _ in snippets]
+    for code in codes:
+        if isinstance(code, str):
+            results.append({"ok": False, "error": code})
+            continue
+        ns = {"__name__": "__test__", "__builtins__": builtins}
+        ns.update({n: modules[n] for n in wanted if n in modules})
+        ns.update({n: v for n, v in program.items() if n in wanted})
+        try:
             exec(code, ns)
             results.append({"ok": True})
         except BaseException as e:  # noqa: BLE001 - a failing assertion (or a program error) fails this test
