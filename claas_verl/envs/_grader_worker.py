@@ -124,7 +124,7 @@ _MAX_ERROR_CHARS = 2000
 _ALLOW = (
     "read", "write", "readv", "writev", "pread64", "pwrite64", "close", "lseek",
     "fstat", "stat", "lstat", "newfstatat", "statx", "access", "faccessat", "faccessat2",
-    "readlink", "readlinkat", "getcwd", "getdents64", "fcntl",
+    "readlink", "readlinkat", "getcwd", "getdents64",
     "brk", "mmap", "munmap", "mremap", "mprotect", "madvise",
     "rt_sigaction", "rt_sigprocmask", "rt_sigreturn", "sigaltstack", "rt_sigpending",
     "getpid", "gettid", "getppid", "getuid", "geteuid", "getgid", "getegid", "getgroups", "getresuid",
@@ -150,6 +150,8 @@ _DENY_EPERM = (
     "open_by_handle_at", "name_to_handle_at", "setuid", "setgid", "setreuid", "setregid", "setresuid",
     "setresgid", "setgroups", "personality",
 )
+# fcntl commands on its own descriptors; not F_SETOWN/F_SETSIG, which would aim SIGIO at another process
+_FCNTL_COMMANDS = (fcntl.F_DUPFD, fcntl.F_GETFD, fcntl.F_SETFD, fcntl.F_GETFL, fcntl.F_SETFL, fcntl.F_DUPFD_CLOEXEC)
 _WRITE_OPEN_MASK = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND
 _WRITE_OPEN_BITS = (os.O_WRONLY, os.O_RDWR, os.O_CREAT, os.O_TRUNC, os.O_APPEND)
 
@@ -179,6 +181,8 @@ def _build_filter(sc, own_pid):
     # signals only to itself (raise, abort): no call can stop or kill the spare that will serve the next call
     _add(f, sc.ALLOW, "tgkill", sc.Arg(0, sc.EQ, own_pid))  # (the one rule that names the pid)
     _add(f, sc.ERRNO(errno.EPERM), "tgkill", sc.Arg(0, sc.NE, own_pid))
+    for cmd in _FCNTL_COMMANDS:
+        _add(f, sc.ALLOW, "fcntl", sc.Arg(1, sc.EQ, cmd))
     # rlimits can be read, never changed (as root of a user namespace it could raise its hard limits)
     _add(f, sc.ALLOW, "prlimit64", sc.Arg(2, sc.EQ, 0))
     _add(f, sc.ERRNO(errno.EPERM), "prlimit64", sc.Arg(2, sc.NE, 0))

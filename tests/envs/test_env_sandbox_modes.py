@@ -224,6 +224,7 @@ def test_syscalls_outside_the_allow_list_fail(pool, mode):
         "setpriority": f"libc.syscall({SYSCALLS['setpriority']}, 0, 0, 10)",
         "ioctl(TCGETS)": f"libc.syscall({SYSCALLS['ioctl']}, 1, 0x5401, ctypes.create_string_buffer(64))",
         "prlimit(RLIMIT_CORE, 0)": "libc.prlimit(0, 4, (ctypes.c_uint64 * 2)(0, 0), None)",
+        "fcntl(F_SETOWN, parent)": "libc.fcntl(1, 8, os.getppid())",  # would aim SIGIO at another process
     }
     src = LIBC + "def grade_output_correct(output):\n    bad = []\n" + "".join(
         f"    try:\n        r = {call}\n        e = ctypes.get_errno()\n    except OSError as x:\n"

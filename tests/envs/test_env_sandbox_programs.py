@@ -212,3 +212,43 @@ def test_assertions_run_outside_the_program(pool):
     assert r.details[:-1] == ("ok",) * 7 and r.details[-1].startswith("AssertionError"), r.details
     assert (r.status, r.passed, r.total) == ("failed", 7, 8)
     assert pool.stats.sandbox_failures == 0
+
+
+STDLIB_TOUR = '''
+import base64, bisect, calendar, cmath, collections, datetime, decimal, difflib, fractions, hashlib, heapq, html
+import inspect, itertools, json, math, random, re, statistics, string, sys, textwrap, time, traceback, unicodedata
+sys.setrecursionlimit(10000)
+def depth(n):
+    return 0 if n == 0 else 1 + depth(n - 1)
+def tour():
+    time.sleep(0.01)
+    big = sorted((i * 7919) % 10007 for i in range(100000))
+    try:
+        bytearray(1 << 40)
+    except MemoryError:
+        pass
+    try:
+        1 / 0
+    except ZeroDivisionError:
+        tb = traceback.format_exc()
+    h = []
+    for i in range(50):
+        heapq.heappush(h, -i)
+    return [big[0], depth(3000), collections.Counter("hello")["l"], str(decimal.Decimal(1) / 7)[:5],
+            str(datetime.date(2020, 1, 1) + datetime.timedelta(days=3)), math.comb(10, 3),
+            len(list(itertools.permutations(range(5)))), str(fractions.Fraction(1, 3) * 3), cmath.sqrt(-1).imag,
+            statistics.mean([1, 2, 3]), hashlib.sha256(b"x").hexdigest()[:8], base64.b64encode(b"x").decode(),
+            difflib.SequenceMatcher(None, "abc", "abd").ratio() > 0.5, html.escape("<"), bisect.bisect([1, 3], 2),
+            calendar.isleap(2024), unicodedata.normalize("NFKC", "\\u00bd"), re.sub("a+", "b", "caat"),
+            json.loads(json.dumps({"k": [1]})), textwrap.dedent("  x"), string.digits[:3], -heapq.heappop(h),
+            inspect.isfunction(tour), "ZeroDivisionError" in tb, 0 <= random.random() < 1, time.time() > 0]
+'''
+
+
+def test_the_allow_list_runs_the_preloaded_standard_library(pool):
+    """Honest programs keep working under the seccomp allow-list: memory growth and MemoryError, deep
+    recursion, sleeping, clocks, randomness, tracebacks and the preloaded modules."""
+    expected = [0, 3000, 2, "0.142", "2020-01-04", 120, 120, "1", 1.0, 2, "2d711642", "eA==", True, "&lt;", 1,
+                True, "1\u20442", "cbt", {"k": [1]}, "x", "012", 49, True, True, True, True]
+    r = pool.run_program(STDLIB_TOUR, [CallTest("tour", (), expected)])
+    assert r.status == "passed", r.details
