@@ -355,8 +355,8 @@ def _child(jail, req_r, result_w, stdout_w):
     os.write(_RESULT_FD, b"R")
     nonce = None
     try:
-        hdr = _read_exact(_REQUEST_FD, 4)
-        req = json.loads(_read_exact(_REQUEST_FD, struct.unpack(">I", hdr)[0]).decode())
+        hdr = rpc.read_exact(_REQUEST_FD, 4)
+        req = json.loads(rpc.read_exact(_REQUEST_FD, struct.unpack(">I", hdr)[0]).decode())
         nonce = req.get("nonce")
         if not (req["kind"] == "program" and req["mode"] in ("serve", "check")):
             os.close(_REQUEST_FD)
@@ -728,27 +728,17 @@ def _read_into(fd, n):
     return buf
 
 
-def _read_exact(fd, n):
-    buf = b""
-    while len(buf) < n:
-        chunk = os.read(fd, n - len(buf))
-        if not chunk:
-            return None
-        buf += chunk
-    return buf
-
-
 def _read_request(inp):
     """frame: 4-byte length + header JSON (nonce, kind, mode, limits, parts), then ``parts`` payloads, each
     4-byte length + JSON (the code and its inputs; only a child parses it). None at end of file."""
-    hdr = _read_exact(inp, 4)
-    header = None if hdr is None else _read_exact(inp, struct.unpack(">I", hdr)[0])
+    hdr = rpc.read_exact(inp, 4)
+    header = None if hdr is None else rpc.read_exact(inp, struct.unpack(">I", hdr)[0])
     if header is None:
         return None, None
     req = json.loads(header.decode())
     payloads = []
     for _ in range(int(req.get("parts", 1))):
-        size = _read_exact(inp, 4)
+        size = rpc.read_exact(inp, 4)
         payload = None if size is None else _read_into(inp, struct.unpack(">I", size)[0])
         if payload is None:
             return None, None

@@ -94,14 +94,14 @@ def write_frame(fd, obj):
 
 def read_frame(fd):
     """One length-prefixed JSON frame from ``fd``, or None at end of file."""
-    hdr = _read_exact(fd, 4)
+    hdr = read_exact(fd, 4)
     if hdr is None:
         return None
-    body = _read_exact(fd, struct.unpack(">I", hdr)[0])
+    body = read_exact(fd, struct.unpack(">I", hdr)[0])
     return None if body is None else json.loads(body.decode())
 
 
-def _read_exact(fd, n):
+def read_exact(fd, n):
     buf = b""
     while len(buf) < n:
         chunk = os.read(fd, n - len(buf))
