@@ -591,7 +591,7 @@ def _finish(spares):
         _kill_group(spare.pid)
 
 
-def _serve_one(spare, req, why, forker):
+def _serve_one(spare, req, forker):
     """Collect the frame and stdout of ``spare`` (its request handed over) within the limits.
 
     The child's frame is length-prefixed and written after it closed its stdout, so the reply goes back as
@@ -606,6 +606,7 @@ def _serve_one(spare, req, why, forker):
     res, cap = spare.result_r, spare.cap_r
     bufs = {res: b"", cap: b""}
     open_fds = {res, cap}
+    why = None
     while why is None:
         done = _frame_complete(bufs[res]) and (cap not in open_fds or not keep_stdout)
         if done or not open_fds:
@@ -759,7 +760,7 @@ def _serve(req, payloads, current, forker):
         _finish(current)
         return {"ok": False, "error": why, "sandbox_failure": True}
     try:
-        return _serve_pair(*current, req) if pair else _serve_one(current[0], req, None, forker)
+        return _serve_pair(*current, req) if pair else _serve_one(current[0], req, forker)
     except Exception as e:  # noqa: BLE001 - after the hand-over: the call's failure, its processes killed
         _finish(current)
         return {"ok": False, "error": f"the call failed in the zygote: {_err(e)}"}
