@@ -49,9 +49,9 @@ def _count_builds(monkeypatch):
     calls = []
     real = build._build_into
 
-    def counting(root, seed):
+    def counting(root, seed, arch="qwen2"):
         calls.append(seed)
-        real(root, seed)
+        real(root, seed, arch)
 
     monkeypatch.setattr(build, "_build_into", counting)
     return calls
