@@ -33,7 +33,7 @@ from claas_verl.tiny.data import (
     stable_seed,
     write_parquet,
 )
-from claas_verl.tiny.model import ARCHS, DEFAULT_ARCH
+from claas_verl.tiny.model import DEFAULT_ARCH, check_arch
 
 # Bump whenever the bundle's content changes (architecture, tokenizer, data, experts):
 # ensure_tiny() then rebuilds stale bundles instead of serving them.
@@ -83,14 +83,8 @@ class TinyPaths:
 
 
 def default_dir(arch: str = DEFAULT_ARCH) -> Path:
-    env, default = ARCH_DIRS[_checked_arch(arch)]
+    env, default = ARCH_DIRS[check_arch(arch)]
     return Path(os.environ.get(env) or default)
-
-
-def _checked_arch(arch: str) -> str:
-    if arch not in ARCHS:
-        raise ValueError(f"arch={arch!r} is not a tiny bundle architecture; choose one of {ARCHS}")
-    return arch
 
 
 def manifest_arch(manifest: dict) -> str:
@@ -152,7 +146,7 @@ def make_tiny(out_dir: str | os.PathLike, seed: int = 0, force: bool = False, ar
     OUT_DIR cannot wipe unrelated files.
     """
     out_dir = Path(out_dir).resolve()
-    _checked_arch(arch)
+    check_arch(arch)
     with _lock(out_dir):
         if out_dir.exists() and not force:
             if is_current(out_dir, seed, arch):
@@ -174,7 +168,7 @@ def ensure_tiny(out_dir: str | os.PathLike | None = None, seed: int = 0, arch: s
     file lock, so only one process builds.
     """
     out_dir = Path(out_dir if out_dir is not None else default_dir(arch)).resolve()
-    _checked_arch(arch)
+    check_arch(arch)
     if is_current(out_dir, seed, arch):
         return TinyPaths.under(out_dir)
     env = ARCH_DIRS[arch][0]

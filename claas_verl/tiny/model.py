@@ -56,14 +56,18 @@ ARCHS = ("qwen2", "qwen3")
 DEFAULT_ARCH = "qwen2"
 
 
+def check_arch(arch: str) -> str:
+    if arch not in ARCHS:
+        raise ValueError(f"arch={arch!r} is not a tiny bundle architecture; choose one of {ARCHS}")
+    return arch
+
+
 def _arch_classes(arch: str):
     from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
     classes = {"qwen2": (Qwen2Config, Qwen2ForCausalLM, {}),
                "qwen3": (Qwen3Config, Qwen3ForCausalLM, {"head_dim": 32})}
-    if arch not in classes:
-        raise ValueError(f"arch={arch!r} is not a tiny bundle architecture; choose one of {ARCHS}")
-    return classes[arch]
+    return classes[check_arch(arch)]
 
 
 # Words each expert prefers (the first token of " word" in the tiny tokenizer is boosted).
