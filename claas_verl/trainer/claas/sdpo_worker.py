@@ -56,7 +56,7 @@ CURRENT_LP_Y = "sdpo_clp_y"  # differentiable student log-prob of the sampled to
 # form. distillation_only: verl then computes no sampled-token log-probs of its own; the processor returns them
 # (CURRENT_LP_Y). With flash-attn installed verl would take them from flash-attn's cross-entropy with
 # inplace_backward=True, whose backward overwrites the logits tensor with its gradient; the processor's
-# backward (claas_verl.distill.topk_logprobs) reads those logits, so pg+jsd gradients were silently wrong.
+# backward (claas_verl.distill.topk_logprobs) reads those logits again (pg+jsd backpropagates through both).
 UPDATE_FLAGS = {"distillation_use_topk": True, "distillation_only": True}
 
 
