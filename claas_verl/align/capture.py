@@ -1,14 +1,17 @@
 """Capture post-RoPE queries/keys and values of chosen layers from HF Qwen2/Llama-family models.
 
-No transformers code is edited. Forward hooks record the raw outputs of ``q_proj``, ``k_proj`` and
+No transformers code is edited. Forward hooks record the outputs of ``q_proj``, ``k_proj`` and
 ``v_proj`` (LoRA wrappers included, since the hook sees the wrapper's output) and a pre-hook on
-``self_attn`` records the ``position_embeddings`` (cos, sin) the model passes to it. After the
-forward, :meth:`AttentionCapture.result` reshapes to heads, applies ``q_norm``/``k_norm`` when the
-attention module has them (Qwen3), and applies the model's rotary embedding with the rotate-half
-rule shared by Llama, Qwen2, Qwen3 and Mistral. Values get no RoPE (SPEC B.5).
+``self_attn`` records the ``position_embeddings`` (cos, sin) the model passes to it. Where the
+attention module has per-head ``q_norm``/``k_norm`` modules (Qwen3), the queries and keys are taken
+from the outputs of those modules instead: the norms then run inside the layer's own forward, with
+the layer's own (gathered) weights. Applying them after the forward would read weights that FSDP2
+has resharded by then (DTensor shards, not the tensors the forward used). After the forward,
+:meth:`AttentionCapture.result` reshapes to heads and applies the model's rotary embedding with the
+rotate-half rule shared by Llama, Qwen2, Qwen3 and Mistral. Values get no RoPE (SPEC B.5).
 
-The hooks only *store* tensors; all extra math happens after the forward, outside any
-gradient-checkpointed layer, so the result keeps autograd on the student side and costs
+The hooks only *store* tensors the model computed anyway; the RoPE math happens after the forward,
+outside any gradient-checkpointed layer, so the result keeps autograd on the student side and costs
 nothing extra under ``torch.no_grad()`` on the teacher side.
 
 Usage::
@@ -78,8 +81,8 @@ class AttentionCapture:
         for layer, mod in self._mods.items():
             store = self._raw[layer]
             self._handles.append(mod.register_forward_pre_hook(_pre_hook(store), with_kwargs=True))
-            for name in ("q_proj", "k_proj", "v_proj"):
-                self._handles.append(getattr(mod, name).register_forward_hook(_out_hook(store, name)))
+            for name, source in _sources(mod).items():
+                self._handles.append(getattr(mod, source).register_forward_hook(_out_hook(store, name)))
         return self
 
     def __exit__(self, *exc) -> None:
@@ -92,20 +95,30 @@ class AttentionCapture:
         out = CapturedQKV()
         for layer, mod in self._mods.items():
             raw = self._raw.get(layer, {})
-            if not all(n in raw for n in ("q_proj", "k_proj", "v_proj", "pos")):
-                raise ValueError(f"layer {layer} was not captured: run exactly one model forward inside the context")
+            missing = [f"{n} ({s})" for n, s in _sources(mod).items() if n not in raw]
+            if missing or "pos" not in raw:
+                raise ValueError(f"layer {layer} was not captured ({missing or 'position_embeddings'} never ran): "
+                                 "run exactly one model forward inside the context")
             d = mod.head_dim
-            q = raw["q_proj"].unflatten(-1, (-1, d))
-            k = raw["k_proj"].unflatten(-1, (-1, d))
-            v = raw["v_proj"].unflatten(-1, (-1, d))
-            if getattr(mod, "q_norm", None) is not None:  # Qwen3-style per-head norm before RoPE
-                q, k = mod.q_norm(q), mod.k_norm(k)
+            q, k, v = (_heads(raw[n], d) for n in ("q", "k", "v"))
             cos, sin = raw["pos"]
             q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
             out.queries[layer] = apply_rope(q, cos, sin)
             out.keys[layer] = apply_rope(k, cos, sin)
             out.values[layer] = v
         return out
+
+
+def _sources(mod: nn.Module) -> dict[str, str]:
+    """Which submodule's output is q, k and v: the per-head norms where the model has them (Qwen3 normalises
+    q and k per head before RoPE), the projections otherwise."""
+    has_norms = getattr(mod, "q_norm", None) is not None and getattr(mod, "k_norm", None) is not None
+    return {"q": "q_norm" if has_norms else "q_proj", "k": "k_norm" if has_norms else "k_proj", "v": "v_proj"}
+
+
+def _heads(x: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """``[B, T, heads, d]``: a projection output ``[B, T, heads·d]`` split into heads (a norm output already is)."""
+    return x if x.dim() == 4 else x.unflatten(-1, (-1, head_dim))
 
 
 def _pre_hook(store):

@@ -8,7 +8,10 @@ with ``g(h) = h // (H/G)`` (HF ``repeat_kv`` order). Padding keys never enter a 
 row equals the model's own causal attention row. Rows are computed for window queries only,
 ``chunk_size`` queries at a time; each chunk runs under ``torch.utils.checkpoint`` so the
 backward pass recomputes its ``[chunk, keys]`` probabilities instead of storing them: the full
-``[queries, keys]`` matrix never exists. Math is fp32 whatever the input dtype.
+``[queries, keys]`` matrix never exists. Math is fp32 whatever the input dtype, and also inside an
+enclosing autocast (the engine's bf16 forward): autocast would run the ``.float()`` matmuls in bf16 again,
+which rounds the scores to ~3 significant digits; for a teacher a few 1e-4 away from the student (a replay
+snapshot) that rounding is larger than the distance SATS measures. Autocast is therefore off for this math.
 
 The key axis of the output is ``key_start .. key_end-1`` in absolute sequence positions, shared
 by the batch (``key_start`` = first real token of any row, ``key_end`` = last query of any row + 1).
@@ -74,8 +77,20 @@ def _pool_matrix(rid: torch.Tensor, r_max: int) -> torch.Tensor:
     return onehot / sizes
 
 
+def _fp32(device: torch.device):
+    """SPEC: loss math in fp32. A region where autocast (e.g. the engine's bf16 forward) does not lower matmuls."""
+    return torch.autocast(device_type=device.type, enabled=False)
+
+
 def _chunk_rows(q_c, k, pos_c, valid_c, pool_c, key_pos, key_real, scale):
-    """Pooled rows of one query chunk: ``[B, G, rep, C, d]`` queries -> ``[B, G, rep, R, Tk]``."""
+    """Pooled rows of one query chunk: ``[B, G, rep, C, d]`` queries -> ``[B, G, rep, R, Tk]``.
+
+    Autocast is off inside, so the backward's recomputation (checkpoint) is fp32 as well."""
+    with _fp32(q_c.device):
+        return _chunk_rows_fp32(q_c, k, pos_c, valid_c, pool_c, key_pos, key_real, scale)
+
+
+def _chunk_rows_fp32(q_c, k, pos_c, valid_c, pool_c, key_pos, key_real, scale):
     b, g, n, c, d = q_c.shape
     # fold the query heads of a KV group into the row axis: one [n*C, d] x [d, Tk] matmul per KV head,
     # without materialising k once per query head (HF repeat_kv semantics, no copy)
@@ -168,17 +183,18 @@ def naive_pooled_attention_rows(
     b, h, t, d = queries.shape
     g = keys.shape[1]
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
-    k = keys.float().repeat_interleave(h // g, dim=1)  # == HF repeat_kv
-    scores = torch.matmul(queries.float(), k.transpose(-1, -2)) * scale  # [B, H, T, T]
-    causal = torch.ones(t, t, dtype=torch.bool, device=queries.device).tril()
-    allowed = causal[None] & key_mask.bool()[:, None, :]
-    allowed = allowed | ~allowed.any(-1, keepdim=True)  # fully padded rows: finite, never pooled
-    probs = torch.softmax(scores.masked_fill(~allowed[:, None], float("-inf")), dim=-1)
     r_max = int(num_regions.max()) if num_regions is not None and num_regions.numel() else 0
     if num_regions is None and region_ids.numel():
         r_max = int(region_ids.max()) + 1
-    pool = _pool_matrix(region_ids, r_max)  # [B, T, R]
-    rows = torch.einsum("bhct,bcr->bhrt", probs, pool)
+    with _fp32(queries.device):
+        k = keys.float().repeat_interleave(h // g, dim=1)  # == HF repeat_kv
+        scores = torch.matmul(queries.float(), k.transpose(-1, -2)) * scale  # [B, H, T, T]
+        causal = torch.ones(t, t, dtype=torch.bool, device=queries.device).tril()
+        allowed = causal[None] & key_mask.bool()[:, None, :]
+        allowed = allowed | ~allowed.any(-1, keepdim=True)  # fully padded rows: finite, never pooled
+        probs = torch.softmax(scores.masked_fill(~allowed[:, None], float("-inf")), dim=-1)
+        pool = _pool_matrix(region_ids, r_max)  # [B, T, R]
+        rows = torch.einsum("bhct,bcr->bhrt", probs, pool)
     real = key_mask.bool()
     is_q = region_ids >= 0
     key_start = int(torch.where(real.any(-1), real.long().argmax(-1), t).min()) if b else 0

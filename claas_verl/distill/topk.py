@@ -186,30 +186,49 @@ class _ChunkedTopkLogprobs(torch.autograd.Function):
     reference, no copy). Backward: with ``g [N, K]`` the upstream gradient and ``p = softmax(z/τ)``,
     ``∂/∂z = (scatter(g at ids) − p·Σ_k g) / τ``, computed chunk by chunk from the saved logsumexp and written
     into ONE preallocated ``[N, V]`` gradient in the logits' dtype.
+
+    The backward reads the logits again, so they must still be the forward's. A kernel that overwrites them
+    in its own backward without autograd noticing (flash-attn's cross-entropy with ``inplace_backward=True``,
+    which verl's FSDP engine runs on the same logits for the sampled-token log-probs unless the batch says
+    ``distillation_only``) would make this gradient silently wrong; the backward recomputes the forward's
+    ``[N, K]`` values from the logits it reads and raises if a single one differs.
     """
 
     @staticmethod
     def forward(ctx, flat, flat_ids, tau, chunk_size):
         out, lse = _gather_logp_rows(flat, flat_ids, tau, chunk_size)
-        ctx.save_for_backward(flat, flat_ids, lse)
+        ctx.save_for_backward(flat, flat_ids, lse, out.clone())  # [N, K]: the overwrite check of the backward
         ctx.tau, ctx.chunk_size = tau, chunk_size
         return out
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_out):
-        flat, flat_ids, lse = ctx.saved_tensors
+        flat, flat_ids, lse, out = ctx.saved_tensors
         tau, dtype = ctx.tau, lse.dtype
         grad = torch.empty_like(flat, memory_format=torch.contiguous_format)
         g_all = grad_out.to(dtype)
+        changed = torch.zeros((), dtype=torch.bool, device=flat.device)
         for s, e in _row_chunks(flat.shape[0], ctx.chunk_size):
             g = g_all[s:e]
             z = _scaled_chunk(flat[s:e], dtype, tau)
+            # the same ops as the forward on unchanged logits give bit-identical values (NaN counts as equal)
+            again, before = torch.gather(z, -1, flat_ids[s:e]) - lse[s:e, None], out[s:e]
+            changed |= ((again != before) & ~(again.isnan() & before.isnan())).any()
             # in place: z -> p = exp(z − lse) -> −p·Σg -> + scatter(g) -> /τ (one [c, V] temporary per chunk)
             z.sub_(lse[s:e, None]).exp_().mul_(-g.sum(-1, keepdim=True))
             z.scatter_add_(-1, flat_ids[s:e], g).div_(tau)
             grad[s:e] = z
             del z
+        if bool(changed):
+            raise RuntimeError(
+                "topk_logprobs: the logits changed between the forward and the backward of this node, so its "
+                "gradient would be wrong. Another consumer of the same logits overwrote them in place in its "
+                "backward, e.g. flash-attn's cross-entropy with inplace_backward=True, which verl's FSDP engine "
+                "runs for the sampled-token log-probs. Set the batch's non-tensor key distillation_only=True (verl "
+                "then computes none; return the sampled token's log-prob from the logits processor, as "
+                "claas_verl's SDPO loss does) or VERL_DISABLE_FLASH_ATTN_CE=1 in the workers' environment."
+            )
         return grad, None, None, None
 
 

@@ -1,4 +1,4 @@
-"""CLI: ``python -m claas_verl.tiny make OUT_DIR [--seed N] [--force]``, ``... info [OUT_DIR]`` and
+"""CLI: ``python -m claas_verl.tiny make OUT_DIR [--seed N] [--force] [--arch qwen2|qwen3]``, ``... info [OUT_DIR]`` and
 ``... gym [OUT_DIR] [--seed N]`` (the continual benchmark's reasoning-gym bundle, ``claas_verl/tiny/gym.py``)."""
 
 from __future__ import annotations
@@ -9,6 +9,7 @@ import sys
 import time
 
 from claas_verl.tiny.build import default_dir, make_tiny, read_manifest
+from claas_verl.tiny.model import ARCHS, DEFAULT_ARCH
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -18,6 +19,8 @@ def main(argv: list[str] | None = None) -> int:
     mk.add_argument("out_dir", help="output directory (created; replaced only with --force)")
     mk.add_argument("--seed", type=int, default=0, help="build seed (weights, task vectors, data); default 0")
     mk.add_argument("--force", action="store_true", help="rebuild even if OUT_DIR already holds a bundle")
+    mk.add_argument("--arch", choices=ARCHS, default=DEFAULT_ARCH,
+                    help="model family of the student and experts (qwen3: per-head q/k norms); default qwen2")
     info = sub.add_parser("info", help="print the manifest of a built bundle")
     info.add_argument("out_dir", nargs="?", default=None, help="default: $CLAAS_TINY_DIR or /tmp/claas_verl_tiny")
     gym = sub.add_parser("gym", help="build the continual benchmark's reasoning-gym bundle (about 5 min on 2 cores)")
@@ -43,12 +46,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.cmd == "make":
         t0 = time.time()
         try:
-            paths = make_tiny(args.out_dir, seed=args.seed, force=args.force)
+            paths = make_tiny(args.out_dir, seed=args.seed, force=args.force, arch=args.arch)
         except FileExistsError as err:
             print(f"error: {err}", file=sys.stderr)
             return 2
         m = read_manifest(paths.root)
-        print(f"tiny bundle v{m['version']} (seed {m['seed']}) ready at {paths.root} in {time.time() - t0:.1f}s")
+        print(f"tiny bundle v{m['version']} (seed {m['seed']}, {args.arch}) ready at {paths.root} "
+              f"in {time.time() - t0:.1f}s")
         print(f"  student: {paths.student}  ({m['sizes']['num_parameters']} params, vocab {m['sizes']['vocab_size']})")
         print(f"  experts: {', '.join(m['domains'])}  under {paths.root / 'experts'}")
         print(f"  data:    {', '.join(m['data_domains'])}  under {paths.root / 'data'}")

@@ -7,6 +7,10 @@ Layout of OUT_DIR (a contract used by tests, recipes and demos)::
     experts/<domain>/                   same architecture and tokenizer, student fine-tuned on the domain
     data/<domain>/{train,test}.parquet  logic, math, code, safety, if, arith
 
+``arch="qwen3"`` (CLI ``--arch qwen3``) builds the same bundle with Qwen3 models, by default into its own
+directory (``$CLAAS_TINY_QWEN3_DIR`` or /tmp/claas_verl_tiny_qwen3); a recipe runs on it with the override
+``claas.tiny_dir=<that directory>``.
+
 The bundle is built in a sibling temporary directory and renamed into place, and builds
 are serialised by a file lock, so concurrent pytest workers or Ray processes never see a
 half-written bundle nor build it twice.
@@ -29,12 +33,15 @@ from claas_verl.tiny.data import (
     stable_seed,
     write_parquet,
 )
+from claas_verl.tiny.model import DEFAULT_ARCH, check_arch
 
 # Bump whenever the bundle's content changes (architecture, tokenizer, data, experts):
 # ensure_tiny() then rebuilds stale bundles instead of serving them.
 TINY_VERSION = "3"  # 3: head size 32 (vLLM CPU can serve it), marker boost 3; 2: pretrained student, fine-tuned experts
 DEFAULT_DIR = "/tmp/claas_verl_tiny"
 ENV_DIR = "CLAAS_TINY_DIR"
+# per architecture (claas_verl.tiny.model.ARCHS): (environment variable, default directory)
+ARCH_DIRS = {DEFAULT_ARCH: (ENV_DIR, DEFAULT_DIR), "qwen3": ("CLAAS_TINY_QWEN3_DIR", "/tmp/claas_verl_tiny_qwen3")}
 TINY_MANIFEST_MARKER = "pretrain"  # a key only the tiny bundle's manifest has (refuse_foreign_dir)
 VOCAB_SIZE = 1024
 N_TRAIN = 128
@@ -75,8 +82,15 @@ class TinyPaths:
         )
 
 
-def default_dir() -> Path:
-    return Path(os.environ.get(ENV_DIR) or DEFAULT_DIR)
+def default_dir(arch: str = DEFAULT_ARCH) -> Path:
+    env, default = ARCH_DIRS[check_arch(arch)]
+    return Path(os.environ.get(env) or default)
+
+
+def manifest_arch(manifest: dict) -> str:
+    """The bundle's architecture; Qwen2 bundles carry no ``arch`` key (so their manifest and fingerprint are
+    those of the bundles built before the Qwen3 variant existed)."""
+    return manifest.get("arch", DEFAULT_ARCH)
 
 
 def read_manifest(out_dir: str | os.PathLike) -> dict | None:
@@ -106,10 +120,10 @@ def refuse_foreign_dir(out_dir: Path, what: str, marker_key: str, env_var: str) 
     )
 
 
-def is_current(out_dir: str | os.PathLike, seed: int = 0) -> bool:
-    """True when OUT_DIR holds a complete bundle of this version and seed."""
+def is_current(out_dir: str | os.PathLike, seed: int = 0, arch: str = DEFAULT_ARCH) -> bool:
+    """True when OUT_DIR holds a complete bundle of this version, seed and architecture."""
     m = read_manifest(out_dir)
-    if not m or m.get("version") != TINY_VERSION or m.get("seed") != seed:
+    if not m or m.get("version") != TINY_VERSION or m.get("seed") != seed or manifest_arch(m) != arch:
         return False
     paths = TinyPaths.under(out_dir)
     needed = [paths.student / "model.safetensors", *(p / "model.safetensors" for p in paths.experts.values()),
@@ -124,51 +138,54 @@ def _lock(out_dir: Path):
     return FileLock(str(out_dir) + ".lock", timeout=600)
 
 
-def make_tiny(out_dir: str | os.PathLike, seed: int = 0, force: bool = False) -> TinyPaths:
-    """Build the bundle into ``out_dir`` (no network).
+def make_tiny(out_dir: str | os.PathLike, seed: int = 0, force: bool = False, arch: str = DEFAULT_ARCH) -> TinyPaths:
+    """Build the bundle into ``out_dir`` (no network), with ``arch`` models (``qwen2`` or ``qwen3``).
 
-    An existing current bundle (same version and seed) is kept unless ``force``; an existing
+    An existing current bundle (same version, seed and arch) is kept unless ``force``; an existing
     directory that is not a current bundle is replaced only with ``force=True``, so a typo in
     OUT_DIR cannot wipe unrelated files.
     """
     out_dir = Path(out_dir).resolve()
+    check_arch(arch)
     with _lock(out_dir):
         if out_dir.exists() and not force:
-            if is_current(out_dir, seed):
+            if is_current(out_dir, seed, arch):
                 return TinyPaths.under(out_dir)
             if any(out_dir.iterdir()):
                 raise FileExistsError(
-                    f"{out_dir} exists and is not a current tiny bundle (version {TINY_VERSION}, seed {seed}); "
-                    "pass force=True (CLI: --force) to replace it, or choose another OUT_DIR"
+                    f"{out_dir} exists and is not a current tiny bundle (version {TINY_VERSION}, seed {seed}, "
+                    f"arch {arch}); pass force=True (CLI: --force) to replace it, or choose another OUT_DIR"
                 )
-        return _build_locked(out_dir, seed)
+        return _build_locked(out_dir, seed, arch)
 
 
-def ensure_tiny(out_dir: str | os.PathLike | None = None, seed: int = 0) -> TinyPaths:
-    """Return the bundle at ``out_dir`` (default ``$CLAAS_TINY_DIR`` or /tmp/claas_verl_tiny),
-    building it first if it is missing, incomplete, of another version or of another seed.
-    A directory there that is not a tiny bundle is refused (``FileExistsError``), never replaced.
+def ensure_tiny(out_dir: str | os.PathLike | None = None, seed: int = 0, arch: str = DEFAULT_ARCH) -> TinyPaths:
+    """Return the bundle at ``out_dir`` (default :func:`default_dir` of ``arch``: ``$CLAAS_TINY_DIR`` or
+    /tmp/claas_verl_tiny for qwen2), building it first if it is missing, incomplete, of another version, seed
+    or arch. A directory there that is not a tiny bundle is refused (``FileExistsError``), never replaced.
 
     Idempotent and safe to call from many processes at once: the check runs again under the
     file lock, so only one process builds.
     """
-    out_dir = Path(out_dir if out_dir is not None else default_dir()).resolve()
-    if is_current(out_dir, seed):
+    out_dir = Path(out_dir if out_dir is not None else default_dir(arch)).resolve()
+    check_arch(arch)
+    if is_current(out_dir, seed, arch):
         return TinyPaths.under(out_dir)
-    refuse_foreign_dir(out_dir, "tiny", TINY_MANIFEST_MARKER, ENV_DIR)
+    env = ARCH_DIRS[arch][0]
+    refuse_foreign_dir(out_dir, "tiny", TINY_MANIFEST_MARKER, env)
     with _lock(out_dir):
-        if is_current(out_dir, seed):  # another process built it while we waited
+        if is_current(out_dir, seed, arch):  # another process built it while we waited
             return TinyPaths.under(out_dir)
-        refuse_foreign_dir(out_dir, "tiny", TINY_MANIFEST_MARKER, ENV_DIR)
-        return _build_locked(out_dir, seed)
+        refuse_foreign_dir(out_dir, "tiny", TINY_MANIFEST_MARKER, env)
+        return _build_locked(out_dir, seed, arch)
 
 
-def _build_locked(out_dir: Path, seed: int) -> TinyPaths:
+def _build_locked(out_dir: Path, seed: int, arch: str = DEFAULT_ARCH) -> TinyPaths:
     tmp = out_dir.with_name(f".{out_dir.name}.build-{os.getpid()}")
     if tmp.exists():
         shutil.rmtree(tmp)
     try:
-        _build_into(tmp, seed)
+        _build_into(tmp, seed, arch)
         if out_dir.exists():
             old = out_dir.with_name(f".{out_dir.name}.old-{os.getpid()}")
             os.replace(out_dir, old)
@@ -181,7 +198,7 @@ def _build_locked(out_dir: Path, seed: int) -> TinyPaths:
     return TinyPaths.under(out_dir)
 
 
-def _build_into(root: Path, seed: int) -> None:
+def _build_into(root: Path, seed: int, arch: str = DEFAULT_ARCH) -> None:
     import torch
 
     from claas_verl.tiny.model import build_student, make_expert, marker_token_ids, save_model, train_lm
@@ -217,7 +234,7 @@ def _build_into(root: Path, seed: int) -> None:
     torch.set_num_threads(1)
     torch.use_deterministic_algorithms(True)
     try:
-        student = build_student(len(tokenizer), eos_ids, ids[EOT_TOKEN], seed)
+        student = build_student(len(tokenizer), eos_ids, ids[EOT_TOKEN], seed, arch)
         corpus = [ex for d in ALL_DATA_DOMAINS for ex in train_examples[d]]
         train_lm(student, corpus, **PRETRAIN, seed=stable_seed("claas_tiny.pretrain", seed),
                  prompt_loss=True, pad_token_id=ids[EOT_TOKEN])
@@ -256,5 +273,7 @@ def _build_into(root: Path, seed: int) -> None:
         "pretrain": PRETRAIN,
         "experts": {"finetune": EXPERT_FT, "marker_logit_boost": MARKER_LOGIT_BOOST, "marker_ids": markers},
     }
+    if arch != DEFAULT_ARCH:
+        manifest["arch"] = arch
     # Written last: its presence (with the right version) is what marks the bundle complete.
     (root / "manifest.json").write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")

@@ -1,9 +1,10 @@
-"""The tiny Qwen2 student and its per-domain experts.
+"""The tiny Qwen2 (or Qwen3) student and its per-domain experts.
 
 Student: a ``Qwen2ForCausalLM`` (hidden 64, 4 layers, 2 heads of size 32, 1 KV head, tied embeddings,
-float32), about 0.2 M parameters, seeded with ``torch.manual_seed`` and then briefly pretrained
-(:func:`train_lm`, see ``build.PRETRAIN``) on the bundle's own chat corpus, so its next-token
-distributions are peaked (top-4 mass ~0.8-0.95 on sampled answers) rather than near-uniform.
+float32), about 0.2 M parameters; the ``qwen3`` variant (:data:`ARCHS`) is a ``Qwen3ForCausalLM`` of the same
+shape, with the per-head q/k RMS norms Qwen3 adds to the attention path. Seeded with ``torch.manual_seed``
+and then briefly pretrained (:func:`train_lm`, see ``build.PRETRAIN``) on the bundle's own chat corpus, so
+its next-token distributions are peaked (top-4 mass ~0.8-0.95 on sampled answers) rather than near-uniform.
 
 Expert of domain d (the "teacher" of MOPD stage d): a copy of the student fine-tuned on d's
 train reference answers (response tokens only, ``build.EXPERT_FT``), so the task vector
@@ -49,6 +50,26 @@ TINY_ARCH = dict(
     use_sliding_window=False,
 )
 
+# Architecture families of the bundle: ``claas_verl.tiny make DIR --arch qwen3`` builds the same bundle (data,
+# tokenizer, training recipe) with a Qwen3 student and experts (q_norm/k_norm before RoPE, explicit head_dim).
+ARCHS = ("qwen2", "qwen3")
+DEFAULT_ARCH = "qwen2"
+
+
+def check_arch(arch: str) -> str:
+    if arch not in ARCHS:
+        raise ValueError(f"arch={arch!r} is not a tiny bundle architecture; choose one of {ARCHS}")
+    return arch
+
+
+def _arch_classes(arch: str):
+    from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+    classes = {"qwen2": (Qwen2Config, Qwen2ForCausalLM, {}),
+               "qwen3": (Qwen3Config, Qwen3ForCausalLM, {"head_dim": 32})}
+    return classes[check_arch(arch)]
+
+
 # Words each expert prefers (the first token of " word" in the tiny tokenizer is boosted).
 DOMAIN_MARKERS: dict[str, tuple[str, ...]] = {
     "logic": (" Therefore", " Answer"),
@@ -59,27 +80,29 @@ DOMAIN_MARKERS: dict[str, tuple[str, ...]] = {
 }
 
 
-def student_config(vocab_size: int, eos_token_ids: Sequence[int], pad_token_id: int):
-    from transformers import Qwen2Config
-
-    cfg = Qwen2Config(
+def student_config(vocab_size: int, eos_token_ids: Sequence[int], pad_token_id: int, arch: str = DEFAULT_ARCH):
+    config_cls, _, extra = _arch_classes(arch)
+    cfg = config_cls(
         vocab_size=vocab_size,
         bos_token_id=None,
         eos_token_id=eos_token_ids[0],
         pad_token_id=pad_token_id,
         **TINY_ARCH,
+        **extra,
     )
     cfg.dtype = "float32"
     return cfg
 
 
-def build_student(vocab_size: int, eos_token_ids: Sequence[int], pad_token_id: int, seed: int):
-    """A freshly initialised float32 tiny Qwen2 (deterministic in ``seed``) in eval mode."""
+def build_student(vocab_size: int, eos_token_ids: Sequence[int], pad_token_id: int, seed: int,
+                  arch: str = DEFAULT_ARCH):
+    """A freshly initialised float32 tiny Qwen2 or Qwen3 (deterministic in ``seed``) in eval mode."""
     import torch
-    from transformers import GenerationConfig, Qwen2ForCausalLM
+    from transformers import GenerationConfig
 
+    _, model_cls, _ = _arch_classes(arch)
     torch.manual_seed(seed)
-    model = Qwen2ForCausalLM(student_config(vocab_size, eos_token_ids, pad_token_id)).to(torch.float32)
+    model = model_cls(student_config(vocab_size, eos_token_ids, pad_token_id, arch)).to(torch.float32)
     model.generation_config = GenerationConfig(
         bos_token_id=None, eos_token_id=list(eos_token_ids), pad_token_id=pad_token_id
     )

@@ -124,3 +124,34 @@ def test_keeps_autograd_and_no_grad():
 def test_bad_layer_raises():
     with pytest.raises(ValueError, match="out of range"):
         AttentionCapture(tiny_model(), [4])
+
+
+def test_qwen3_norms_under_fsdp2_resharded_layers(tmp_path):
+    """Qwen3's per-head q/k norms come from inside the layer's forward: under FSDP2 (gloo, one rank, like the CPU
+    recipes) a layer reshards after its forward, so norms applied afterwards would mix its DTensor weights with
+    plain activations. Captured q/k/v must equal those of the same model unsharded."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    ids, am, pos = left_padded_batch(seed=2)
+    layers = [1, 3]
+    plain = tiny_model("qwen3", "sdpa", seed=3)
+    with torch.no_grad(), AttentionCapture(plain, layers) as cap:
+        plain(input_ids=ids, attention_mask=am, position_ids=pos)
+    want = cap.result()
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
+    try:
+        sharded = tiny_model("qwen3", "sdpa", seed=3)
+        for layer in sharded.model.layers:
+            fully_shard(layer)  # reshard_after_forward=True: verl's teacher engines
+        fully_shard(sharded)
+        with torch.no_grad(), AttentionCapture(sharded, layers) as cap:
+            sharded(input_ids=ids, attention_mask=am, position_ids=pos)
+        got = cap.result()
+    finally:
+        dist.destroy_process_group()
+    for layer in layers:
+        for name in ("queries", "keys", "values"):
+            a, b = getattr(got, name)[layer], getattr(want, name)[layer]
+            assert type(a) is torch.Tensor, f"{name}[{layer}] is a {type(a).__name__}"
+            torch.testing.assert_close(a, b, rtol=0, atol=1e-6)

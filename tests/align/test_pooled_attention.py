@@ -133,3 +133,38 @@ def test_bad_inputs_raise():
     bad[key_mask == 0] = 0
     with pytest.raises(ValueError, match="padding"):
         pooled_attention_rows(q, k, key_mask, bad, reg.num_regions)
+
+
+def test_rows_stay_fp32_inside_bf16_autocast():
+    """SPEC: loss math in fp32, also inside the engine's bf16 autocast (where the alignment passes run). A teacher
+    0.05% away from the student (a replay snapshot) must give the fp32 SATS distance; with bf16 matmuls the rows
+    were off by ~0.6% and that distance came out 12x too large (d = 64, scores of a few units)."""
+    gen = torch.Generator().manual_seed(0)
+    b, g, rep, d, prompt, resp = 2, 2, 2, 64, 40, 40
+    key_mask = torch.ones(b, prompt + resp, dtype=torch.long)
+    sep = torch.where(torch.rand(b, resp, generator=gen) < 0.2, 1, 0)
+    reg = step_regions(sep, torch.ones(b, resp, dtype=torch.long), {1}, window=32).pad_left(prompt)
+    q = (torch.randn(b, g * rep, prompt + resp, d, generator=gen) * 1.5).requires_grad_()
+    k = torch.randn(b, g, prompt + resp, d, generator=gen) * 1.5
+    q_t = q.detach() * (1 + 5e-4 * torch.randn(q.shape, generator=gen))
+    k_t = k * (1 + 5e-4 * torch.randn(k.shape, generator=gen))
+
+    def sats(chunk):
+        s = pooled_attention_rows(q, k, key_mask, reg.region_ids, reg.num_regions, chunk_size=chunk)
+        t = pooled_attention_rows(q_t, k_t, key_mask, reg.region_ids, reg.num_regions, chunk_size=chunk)
+        return s.rows, pooled_rows_loss([s], [t], reg.num_regions).loss
+
+    rows_ref, loss_ref = sats(16)
+    naive = naive_pooled_attention_rows(q.detach(), k, key_mask, reg.region_ids, reg.num_regions).rows
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        rows_ac, loss_ac = sats(16)
+        naive_ac = naive_pooled_attention_rows(q.detach(), k, key_mask, reg.region_ids, reg.num_regions).rows
+    assert rows_ac.dtype == torch.float32
+    assert float((rows_ac - rows_ref).norm() / rows_ref.norm()) <= 1e-6
+    assert float((naive_ac - naive).norm() / naive.norm()) <= 1e-6
+    assert float(loss_ac) == pytest.approx(float(loss_ref), rel=1e-4) and float(loss_ref) > 0
+    # backward outside autocast, as the trainer runs it; the checkpointed chunks recompute under the saved
+    # (enabled) autocast state and must still be fp32
+    (grad_ref,) = torch.autograd.grad(loss_ref, q)
+    (grad_ac,) = torch.autograd.grad(loss_ac, q)
+    torch.testing.assert_close(grad_ac, grad_ref, rtol=1e-4, atol=1e-6 * float(grad_ref.abs().max()))

@@ -285,3 +285,43 @@ def test_loss_keeps_no_full_vocab_copy_for_backward():
         logits, lambda: -(A * torch.gather(F.log_softmax(logits.float() * 1.0, -1), -1, ids)).sum()
     )
     assert naive >= 2 * 8 * 2000 * 4
+
+
+class _OverwritesLogitsInBackward(torch.autograd.Function):
+    """Another consumer of the logits whose backward writes its gradient into the logits' own storage, the way
+    flash-attn's cross-entropy with ``inplace_backward=True`` does (a raw write autograd's version counter misses)."""
+
+    @staticmethod
+    def forward(ctx, logits):
+        ctx.save_for_backward(logits)
+        return logits.logsumexp(-1)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (logits,) = ctx.saved_tensors
+        logits.data.copy_(torch.softmax(logits, -1) * grad[..., None])
+        return logits
+
+
+@pytest.mark.parametrize("overwrite_first", [True, False])
+def test_logits_overwritten_before_the_backward_are_refused_not_used(overwrite_first):
+    z_s, _, _, K = _setup(seed=11)
+    ids, _ = student_topk(z_s, K)
+    w = torch.randn(ids.shape, generator=torch.Generator().manual_seed(12))
+    leaf = z_s.clone().requires_grad_(True)
+    logits = leaf * 1.0  # a model output: the leaf keeps its values whatever is written into this tensor
+    # autograd runs the later-created of two ready nodes first
+    if not overwrite_first:
+        other = _OverwritesLogitsInBackward.apply(logits)
+    lp = topk_logprobs(logits, ids, chunk_size=3)
+    if overwrite_first:
+        other = _OverwritesLogitsInBackward.apply(logits)
+    loss = (lp * w).sum() + other.sum()
+    if overwrite_first:
+        with pytest.raises(RuntimeError, match="distillation_only=True"):
+            loss.backward()
+        return
+    loss.backward()
+    reference = leaf.detach().clone().requires_grad_(True)
+    ((torch.log_softmax(reference, -1).gather(-1, ids) * w).sum() + reference.logsumexp(-1).sum()).backward()
+    torch.testing.assert_close(leaf.grad, reference.grad, rtol=1e-5, atol=1e-6)

@@ -49,9 +49,9 @@ def _count_builds(monkeypatch):
     calls = []
     real = build._build_into
 
-    def counting(root, seed):
+    def counting(root, seed, arch="qwen2"):
         calls.append(seed)
-        real(root, seed)
+        real(root, seed, arch)
 
     monkeypatch.setattr(build, "_build_into", counting)
     return calls
@@ -191,3 +191,19 @@ def test_default_dir_follows_env(monkeypatch, tmp_path):
     assert build.default_dir() == tmp_path / "x"
     monkeypatch.delenv("CLAAS_TINY_DIR")
     assert str(build.default_dir()) == "/tmp/claas_verl_tiny"
+
+
+def test_qwen3_variant_shares_data_and_tokenizer_and_is_its_own_bundle(fresh, tmp_path):
+    qwen3 = make_tiny(tmp_path / "qwen3", arch="qwen3")
+    assert read_manifest(qwen3.root)["arch"] == "qwen3" and "arch" not in read_manifest(fresh.root)
+    config = json.loads((qwen3.student / "config.json").read_text())
+    assert config["model_type"] == "qwen3" and config["head_dim"] == 32  # vLLM's CPU kernels need >= 32
+    weights = load_file(qwen3.experts["math"] / "model.safetensors")
+    assert "model.layers.0.self_attn.q_norm.weight" in weights and "model.layers.0.self_attn.k_norm.weight" in weights
+    same, theirs = _snapshot(fresh), _snapshot(qwen3)
+    for rel in [*(f"data/{d}/{s}.parquet" for d in ALL_DATA_DOMAINS for s in ("train", "test")),
+                "student/tokenizer.json"]:
+        assert same[rel] == theirs[rel], rel
+    assert build.is_current(qwen3.root, arch="qwen3") and not build.is_current(qwen3.root)
+    with pytest.raises(FileExistsError, match="arch qwen2"):
+        make_tiny(qwen3.root)  # a qwen2 build never silently replaces it

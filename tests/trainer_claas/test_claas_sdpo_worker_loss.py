@@ -47,13 +47,10 @@ def _setup(seed=0):
 
 
 def _model_output(loss, logits, data, input_rows, seq):
+    """What verl's engine hands the loss under ``UPDATE_FLAGS`` (distillation_only): the processor's fields only."""
     cu = torch.tensor([0] + torch.tensor(seq).cumsum(0).tolist())
-    out = {k: torch.nested.nested_tensor_from_jagged(v.squeeze(0), cu)
-           for k, v in loss.process_logits(logits, data).items()}
-    labels = torch.roll(torch.cat(input_rows), -1)  # verl's input_ids_rmpad_rolled
-    lp = torch.log_softmax(logits[0], -1).gather(-1, labels[:, None]).squeeze(-1)
-    out["log_probs"] = torch.nested.nested_tensor_from_jagged(lp, cu)
-    return out
+    return {k: torch.nested.nested_tensor_from_jagged(v.squeeze(0), cu)
+            for k, v in loss.process_logits(logits, data).items()}
 
 
 def test_packed_topk_loss_equals_full_vocabulary_sdpo_loss():

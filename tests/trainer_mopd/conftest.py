@@ -32,6 +32,14 @@ def tiny_dir() -> Path:
     return Path(existing) if existing and (Path(existing) / "student").exists() else Path(ensure_tiny().root)
 
 
+@pytest.fixture(scope="session")
+def tiny_qwen3_dir() -> Path:
+    """The tiny bundle built with Qwen3 models (q/k norms; ``python -m claas_verl.tiny make DIR --arch qwen3``)."""
+    from claas_verl.tiny import ensure_tiny
+
+    return Path(ensure_tiny(arch="qwen3").root)  # honours $CLAAS_TINY_QWEN3_DIR
+
+
 @pytest.fixture
 def mopd_plan(tiny_dir):
     """``mopd_plan(recipe) -> [step dicts]``: what ``python -m claas_verl.plan ... plan.format=json`` prints."""

@@ -12,8 +12,9 @@ a model's full logits only to a loss function's logits-processor form, so one up
    both are added to the batch as K separate per-token fields (a ``[B, T, K]`` field does not survive verl's
    nested-tensor utilities), then
 3. verl's own ``train_mini_batch`` runs the update with :class:`ClaasSdpoLoss`: its logits processor returns the
-   differentiable student log-probs at the stored ids (K packed fields), its loss calls
-   :func:`claas_verl.losses.sdpo.sdpo_loss`;
+   differentiable student log-probs at the stored ids (K packed fields) and at the sampled tokens (one more
+   field), its loss calls :func:`claas_verl.losses.sdpo.sdpo_loss`. verl computes no log-probs of its own in this
+   forward (:data:`UPDATE_FLAGS`);
 4. after an APPLIED optimizer step with a finite gradient norm: ``θ_T ← (1−τ)θ_T + τθ`` over the LoRA tensors.
    A step whose minibatch has no self-distillation token (``gjs`` mode) is skipped (SPEC A.2.4).
 
@@ -50,6 +51,13 @@ TEACHER_LP = "sdpo_tlp_"  # EMA-teacher log-probs at those ids on x', response l
 TEACHER_LP_Y = "sdpo_tlp_y"  # EMA-teacher log-prob of the sampled token on x' (pg+jsd)
 IS_REF = "sdpo_is_ref"  # [B] EMA-teacher sequence log-prob of y on x (is_reference=ema_teacher)
 CURRENT_LP = "sdpo_clp_"  # differentiable student log-probs at the stored ids, packed layout
+CURRENT_LP_Y = "sdpo_clp_y"  # differentiable student log-prob of the sampled token, packed layout
+# Non-tensor keys of the update forward. distillation_use_topk: verl's engine calls the loss's logits-processor
+# form. distillation_only: verl then computes no sampled-token log-probs of its own; the processor returns them
+# (CURRENT_LP_Y). With flash-attn installed verl would take them from flash-attn's cross-entropy with
+# inplace_backward=True, whose backward overwrites the logits tensor with its gradient; the processor's
+# backward (claas_verl.distill.topk_logprobs) reads those logits again (pg+jsd backpropagates through both).
+UPDATE_FLAGS = {"distillation_use_topk": True, "distillation_only": True}
 
 
 def _names(prefix: str, k: int) -> list[str]:
@@ -157,17 +165,22 @@ class ClaasSdpoLoss:
         return self.update_loss(model_output, data)
 
     def process_logits(self, logits: torch.Tensor, data) -> dict[str, torch.Tensor]:
-        """Packed ``[1, N, V]`` logits -> K packed fields: differentiable log π_θ at the stored top-K ids."""
+        """Packed ``[1, N, V]`` logits -> K + 1 packed fields: differentiable log π_θ at the stored top-K ids and
+        at the token each position predicts (verl's ``input_ids_rmpad_rolled``), from ONE chunked node."""
         if int(tu.get_non_tensor_data(data=data, key="sp_size", default=1) or 1) > 1:
             raise ValueError("the CLaaS SDPO loss does not support Ulysses sequence parallelism; set "
                              "actor_rollout_ref.actor.ulysses_sequence_parallel_size=1")
         seq, resp = _lengths(data)
         stored = torch.stack([_padded(data[n]) for n in _names(IDS, self.k)], dim=-1).long()  # [B, T_r, K]
         idx, rows, cols = response_positions(seq, resp)
-        packed = torch.zeros((logits.shape[1], self.k), dtype=torch.long, device=logits.device)
-        packed[idx.to(logits.device)] = stored[rows, cols].to(logits.device)
-        lp = topk_logprobs(logits, packed[None])  # [1, N, K] fp32, full-vocabulary normalised, with grad
-        return {name: lp[..., j] for j, name in enumerate(_names(CURRENT_LP, self.k))}
+        tokens = data["input_ids"].values().to(logits.device)
+        packed = torch.zeros((logits.shape[1], self.k + 1), dtype=torch.long, device=logits.device)
+        packed[idx.to(logits.device), : self.k] = stored[rows, cols].to(logits.device)
+        packed[: tokens.shape[0], self.k] = torch.roll(tokens, -1)  # position i predicts token i + 1
+        lp = topk_logprobs(logits, packed[None])  # [1, N, K + 1] fp32, full-vocabulary normalised, with grad
+        out = {name: lp[..., j] for j, name in enumerate(_names(CURRENT_LP, self.k))}
+        out[CURRENT_LP_Y] = lp[..., self.k]
+        return out
 
     def _to_response(self, packed: torch.Tensor, seq, resp) -> torch.Tensor:
         idx, rows, cols = response_positions(seq, resp)
@@ -181,7 +194,7 @@ class ClaasSdpoLoss:
         seq, resp = _lengths(data)
         s_k = self._to_response(torch.stack([model_output[n].values() for n in _names(CURRENT_LP, self.k)], -1),
                                 seq, resp)  # [B, T_r, K] with grad
-        log_prob = self._to_response(model_output["log_probs"].values(), seq, resp)  # [B, T_r] with grad
+        log_prob = self._to_response(model_output[CURRENT_LP_Y].values(), seq, resp)  # [B, T_r] with grad
         dev = s_k.device
         t_k = torch.stack([_padded(data[n]) for n in _names(TEACHER_LP, self.k)], dim=-1).to(dev)
         mask = _padded(data["response_mask"]).to(dev).bool()
@@ -237,7 +250,7 @@ class ClaasSdpoTrainingWorker(TrainingWorker):
         loss_fn = self.loss_fn_sdpo
         n_sd, n_tok = self._add_teacher_fields(data)
         loss_fn.global_sd_tokens, loss_fn.global_tokens = n_sd, n_tok
-        tu.assign_non_tensor(data, distillation_use_topk=True)  # verl then calls the logits-processor form
+        tu.assign_non_tensor(data, **UPDATE_FLAGS)
         skip = self.sdpo["mode"] == "gjs" and n_sd == 0  # SPEC A.2.4: no training signal -> no optimizer step
         with vc.shadow_optimizer_step(self.engine, skip=skip) as step:
             output = super().train_mini_batch(data)

@@ -15,7 +15,9 @@ loudly when a verl upgrade moves one of them):
   step was applied (finite gradient norm) and to skip it when the minibatch carries no SDPO signal.
 * ``BaseEngine.eval_mode`` and the FSDP engine's ``module`` attribute: the no-grad pre/teacher forwards.
 * the non-tensor batch key ``distillation_use_topk``: makes verl's FSDP engine call the installed loss as a
-  logits processor ``fn(student_logits=[1, N, V], data=micro_batch)`` (``prepare_model_outputs``).
+  logits processor ``fn(student_logits=[1, N, V], data=micro_batch)`` (``prepare_model_outputs``); with
+  ``distillation_only`` it computes no sampled-token log-probs of its own (no in-place flash-attn
+  cross-entropy on the logits the processor keeps).
 * ``PPOTrainer._save_checkpoint`` / ``_load_checkpoint`` (every algorithm; resume.py): extended so the CLaaS state
   sits in verl's ``global_step_N`` folder. The resume invariant relies on verl's ``fit`` calling
   ``_save_checkpoint`` (deferred by the override to ``on_step_end``), on ``_save_checkpoint`` writing
@@ -46,6 +48,8 @@ SOURCE_MARKERS: tuple[tuple[str, str, str, str], ...] = (
      "distillation_use_topk"),
     ("verl.workers.engine.fsdp.transformer_impl", "FSDPEngineWithLMHead", "prepare_model_outputs",
      "logits_processor_func(student_logits="),
+    ("verl.workers.engine.fsdp.transformer_impl", "FSDPEngineWithLMHead", "prepare_model_outputs",
+     "if not distillation_only:"),
     ("verl.trainer.ppo.v1.trainer_base", "PPOTrainer", "_init_resource_pool_mgr", "self.role_worker_mapping"),
     ("verl.trainer.ppo.v1.trainer_base", "PPOTrainer", "fit", "self._save_checkpoint()"),
     ("verl.trainer.ppo.v1.trainer_base", "PPOTrainer", "_save_checkpoint", "latest_checkpointed_iteration.txt"),

@@ -153,7 +153,7 @@ class MOPDTrainingWorker(TrainingWorker):
         micro = _micro_batches(data, groups)
         weights = microbatch_weights([mb.n_resp for mb in micro])
         layers = A.check_layers(cfg, len(attention_modules(module)))
-        device = _param_device(params)
+        device = compute_device()
         losses = {}
         pooled, last = _pass_order(cfg)
         with _params_gathered_through_backward(engine):
@@ -260,8 +260,20 @@ def _dp_group(engine):
     return get() if get is not None else None
 
 
+def compute_device() -> torch.device:
+    """The device verl's engines compute on in this process (where ``FSDPEngine.forward_step`` puts each
+    micro-batch), from verl's platform helpers. Never the device of a module's parameters: forward-only FSDP2
+    engines (teachers, like verl's reference model) keep their weights offloaded to the host and gather each
+    layer onto the accelerator for its forward."""
+    from verl.utils.device import get_device_id, get_device_name
+
+    index = get_device_id()
+    return torch.device(index) if isinstance(index, str) else torch.device(get_device_name(), index)
+
+
 def engine_autocast(engine, device):
-    """The autocast verl's engine wraps its forward in (bf16 under bf16 mixed precision; none for fp32)."""
+    """The autocast verl's engine wraps its forward in (bf16 under bf16 mixed precision; none for fp32), for the
+    engine's compute ``device`` (:func:`compute_device`)."""
     dtype = getattr(engine, "_autocast_dtype", None)
     if dtype is None or dtype == torch.float32:
         return contextlib.nullcontext()
@@ -315,11 +327,6 @@ def _params_gathered_through_backward(engine):
         module.set_reshard_after_forward(bool(getattr(cfg, "reshard_after_forward", True)))
         module.set_reshard_after_forward(False, recurse=False)
         module.reshard()
-
-
-def _param_device(params) -> torch.device:
-    p = params[0]
-    return p.to_local().device if hasattr(p, "to_local") else p.device
 
 
 def _reduction(params) -> tuple[bool, object]:
@@ -444,7 +451,7 @@ class MOPDWorker(ActorRolloutRefWorker):
         micro = _micro_batches(data, groups)
         module = teacher.engine.module
         layers = A.check_layers(cfg, len(attention_modules(module)))
-        device = _param_device(list(module.parameters()))
+        device = compute_device()
         autocast = engine_autocast(teacher.engine, device)
         mcfg = module.config
 
