@@ -87,10 +87,11 @@ class AttentionCapture:
             hnd.remove()
         self._handles = []
 
-    def result(self) -> CapturedQKV:
-        """Heads-first q/k (post-RoPE) and v for every captured layer; dtype as the model ran."""
+    def result(self, layers: Iterable[int] | None = None) -> CapturedQKV:
+        """Heads-first q/k (post-RoPE) and v of ``layers`` (default: every captured layer); dtype as the model ran."""
         out = CapturedQKV()
-        for layer, mod in self._mods.items():
+        for layer in self.layers if layers is None else layers:
+            mod = self._mods[layer]
             raw = self._raw.get(layer, {})
             if not all(n in raw for n in ("q_proj", "k_proj", "v_proj", "pos")):
                 raise ValueError(f"layer {layer} was not captured: run exactly one model forward inside the context")

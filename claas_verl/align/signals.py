@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from claas_verl.align.capture import AttentionCapture, attention_modules
 from claas_verl.align.hidden_term import hidden_alignment_loss, window_states
@@ -70,9 +71,9 @@ def alignment_signals(
         terms: subset of ``("sats", "vr", "hidden")``.
         pooled_layers: 0-based layers ``L`` for SATS/VR; default :func:`default_sats_layers`.
         hidden_layers: 0-based layers ``L_h``; default all (HF ``hidden_states[l+1]``).
-        recompute: recompute each query chunk of the pooled rows in the backward pass (memory linear in W,
-            needed at W=2000 with long prompts); ``False`` keeps the chunks' softmax for the backward, about
-            30% faster where the [W, S] attention rows fit in memory.
+        recompute: recompute each aligned layer's post-RoPE q/k and each query chunk of the pooled rows in the
+            backward pass (memory linear in W, needed at W=2000 with long prompts); ``False`` keeps them for the
+            backward, about 30% faster where the [W, S] attention rows fit in memory.
         logits: ``False`` keeps no logits (``model_output.logits`` is ``[B, 0, V]``): for forwards whose only
             consumers are the alignment terms. Needs a causal LM whose forward takes ``logits_to_keep`` (HF
             Llama/Qwen2/Qwen3/Mistral).
@@ -105,25 +106,37 @@ def alignment_signals(
         )
     sig = AlignmentSignals()
     if want_pooled:
-        qkv = cap.result()
-        rid, num = regions.region_ids, regions.num_regions
+        # one layer at a time, checkpointed when autograd records: the q/k norms, RoPE and the gathered window
+        # queries of a layer are recomputed in its backward instead of being kept for every aligned layer
+        # (fp32 and bf16 copies of q and k: about 19 GiB at 8B and 18k tokens)
+        ckpt = recompute and torch.is_grad_enabled()
         for layer in pooled:
-            if "sats" in terms:
-                sig.sats[layer] = pooled_attention_rows(
-                    qkv.queries[layer], qkv.keys[layer], attention_mask, rid, num,
-                    chunk_size=chunk_size, recompute=recompute,
-                )
-            if "vr" in terms:
-                v = qkv.values[layer]
-                sig.vr[layer] = pooled_attention_rows(
-                    v, v, attention_mask, rid, num, chunk_size=chunk_size, recompute=recompute
-                )
+            args = (cap, layer, terms, attention_mask, regions, chunk_size, recompute)
+            rows = (checkpoint(_layer_rows, *args, use_reentrant=False, preserve_rng_state=False) if ckpt
+                    else _layer_rows(*args))
+            for name, value in rows.items():
+                getattr(sig, name)[layer] = value
     if "hidden" in terms:
         if any(not 0 <= layer < n_layers for layer in hidden):
             raise ValueError(f"hidden_layers {hidden} out of range for {n_layers} layers")
         for layer in hidden:
             sig.hidden[layer] = window_states(out.hidden_states[layer + 1], regions.window_mask)
     return out, sig
+
+
+def _layer_rows(cap: AttentionCapture, layer: int, terms: set[str], attention_mask: torch.Tensor,
+                regions: StepRegions, chunk_size: int, recompute: bool) -> dict[str, PooledRows]:
+    """SATS and/or VR rows of one captured layer (post-RoPE q/k from the capture's raw projections)."""
+    qkv = cap.result([layer])
+    rid, num = regions.region_ids, regions.num_regions
+    out = {}
+    if "sats" in terms:
+        out["sats"] = pooled_attention_rows(qkv.queries[layer], qkv.keys[layer], attention_mask, rid, num,
+                                            chunk_size=chunk_size, recompute=recompute)
+    if "vr" in terms:
+        v = qkv.values[layer]
+        out["vr"] = pooled_attention_rows(v, v, attention_mask, rid, num, chunk_size=chunk_size, recompute=recompute)
+    return out
 
 
 def _no_positions(model: nn.Module, device) -> torch.Tensor:
