@@ -95,13 +95,17 @@ def alignment_signals(
     want_pooled = bool(terms & {"sats", "vr"})
     if not logits:
         model_kwargs["logits_to_keep"] = _no_positions(model, input_ids.device)
+    # a pooled-only student pass without logits: the last layer's output feeds no loss, so its checkpointed
+    # recomputation would keep its MLP tensors (never consumed) to the end of the backward; a zero gradient on
+    # the model's last hidden state lets the backward consume them (see _ZeroGradLink)
+    link_top = want_pooled and not logits and "hidden" not in terms and torch.is_grad_enabled()
     cap = AttentionCapture(model, pooled if want_pooled else [])
     with cap:
         out = model(
             input_ids=input_ids,
             attention_mask=attention_mask,
             position_ids=position_ids,
-            output_hidden_states="hidden" in terms,
+            output_hidden_states="hidden" in terms or link_top,
             **model_kwargs,
         )
     sig = AlignmentSignals()
@@ -116,12 +120,34 @@ def alignment_signals(
                     else _layer_rows(*args))
             for name, value in rows.items():
                 getattr(sig, name)[layer] = value
+        if link_top and out.hidden_states[-1].requires_grad:
+            name = "sats" if "sats" in terms else "vr"
+            first = getattr(sig, name)[pooled[0]]
+            getattr(sig, name)[pooled[0]] = PooledRows(_ZeroGradLink.apply(first.rows, out.hidden_states[-1]),
+                                                       first.key_start)
     if "hidden" in terms:
         if any(not 0 <= layer < n_layers for layer in hidden):
             raise ValueError(f"hidden_layers {hidden} out of range for {n_layers} layers")
         for layer in hidden:
             sig.hidden[layer] = window_states(out.hidden_states[layer + 1], regions.window_mask)
     return out, sig
+
+
+class _ZeroGradLink(torch.autograd.Function):
+    """``rows`` unchanged; in the backward, a zero gradient (an expanded scalar: no allocation) for ``hidden``.
+
+    Values and gradients of every parameter are unchanged (zeros are added); the top decoder layer's backward then
+    runs, consuming its recomputed activations, and FSDP2's pre-backward hook of that layer fires as usual."""
+
+    @staticmethod
+    def forward(ctx, rows, hidden):
+        ctx.hidden_meta = (hidden.shape, hidden.dtype, hidden.device)
+        return rows.view_as(rows)
+
+    @staticmethod
+    def backward(ctx, grad):
+        shape, dtype, device = ctx.hidden_meta
+        return grad, torch.zeros((), dtype=dtype, device=device).expand(shape)
 
 
 def _layer_rows(cap: AttentionCapture, layer: int, terms: set[str], attention_mask: torch.Tensor,
