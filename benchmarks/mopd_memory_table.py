@@ -116,7 +116,7 @@ class Run:
     target_budget_gib: float = 16.0
     chunk_temp_factor: float = 1.5  # fp32 [chunk, V] temporaries alive at the peak of the top-k loss
     pool_chunk: int = 256  # query rows per chunk of the pooled attention rows
-    pool_temp_factor: float = 5.0  # fp32 [H, chunk, Tk] temporaries of one chunk (scores, mask, probs, grads)
+    pool_temp_factor: float = 3.0  # fp32 [b, H, chunk, Tk] temporaries of one chunk in its backward
     pinned_pow2: bool = True  # CUDA's caching host allocator rounds each pinned allocation up to a power of two
 
 
@@ -159,15 +159,20 @@ def table(s: Shape, r: Run) -> dict[str, float]:
     na = b * T
     rows = L * b * H * r.regions * T  # SATS row elements (key axis ~ the whole sequence)
     raw = 2 * na * (H + 2 * G) * d * L
-    pool_chunk = r.pool_temp_factor * 4 * b * H * r.pool_chunk * T
+    chunk = min(r.pool_chunk, r.window)
     final_norm = 8 * na * D  # kept for the zero gradient that lets the last layer's recomputation be consumed
+    # the backward's peak: one decoder layer recomputed, or (earlier) one layer's post-RoPE q/k recomputed with
+    # one query chunk's fp32 temporaries
+    chunk_phase = 3 * 2 * na * (H + G) * d + r.pool_temp_factor * 4 * b * H * chunk * T
     out["activations, alignment pass (SATS)"] = (2 * L * na * D + 2 * 2 * na * d + raw + 3 * 4 * rows + 2 * rows
-                                                 + final_norm + _layer_backward(s, na))
+                                                 + final_norm + max(_layer_backward(s, na), chunk_phase))
     teacher_params = 4 * s.root_params + 2 * 4 * s.layer_params
     teacher_rows = L * b * (H + G) * r.regions * T
     window = L * b * r.window * D
-    target_pass = (2 * (L + 1) * na * D + raw + 4 * teacher_rows + 4 * window + 2 * (teacher_rows + window)
-                   + pool_chunk / 2)
+    # no grad: every layer's hidden state, the captured projections and one layer's post-RoPE q/k, then the
+    # larger of (the last layer's query chunk: 2 fp32 [b, H, C, Tk] temporaries) and (the targets' bf16 copies)
+    common = 2 * (L + 1) * na * D + 2 * 2 * na * d + raw + 4 * teacher_rows
+    target_pass = common + max(2 * na * (H + G) * d + 2 * 4 * b * H * chunk * T, 2 * (teacher_rows + window))
     logprob_pass = 2 * N * V + r.chunk_temp_factor * r.chunk * V * 4
     out["teacher forward (gathered fp32 params + max of log-prob and target pass)"] = (
         teacher_params + max(logprob_pass, target_pass))
@@ -226,7 +231,7 @@ REDUCED = (Shape("reduced", 4, 512, 8, 4, 64, 1536, 32_768, False),
            Run(ranks=1, responses_per_rank=2, seq=2048, mb_tokens=3072, window=512, regions=8, chunk=256,
                pinned_pow2=False))
 TINY = (Shape("tiny", 2, 128, 4, 2, 32, 384, 4096, False),
-        Run(ranks=1, responses_per_rank=2, seq=512, mb_tokens=768, window=128, regions=4, chunk=64, pool_chunk=64,
+        Run(ranks=1, responses_per_rank=2, seq=512, mb_tokens=768, window=128, regions=4, chunk=64,
             pinned_pow2=False))
 
 

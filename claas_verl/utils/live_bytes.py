@@ -34,13 +34,11 @@ class LiveBytes(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        inputs = {t.untyped_storage().data_ptr() for t in tree_flatten((args, kwargs))[0]
-                  if isinstance(t, torch.Tensor)}
+        inputs = {ptr for ptr, _, _ in map(_storage, tree_flatten((args, kwargs))[0]) if ptr is not None}
         for t in tree_flatten(out)[0]:
-            if not isinstance(t, torch.Tensor):
+            ptr, n, storage = _storage(t)
+            if ptr is None:
                 continue
-            storage = t.untyped_storage()
-            ptr, n = storage.data_ptr(), storage.nbytes()
             if n == 0 or ptr in inputs or ptr in self._live:
                 continue
             self._live[ptr] = n
@@ -53,3 +51,16 @@ class LiveBytes(TorchDispatchMode):
         if self._live.get(ptr) == n:
             del self._live[ptr]
             self.now -= n
+
+
+def _storage(t):
+    """``(data_ptr, nbytes, storage)`` of a plain tensor's storage; ``(None, 0, None)`` for anything else (a
+    non-tensor, or a wrapper subclass such as a nested or distributed tensor, whose own storage holds nothing:
+    its inner tensors are allocated, and counted, by the operators it dispatches to)."""
+    if not isinstance(t, torch.Tensor):
+        return None, 0, None
+    try:
+        storage = t.untyped_storage()
+        return storage.data_ptr(), storage.nbytes(), storage
+    except (RuntimeError, NotImplementedError):
+        return None, 0, None
