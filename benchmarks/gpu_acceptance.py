@@ -399,8 +399,8 @@ def check_topk_loss(sizes: Sizes) -> dict:
 def check_host_balancer(sizes: Sizes) -> dict:
     import torch
 
-    from claas_verl.align.balance import HostBalancer, balance, combine_aux
     from benchmarks.mopd_memory_table import _shard
+    from claas_verl.align.balance import HostBalancer, balance, combine_aux
 
     device = _device()
     shapes = [(_shard(s, sizes.balancer_ranks),) for s in sizes.balancer_shape.param_shapes()]

@@ -147,7 +147,8 @@ def table(s: Shape, r: Run) -> dict[str, float]:
     P, R, N, V, D, L = s.params, r.ranks, r.mb_tokens, s.vocab, s.hidden, s.layers
     H, G, d = s.heads, s.kv_heads, s.head_dim
     out: dict[str, float] = {}
-    out["params (fp32 shard + bf16 gathered root and 2 layers)"] = 4 * P / R + 2 * s.root_params + 2 * 2 * s.layer_params
+    gathered = 2 * s.root_params + 2 * 2 * s.layer_params
+    out["params (fp32 shard + bf16 gathered root and 2 layers)"] = 4 * P / R + gathered
     out["grads (fp32 shard)"] = 4 * P / R
     out["optimizer (AdamW, fp32 shard)"] = 8 * P / R
     transit = 4 * max(_shard(p, R) for p in s.param_shapes())
@@ -270,8 +271,8 @@ def measure(s: Shape, r: Run) -> dict[str, float]:
     import torch
 
     from claas_verl.align import alignment_losses, alignment_signals
-    from claas_verl.align.target_store import signals_bytes
     from claas_verl.align.balance import HostBalancer
+    from claas_verl.align.target_store import signals_bytes
     from claas_verl.distill import teacher_logprobs_at, topk_distill_loss
     from claas_verl.utils.live_bytes import LiveBytes
 
@@ -295,9 +296,9 @@ def measure(s: Shape, r: Run) -> dict[str, float]:
                                                if torch.is_tensor(v) and v.dim() > 0)
     params = list(model.parameters())
     hb = HostBalancer(params, buffers={})
-    for take in (hb.take_token, lambda: hb.take_pooled("sats"), lambda: hb.take_pooled("vr")):
+    for term in ("tok", "sats", "vr"):
         model(input_ids=ids).logits.float().logsumexp(-1).sum().backward()  # the pass's gradient in .grad
-        take()
+        hb.take_token() if term == "tok" else hb.take_pooled(term)
     got["balancing buffers g_tok and u, host RAM (pinned)"] = sum(v.nbytes for v in hb.buffers.values())
     del model, opt, hb, params, gathered
 
