@@ -16,28 +16,31 @@ weights offloaded to the host (``param_offload``), gathered per layer, bf16 comp
 
 What each row counts (bytes; P = parameters, R = ranks, N = tokens of the token pass's micro-batch, Na = rows x
 sequence of an alignment micro-batch; D, L, H, G, d, F (MLP size), V the model shape; a "layer's saved tensors"
-is what one Qwen3 decoder layer keeps for its backward per token: ``16D + 12Hd + 10Gd + 8F + 4H`` bytes, i.e. the
-two RMSNorms' fp32 input and bf16 normalised copies and outputs, q/k norm copies, post-RoPE q/k, v, the attention
-output and its contiguous copy, logsumexp, and the MLP's gate, act, up and product):
+is what one Qwen3 decoder layer keeps for its backward per token: ``16D + 10Hd + 10Gd + 8F + 8H + 4G + 8`` bytes,
+i.e. the two RMSNorms' fp32 input, bf16 normalised copy and output, the q/k norms' fp32 input and bf16 normalised
+copy, post-RoPE q/k, v, the attention output and its logsumexp, and the MLP's gate, act, up and product):
 
 * params: fp32 master shard ``4P/R`` + the bf16 all-gathered root (embedding, final norm and, untied, the LM head)
   and two decoder layers (the one running and the prefetched one);
 * grads: fp32 shard ``4P/R``; optimizer: AdamW ``8P/R``;
 * balancing on the device: ``--grad-copies`` extra fp32 gradient shards (0: :class:`HostBalancer` keeps g_tok and
   u on the host) + the largest parameter's fp32 shard in transit to the host;
-* activations, token pass: checkpointed layer inputs ``2·L·N·D`` and the RoPE tables, the final norm's saved
-  tensors, one layer recomputed in the backward (its saved tensors) and the gradients in flight through it;
+* activations, token pass: checkpointed layer inputs ``2·L·N·D`` and the RoPE tables, one layer recomputed in the
+  backward (its saved tensors) and the gradients in flight through it ``2·N·(F+D)``;
 * logits chunks, token pass: the bf16 logits ``2NV``, their bf16 gradient ``2NV`` and ``1.5`` fp32 ``[chunk, V]``
   temporaries (chunk 1,024);
 * activations, alignment pass (SATS, the largest term): checkpointed layer inputs, the captured q/k/v projections
   of every aligned layer ``2·Na·(H+2G)·d·|L|`` (the post-RoPE copies are recomputed in the backward, layer by
   layer), the fp32 pooled rows ``4·|L|·b·H·R·Tk`` with their saved difference to the target and their gradient,
-  the device copy of the bf16 targets, ~5 fp32 ``[b, H, 256, Tk]`` temporaries of one query chunk, and one decoder
-  layer recomputed as in the token pass; no logits (``logits=False``). A streamed micro-batch's teacher forward
-  runs before the student's forward, never inside it;
+  the device copy of the bf16 targets, the final norm's saved tensors (the last hidden state gets a zero
+  gradient so that the last layer's recomputation is consumed), and the larger of one decoder layer recomputed as
+  in the token pass and one layer's post-RoPE q/k with ~3 fp32 ``[b, H, 256, Tk]`` temporaries of one query
+  chunk; no logits (``logits=False``). A streamed micro-batch's teacher forward runs before the student's forward,
+  never inside it;
 * teacher forward: the gathered fp32 teacher root + two layers, then the larger of the log-prob pass (bf16 logits
   ``2NV`` + fp32 chunk temporaries) and the target pass (every layer's hidden state ``2·(L+1)·Na·D``, the captured
-  q/k/v, fp32 SATS/VR rows and window states of every layer and their bf16 target copies);
+  q/k/v, the fp32 SATS/VR rows of every layer, then the larger of one query chunk's 2 fp32 temporaries and the
+  bf16 target copies);
 * teacher targets (host RAM): ``target_bytes`` per response, kept up to ``mopd.signal.target_budget_gib``
   (default 16 GiB; the rest is streamed, :class:`claas_verl.align.TeacherTargetStore`);
 * host balancing buffers: g_tok and u, one fp32 host tensor per parameter shard each, pinned on CUDA, where the
@@ -228,8 +231,8 @@ def print_table(run: Run) -> None:
 # ----------------------------------------------------------------------------------------------------------------
 # Every row measured at a reduced size (CPU, exact tensor bytes)
 
-REDUCED = (Shape("reduced", 4, 512, 8, 4, 64, 1536, 32_768, False),
-           Run(ranks=1, responses_per_rank=2, seq=2048, mb_tokens=3072, window=512, regions=8, chunk=256,
+REDUCED = (Shape("reduced", 3, 384, 6, 2, 64, 1024, 16_384, False),
+           Run(ranks=1, responses_per_rank=2, seq=1536, mb_tokens=2048, window=384, regions=8, chunk=256,
                pinned_pow2=False))
 TINY = (Shape("tiny", 2, 128, 4, 2, 32, 384, 4096, False),
         Run(ranks=1, responses_per_rank=2, seq=512, mb_tokens=768, window=128, regions=4, chunk=64,
