@@ -479,8 +479,7 @@ def check_vllm(sizes: Sizes, work: Path) -> dict:
     def vllm_logprobs(lora=None):
         params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=0.0)
         out = llm.generate([{"prompt_token_ids": prompt}], params, lora_request=lora, use_tqdm=False)[0]
-        return torch.tensor([next(iter(d.values())).logprob if len(d) == 1 else d[t].logprob
-                             for d, t in zip(out.prompt_logprobs[1:], prompt[1:])])
+        return torch.tensor([d[t].logprob for d, t in zip(out.prompt_logprobs[1:], prompt[1:])])
 
     numbers = {}
     numbers["base_max_abs_diff"] = float((vllm_logprobs() - hf_logprobs(hf)).abs().max())
@@ -488,9 +487,8 @@ def check_vllm(sizes: Sizes, work: Path) -> dict:
     with torch.no_grad():
         for p in hf.parameters():
             p.mul_(1.05)
-    executor = llm.llm_engine.model_executor
-    executor.collective_rpc(lambda self, weights: self.model_runner.model.load_weights(weights),
-                            args=([(k, v.cuda()) for k, v in hf.state_dict().items()],))
+    llm.collective_rpc(lambda self, weights: self.model_runner.model.load_weights(weights),
+                       args=([(k, v.cuda()) for k, v in hf.state_dict().items()],))
     numbers["reload_max_abs_diff"] = float((vllm_logprobs() - hf_logprobs(hf)).abs().max())
     lora = get_peft_model(hf.cpu().float(), LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"],
                                                        init_lora_weights=False))
