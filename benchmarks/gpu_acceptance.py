@@ -233,7 +233,6 @@ class Engine:
         import torch
 
         from claas_verl.distill import topk_distill_loss
-        from claas_verl.trainer.mopd import alignment as A
         from claas_verl.trainer.mopd.workers import _micro_batches, engine_autocast, update_row_groups
 
         device = _device()
@@ -254,7 +253,6 @@ class Engine:
                 loss.backward()
                 del logits, loss
         self.phase_peaks["token pass"] = meter.peak
-        _ = A  # the micro-batches are the alignment passes' (same partition)
         return {"loss": [0.0], "metrics": {}, "model_output": {}}
 
     def optimizer_step(self):
