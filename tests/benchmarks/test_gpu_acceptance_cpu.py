@@ -13,10 +13,6 @@ sys.path.insert(0, str(REPO))
 
 from benchmarks import gpu_acceptance  # noqa: E402
 
-# Qwen3's q/k norms applied after an FSDP2 forward mixed Tensor and DTensor; the capture reads them inside the
-# layer once the alignment fix is in (that check fails on a tree without it, and on nothing else)
-QWEN3_FSDP2 = "got mixed torch.Tensor and DTensor"
-
 
 def test_cpu_mode_runs_every_check_and_writes_the_report(tmp_path):
     out = tmp_path / "report.json"
@@ -32,8 +28,6 @@ def test_cpu_mode_runs_every_check_and_writes_the_report(tmp_path):
         pytest.fail("the vLLM check must skip, with its reason, without a GPU")
     step = checks["balanced_replay_step"]
     failed = [n for n, c in checks.items() if not c["ok"]]
-    if failed == ["balanced_replay_step"] and QWEN3_FSDP2 in step.get("error", ""):
-        pytest.xfail("Qwen3 capture under FSDP2 (q/k norms after the forward) is not fixed on this tree")
     assert failed == [] and status == 0, {n: checks[n].get("error") for n in failed}
     assert checks["teacher_targets_qwen3"]["numbers"]["target_bytes"] == \
         checks["teacher_targets_qwen3"]["numbers"]["predicted_bytes"]
