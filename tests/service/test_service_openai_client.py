@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import httpx
 import pytest
 from openai import APIStatusError, AuthenticationError, OpenAI
-from service_helpers import USER, big_buffer, running_service
+from service_helpers import ADMIN, USER, big_buffer, running_service
 
 from claas_verl.service import ChatBackend, Generation
 from claas_verl.service.app import validate_reward
@@ -66,8 +66,10 @@ def test_openai_client_plain_and_streamed_with_claas_fields():
         headers = {"Authorization": f"Bearer {KEY}"}
         for rid, reward in ((r.id, 1), (sclaas["request_id"], 0)):
             out = httpx.post(f"{url}/v1/feedback", json={"request_id": rid, "reward": reward}, headers=headers)
-            assert out.json()["status"] == "submitted"
-        stats = httpx.get(f"{url}/v1/claas/stats", headers=headers).json()
+            assert out.json()["status"] == "accepted"
+        mine = httpx.get(f"{url}/v1/claas/stats", headers=headers).json()  # a user key sees its own counts
+        assert mine["key_id"].startswith("key-") and mine["accepted"] == 2 and "turns" not in mine
+        stats = httpx.get(f"{url}/v1/claas/stats", headers={"Authorization": f"Bearer {ADMIN}"}).json()
     # The streamed turn is recorded exactly like the plain one.
     entries = sorted(buf.entries(), key=lambda e: e.P)
     assert [(e.uid, e.P, e.reward, e.behaviour_logprob) for e in entries] == [

@@ -48,7 +48,7 @@ def _turn(http: httpx.Client, i: int) -> None:
     r.raise_for_status()
     rid = r.json()["claas"]["request_id"]
     assert http.post("/v1/feedback", headers=auth, json={"request_id": rid, "reward": i % 2}).json()["status"] == \
-        "submitted"
+        "accepted"
 
 
 def _trace(run_dir: Path) -> list[dict]:

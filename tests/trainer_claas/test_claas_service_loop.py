@@ -67,7 +67,7 @@ def test_service_loop_trains_on_chats_and_serves_the_new_adapter(tmp_path):
                 claas = client.chat.completions.create(model="claas", messages=messages).model_extra["claas"]
             assert claas["record"] == "pending_feedback", claas
             r = http.post("/v1/feedback", json={"request_id": claas["request_id"], "reward": i % 2}, headers=auth)
-            assert r.json()["status"] == "submitted"
+            assert r.json()["status"] == "accepted"
             served.append(claas["policy_version"])
             i += 1
         version = http.get("/health").json()["policy_version"]

@@ -664,6 +664,9 @@ class ClaasTrainer(PPOTrainer):
             api_keys=keys, admin_key=s.admin_key or os.environ.get("CLAAS_ADMIN_KEY") or None, adapter_root=None,
             reward=s.reward, max_body_bytes=s.max_body_bytes, max_messages=s.max_messages,
             max_message_chars=s.max_message_chars, max_tokens=cap, default_max_tokens=cap,
+            allow_keyless=s.allow_keyless, max_pending_per_key=s.max_pending_per_key,
+            max_pending_bytes=s.max_pending_bytes, rate_limit_per_s=s.rate_limit_per_s,
+            rate_limit_burst=s.rate_limit_burst, body_timeout_s=s.body_timeout_s,
         )
         check_exposure(s.host, cfg)
         backend = RolloutBackend(generate, tokenizer, model_name=s.model_name, default_max_tokens=cap,
@@ -672,7 +675,10 @@ class ClaasTrainer(PPOTrainer):
         sink = self._sink = rs.pausable_sink(ActorSink)(self.replay, on_accepted=self._on_service_accepted)
         self.service = ChatService(backend, sink, config=cfg, extra_stats=self._service_extra_stats,
                                    on_shutdown=self._stop.set)
-        self._service_thread = ServiceThread(build_app(self.service), host=s.host, port=s.port).start()
+        self._service_thread = ServiceThread(
+            build_app(self.service), host=s.host, port=s.port, limit_concurrency=s.limit_concurrency,
+            header_timeout_s=s.header_timeout_s, proxy_headers=s.proxy_headers,
+            forwarded_allow_ips=s.forwarded_allow_ips).start()
         url = self._service_thread.url
         with open(os.path.join(self.config.trainer.default_local_dir, "service.json"), "w") as f:
             json.dump({"url": url, "base_url": f"{url}/v1", "model": s.model_name, "pid": os.getpid()}, f)
