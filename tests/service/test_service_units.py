@@ -201,3 +201,15 @@ def test_scenario_keys_map_to_stable_ints():
     for bad in (-1, "", True, 1.5):
         with pytest.raises(ValueError, match="scenario_id"):
             scenario_key_to_id(bad)
+
+
+def test_the_vllm_server_is_started_with_an_api_key_kept_off_its_command_line(tmp_path):
+    from claas_verl.service.vllm_launcher import VLLMServer
+
+    server = VLLMServer(tmp_path, device="cpu", log_path=tmp_path / "log")
+    other = VLLMServer(tmp_path, device="cpu", log_path=tmp_path / "log")
+    assert len(server.api_key) >= 32 and server.api_key != other.api_key  # a fresh key per server
+    assert server.environment()["VLLM_API_KEY"] == server.api_key
+    assert server.api_key not in " ".join(server.command())  # not readable from the process list
+    assert VLLMServer(tmp_path, device="cpu", log_path=tmp_path / "log", api_key="k").environment()["VLLM_API_KEY"] \
+        == "k"

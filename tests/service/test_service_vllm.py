@@ -52,7 +52,7 @@ def test_recorded_behaviour_logprobs_equal_a_fresh_hf_forward(vllm_server, tiny,
     tok = AutoTokenizer.from_pretrained(str(tiny.student))
     base = hf_fp32(tiny.student)
     buf = big_buffer()
-    backend = OpenAIBackend(vllm_server.url, "tiny", default_max_tokens=48)
+    backend = OpenAIBackend(vllm_server.url, "tiny", default_max_tokens=48, api_key=vllm_server.api_key)
     replies = []
     with running_service(backend, buf) as (_, url), ClaasServiceClient(url) as client:
         for seed in range(4):
@@ -85,7 +85,7 @@ def test_lora_hot_reload_changes_the_policy_and_in_flight_requests_keep_their_ve
     peft2 = random_lora(tmp_path / "a2", seed=2)
     base = hf_fp32(tiny.student)
     buf = big_buffer()
-    backend = OpenAIBackend(vllm_server.url, "tiny", default_max_tokens=48)
+    backend = OpenAIBackend(vllm_server.url, "tiny", default_max_tokens=48, api_key=vllm_server.api_key)
     probe = dict(seed=7, logprobs=True)
     with running_service(backend, buf) as (_, url), ClaasServiceClient(url, admin_key=ADMIN) as client:
         p0 = client.chat(USER, **probe)
@@ -155,7 +155,7 @@ def test_streaming_from_vllm_is_token_by_token_and_records_what_a_plain_turn_rec
     from openai import OpenAI
 
     buf = big_buffer()
-    backend = OpenAIBackend(vllm_server.url, "tiny", default_max_tokens=48)
+    backend = OpenAIBackend(vllm_server.url, "tiny", default_max_tokens=48, api_key=vllm_server.api_key)
     base = hf_fp32(tiny.student)
     with running_service(backend, buf) as (service, url):
         client = OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=300)
