@@ -332,14 +332,8 @@ class ChatService:
 
     def wait_idle(self, timeout_s: float = 30.0) -> bool:
         """Block (any thread but the event loop's) until no chat/feedback request is inside; False on timeout."""
-        deadline = time.monotonic() + timeout_s
         with self._idle:
-            while self._active:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    return False
-                self._idle.wait(left)
-        return True
+            return self._idle.wait_for(lambda: not self._active, timeout_s)
 
     # ------------------------------------------------------------------ chat
     def _context(self, body: dict, headers: Mapping[str, str]) -> dict:

@@ -129,14 +129,8 @@ class ActorSink:
 
     def flush(self, timeout_s: float = 10.0) -> bool:
         """Wait until every submitted write completed; False on timeout."""
-        deadline = time.monotonic() + timeout_s
         with self._lock:
-            while self._in_flight:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    return False
-                self._done.wait(left)
-        return True
+            return self._done.wait_for(lambda: not self._in_flight, timeout_s)
 
     def healthy(self, timeout_s: float = 2.0) -> bool:
         """Whether the actor answers a cheap call within ``timeout_s`` (cached for one second); blocking, so call it

@@ -4,15 +4,16 @@ streaming, and the job's rollout backend (scripted servers, no model: these run 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import math
 from types import SimpleNamespace
 
 import httpx
 import pytest
+import service_helpers
 from openai import APIStatusError, AuthenticationError, OpenAI
 from service_helpers import ADMIN, USER, big_buffer, running_service
 
-from claas_verl.service import ChatBackend, Generation
 from claas_verl.service.app import validate_reward
 from claas_verl.service.rollout_backend import RolloutBackend
 from claas_verl.tiny import ensure_tiny
@@ -20,24 +21,16 @@ from claas_verl.tiny import ensure_tiny
 KEY = "sk-test-key"
 
 
-class Scripted(ChatBackend):
-    """Three tokens with log-probs -1, -2, -3; ``finish`` is what the server reported."""
+class Scripted(service_helpers.Scripted):
+    """The helpers' scripted backend; ``finish`` is what the server reported, and it loads no adapter."""
 
     def __init__(self, finish: str = "stop"):
+        super().__init__()
         self.finish = finish
-        self.version = 0
-
-    @property
-    def served_model(self):
-        return "scripted"
-
-    @property
-    def policy_version(self):
-        return self.version
 
     async def generate(self, messages, params, chat_template_kwargs=None):
-        return Generation(prompt_ids=[1, 2, 3], response_ids=[7, 8, 2], token_logprobs=[-1.0, -2.0, -3.0],
-                          text="ok!", finish_reason=self.finish, policy_version=self.version, model="scripted")
+        gen = await super().generate(messages, params, chat_template_kwargs)
+        return dataclasses.replace(gen, finish_reason=self.finish)
 
     async def load_adapter(self, path, version=None):
         raise ValueError("no adapters")
