@@ -52,9 +52,27 @@ def main(config) -> None:
     auto_set_device(config)
     validate_config(config=config, use_reference_policy=need_reference_policy(config), use_critic=need_critic(config))
     connect_if_cluster_running(config)  # inside `ray job submit` or after `ray start`; else run_ppo starts Ray
-    if OmegaConf.select(config, "claas.service.enabled"):
-        _drain_service_on_sigterm(str(config.trainer.default_local_dir))
-    run_ppo(config, task_runner_class=ClaasTaskRunner)
+    if not OmegaConf.select(config, "claas.service.enabled"):
+        run_ppo(config, task_runner_class=ClaasTaskRunner)
+        return
+    run_dir = str(config.trainer.default_local_dir)
+    if ray.is_initialized():
+        _drain_service_on_sigterm(run_dir)
+        run_ppo(config, task_runner_class=ClaasTaskRunner)
+        return
+    # ray.init installs Ray's own fatal-signal handler (SIGTERM aborts the driver): ours goes in right after it
+    init = ray.init
+
+    def init_then_handle(*args, **kwargs):
+        out = init(*args, **kwargs)
+        _drain_service_on_sigterm(run_dir)
+        return out
+
+    ray.init = init_then_handle
+    try:
+        run_ppo(config, task_runner_class=ClaasTaskRunner)
+    finally:
+        ray.init = init
 
 
 def _drain_service_on_sigterm(run_dir: str) -> None:

@@ -5,7 +5,7 @@ single line of code"). Each response is served as usual and, when recordable, be
 is known (grader callback or ``POST /v1/feedback``). The trainer hot-reloads new LoRA versions through
 :meth:`ChatService.load_adapter` (in process) or ``POST /v1/claas/load_adapter`` (over HTTP).
 
-Endpoints (the HTTP layer is :mod:`claas_verl.service.http`)::
+Endpoints (the HTTP layer is :mod:`claas_verl.service.http_app`)::
 
     GET  /health                    liveness: 200 {"status": "ok", ...}; 503 when the replay buffer is unreachable
     GET  /ready                     readiness: 503 also while the service drains (intake stopped)
@@ -753,7 +753,7 @@ def _logprob_items(token_ids, logprobs) -> list[dict]:
 
 
 def build_app(service: ChatService):
-    """The FastAPI app over ``service`` (see :func:`claas_verl.service.http.build_app`)."""
-    from claas_verl.service.http import build_app as build
+    """The FastAPI app over ``service`` (see :func:`claas_verl.service.http_app.build_app`)."""
+    from claas_verl.service.http_app import build_app as build
 
     return build(service)

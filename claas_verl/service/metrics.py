@@ -13,7 +13,7 @@ Series::
     claas_policy_version                       the version new requests are served with
     claas_buffer_entries, claas_buffer_capacity   the replay buffer (when the sink or the job reports it)
     claas_updates_total, claas_last_update_timestamp_seconds   trainer updates (training job only)
-    claas_request_seconds{endpoint}            latency histogram per endpoint (chat, chat_stream, feedback)
+    claas_request_seconds{endpoint}            latency histogram per endpoint (chat: to the first byte of a stream)
 """
 
 from __future__ import annotations
