@@ -39,6 +39,8 @@ setup(
         "matplotlib",
         # seccomp filter of the grader sandbox (ctypes bindings to the system's libseccomp.so.2)
         "pyseccomp>=0.1.2",
+        # /metrics of the chat service (claas_verl.service.metrics)
+        "prometheus-client>=0.17",
     ],
     extras_require={
         "test": ["pytest>=8", "hypothesis>=6", "ruff==0.14.*", "openai>=1.40"],

@@ -75,7 +75,7 @@ def main() -> None:
         from claas_verl.service.vllm_launcher import VLLMServer
 
         with VLLMServer(tiny.student, served_model_name="tiny", max_model_len=2048) as server:
-            backend = OpenAIBackend(server.url, "tiny")
+            backend = OpenAIBackend(server.url, "tiny", api_key=server.api_key)
             with running_service(backend, big_buffer()) as (_, url):
                 report("vLLM OpenAI backend (tiny)", args.tokens,
                        measure(url, args.tokens, args.runs, {"min_tokens": args.tokens}))

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import hydra
 import ray
+from omegaconf import OmegaConf
 from verl.trainer.main_ppo import TaskRunnerV1, run_ppo
 
 from claas_verl.paths import recipes_dir
@@ -51,7 +52,62 @@ def main(config) -> None:
     auto_set_device(config)
     validate_config(config=config, use_reference_policy=need_reference_policy(config), use_critic=need_critic(config))
     connect_if_cluster_running(config)  # inside `ray job submit` or after `ray start`; else run_ppo starts Ray
-    run_ppo(config, task_runner_class=ClaasTaskRunner)
+    if not OmegaConf.select(config, "claas.service.enabled"):
+        run_ppo(config, task_runner_class=ClaasTaskRunner)
+        return
+    run_dir = str(config.trainer.default_local_dir)
+    if ray.is_initialized():
+        _drain_service_on_sigterm(run_dir)
+        run_ppo(config, task_runner_class=ClaasTaskRunner)
+        return
+    # ray.init installs Ray's own fatal-signal handler (SIGTERM aborts the driver): ours goes in right after it
+    init = ray.init
+
+    def init_then_handle(*args, **kwargs):
+        out = init(*args, **kwargs)
+        _drain_service_on_sigterm(run_dir)
+        return out
+
+    ray.init = init_then_handle
+    try:
+        run_ppo(config, task_runner_class=ClaasTaskRunner)
+    finally:
+        ray.init = init
+
+
+def _drain_service_on_sigterm(run_dir: str) -> None:
+    """A service-driven job: SIGTERM asks the chat API to shut down (``POST /v1/claas/shutdown`` with the admin key:
+    ``$CLAAS_ADMIN_KEY`` or the run's own ``service_admin.key``), so the trainer stops intake, drains and takes its
+    final checkpoint before the job ends; a second SIGTERM ends the driver at once."""
+    import os
+    import signal
+    import threading
+
+    def ask() -> None:
+        import json
+
+        import httpx
+
+        from claas_verl.trainer.claas.trainer import SERVICE_ADMIN_FILE
+
+        try:
+            with open(os.path.join(run_dir, "service.json")) as f:
+                url = json.load(f)["url"]
+            key = os.environ.get("CLAAS_ADMIN_KEY")
+            if not key:
+                with open(os.path.join(run_dir, SERVICE_ADMIN_FILE)) as f:
+                    key = f.read().strip()
+            httpx.post(f"{url}/v1/claas/shutdown", headers={"Authorization": f"Bearer {key}"}, timeout=30)
+            print("[claas] SIGTERM: the chat API stops taking requests; final checkpoint, then exit", flush=True)
+        except (OSError, ValueError, KeyError, httpx.HTTPError) as exc:
+            print(f"[claas] SIGTERM: could not ask the chat API to shut down ({exc!r}); stopping now", flush=True)
+            os.kill(os.getpid(), signal.SIGINT)
+
+    def handler(signum, frame) -> None:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a second SIGTERM: no more grace
+        threading.Thread(target=ask, name="claas-sigterm", daemon=True).start()
+
+    signal.signal(signal.SIGTERM, handler)
 
 
 if __name__ == "__main__":

@@ -63,7 +63,8 @@ def main() -> None:
     adapters = tempfile.mkdtemp(prefix="claas_adapters_")  # the only directory adapters may be loaded from
     admin = "example-admin-key"  # adapter loads over HTTP need the admin key
     service = ChatService(backend, actor, grader=grader,
-                          config=ServiceConfig(grade_inline=True, admin_key=admin, adapter_root=adapters))
+                          config=ServiceConfig(grade_inline=True, admin_key=admin, adapter_root=adapters,
+                                               allow_keyless=True))
 
     with ServiceThread(build_app(service)) as server, ClaasServiceClient(server.url, admin_key=admin) as client:
         print(f"chat service at {server.url}/v1 serving {client.health()}")

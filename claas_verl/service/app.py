@@ -5,18 +5,24 @@ single line of code"). Each response is served as usual and, when recordable, be
 is known (grader callback or ``POST /v1/feedback``). The trainer hot-reloads new LoRA versions through
 :meth:`ChatService.load_adapter` (in process) or ``POST /v1/claas/load_adapter`` (over HTTP).
 
-Endpoints::
+Endpoints (the HTTP layer is :mod:`claas_verl.service.http_app`)::
 
-    GET  /health                    {"status": "ok", "policy_version", "model"}
+    GET  /health                    liveness: 200 {"status": "ok", ...}; 503 when the replay buffer is unreachable
+    GET  /ready                     readiness: 503 also while the service drains (intake stopped)
+    GET  /metrics                   Prometheus metrics (admin key when keys are configured)
     GET  /v1/models                 OpenAI model list (base + served adapter)
     POST /v1/chat/completions       OpenAI chat completion + a "claas" object (request id, version, record status)
-    POST /v1/feedback               {"request_id", "reward": float|null, "feedback": str|null}
-    POST /v1/claas/load_adapter     {"lora_path", "policy_version"?}  (trainer -> service hot-reload)
-    GET  /v1/claas/stats            recorder and sink counters
+    POST /v1/feedback               {"request_id", "reward": float|null, "feedback": str|null} (the turn's own key)
+    POST /v1/claas/load_adapter     {"lora_path", "policy_version"?}  (admin: trainer -> service hot-reload)
+    POST /v1/claas/shutdown         admin: stop intake, drain, end the job
+    GET  /v1/claas/stats            a key's own counters; with the admin key, every counter and every key's
 
 Request metadata (body ``metadata`` object, or headers; the body wins): ``scenario_id`` / ``X-Claas-Scenario-Id``
-(int >= 0, or any string, mapped to a stable int and kept in the entry's metadata), ``step_idx`` /
+(int in [0, 2**63), or any string, mapped to a stable int and kept in the entry's metadata), ``step_idx`` /
 ``X-Claas-Step-Idx``, ``domain`` / ``X-Claas-Domain``, ``record`` / ``X-Claas-Record`` (false/0 opts out).
+
+Every turn belongs to the API key that created it: only that key can give its feedback (another key gets 404, as
+for an unknown id). Feedback is answered ``accepted`` only once the replay buffer acknowledged the entry.
 """
 
 import asyncio
@@ -34,9 +40,18 @@ from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from claas_verl.service.backend import BackendError, ChatBackend, Generation
+import numpy as np
+
+from claas_verl.service.backend import MIXED_VERSION, BackendError, ChatBackend, Generation
 from claas_verl.service.grading import Grader, GradeRequest, normalize_grade
-from claas_verl.service.lora_reload import LoRAReloadError
+from claas_verl.service.guard import (
+    DEFAULT_TEMPLATE_KWARGS,
+    LOOPBACK_HOSTS,
+    RateLimiter,
+    bounded_int,
+    key_id,
+    template_kwargs,
+)
 from claas_verl.service.recorder import COUNTERS, TrajectoryRecorder, TurnRecord, behaviour_logprob, unrecordable_reason
 from claas_verl.service.sampling import SamplingParams, training_violations, violation_message
 from claas_verl.service.sinks import make_sink
@@ -58,11 +73,22 @@ class AuthError(PermissionError):
 
 
 class LimitError(ValueError):
-    """A request over a size limit (HTTP 413 for the body, 400 otherwise); the message names the limit."""
+    """A request over a limit (413 for the body, 429 for a rate or a full queue with ``retry_after`` seconds, 400
+    otherwise); the message names the limit."""
 
-    def __init__(self, message: str, status: int = 400):
+    def __init__(self, message: str, status: int = 400, retry_after: float | None = None):
         super().__init__(message)
         self.status = status
+        self.retry_after = retry_after
+
+
+class Unavailable(RuntimeError):
+    """The service cannot take the request now (HTTP 503): draining for shutdown, or the replay buffer did not
+    acknowledge the entry."""
+
+    def __init__(self, message: str, retry_after: float | None = None):
+        super().__init__(message)
+        self.retry_after = retry_after
 
 
 @dataclass(frozen=True)
@@ -77,8 +103,18 @@ class ServiceConfig:
         grade_inline: with a grader, grade before answering (the response then carries the final status); by
             default grading runs after the response is sent, off the chat latency.
         sweep_interval_s: how often expired pending turns are dropped in the background.
-        api_keys: accepted ``Authorization: Bearer`` keys for every endpoint except ``/health``; empty: no auth
-            (only allowed on a loopback host, see :func:`check_exposure`).
+        max_pending_per_key: pending turns one API key may hold (its oldest goes beyond); None: ``max_pending``.
+        max_pending_bytes: byte budget of the whole pending table (token arrays, texts kept for a grader).
+        max_grading: background gradings in flight; a chat beyond it is answered 429 before generating.
+        rate_limit_per_s / rate_limit_burst: per-key token bucket over chat and feedback requests (429 with
+            ``Retry-After``); None: no rate limit.
+        ack_timeout_s: how long a feedback waits for the replay buffer's acknowledgement (503 after).
+        body_timeout_s: how long a request body may take to arrive in full (408 after: a trickling client).
+        template_kwargs: the ``chat_template_kwargs`` keys a request may set (values: booleans, numbers, short
+            strings); a request never supplies a template.
+        api_keys: accepted ``Authorization: Bearer`` keys for every endpoint except ``/health`` / ``/ready``.
+        allow_keyless: serve without API keys (explicit opt-in; loopback only, ``Host``/``Origin`` checked, see
+            :func:`check_exposure`).
         admin_key: key of the admin endpoints (adapter load, shutdown); ``None`` disables them.
         adapter_root: the only directory ``POST /v1/claas/load_adapter`` loads from (a run's own output
             directory); ``None`` refuses every load over HTTP.
@@ -94,7 +130,16 @@ class ServiceConfig:
     pending_ttl_s: float = 600.0
     grade_inline: bool = False
     sweep_interval_s: float = 5.0
+    max_pending_per_key: int | None = 1024
+    max_pending_bytes: int = 256 << 20
+    max_grading: int = 256
+    rate_limit_per_s: float | None = None
+    rate_limit_burst: int = 20
+    ack_timeout_s: float = 30.0
+    body_timeout_s: float = 30.0
+    template_kwargs: tuple[str, ...] = DEFAULT_TEMPLATE_KWARGS
     api_keys: tuple[str, ...] = ()
+    allow_keyless: bool = False
     admin_key: str | None = None
     adapter_root: str | None = None
     reward: str = "binary"
@@ -105,9 +150,20 @@ class ServiceConfig:
     default_max_tokens: int | None = None
 
     def __post_init__(self):
-        if self.default_scenario_id is not None and (not isinstance(self.default_scenario_id, int)
-                                                     or self.default_scenario_id < 0):
-            raise ValueError(f"default_scenario_id must be None or an int >= 0, got {self.default_scenario_id!r}")
+        if self.default_scenario_id is not None:
+            bounded_int(self.default_scenario_id, "default_scenario_id")
+        if not self.api_keys and not self.allow_keyless:
+            raise ValueError("no API keys: set api_keys (claas.service.api_keys or CLAAS_API_KEY), or opt in to a "
+                             "keyless loopback service with allow_keyless=True")
+        if self.rate_limit_per_s is not None and not self.rate_limit_per_s > 0:
+            raise ValueError(f"rate_limit_per_s must be None or > 0, got {self.rate_limit_per_s}")
+        for name in ("max_pending_bytes", "max_grading", "rate_limit_burst"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {getattr(self, name)!r}")
+        for name in ("ack_timeout_s", "body_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        object.__setattr__(self, "template_kwargs", tuple(self.template_kwargs or ()))
         if not self.sweep_interval_s > 0:
             raise ValueError(f"sweep_interval_s must be > 0, got {self.sweep_interval_s}")
         if self.reward not in REWARD_MODES:
@@ -131,11 +187,16 @@ class ServiceConfig:
 
 
 def check_exposure(host: str, config: ServiceConfig) -> None:
-    """Refuse to serve without API keys on anything but a loopback address (anyone could feed the trainer)."""
-    if config.api_keys or host in ("127.0.0.1", "localhost", "::1"):
+    """Refuse to serve without API keys on anything but a loopback address (anyone could feed the trainer), and
+    without keys unless keyless mode was opted in to."""
+    if config.api_keys:
         return
-    raise ValueError(f"the chat service would listen on {host!r} without API keys; set claas.service.api_keys "
-                     "(or the environment variable CLAAS_API_KEY), or listen on 127.0.0.1")
+    if host not in LOOPBACK_HOSTS:
+        raise ValueError(f"the chat service would listen on {host!r} without API keys; set claas.service.api_keys "
+                         "(or the environment variable CLAAS_API_KEY), or listen on 127.0.0.1")
+    if not config.allow_keyless:
+        raise ValueError("the chat service has no API keys; set api_keys, or opt in to keyless loopback mode "
+                         "(allow_keyless)")
 
 
 def validate_reward(value: Any, mode: str) -> float | None:
@@ -143,7 +204,11 @@ def validate_reward(value: Any, mode: str) -> float | None:
     {0, 1} (``mode="binary"``) or [0, 1] (``mode="unit"``); ``ValueError`` naming the field otherwise."""
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"'reward' must be a finite number (or null for a grader error), got {value!r}")
+    if isinstance(value, int) and not 0 <= value <= 1:  # compared as an int: a 400-digit integer has no float
+        raise ValueError(f"'reward' must be in [0, 1] (SPEC A.1.4), got {str(value)[:20]}")
+    if not math.isfinite(value):
         raise ValueError(f"'reward' must be a finite number (or null for a grader error), got {value!r}")
     if mode == "binary" and value not in (0, 1):
         raise ValueError(f"'reward' must be 0 or 1 (this run uses binary rewards, SPEC A.1.4), got {value!r}")
@@ -158,12 +223,10 @@ def scenario_key_to_id(key: Any) -> tuple[int, str | None]:
     if isinstance(key, bool):
         raise ValueError(f"scenario_id must be an int >= 0 or a string, got {key!r}")
     if isinstance(key, int):
-        if key < 0:
-            raise ValueError(f"scenario_id must be >= 0, got {key}")
-        return key, None
+        return bounded_int(key, "scenario_id"), None
     if isinstance(key, str) and key:
         if key.isdigit():
-            return int(key), None
+            return bounded_int(key, "scenario_id"), None
         return zlib.crc32(key.encode()) & 0x7FFFFFFF, key
     raise ValueError(f"scenario_id must be an int >= 0 or a non-empty string, got {key!r}")
 
@@ -191,18 +254,26 @@ class ChatService:
         self.backend = backend
         self.config = config or ServiceConfig()
         self.grader = grader
-        self.recorder = TrajectoryRecorder(make_sink(sink), max_pending=self.config.max_pending,
-                                           pending_ttl_s=self.config.pending_ttl_s)
+        cfg = self.config
+        self.recorder = TrajectoryRecorder(make_sink(sink), max_pending=cfg.max_pending,
+                                           pending_ttl_s=cfg.pending_ttl_s, max_pending_per_key=cfg.max_pending_per_key,
+                                           max_pending_bytes=cfg.max_pending_bytes)
         self._tasks: set[asyncio.Task] = set()
         self.reloads = 0
         self.extra_stats = extra_stats
         self.on_shutdown = on_shutdown
         self.shutdown_requested = threading.Event()
+        self.rate_limiter = RateLimiter(cfg.rate_limit_per_s, cfg.rate_limit_burst) if cfg.rate_limit_per_s else None
+        self._key_ids = {k: key_id(k) for k in cfg.api_keys}
+        self._accepting = True  # False once intake stopped (shutdown): chat and feedback answer 503
+        self._active = 0  # chat/feedback requests inside the service
+        self._idle = threading.Condition()
 
     # ------------------------------------------------------------------ auth
-    def authorize(self, headers: Mapping[str, str], admin: bool = False) -> None:
-        """``AuthError`` unless ``headers`` carry an accepted ``Authorization: Bearer`` key (the admin key for
-        admin endpoints). Keys are compared in constant time."""
+    def authorize(self, headers: Mapping[str, str], admin: bool = False) -> str:
+        """The caller's id (``key-<hash>`` of its API key, ``"admin"``, or ``"local"`` on a keyless service);
+        ``AuthError`` unless ``headers`` carry an accepted ``Authorization: Bearer`` key (the admin key for admin
+        endpoints). Keys are compared in constant time, every one of them."""
         auth = next((v for k, v in headers.items() if k.lower() == "authorization"), "")
         token = auth[7:].strip() if auth[:7].lower() == "bearer " else ""
         if admin:
@@ -211,15 +282,58 @@ class ChatService:
                                      "(claas.service.admin_key or CLAAS_ADMIN_KEY)")
             if not token or not hmac.compare_digest(token.encode(), self.config.admin_key.encode()):
                 raise AuthError(401, "this endpoint needs the admin key: Authorization: Bearer <admin key>")
-            return
+            return "admin"
         if not self.config.api_keys:
-            return
-        ok = any(hmac.compare_digest(token.encode(), k.encode()) for k in self.config.api_keys) if token else False
-        if not ok and self.config.admin_key is not None and token:
-            ok = hmac.compare_digest(token.encode(), self.config.admin_key.encode())
-        if not ok:
+            return "local"
+        owner = None
+        for key, kid in self._key_ids.items():
+            if hmac.compare_digest(token.encode(), key.encode()) and token:
+                owner = kid
+        if owner is None and self.config.admin_key is not None and token \
+                and hmac.compare_digest(token.encode(), self.config.admin_key.encode()):
+            owner = "admin"
+        if owner is None:
             raise AuthError(401, "missing or wrong API key: send Authorization: Bearer <key> "
                                  "(OpenAI(api_key=...) does this)")
+        return owner
+
+    def rate_limit(self, owner: str) -> None:
+        """``LimitError`` 429 (with the seconds to wait) when ``owner`` is over its request rate."""
+        if self.rate_limiter is None or owner == "admin":
+            return
+        wait = self.rate_limiter.acquire(owner)
+        if wait > 0:
+            self.recorder.count("rate_limited", owner=owner)
+            raise LimitError(f"rate limit of {self.config.rate_limit_per_s:g} requests/s per API key (bursts of "
+                             f"{self.config.rate_limit_burst}) exceeded; retry after {wait:.2f}s", 429, wait)
+
+    # ------------------------------------------------------------------ intake and drain
+    @property
+    def accepting(self) -> bool:
+        return self._accepting
+
+    def stop_intake(self) -> None:
+        """From now on chat and feedback answer 503 (``/ready`` too); requests already inside finish."""
+        self._accepting = False
+
+    @contextlib.contextmanager
+    def intake(self):
+        """Wraps a chat/feedback request: 503 once intake stopped; counted so :meth:`wait_idle` can wait for it."""
+        with self._idle:
+            if not self._accepting:
+                raise Unavailable("the service is shutting down and takes no new chats or feedback", 30.0)
+            self._active += 1
+        try:
+            yield
+        finally:
+            with self._idle:
+                self._active -= 1
+                self._idle.notify_all()
+
+    def wait_idle(self, timeout_s: float = 30.0) -> bool:
+        """Block (any thread but the event loop's) until no chat/feedback request is inside; False on timeout."""
+        with self._idle:
+            return self._idle.wait_for(lambda: not self._active, timeout_s)
 
     # ------------------------------------------------------------------ chat
     def _context(self, body: dict, headers: Mapping[str, str]) -> dict:
@@ -238,14 +352,7 @@ class ChatService:
         key = pick("scenario_id", "x-claas-scenario-id")
         ctx["scenario_id"], ctx["scenario_key"] = (None, None) if key is None else scenario_key_to_id(key)
         step = pick("step_idx", "x-claas-step-idx")
-        if step is not None:
-            try:
-                step = int(step)
-            except (TypeError, ValueError):
-                raise ValueError(f"step_idx must be an int >= 0, got {step!r}") from None
-            if step < 0:
-                raise ValueError(f"step_idx must be an int >= 0, got {step}")
-        ctx["step_idx"] = step
+        ctx["step_idx"] = None if step is None else bounded_int(step, "step_idx")
         domain = pick("domain", "x-claas-domain")
         ctx["domain"] = None if domain is None else str(domain)
         ctx["client_metadata"] = {k: v for k, v in meta.items()
@@ -270,8 +377,8 @@ class ChatService:
                 raise LimitError(f"messages[{i}].content has {len(m['content'])} characters; this service accepts "
                                  f"at most {self.config.max_message_chars} per message")
 
-    def _prepare(self, body: dict, headers: Mapping[str, str] | None) -> tuple[SamplingParams, list[dict], dict,
-                                                                              dict | None]:
+    def _prepare(self, body: dict, headers: Mapping[str, str] | None, owner: str
+                 ) -> tuple[SamplingParams, list[dict], dict, dict | None]:
         """Validate a chat request: ``(params, messages, ctx, chat_template_kwargs)``; errors name the field."""
         if not isinstance(body, dict):
             raise ValueError("the request body must be a JSON object")
@@ -279,21 +386,31 @@ class ChatService:
         messages = normalize_messages(body.get("messages"))
         self._check_message_sizes(messages)
         ctx = self._context(body, headers or {})
-        kwargs = body.get("chat_template_kwargs")
-        if kwargs is not None and not isinstance(kwargs, dict):
-            raise ValueError("'chat_template_kwargs' must be an object")
+        ctx["owner"] = owner
+        kwargs = template_kwargs(body.get("chat_template_kwargs"), self.config.template_kwargs)
+        if "chat_template" in body or "tools" in body:
+            raise ValueError("'chat_template' and 'tools' are not accepted: the service renders every chat with the "
+                             "policy's own template (tool calls are not recorded)")
+        if self.grader is not None and not self.config.grade_inline and ctx["record"] \
+                and len(self._tasks) >= self.config.max_grading:
+            self.recorder.count("rejected_busy", owner=ctx["owner"])
+            raise LimitError(f"{len(self._tasks)} turns are waiting for the grader (at most "
+                             f"{self.config.max_grading}); retry shortly", 429, 1.0)
         return params, messages, ctx, kwargs
 
-    async def chat(self, body: dict, headers: Mapping[str, str] | None = None) -> dict:
-        """Serve one chat completion and record it; returns the OpenAI response dict with a ``claas`` object."""
-        params, messages, ctx, kwargs = self._prepare(body, headers)
-        request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        gen = await self.backend.generate(messages, params, kwargs)
-        self.recorder.count("served")
-        status, reason = await self._record(request_id, gen, params, messages, ctx)
-        return self._response(request_id, gen, params, status, reason, ctx)
+    async def chat(self, body: dict, headers: Mapping[str, str] | None = None, owner: str = "local") -> dict:
+        """Serve one chat completion and record it as ``owner``'s turn; returns the OpenAI response dict with a
+        ``claas`` object."""
+        with self.intake():
+            params, messages, ctx, kwargs = self._prepare(body, headers, owner)
+            request_id = f"chatcmpl-{uuid.uuid4().hex}"
+            gen = await self.backend.generate(messages, params, kwargs)
+            self.recorder.count("served", owner=owner)
+            status, reason = await self._record(request_id, gen, params, messages, ctx)
+            return self._response(request_id, gen, params, status, reason, ctx)
 
-    async def chat_stream(self, body: dict, headers: Mapping[str, str] | None = None) -> AsyncIterator[str]:
+    async def chat_stream(self, body: dict, headers: Mapping[str, str] | None = None, owner: str = "local"
+                          ) -> AsyncIterator[str]:
         """Serve one chat completion as OpenAI's server-sent events, token by token as the backend samples them.
 
         Returns once the request runs on the backend (so a refused request is still an HTTP error, not an event),
@@ -308,7 +425,9 @@ class ChatService:
         (a turn already waiting for feedback is withdrawn from the pending table). A backend failure after the
         first chunk ends the stream with an OpenAI error event, counted as ``stream_error``.
         """
-        params, messages, ctx, kwargs = self._prepare(body, headers)
+        if not self._accepting:
+            raise Unavailable("the service is shutting down and takes no new chats or feedback", 30.0)
+        params, messages, ctx, kwargs = self._prepare(body, headers, owner)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         events = self.backend.stream(messages, params, kwargs)
         try:
@@ -356,7 +475,7 @@ class ChatService:
                     yield chunk({"content": event.text}, logprobs=logprobs)
             if gen is None:
                 raise BackendError("the backend's stream ended without the complete response")
-            self.recorder.count("served")
+            self.recorder.count("served", owner=ctx["owner"])
             status, reason = await self._record(request_id, gen, params, messages, ctx)
             outcome = status
             response = self._response(request_id, gen, params, status, reason, ctx)
@@ -365,7 +484,7 @@ class ChatService:
             yield "data: [DONE]\n\n"
         except Exception as exc:  # noqa: BLE001 - a disconnect is a BaseException (CancelledError/GeneratorExit)
             # after the 200 and the first chunk, an error can only be an event (the openai client raises APIError)
-            self.recorder.count("dropped_stream_error")
+            self.recorder.count("dropped_stream_error", owner=ctx["owner"])
             delivered = True
             yield f"data: {json.dumps({'error': {'message': str(exc), 'type': 'backend_error', 'code': 502}})}\n\n"
         finally:
@@ -375,62 +494,100 @@ class ChatService:
                 # withdrawn (no feedback can come for a reply the client did not get). A turn handed to a grader
                 # or already settled keeps its outcome: the grader needs no client.
                 if outcome is None or (outcome == "pending_feedback" and self.recorder.withdraw(request_id)):
-                    self.recorder.count("dropped_disconnected")
+                    self.recorder.count("dropped_disconnected", owner=ctx["owner"])
             # shielded: a response cancelled by its disconnect must still close the backend stream
             with anyio.CancelScope(shield=True):
                 await events.aclose()
 
     async def _record(self, request_id, gen, params, messages, ctx) -> tuple[str, str | None]:
+        owner = ctx["owner"]
         if not ctx["record"]:
-            self.recorder.count("not_recorded")
+            self.recorder.count("not_recorded", owner=owner)
             return "not_recorded", "recording is off for this request"
         violations = training_violations(params)
         if violations:
-            self.recorder.count("rejected_sampling")
+            self.recorder.count("rejected_sampling", owner=owner)
             return "rejected", violation_message(violations)
         scenario_id = ctx["scenario_id"] if ctx["scenario_id"] is not None else self.config.default_scenario_id
+        if gen.finish_reason == MIXED_VERSION:
+            self.recorder.count("dropped_mixed_version", owner=owner)
+            return "dropped", "not recorded: the response's tokens came from more than one policy version"
         if gen.finish_reason not in ("stop", "length"):
             # aborted (e.g. by a weight update) or truncated by the server for any other reason: the sampled tokens
             # are not a complete draw from one policy, never an entry (counted)
-            self.recorder.count("dropped_aborted")
+            self.recorder.count("dropped_aborted", owner=owner)
             return "dropped", f"not recorded: the generation ended with finish_reason={gen.finish_reason!r}"
         why = unrecordable_reason(gen)
         if why is None and scenario_id is None:
             why = "no scenario id (send metadata.scenario_id or the X-Claas-Scenario-Id header)"
         if why is not None:
-            self.recorder.count("rejected_unrecordable")
+            self.recorder.count("rejected_unrecordable", owner=owner)
             return "rejected", f"not recorded: {why}"
         metadata = {"request_id": request_id, "model": gen.model, "finish_reason": gen.finish_reason}
         if ctx["scenario_key"] is not None:
             metadata["scenario"] = ctx["scenario_key"]
         if ctx["client_metadata"]:
             metadata["client"] = ctx["client_metadata"]
+        graded = self.grader is not None
         record = TurnRecord(
-            request_id=request_id, scenario_id=scenario_id, step_idx=ctx["step_idx"], prompt_ids=gen.prompt_ids,
-            response_ids=gen.response_ids, behaviour_logprob=behaviour_logprob(gen.token_logprobs),
-            policy_version=gen.policy_version, domain=ctx["domain"], metadata=metadata, messages=messages,
-            text=gen.text,
+            request_id=request_id, scenario_id=scenario_id, step_idx=ctx["step_idx"],
+            prompt_ids=np.asarray(gen.prompt_ids, dtype=np.int32),
+            response_ids=np.asarray(gen.response_ids, dtype=np.int32),
+            behaviour_logprob=behaviour_logprob(gen.token_logprobs), policy_version=gen.policy_version,
+            domain=ctx["domain"], metadata=metadata, owner=owner,
+            # the texts are the grader's input only: a turn waiting for feedback keeps its tokens, not its texts
+            messages=messages if graded else [], text=gen.text if graded else "",
         )
-        if self.grader is None:
-            self.recorder.hold(record)
+        if not graded:
+            if not self.recorder.hold(record):
+                return "dropped", (f"not recorded: the turn alone exceeds the pending byte budget "
+                                   f"({self.config.max_pending_bytes} bytes)")
             return "pending_feedback", None
-        self.recorder.count("graded")
+        self.recorder.count("graded", owner=owner)
         if self.config.grade_inline:
-            return await self._grade_and_finish(record)
+            return await self._grade_and_finish(record, raise_unavailable=True)
         task = asyncio.get_running_loop().create_task(self._grade_and_finish(record))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
         return "grading", None
 
-    async def _grade_and_finish(self, record: TurnRecord) -> tuple[str, str | None]:
+    async def _grade_and_finish(self, record: TurnRecord, raise_unavailable: bool = False) -> tuple[str, str | None]:
         request = GradeRequest(messages=record.messages, response_text=record.text, scenario_id=record.scenario_id,
                                step_idx=record.step_idx, metadata=dict(record.metadata))
         try:
             reward, feedback = normalize_grade(await asyncio.to_thread(self.grader, request))
         except Exception as exc:  # any grader failure is a grader error: reward None (SPEC A.1.4)
-            self.recorder.count("dropped_grader_error")
+            self.recorder.count("dropped_grader_error", owner=record.owner)
             return "dropped", f"grader error ({exc!r}): never used for training (SPEC A.1.4)"
-        return self.recorder.finish(record, reward, feedback)
+        try:
+            return await self._settle(record, reward, feedback)
+        except Unavailable as exc:
+            if raise_unavailable:
+                raise
+            return "dropped", str(exc)
+
+    async def _settle(self, record: TurnRecord, reward: float | None, feedback: str | None) -> tuple[str, str | None]:
+        """Submit ``record`` with its reward and wait for the buffer: ``("accepted", None)`` once it is in the
+        buffer, ``("refused", why)`` when the buffer refused it, ``Unavailable`` when the write failed or was not
+        acknowledged within ``ack_timeout_s`` (each counted)."""
+        status, reason, ack = self.recorder.finish(record, reward, feedback)
+        if ack is None:
+            return status, reason
+        try:
+            accepted = await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(ack)), self.config.ack_timeout_s)
+        except asyncio.TimeoutError:
+            self.recorder.count("dropped_unconfirmed", owner=record.owner)
+            raise Unavailable(f"the replay buffer did not acknowledge the entry within {self.config.ack_timeout_s:g}s;"
+                              " it may or may not have been stored", 5.0) from None
+        except Exception as exc:  # noqa: BLE001 - the actor died or the write failed: the client must know
+            self.recorder.count("dropped_buffer_error", owner=record.owner)
+            raise Unavailable(f"the replay buffer did not take the entry ({exc}); the feedback was not stored",
+                              5.0) from None
+        if accepted >= 1:
+            self.recorder.count("accepted", owner=record.owner)
+            return "accepted", None
+        self.recorder.count("dropped_buffer_refused", owner=record.owner)
+        return "refused", "the replay buffer refused the entry (a duplicate request id, or stale on arrival)"
 
     def _response(self, request_id, gen, params, status, reason, ctx) -> dict:
         n_prompt = len(gen.prompt_ids) if gen.prompt_ids is not None else 0
@@ -464,8 +621,13 @@ class ChatService:
         }
 
     # ------------------------------------------------------------------ feedback, reload, stats
-    def feedback(self, body: dict) -> dict:
-        """``POST /v1/feedback``: reward (and feedback text) for a pending turn."""
+    async def feedback(self, body: dict, owner: str = "local") -> dict:
+        """``POST /v1/feedback``: reward (and feedback text) for ``owner``'s pending turn; status ``accepted`` once the
+        buffer holds the entry (``unknown``: no such turn of this key)."""
+        with self.intake():
+            return await self._feedback(body, owner)
+
+    async def _feedback(self, body: dict, owner: str) -> dict:
         if not isinstance(body, dict):
             raise ValueError("the feedback body must be a JSON object")
         request_id = body.get("request_id", body.get("id"))
@@ -480,7 +642,10 @@ class ChatService:
             raise ValueError(f"'feedback' must be a string or null, got {type(text).__name__}")
         if text is not None and len(text) > self.config.max_message_chars:
             raise LimitError(f"'feedback' has {len(text)} characters; at most {self.config.max_message_chars}")
-        status, reason = self.recorder.feedback(request_id, reward, text)
+        record = self.recorder.take(request_id, owner)
+        if record is None:
+            return {"request_id": request_id, "status": "unknown", "reason": self.recorder.unknown_reason(request_id)}
+        status, reason = await self._settle(record, reward, text)
         return {"request_id": request_id, "status": status, "reason": reason}
 
     def adapter_path(self, path: str) -> str:
@@ -492,10 +657,20 @@ class ChatService:
         real, real_root = os.path.realpath(path), os.path.realpath(root)
         if os.path.commonpath([real, real_root]) != real_root:
             raise AuthError(403, f"'lora_path' must lie inside the run's output directory {real_root}")
+        if os.path.isdir(real):
+            for name in os.listdir(real):  # a file that is a link out of the root would be read from outside it
+                target = os.path.realpath(os.path.join(real, name))
+                if os.path.commonpath([target, real_root]) != real_root:
+                    raise AuthError(403, f"'lora_path' holds {name!r}, a link to {target} outside {real_root}")
+            if os.path.exists(os.path.join(real, "adapter_model.bin")):
+                raise ValueError("'lora_path' holds adapter_model.bin (pickled weights, which can run code when "
+                                 "loaded); save the adapter as adapter_model.safetensors")
         return real
 
     async def load_adapter(self, path: str, version: int | None = None) -> dict:
         """Serve the LoRA adapter at ``path`` as ``version`` (default current + 1); in-flight requests keep theirs."""
+        if version is not None:
+            version = bounded_int(version, "policy_version")
         new = await self.backend.load_adapter(path, version)
         self.reloads += 1
         return {"policy_version": new, "model": self.backend.served_model}
@@ -505,26 +680,48 @@ class ChatService:
         return asyncio.run(self.load_adapter(path, version))
 
     def stats(self) -> dict:
-        """Recorder counters, a ``turns`` summary (recorded, pending, completed, expired, dropped by reason), the
-        served version, and whatever ``extra_stats`` adds (the training job: buffer statistics and updates)."""
+        """The admin view: recorder counters, a ``turns`` summary (recorded, pending, completed, expired, dropped by
+        reason), per-key counters under ``keys``, the served version, and whatever ``extra_stats`` adds (the
+        training job: buffer statistics and updates)."""
         rec = self.recorder.stats()
-        sink = rec.get("sink", {})
         dropped = {name[len("dropped_"):]: rec[name] for name in COUNTERS if name.startswith("dropped_")}
-        dropped.update({name: rec[name] for name in ("rejected_sampling", "rejected_unrecordable",
-                                                     "rejected_invalid")})
-        dropped["buffer_refused"] = int(sink.get("submitted", 0)) - int(sink.get("accepted", 0)) \
-            - int(sink.get("in_flight", 0))
+        dropped.update({name: rec[name] for name in COUNTERS if name.startswith("rejected_")})
         out = {**rec, "policy_version": self.backend.policy_version, "model": self.backend.served_model,
-               "reloads": self.reloads,
+               "reloads": self.reloads, "accepting": self._accepting, "keys": self.recorder.key_stats(),
                "turns": {"served": rec["served"], "recorded": rec["pending"] + rec["graded"],
                          "pending": rec["pending_now"], "completed": rec["submitted"],
-                         "accepted": int(sink.get("accepted", 0)), "expired": rec["dropped_timeout"],
+                         "accepted": rec["accepted"], "expired": rec["dropped_timeout"],
                          "dropped": dropped}}
         if self.extra_stats is not None:
             out.update(self.extra_stats())
         return out
 
+    def user_stats(self, owner: str) -> dict:
+        """The view of one API key: its own counters and pending turns, the served model and version."""
+        return {"key_id": owner, "policy_version": self.backend.policy_version, "model": self.backend.served_model,
+                **self.recorder.key_stats(owner)[owner]}
+
+    def metrics_snapshot(self) -> dict:
+        """What :class:`~claas_verl.service.metrics.ServiceMetrics` exports (blocking: the job's extra stats)."""
+        rec = self.recorder.stats()
+        extra = self.extra_stats() if self.extra_stats is not None else {}
+        buffer = extra.get("buffer")
+        if buffer is None and hasattr(self.recorder.sink, "buffer"):
+            buffer = self.recorder.sink.buffer.stats()
+        return {"counts": {name: rec[name] for name in COUNTERS}, "keys": self.recorder.key_stats(),
+                "pending_now": rec["pending_now"], "pending_bytes": rec["pending_bytes"],
+                "policy_version": self.backend.policy_version, "buffer": buffer, "updates": extra.get("updates"),
+                "last_update_unix": extra.get("last_update_unix")}
+
+    def healthy(self) -> bool:
+        """Whether the replay buffer answers (blocking: call it off the event loop)."""
+        probe = getattr(self.recorder.sink, "healthy", None)
+        return True if probe is None else bool(probe())
+
     def request_shutdown(self) -> None:
+        """Stop intake (503 from now on), then tell the owner (a training job drains and takes its final
+        checkpoint)."""
+        self.stop_intake()
         self.shutdown_requested.set()
         if self.on_shutdown is not None:
             self.on_shutdown()
@@ -535,10 +732,18 @@ class ChatService:
             self.recorder.sweep()
 
     async def drain(self, timeout_s: float = 30.0) -> None:
-        """Wait for background gradings, then for the sink's writes in flight."""
+        """Stop intake, wait for background gradings (those still running after ``timeout_s`` are cancelled and
+        counted ``dropped_shutdown``), then for the sink's writes in flight. Turns still waiting for feedback can
+        get none any more: counted ``dropped_shutdown`` too."""
+        self.stop_intake()
         if self._tasks:
-            await asyncio.wait(list(self._tasks), timeout=timeout_s)
+            _, late = await asyncio.wait(list(self._tasks), timeout=timeout_s)
+            for task in late:
+                task.cancel()
+            if late:
+                self.recorder.count("dropped_shutdown", len(late))
         await asyncio.to_thread(self.recorder.sink.flush, timeout_s)
+        self.recorder.drop_all("dropped_shutdown")
 
 
 def _logprob_items(token_ids, logprobs) -> list[dict]:
@@ -547,126 +752,8 @@ def _logprob_items(token_ids, logprobs) -> list[dict]:
             for t, lp in zip(token_ids, logprobs)]
 
 
-def _error(status: int, message: str, kind: str = "invalid_request_error", headers: dict | None = None):
-    from fastapi.responses import JSONResponse
-
-    return JSONResponse(status_code=status, content={"error": {"message": message, "type": kind, "code": status}},
-                        headers=headers)
-
-
 def build_app(service: ChatService):
-    # No `from __future__ import annotations` in this module: FastAPI reads the `request: Request` annotations of
-    # the nested handlers at definition time, and `Request` is imported here, lazily.
-    """The FastAPI app over ``service`` (run it with uvicorn, or :class:`~claas_verl.service.server.ServiceThread`)."""
-    from fastapi import FastAPI, Request
-    from fastapi.responses import JSONResponse, StreamingResponse
+    """The FastAPI app over ``service`` (see :func:`claas_verl.service.http_app.build_app`)."""
+    from claas_verl.service.http_app import build_app as build
 
-    class _ClosingStream(StreamingResponse):
-        """Closes the event iterator when the response ends in any way. Starlette cancels a response whose client
-        disconnected, which can leave the iterator suspended at a ``yield``; closing it runs its clean-up (stop the
-        generation, count the disconnect) at once instead of whenever it is garbage-collected."""
-
-        async def __call__(self, scope, receive, send):
-            try:
-                await super().__call__(scope, receive, send)
-            finally:
-                await self.body_iterator.aclose()
-
-    @contextlib.asynccontextmanager
-    async def lifespan(app):
-        sweeper = asyncio.get_running_loop().create_task(service.sweep_forever())
-        try:
-            yield
-        finally:
-            sweeper.cancel()
-            await service.drain(timeout_s=10.0)
-            await service.backend.aclose()
-
-    app = FastAPI(title="CLaaS chat service", lifespan=lifespan)
-    limit = service.config.max_body_bytes
-
-    async def json_body(request: Request):
-        declared = request.headers.get("content-length")
-        if declared is not None and declared.isdigit() and int(declared) > limit:
-            raise LimitError(f"the request body has {declared} bytes; this service accepts at most {limit}", 413)
-        raw = bytearray()
-        async for part in request.stream():  # bounded read: a chunked body cannot exceed the limit either
-            raw += part
-            if len(raw) > limit:
-                raise LimitError(f"the request body exceeds {limit} bytes", 413)
-        try:
-            return json.loads(bytes(raw))
-        except ValueError as exc:
-            raise ValueError(f"the request body is not valid JSON: {exc}") from None
-
-    def guarded(admin: bool = False):
-        """Wrap a handler: auth first, then errors -> OpenAI-style error bodies with the right status."""
-        def wrap(fn):
-            async def handler(request: Request):
-                try:
-                    service.authorize(request.headers, admin=admin)
-                    return await fn(request)
-                except AuthError as exc:
-                    headers = {"WWW-Authenticate": "Bearer"} if exc.status == 401 else None
-                    return _error(exc.status, str(exc), "authentication_error", headers)
-                except LimitError as exc:
-                    return _error(exc.status, str(exc))
-                except ValueError as exc:
-                    return _error(400, str(exc))
-                except (LoRAReloadError, BackendError) as exc:
-                    return _error(502, str(exc), "backend_error")
-            handler.__name__ = fn.__name__
-            return handler
-        return wrap
-
-    @app.get("/health")
-    async def health():
-        return {"status": "ok", "policy_version": service.backend.policy_version,
-                "model": service.backend.served_model}
-
-    @app.get("/v1/models")
-    @guarded()
-    async def models(request: Request):
-        now = int(time.time())
-        return {"object": "list", "data": [{"id": name, "object": "model", "created": now, "owned_by": "claas"}
-                                           for name in service.backend.model_names()]}
-
-    @app.post("/v1/chat/completions")
-    @guarded()
-    async def chat(request: Request):
-        body = await json_body(request)
-        if isinstance(body, dict) and body.get("stream"):
-            events = await service.chat_stream(body, request.headers)
-            return _ClosingStream(events, media_type="text/event-stream",
-                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        return await service.chat(body, request.headers)
-
-    @app.post("/v1/feedback")
-    @guarded()
-    async def feedback(request: Request):
-        out = service.feedback(await json_body(request))
-        if out["status"] == "unknown":
-            return JSONResponse(status_code=404, content=out)
-        return out
-
-    @app.post("/v1/claas/load_adapter")
-    @guarded(admin=True)
-    async def load_adapter(request: Request):
-        body = await json_body(request)
-        path = body.get("lora_path") if isinstance(body, dict) else None
-        if not isinstance(path, str) or not path:
-            raise ValueError("'lora_path' must be the path of a peft adapter directory")
-        return await service.load_adapter(service.adapter_path(path), body.get("policy_version"))
-
-    @app.post("/v1/claas/shutdown")
-    @guarded(admin=True)
-    async def shutdown(request: Request):
-        service.request_shutdown()
-        return {"status": "stopping"}
-
-    @app.get("/v1/claas/stats")
-    @guarded()
-    async def stats(request: Request):
-        return await asyncio.to_thread(service.stats)
-
-    return app
+    return build(service)

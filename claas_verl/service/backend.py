@@ -24,6 +24,9 @@ from dataclasses import dataclass
 from claas_verl.service.sampling import SamplingParams
 from claas_verl.service.streaming import StreamStart, TokenDelta
 
+#: ``finish_reason`` of a response whose tokens came from more than one policy version (served, never recorded)
+MIXED_VERSION = "mixed_version"
+
 
 class BackendError(RuntimeError):
     """The inference backend failed (unreachable, bad response); the HTTP layer answers 502."""

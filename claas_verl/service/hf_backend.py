@@ -104,11 +104,12 @@ class HFBackend(ChatBackend):
         return prompt_ids, max_tokens
 
     async def generate(self, messages, params: SamplingParams, chat_template_kwargs=None) -> Generation:
-        prompt_ids, max_tokens = self._prepare(messages, params, chat_template_kwargs)
+        # rendering runs Jinja and the tokenizer: off the event loop, so one request never stalls the others
+        prompt_ids, max_tokens = await asyncio.to_thread(self._prepare, messages, params, chat_template_kwargs)
         return await asyncio.to_thread(self._generate_locked, prompt_ids, params, max_tokens)
 
     async def stream(self, messages, params: SamplingParams, chat_template_kwargs=None):
-        prompt_ids, max_tokens = self._prepare(messages, params, chat_template_kwargs)
+        prompt_ids, max_tokens = await asyncio.to_thread(self._prepare, messages, params, chat_template_kwargs)
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
         stop = threading.Event()

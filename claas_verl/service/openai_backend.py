@@ -115,7 +115,8 @@ class OpenAIBackend(ChatBackend):
                 raise ValueError(f"the inference server refused the request: {resp.text[:500]}")
             if resp.status_code >= 400:
                 raise BackendError(f"inference server answered HTTP {resp.status_code}: {resp.text[:500]}")
-            return self._parse(resp.json(), lease.name, lease.version, messages, chat_template_kwargs)
+            return await asyncio.to_thread(self._parse, resp.json(), lease.name, lease.version, messages,
+                                           chat_template_kwargs)
 
     async def stream(self, messages, params: SamplingParams, chat_template_kwargs=None):
         import httpx
@@ -140,7 +141,8 @@ class OpenAIBackend(ChatBackend):
                             break
             except httpx.HTTPError as exc:  # connection refused / reset, timeout
                 raise BackendError(f"inference server {self.base_url} failed mid-request: {exc!r}") from exc
-            yield self._parse(acc.response(), lease.name, lease.version, messages, chat_template_kwargs)
+            yield await asyncio.to_thread(self._parse, acc.response(), lease.name, lease.version, messages,
+                                          chat_template_kwargs)
 
     async def load_adapter(self, path, version=None) -> int:
         return await asyncio.to_thread(self._load_adapter_sync, str(path), version)
@@ -215,7 +217,8 @@ class OpenAIBackend(ChatBackend):
             response_ids=[int(t) for t in response_ids] if response_ids is not None else [],
             token_logprobs=logprobs,
             text=text,
-            finish_reason=choice.get("finish_reason") or "stop",
+            # no finish_reason: the server did not say the response is complete, so it is not (never recorded)
+            finish_reason=choice.get("finish_reason") or "incomplete",
             policy_version=version,
             model=model,
         )

@@ -6,20 +6,25 @@ GPU, the ``hf`` rollout on CPU). The service renders the chat with the policy's 
 server samples; the recorded response ids and per-token log-probs are the ones the server returned for the tokens
 it actually sampled (no local re-rendering of the response).
 
-Versions (SPEC A.1.1): the policy version of a response is the one the server reports for the request
-(``extra_fields["global_steps"]``: the update count of the weights that served it, captured when it started). The
-version the API *announces* (``/health``, new requests' expectation) is :meth:`RolloutBackend.publish`-ed by the
-trainer only after ``update_weights`` returned, i.e. after the adapter reached every replica.
+Versions (SPEC A.1.1): the policy version of a response is the one that served its first token: the server's
+``extra_fields["min_global_steps"]`` (verl's partial-rollout engines report the lowest and highest update count
+the response's tokens came from), else ``extra_fields["global_steps"]``, else the version published when the request
+started. A response whose ``min_global_steps`` and ``max_global_steps`` differ was resumed across a weight update:
+its tokens are not a draw from one policy, so it is served with ``finish_reason="mixed_version"`` and never recorded
+(counted ``dropped_mixed_version``). The version the API *announces* (``/health``, new requests' expectation) is
+:meth:`RolloutBackend.publish`-ed by the trainer only after ``update_weights`` returned, i.e. after the adapter
+reached every replica.
 """
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import uuid
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from claas_verl.service.backend import BackendError, ChatBackend, Generation
+from claas_verl.service.backend import MIXED_VERSION, BackendError, ChatBackend, Generation
 from claas_verl.service.sampling import SamplingParams
 from claas_verl.service.templating import render_prompt_ids
 
@@ -78,7 +83,9 @@ class RolloutBackend(ChatBackend):
         if unsupported:
             raise ValueError(f"the training job's rollout servers take temperature/top_p/top_k/max_tokens/seed only; "
                              f"leave {sorted(unsupported)} unset")
-        prompt_ids = render_prompt_ids(self.tokenizer, messages, chat_template_kwargs)
+        published = self._version  # the version announced when the request starts (SPEC A.1.1)
+        # Jinja and the tokenizer block: off the event loop, so one request never stalls the others
+        prompt_ids = await asyncio.to_thread(render_prompt_ids, self.tokenizer, messages, chat_template_kwargs)
         max_tokens = params.max_tokens or self.default_max_tokens
         if self.max_model_len is not None:
             room = int(self.max_model_len) - len(prompt_ids)
@@ -90,7 +97,6 @@ class RolloutBackend(ChatBackend):
                     "repetition_penalty": 1.0, "logprobs": True, "max_tokens": int(max_tokens)}
         if params.seed is not None:
             sampling["seed"] = int(params.seed)
-        published = self._version  # fallback version when a server does not report one (see below)
         try:
             out = await self._generate(uuid.uuid4().hex, prompt_ids, sampling)
         except ValueError:
@@ -100,12 +106,15 @@ class RolloutBackend(ChatBackend):
         tokens = [int(t) for t in out.token_ids]
         logps = None if out.log_probs is None else [float(x) for x in out.log_probs]
         extra = getattr(out, "extra_fields", None) or {}
-        served = extra.get("global_steps")
+        first, last = extra.get("min_global_steps"), extra.get("max_global_steps")
+        served = first if first is not None else extra.get("global_steps")
         # A server that reports no version: the version published when the request started, which is never newer
         # than the served one (publish follows the push), so age eviction can only be conservative.
         version = int(served) if served is not None else published
         stop = str(getattr(out, "stop_reason", "") or "")
-        if stop in _ABORTED:
+        if first is not None and last is not None and int(first) != int(last):
+            finish = MIXED_VERSION  # resumed across an update: tokens from versions first..last
+        elif stop in _ABORTED:
             finish = "abort"
         elif tokens and tokens[-1] in self.eos_token_ids:
             finish = "stop"

@@ -36,15 +36,28 @@ def normalize_messages(messages: Any) -> list[dict]:
     return out
 
 
+#: How much longer than its messages a rendered chat may be: role markers and a template's own system text. A template
+#: argument that makes the template expand beyond this is refused (the prompt would not be what the client sent).
+TEMPLATE_OVERHEAD_CHARS = 16_384
+TEMPLATE_OVERHEAD_PER_MESSAGE = 256
+
+
 def render_prompt_ids(tokenizer, messages: list[dict], chat_template_kwargs: dict | None = None) -> list[int]:
     """Token ids of the chat context with the generation prompt appended (what the policy is conditioned on).
 
     Rendered to text first and then encoded without extra special tokens, the same path vLLM's chat endpoint takes,
-    so the ids match what a vLLM server sees for the same template.
+    so the ids match what a vLLM server sees for the same template. Blocking (Jinja, the tokenizer): the service
+    calls it in a worker thread. A rendering longer than the messages plus ``TEMPLATE_OVERHEAD_CHARS`` (and
+    ``TEMPLATE_OVERHEAD_PER_MESSAGE`` per message) is refused with a ``ValueError`` naming ``chat_template_kwargs``.
     """
     text = tokenizer.apply_chat_template(
         messages, add_generation_prompt=True, tokenize=False, **(chat_template_kwargs or {})
     )
+    bound = sum(len(m["content"]) for m in messages) + TEMPLATE_OVERHEAD_CHARS \
+        + TEMPLATE_OVERHEAD_PER_MESSAGE * len(messages)
+    if len(text) > bound:
+        raise ValueError(f"the chat template rendered {len(text)} characters from messages allowing at most {bound}; "
+                         "'chat_template_kwargs' must not expand the prompt")
     return [int(t) for t in tokenizer.encode(text, add_special_tokens=False)]
 
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 import importlib.metadata
 import importlib.util
 import os
+import secrets
 import socket
 import subprocess
 import sys
@@ -73,6 +74,9 @@ class VLLMServer:
         log_path: where the server's stdout/stderr go (default: a temporary file; :attr:`log_path`).
         startup_timeout_s: how long :meth:`start` waits for ``/health`` (vLLM on 2 CPU cores: about 2 minutes).
         python: interpreter that runs the server (default: this one).
+        api_key: the key every request to the server must carry (default: a fresh random one, :attr:`api_key`);
+            passed as ``VLLM_API_KEY`` so it never shows in the process list. Without it any local process could
+            load any adapter path into the server (``POST /v1/load_lora_adapter``).
     """
 
     def __init__(self, model: str | os.PathLike, *, served_model_name: str = "tiny", host: str = "127.0.0.1",
@@ -81,7 +85,7 @@ class VLLMServer:
                  kv_cache_gib: int = 1, gpu_memory_utilization: float = 0.2, seed: int = 0,
                  extra_args: Sequence[str] = (), env: dict[str, str] | None = None,
                  log_path: str | os.PathLike | None = None, startup_timeout_s: float = 900.0,
-                 python: str = sys.executable):
+                 python: str = sys.executable, api_key: str | None = None):
         if kv_cache_gib < 1:
             raise ValueError(f"kv_cache_gib={kv_cache_gib}: VLLM_CPU_KVCACHE_SPACE takes whole GiB, use >= 1")
         self.model = str(model)
@@ -105,6 +109,7 @@ class VLLMServer:
         self.startup_timeout_s = startup_timeout_s
         self.python = python
         self.proc: subprocess.Popen | None = None
+        self.api_key = api_key or secrets.token_urlsafe(32)
 
     @property
     def url(self) -> str:
@@ -130,6 +135,7 @@ class VLLMServer:
         if self.device == "cpu":
             env["VLLM_CPU_KVCACHE_SPACE"] = str(self.kv_cache_gib)
         env.update(self.extra_env)
+        env["VLLM_API_KEY"] = self.api_key  # vLLM's --api-key, kept out of the command line
         return env
 
     def log_tail(self, chars: int = 4000) -> str:
@@ -197,7 +203,7 @@ class VLLMServer:
         """Names the server lists at ``GET /v1/models`` (the base model and every loaded LoRA adapter)."""
         import httpx
 
-        resp = httpx.get(f"{self.url}/v1/models", timeout=30)
+        resp = httpx.get(f"{self.url}/v1/models", headers={"Authorization": f"Bearer {self.api_key}"}, timeout=30)
         resp.raise_for_status()
         return [m["id"] for m in resp.json()["data"]]
 

@@ -8,7 +8,7 @@ import tempfile
 import torch
 
 from claas_verl.replay import ReplayBuffer
-from claas_verl.service import ChatService, ServiceConfig, build_app
+from claas_verl.service import ChatBackend, ChatService, Generation, ServiceConfig, build_app
 from claas_verl.service.server import ServiceThread
 
 ADMIN = "test-admin-key"  # admin key of running_service (adapter loads need it)
@@ -28,6 +28,8 @@ def running_service(backend, sink, grader=None, **config):
 
     Adapter loads over HTTP need ``ADMIN`` and a path under the temp directory unless the test overrides them."""
     config.setdefault("admin_key", ADMIN)
+    if not config.get("api_keys"):
+        config.setdefault("allow_keyless", True)  # a loopback test service: keyless by explicit opt-in
     config.setdefault("adapter_root", tempfile.gettempdir())
     service = ChatService(backend, sink, grader=grader, config=ServiceConfig(**config))
     server = ServiceThread(build_app(service)).start()
@@ -54,3 +56,34 @@ def recompute_token_logprobs(model, prompt_ids, response_ids) -> list[float]:
 def recompute_logprob(model, prompt_ids, response_ids) -> float:
     """Σ_j log_softmax(logits/1)[y_j] (see :func:`recompute_token_logprobs`), summed in fp64."""
     return float(torch.tensor(recompute_token_logprobs(model, prompt_ids, response_ids), dtype=torch.float64).sum())
+
+
+class Scripted(ChatBackend):
+    """A backend answering every chat with the same three tokens (log-probs -1, -2, -3); ``delay_s`` makes each
+    generation take that long (a busy model), without blocking the event loop."""
+
+    def __init__(self, delay_s: float = 0.0):
+        self.delay_s = delay_s
+        self.version = 0
+        self.seen_kwargs: list = []
+
+    @property
+    def served_model(self):
+        return "scripted"
+
+    @property
+    def policy_version(self):
+        return self.version
+
+    async def generate(self, messages, params, chat_template_kwargs=None):
+        import asyncio
+
+        self.seen_kwargs.append(chat_template_kwargs)
+        if self.delay_s:
+            await asyncio.sleep(self.delay_s)
+        return Generation(prompt_ids=[1, 2, 3], response_ids=[7, 8, 2], token_logprobs=[-1.0, -2.0, -3.0],
+                          text="ok!", finish_reason="stop", policy_version=self.version, model="scripted")
+
+    async def load_adapter(self, path, version=None):
+        self.version = self.version + 1 if version is None else version
+        return self.version

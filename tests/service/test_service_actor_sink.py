@@ -93,16 +93,22 @@ class SlowActorHandle:
         self.add = _Add()
 
 
-def test_a_slow_buffer_never_delays_the_client():
+def test_a_slow_buffer_delays_only_the_feedback_it_acknowledges():
+    """A busy buffer (a 3 s write) never delays a chat or /health; the feedback is answered ``accepted`` only once the
+    write completed, so an acknowledged reward is in the buffer."""
     handle = SlowActorHandle(delay_s=3.0)
     sink = make_sink(handle)
     with running_service(ScriptedBackend(), sink) as (_, url), ClaasServiceClient(url) as client:
         r = client.chat(USER)
+        out = {}
+        waiter = threading.Thread(target=lambda: out.update(fb=client.feedback(r["id"], 1.0)))
         t0 = time.monotonic()
-        assert client.feedback(r["id"], 1.0)["status"] == "submitted"
-        assert time.monotonic() - t0 < 2.0  # the write (3 s) is still running
-        assert client.stats()["sink"]["in_flight"] == 1 and handle.received == []
-        assert sink.flush(10)
+        waiter.start()
+        time.sleep(0.5)
+        assert client.health()["status"] == "ok" and client.chat(USER)["claas"]["record"] == "pending_feedback"
+        assert time.monotonic() - t0 < 2.0 and "fb" not in out and handle.received == []
+        waiter.join(30)
+        assert out["fb"]["status"] == "accepted" and time.monotonic() - t0 >= 3.0
     assert [e.uid for e in handle.received] == [r["id"]]
     assert sink.stats() == {"submitted": 1, "accepted": 1, "errors": 0, "in_flight": 0}
 

@@ -44,7 +44,7 @@ def test_chat_round_trip_records_exact_behaviour_logprob(backend, reference_mode
         assert [m["id"] for m in client.models()["data"]] == ["claas-hf"]
         resp = client.chat(USER, step_idx=2, headers={"X-Claas-Scenario-Id": "7"}, max_tokens=6, seed=3)
     claas = resp["claas"]
-    assert claas["record"] == "submitted" and claas["reason"] is None and claas["policy_version"] == 0
+    assert claas["record"] == "accepted" and claas["reason"] is None and claas["policy_version"] == 0
     assert resp["choices"][0]["message"]["role"] == "assistant"
     [entry] = buf.entries()
     assert entry.uid == resp["id"] == claas["request_id"]
@@ -69,7 +69,7 @@ def test_eos_token_is_part_of_the_response_and_its_logprob(backend, reference_mo
     try:
         with running_service(backend, buf) as (_, url), ClaasServiceClient(url) as client:
             resp = client.chat(USER, max_tokens=6)
-            assert client.feedback(resp["id"], 0.0)["status"] == "submitted"
+            assert client.feedback(resp["id"], 0.0)["status"] == "accepted"
     finally:
         backend.eos_token_ids = saved
     assert resp["choices"][0]["finish_reason"] == "stop"
@@ -87,7 +87,7 @@ def test_feedback_flow_and_unknown_ids(backend):
         assert resp["claas"]["record"] == "pending_feedback"
         assert len(buf) == 0 and client.stats()["pending_now"] == 1
         out = client.feedback(rid, 0.0, "you revealed the word")
-        assert out == {"request_id": rid, "status": "submitted", "reason": None}
+        assert out == {"request_id": rid, "status": "accepted", "reason": None}
         # The same id twice: 404, counted, nothing added.
         again = httpx.post(f"{url}/v1/feedback", json={"request_id": rid, "reward": 1.0})
         assert again.status_code == 404 and again.json()["status"] == "unknown"
@@ -217,7 +217,7 @@ def test_concurrent_requests_are_recorded_exactly_once(backend):
                 with ClaasServiceClient(url) as client:
                     for i in range(2):
                         resp = client.chat(USER, scenario_id=w, step_idx=i, max_tokens=3)
-                        assert client.feedback(resp["id"], float(w % 2))["status"] == "submitted"
+                        assert client.feedback(resp["id"], float(w % 2))["status"] == "accepted"
                         with lock:
                             ids.append(resp["id"])
             except BaseException as exc:  # surfaced in the main thread below

@@ -68,7 +68,7 @@ def test_reload_increments_version_and_later_entries_carry_it(tiny, tmp_path):
         r5 = client.chat(USER, max_tokens=5)
         assert r5["claas"]["policy_version"] == 5
         for r in (r0, r1, r5):
-            assert client.feedback(r["id"], 1.0)["status"] == "submitted"
+            assert client.feedback(r["id"], 1.0)["status"] == "accepted"
         assert client.stats()["reloads"] == 2
     by_uid = {e.uid: e for e in buf.entries()}
     e0, e1, e5 = by_uid[r0["id"]], by_uid[r1["id"]], by_uid[r5["id"]]

@@ -149,7 +149,7 @@ def test_forwarding_requests_logprobs_and_records_the_exact_sum(fake):
     backend = OpenAIBackend(fake.url + "/v1", "base", default_max_tokens=32)
     with running_service(backend, buf) as (_, url), ClaasServiceClient(url, admin_key=ADMIN) as client:
         resp = client.chat(USER, scenario_id=4, step_idx=1, logprobs=True)
-        assert client.feedback(resp["id"], 1.0, "ok")["status"] == "submitted"
+        assert client.feedback(resp["id"], 1.0, "ok")["status"] == "accepted"
     [sent] = fake.chats
     # SPEC §0: every sampling field is sent explicitly (vLLM would otherwise fill them from generation_config).
     assert sent["model"] == "base" and sent["messages"] == USER
@@ -174,7 +174,7 @@ def test_legacy_server_ids_from_tokens_and_prompt_from_local_template(fake):
     backend = OpenAIBackend(fake.url, "base", tokenizer=tok)
     with running_service(backend, buf) as (_, url), ClaasServiceClient(url, admin_key=ADMIN) as client:
         resp = client.chat(USER)
-        assert client.feedback(resp["id"], 0.0)["status"] == "submitted"
+        assert client.feedback(resp["id"], 0.0)["status"] == "accepted"
     [entry] = buf.entries()
     from claas_verl.service.templating import render_prompt_ids
 
@@ -234,7 +234,7 @@ def test_in_flight_request_keeps_its_version_and_delays_the_unload(fake, tmp_pat
         t.join(20)
         assert _wait(lambda: fake.unloads == [{"lora_name": "claas-v1"}])
         assert result["model"] == "claas-v1" and result["claas"]["policy_version"] == 1
-        assert client.feedback(result["id"], 1.0)["status"] == "submitted"
+        assert client.feedback(result["id"], 1.0)["status"] == "accepted"
         after = client.chat(USER)
         assert after["claas"]["policy_version"] == 2 and fake.chats[-1]["model"] == "claas-v2"
     [entry] = buf.entries()
@@ -320,7 +320,7 @@ def test_streaming_forwards_tokens_as_vllm_sends_them_and_records_the_same_entry
         plain = client.chat.completions.create(model="claas", messages=USER)
         for rid in (chunks[0].id, plain.id):
             assert httpx.post(f"{url}/v1/feedback", json={"request_id": rid, "reward": 1}).json()["status"] \
-                == "submitted"
+                == "accepted"
     streamed_body, plain_body = fake.chats[0], fake.chats[1]
     assert streamed_body["stream"] is True and plain_body["stream"] is False
     assert {k: v for k, v in streamed_body.items() if k not in ("stream", "model")} == \

@@ -4,15 +4,16 @@ streaming, and the job's rollout backend (scripted servers, no model: these run 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import math
 from types import SimpleNamespace
 
 import httpx
 import pytest
+import service_helpers
 from openai import APIStatusError, AuthenticationError, OpenAI
-from service_helpers import USER, big_buffer, running_service
+from service_helpers import ADMIN, USER, big_buffer, running_service
 
-from claas_verl.service import ChatBackend, Generation
 from claas_verl.service.app import validate_reward
 from claas_verl.service.rollout_backend import RolloutBackend
 from claas_verl.tiny import ensure_tiny
@@ -20,24 +21,16 @@ from claas_verl.tiny import ensure_tiny
 KEY = "sk-test-key"
 
 
-class Scripted(ChatBackend):
-    """Three tokens with log-probs -1, -2, -3; ``finish`` is what the server reported."""
+class Scripted(service_helpers.Scripted):
+    """The helpers' scripted backend; ``finish`` is what the server reported, and it loads no adapter."""
 
     def __init__(self, finish: str = "stop"):
+        super().__init__()
         self.finish = finish
-        self.version = 0
-
-    @property
-    def served_model(self):
-        return "scripted"
-
-    @property
-    def policy_version(self):
-        return self.version
 
     async def generate(self, messages, params, chat_template_kwargs=None):
-        return Generation(prompt_ids=[1, 2, 3], response_ids=[7, 8, 2], token_logprobs=[-1.0, -2.0, -3.0],
-                          text="ok!", finish_reason=self.finish, policy_version=self.version, model="scripted")
+        gen = await super().generate(messages, params, chat_template_kwargs)
+        return dataclasses.replace(gen, finish_reason=self.finish)
 
     async def load_adapter(self, path, version=None):
         raise ValueError("no adapters")
@@ -66,8 +59,10 @@ def test_openai_client_plain_and_streamed_with_claas_fields():
         headers = {"Authorization": f"Bearer {KEY}"}
         for rid, reward in ((r.id, 1), (sclaas["request_id"], 0)):
             out = httpx.post(f"{url}/v1/feedback", json={"request_id": rid, "reward": reward}, headers=headers)
-            assert out.json()["status"] == "submitted"
-        stats = httpx.get(f"{url}/v1/claas/stats", headers=headers).json()
+            assert out.json()["status"] == "accepted"
+        mine = httpx.get(f"{url}/v1/claas/stats", headers=headers).json()  # a user key sees its own counts
+        assert mine["key_id"].startswith("key-") and mine["accepted"] == 2 and "turns" not in mine
+        stats = httpx.get(f"{url}/v1/claas/stats", headers={"Authorization": f"Bearer {ADMIN}"}).json()
     # The streamed turn is recorded exactly like the plain one.
     entries = sorted(buf.entries(), key=lambda e: e.P)
     assert [(e.uid, e.P, e.reward, e.behaviour_logprob) for e in entries] == [

@@ -89,7 +89,7 @@ def test_tokens_reach_the_client_while_the_model_generates(backend):
             head, final = chunks[0], chunks[-1]
             rid = head.id
             for r in (rid, plain.id):
-                assert service.feedback({"request_id": r, "reward": 1})["status"] == "submitted"
+                assert asyncio.run(service.feedback({"request_id": r, "reward": 1}))["status"] == "accepted"
     finally:
         gate.remove()
     # OpenAI's chunk format: role delta first, then content deltas, the last chunk with finish_reason and usage.
@@ -179,7 +179,7 @@ def test_a_backend_without_token_streaming_still_streams_one_delta():
 def test_final_chunk_lost_withdraws_the_pending_turn():
     """A client gone while the final chunk was being sent (the response is closed at that chunk): the turn that was
     just put in the pending table is withdrawn and counted once, never left to expire."""
-    service = ChatService(Scripted(), big_buffer(), config=ServiceConfig())
+    service = ChatService(Scripted(), big_buffer(), config=ServiceConfig(allow_keyless=True))
 
     async def run():
         events = await service.chat_stream({"messages": USER, "stream": True})

@@ -93,15 +93,25 @@ def test_behaviour_logprob_is_the_exact_sum_clamped_at_zero():
     assert behaviour_logprob([0.0, 1e-7]) == 0.0  # fp16 rounding above 0 is clamped, not stored as positive
 
 
+def _feedback(rec: TrajectoryRecorder, rid: str, reward, text=None, owner: str = "local"):
+    """What the service does for POST /v1/feedback: take the key's pending turn, finish it; ``(status, reason)``."""
+    record = rec.take(rid, owner)
+    if record is None:
+        return "unknown", rec.unknown_reason(rid)
+    status, reason, ack = rec.finish(record, reward, text)
+    assert ack is None or ack.result(timeout=10) in (0, 1)
+    return status, reason
+
+
 def test_feedback_submits_and_reward_none_drops():
     buf = ReplayBuffer(10, 1, 5)
     rec = TrajectoryRecorder(LocalBufferSink(buf))
     rec.hold(_record("a"))
     rec.hold(_record("b"))
-    assert rec.feedback("a", 1.0, "fine") == ("submitted", None)
-    status, reason = rec.feedback("b", None)
+    assert _feedback(rec, "a", 1.0, "fine") == ("submitted", None)
+    status, reason = _feedback(rec, "b", None)
     assert status == "dropped" and "SPEC A.1.4" in reason
-    assert rec.feedback("a", 1.0)[0] == "unknown"
+    assert _feedback(rec, "a", 1.0)[0] == "unknown"
     [entry] = buf.entries()
     assert (entry.uid, entry.reward, entry.feedback, entry.n_tokens) == ("a", 1.0, "fine", 2)
     s = rec.stats()
@@ -122,13 +132,13 @@ def test_pending_timeout_and_overflow_are_counted():
     assert rec.sweep() == 2
     s = rec.stats()
     assert (s["dropped_overflow"], s["dropped_timeout"], s["pending_now"]) == (1, 2, 0)
-    assert rec.feedback("b", 1.0)[0] == "unknown"
+    assert _feedback(rec, "b", 1.0)[0] == "unknown"
 
 
 def test_invalid_entry_is_rejected_with_the_field_named():
     rec = TrajectoryRecorder(LocalBufferSink(ReplayBuffer(10, 1, 5)))
     rec.hold(_record("x", logprob=0.5))  # a positive "log-prob" is an NLL stored with the wrong sign
-    status, reason = rec.feedback("x", 1.0)
+    status, reason = _feedback(rec, "x", 1.0)
     assert status == "rejected" and "behaviour_logprob" in reason
     assert rec.stats()["rejected_invalid"] == 1
 
@@ -191,3 +201,15 @@ def test_scenario_keys_map_to_stable_ints():
     for bad in (-1, "", True, 1.5):
         with pytest.raises(ValueError, match="scenario_id"):
             scenario_key_to_id(bad)
+
+
+def test_the_vllm_server_is_started_with_an_api_key_kept_off_its_command_line(tmp_path):
+    from claas_verl.service.vllm_launcher import VLLMServer
+
+    server = VLLMServer(tmp_path, device="cpu", log_path=tmp_path / "log")
+    other = VLLMServer(tmp_path, device="cpu", log_path=tmp_path / "log")
+    assert len(server.api_key) >= 32 and server.api_key != other.api_key  # a fresh key per server
+    assert server.environment()["VLLM_API_KEY"] == server.api_key
+    assert server.api_key not in " ".join(server.command())  # not readable from the process list
+    assert VLLMServer(tmp_path, device="cpu", log_path=tmp_path / "log", api_key="k").environment()["VLLM_API_KEY"] \
+        == "k"

@@ -16,6 +16,7 @@ Run: ``make test-vllm`` (or ``.venv-vllm/bin/python -m pytest -q -m vllm tests/s
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 
@@ -51,13 +52,13 @@ def test_recorded_behaviour_logprobs_equal_a_fresh_hf_forward(vllm_server, tiny,
     tok = AutoTokenizer.from_pretrained(str(tiny.student))
     base = hf_fp32(tiny.student)
     buf = big_buffer()
-    backend = OpenAIBackend(vllm_server.url, "tiny", default_max_tokens=48)
+    backend = OpenAIBackend(vllm_server.url, "tiny", default_max_tokens=48, api_key=vllm_server.api_key)
     replies = []
     with running_service(backend, buf) as (_, url), ClaasServiceClient(url) as client:
         for seed in range(4):
             r = client.chat(USER, seed=seed, logprobs=True)
             assert r["claas"]["record"] == "pending_feedback" and r["claas"]["policy_version"] == 0, r["claas"]
-            assert client.feedback(r["claas"]["request_id"], 1.0)["status"] == "submitted"
+            assert client.feedback(r["claas"]["request_id"], 1.0)["status"] == "accepted"
             replies.append(r)
     entries = {e.uid: e for e in buf.entries()}
     assert len(entries) == 4
@@ -84,7 +85,7 @@ def test_lora_hot_reload_changes_the_policy_and_in_flight_requests_keep_their_ve
     peft2 = random_lora(tmp_path / "a2", seed=2)
     base = hf_fp32(tiny.student)
     buf = big_buffer()
-    backend = OpenAIBackend(vllm_server.url, "tiny", default_max_tokens=48)
+    backend = OpenAIBackend(vllm_server.url, "tiny", default_max_tokens=48, api_key=vllm_server.api_key)
     probe = dict(seed=7, logprobs=True)
     with running_service(backend, buf) as (_, url), ClaasServiceClient(url, admin_key=ADMIN) as client:
         p0 = client.chat(USER, **probe)
@@ -154,7 +155,7 @@ def test_streaming_from_vllm_is_token_by_token_and_records_what_a_plain_turn_rec
     from openai import OpenAI
 
     buf = big_buffer()
-    backend = OpenAIBackend(vllm_server.url, "tiny", default_max_tokens=48)
+    backend = OpenAIBackend(vllm_server.url, "tiny", default_max_tokens=48, api_key=vllm_server.api_key)
     base = hf_fp32(tiny.student)
     with running_service(backend, buf) as (service, url):
         client = OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=300)
@@ -183,14 +184,15 @@ def test_streaming_from_vllm_is_token_by_token_and_records_what_a_plain_turn_rec
             assert sclaas["record"] == "pending_feedback", sclaas
             if sum(1 for c in streamed if c.choices and c.choices[0].delta.content) >= 3:
                 break
-            assert service.feedback({"request_id": sclaas["request_id"], "reward": 0})["status"] == "submitted"
+            out = asyncio.run(service.feedback({"request_id": sclaas["request_id"], "reward": 0}))
+            assert out["status"] == "accepted"
         else:
             pytest.fail("no seed gave a reply of 3 content chunks or more")
         plain = client.chat.completions.create(model="tiny", messages=USER, seed=seed, logprobs=True)
         assert plain.model_extra["claas"]["record"] == "pending_feedback"
         assert "".join(c.choices[0].delta.content or "" for c in streamed) == plain.choices[0].message.content
         for rid in (sclaas["request_id"], plain.id):
-            assert service.feedback({"request_id": rid, "reward": 1})["status"] == "submitted"
+            assert asyncio.run(service.feedback({"request_id": rid, "reward": 1}))["status"] == "accepted"
 
         # A client that leaves mid-stream: the service closes its upstream request (vLLM aborts a request whose
         # connection closed), releases the adapter lease and counts the turn; the server serves on.

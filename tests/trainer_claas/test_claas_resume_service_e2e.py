@@ -48,7 +48,7 @@ def _turn(http: httpx.Client, i: int) -> None:
     r.raise_for_status()
     rid = r.json()["claas"]["request_id"]
     assert http.post("/v1/feedback", headers=auth, json={"request_id": rid, "reward": i % 2}).json()["status"] == \
-        "submitted"
+        "accepted"
 
 
 def _trace(run_dir: Path) -> list[dict]:
@@ -110,7 +110,6 @@ def test_killed_service_job_resumes_from_its_checkpoint(tmp_path):
     try:
         info = _wait_api(proc, run_dir, tmp_path / "run2.log")
         http = httpx.Client(base_url=info["url"], timeout=120)
-        auth = {"Authorization": f"Bearer {KEY}"}
         resume = next(r for r in _trace(run_dir)[len(killed):] if r["event"] == "resume")
         assert resume["global_steps"] == resume["k"] == n
         assert resume["buffer_uids"] == [slot[0].uid for slot in snap["slots"]] == saved["buffer"]["uids"]
@@ -122,7 +121,7 @@ def test_killed_service_job_resumes_from_its_checkpoint(tmp_path):
             assert time.monotonic() < deadline and proc.poll() is None, "no update after the resume"
             _turn(http, i)
             i += 1
-        stats = http.get("/v1/claas/stats", headers=auth).json()
+        stats = http.get("/v1/claas/stats", headers={"Authorization": f"Bearer {ADMIN}"}).json()
         assert stats["buffer"]["update_count"] == stats["updates"] == stats["policy_version"] > n
         assert stats["resumes"][-1]["global_steps"] == n
         assert http.post("/v1/claas/shutdown", headers={"Authorization": f"Bearer {ADMIN}"}).status_code == 200

@@ -352,13 +352,14 @@ def test_chat_api_writes_pause_and_drain_for_a_capture():
     assert not drained.is_set()  # the capture waits for the write in flight and its EMA callback
     pending[0].set_result(1)
     assert drained.wait(2) and accepted == [1]
-    writer = threading.Thread(target=sink.submit, args=([_entry("b", 1, 0.0)],))
-    writer.start()
-    time.sleep(0.05)
-    assert len(pending) == 1  # blocked by the capture
+    t0 = time.monotonic()
+    queued = sink.submit([_entry("b", 1, 0.0)])  # returns at once (the chat API's event loop never waits) ...
+    assert time.monotonic() - t0 < 0.05 and not queued.done()
+    assert len(pending) == 1  # ... but is sent only after the capture
     t.join()
-    writer.join(2)
-    assert len(pending) == 2 and sink.stats()["in_flight"] == 1
+    assert len(pending) == 2 and sink.stats()["in_flight"] == 1 and not queued.done()
+    pending[1].set_result(1)
+    assert queued.result(2) == 1 and accepted == [1, 1]  # acknowledged once the buffer took it
 
 
 def test_stream_identity_ignores_the_later_split_groups_keys_at_their_defaults():

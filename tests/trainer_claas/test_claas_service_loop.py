@@ -7,7 +7,8 @@ every turn until the trainer updated the adapter, and checks that
 - ``/health`` reports the new version only once it is served, and the next reply carries it (``claas`` object);
 - the buffer's ``k`` is the number of updates and equals the announced version; every update pushed a new adapter;
 - every completed turn reached the buffer once, and the EMA baseline saw exactly the accepted rewards;
-- an admin shutdown ends the job cleanly with ``service_stats.json``.
+- a SIGTERM to the driver ends the job cleanly (the chat API's admin shutdown: intake stops, the trainer takes a
+  final checkpoint) with ``service_stats.json``.
 """
 
 from __future__ import annotations
@@ -67,16 +68,17 @@ def test_service_loop_trains_on_chats_and_serves_the_new_adapter(tmp_path):
                 claas = client.chat.completions.create(model="claas", messages=messages).model_extra["claas"]
             assert claas["record"] == "pending_feedback", claas
             r = http.post("/v1/feedback", json={"request_id": claas["request_id"], "reward": i % 2}, headers=auth)
-            assert r.json()["status"] == "submitted"
+            assert r.json()["status"] == "accepted"
             served.append(claas["policy_version"])
             i += 1
         version = http.get("/health").json()["policy_version"]
         nxt = client.chat.completions.create(model="claas", messages=[{"role": "user", "content": "And now?"}])
         assert nxt.model_extra["claas"]["policy_version"] >= version >= 1
         assert served[0] == 0 and served == sorted(served)
-        stats = http.get("/v1/claas/stats", headers=auth).json()
+        stats = http.get("/v1/claas/stats", headers={"Authorization": f"Bearer {ADMIN}"}).json()
+        assert "turns" not in http.get("/v1/claas/stats", headers=auth).json()  # a user key sees its own counts
         assert http.post("/v1/claas/shutdown", headers=auth).status_code == 401  # API key is not the admin key
-        assert http.post("/v1/claas/shutdown", headers={"Authorization": f"Bearer {ADMIN}"}).status_code == 200
+        proc.send_signal(signal.SIGTERM)  # to the driver: intake stops, the trainer drains and checkpoints
         assert proc.wait(timeout=600) == 0, (tmp_path / "job.log").read_text()[-4000:]
     finally:
         if proc.poll() is None:
@@ -95,3 +97,7 @@ def test_service_loop_trains_on_chats_and_serves_the_new_adapter(tmp_path):
         u["served_version_0"] for u in updates)
     final = json.loads((run_dir / "service_stats.json").read_text())
     assert final["updates"] == len(updates) and final["service"]["turns"]["completed"] == i
+    assert not final["service"]["accepting"]  # intake stopped before the final capture
+    checkpoint = json.loads((run_dir / f"global_step_{len(updates)}" / "claas" / "state.json").read_text())
+    # captured after intake stopped: every reward the API acknowledged is in the final checkpoint's buffer
+    assert checkpoint["global_steps"] == len(updates) and checkpoint["service"]["accepted"] == i

@@ -99,7 +99,11 @@ class ServiceSection:
     ({0, 1}) or ``unit`` ([0, 1]). ``max_tokens``: the largest response a request may ask for (default
     ``claas.producer.max_new_tokens``, also the default budget). Limits: ``max_body_bytes`` (413),
     ``max_messages`` / ``max_message_chars`` (400); ``max_pending`` turns await feedback at most
-    ``pending_ttl_s`` seconds (expiry and overflow are counted in ``/v1/claas/stats``).
+    ``pending_ttl_s`` seconds (expiry and overflow are counted in ``/v1/claas/stats``), at most
+    ``max_pending_per_key`` per key and ``max_pending_bytes`` in all; ``rate_limit_per_s`` / ``rate_limit_burst``:
+    per-key request rate (429). ``allow_keyless``: serve without keys (127.0.0.1 only). Connections:
+    ``limit_concurrency`` (503 beyond), ``header_timeout_s``, ``body_timeout_s`` (408); behind a TLS reverse proxy
+    ``proxy_headers`` trusts ``X-Forwarded-*`` from ``forwarded_allow_ips``.
     """
 
     enabled: bool = False
@@ -115,6 +119,16 @@ class ServiceSection:
     max_body_bytes: int = 1 << 20
     max_messages: int = 256
     max_message_chars: int = 32_768
+    allow_keyless: bool = False
+    max_pending_per_key: int | None = 1024
+    max_pending_bytes: int = 256 << 20
+    rate_limit_per_s: float | None = None
+    rate_limit_burst: int = 20
+    limit_concurrency: int = 512
+    header_timeout_s: float = 10.0
+    body_timeout_s: float = 30.0
+    proxy_headers: bool = False
+    forwarded_allow_ips: str = "127.0.0.1"
 
     def __post_init__(self):
         if not isinstance(self.port, int) or not 0 <= self.port < 65536:

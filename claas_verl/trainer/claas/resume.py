@@ -33,6 +33,7 @@ logged at resume.
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import json
 import math
@@ -293,24 +294,44 @@ def load_teacher_state(ema: Any, claas_dir: str, rank: int) -> dict:
 
 
 def pausable_sink(sink_cls: type) -> type:
-    """``sink_cls`` (the chat API's ``ActorSink``) plus ``paused()``: new writes block, those in flight are drained
-    (their ``on_accepted`` callbacks, which feed the EMA, included); the service-driven checkpoint captures the buffer
-    and the EMA inside it."""
+    """``sink_cls`` (the chat API's ``ActorSink``) plus ``paused()``: writes submitted while paused are queued (their
+    futures resolve once they are sent after the pause, so a client waiting for ``accepted`` waits, but the chat API's
+    event loop never does), those in flight are drained (their ``on_accepted`` callbacks, which feed the EMA,
+    included); the service-driven checkpoint captures the buffer and the EMA inside it."""
 
     class PausableSink(sink_cls):
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
-            self._gate = threading.Lock()
+            self._gate = threading.Lock()  # one pause at a time
+            self._queue_lock = threading.Lock()
+            self._queued: list | None = None  # a list while paused
 
-        def submit(self, entries: list) -> None:
-            with self._gate:
-                super().submit(entries)
+        def submit(self, entries: list) -> concurrent.futures.Future:
+            with self._queue_lock:
+                if self._queued is not None:
+                    fut: concurrent.futures.Future = concurrent.futures.Future()
+                    self._queued.append((entries, fut))
+                    return fut
+            return super().submit(entries)
+
+        def _send_queued(self) -> None:
+            with self._queue_lock:
+                queued, self._queued = self._queued or [], None
+            for entries, fut in queued:
+                sent = super().submit(entries)
+                sent.add_done_callback(lambda s, f=fut: f.set_exception(s.exception()) if s.exception() is not None
+                                       else f.set_result(s.result()))
 
         @contextlib.contextmanager
         def paused(self, timeout_s: float = 60.0):
             with self._gate:
-                if not self.flush(timeout_s):
-                    raise RuntimeError(f"chat API writes still in flight after {timeout_s}s; checkpoint not taken")
-                yield
+                with self._queue_lock:
+                    self._queued = []
+                try:
+                    if not self.flush(timeout_s):
+                        raise RuntimeError(f"chat API writes still in flight after {timeout_s}s; checkpoint not taken")
+                    yield
+                finally:
+                    self._send_queued()
 
     return PausableSink

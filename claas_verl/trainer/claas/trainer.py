@@ -68,6 +68,8 @@ from claas_verl.trainer.claas.config import ClaasConfig
 from claas_verl.trainer.claas.producer import BackgroundLoop, ChatRenderer, RolloutProducer
 from claas_verl.trainer.claas.sampler import ClaasReplaySampler
 
+SERVICE_ADMIN_FILE = "service_admin.key"  # a run's own admin key when none is configured (mode 0600)
+
 logger = logging.getLogger(__name__)
 
 SAMPLER_PATH = "pkg://claas_verl.trainer.claas.sampler"
@@ -184,6 +186,7 @@ class ClaasTrainer(PPOTrainer):
         self._t_start = time.time()
         self.service = None
         self._service_thread = None
+        self._last_update_unix: float | None = None
         self._stop = threading.Event()  # set by POST /v1/claas/shutdown: the loop ends after the current update
         self._trace_lock = threading.Lock()  # trace lines come from the trainer thread and the producers' loop
         self._split_complete = False  # the current split's rollouts ended and its training ran until |B| < B_min
@@ -261,6 +264,7 @@ class ClaasTrainer(PPOTrainer):
 
     def on_step_end(self):
         self._updates += 1
+        self._last_update_unix = time.time()
         with marked_timer("claas_on_update", self.timing_raw, color="red"):
             size_before = ray.get(self.replay.size.remote())
             evicted = ray.get(self.replay.on_update.remote())  # k += 1 first: a pushed version is never ahead of k
@@ -422,10 +426,18 @@ class ClaasTrainer(PPOTrainer):
                      "position": dataclasses.asdict(state.position)})
 
     def _checkpoint_at_shutdown(self) -> None:
-        """Service-driven runs with ``trainer.save_freq > 0``: a shutdown checkpoints the last update, or re-captures
-        the CLaaS state of that checkpoint (the chats accepted since then are kept; verl's part is unchanged)."""
+        """Service-driven runs: the chat API stops taking chats and feedback (503) and the requests inside it finish
+        first, so every reward it acknowledged is in the buffer that is captured. Then a final checkpoint of the last
+        update (whatever ``trainer.save_freq``, once an update was done), or a re-capture of the CLaaS state of that
+        checkpoint (the chats accepted since then are kept; verl's part is unchanged)."""
+        if self.service is not None:
+            self.service.stop_intake()
+            if not self.service.wait_idle(60.0):
+                msg = "chat API requests still running 60 s after intake stopped; checkpointing without them"
+                self._warnings.append(msg)
+                logger.warning(msg)
         if (not self.claas.producer.enabled and self.claas.trains
-                and int(_get(self.config, "trainer.save_freq", -1)) > 0):
+                and (int(_get(self.config, "trainer.save_freq", -1)) > 0 or self._updates > 0)):
             self._claas_checkpoint()
 
     def _capture_state(self, k: int, claas_dir: str, teacher: list | None) -> rs.ClaasState:
@@ -659,11 +671,15 @@ class ClaasTrainer(PPOTrainer):
         s = self.claas.service
         keys = tuple(s.api_keys) or tuple(k for k in os.environ.get("CLAAS_API_KEY", "").split(",") if k)
         cap = s.max_tokens or self.claas.producer.max_new_tokens
+        admin = s.admin_key or os.environ.get("CLAAS_ADMIN_KEY") or self._mint_admin_key()
         cfg = ServiceConfig(
             record=True, default_scenario_id=0, max_pending=s.max_pending, pending_ttl_s=s.pending_ttl_s,
-            api_keys=keys, admin_key=s.admin_key or os.environ.get("CLAAS_ADMIN_KEY") or None, adapter_root=None,
+            api_keys=keys, admin_key=admin, adapter_root=None,
             reward=s.reward, max_body_bytes=s.max_body_bytes, max_messages=s.max_messages,
             max_message_chars=s.max_message_chars, max_tokens=cap, default_max_tokens=cap,
+            allow_keyless=s.allow_keyless, max_pending_per_key=s.max_pending_per_key,
+            max_pending_bytes=s.max_pending_bytes, rate_limit_per_s=s.rate_limit_per_s,
+            rate_limit_burst=s.rate_limit_burst, body_timeout_s=s.body_timeout_s,
         )
         check_exposure(s.host, cfg)
         backend = RolloutBackend(generate, tokenizer, model_name=s.model_name, default_max_tokens=cap,
@@ -672,12 +688,28 @@ class ClaasTrainer(PPOTrainer):
         sink = self._sink = rs.pausable_sink(ActorSink)(self.replay, on_accepted=self._on_service_accepted)
         self.service = ChatService(backend, sink, config=cfg, extra_stats=self._service_extra_stats,
                                    on_shutdown=self._stop.set)
-        self._service_thread = ServiceThread(build_app(self.service), host=s.host, port=s.port).start()
+        self._service_thread = ServiceThread(
+            build_app(self.service), host=s.host, port=s.port, limit_concurrency=s.limit_concurrency,
+            header_timeout_s=s.header_timeout_s, proxy_headers=s.proxy_headers,
+            forwarded_allow_ips=s.forwarded_allow_ips).start()
         url = self._service_thread.url
         with open(os.path.join(self.config.trainer.default_local_dir, "service.json"), "w") as f:
             json.dump({"url": url, "base_url": f"{url}/v1", "model": s.model_name, "pid": os.getpid()}, f)
         print(f"[claas] chat API at {url}/v1 (model {s.model_name!r}, auth "
               f"{'on' if keys else 'off'}); policy version {self.global_steps}", flush=True)
+
+    def _mint_admin_key(self) -> str:
+        """No admin key configured: one for this run only, readable by the run directory's owner alone
+        (``service_admin.key``, mode 0600), so that ``main_claas`` can turn a SIGTERM into a graceful shutdown."""
+        import secrets
+
+        key = secrets.token_urlsafe(32)
+        path = os.path.join(self.config.trainer.default_local_dir, SERVICE_ADMIN_FILE)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(key)
+        return key
 
     def _eos_ids(self) -> list[int]:
         """EOS ids of the policy (generation config + tokenizer): a reply ending on one has finish_reason "stop"."""
@@ -706,7 +738,8 @@ class ClaasTrainer(PPOTrainer):
             self._ema_live.update_many(e.reward for e in entries)
 
     def _service_extra_stats(self) -> dict:
-        out = {"buffer": ray.get(self.replay.stats.remote()), "updates": self._updates, "resumes": self._resumes}
+        out = {"buffer": ray.get(self.replay.stats.remote()), "updates": self._updates, "resumes": self._resumes,
+               "last_update_unix": self._last_update_unix}
         if self._ema_live is not None:
             with self._ema_lock:
                 out["ema"] = self._ema_live.state_dict()
