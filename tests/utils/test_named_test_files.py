@@ -25,7 +25,8 @@ def missing_test_files(paths, root: Path = REPO) -> dict[str, list[str]]:
 
 
 def test_every_named_test_file_exists():
-    assert not missing_test_files(SOURCES), "test files named but absent (fix the reference or add the test)"
+    missing = missing_test_files(SOURCES)
+    assert not missing, f"test files named but absent (fix the reference or add the test): {missing}"
 
 
 def test_the_scan_finds_a_reference_to_a_missing_file(tmp_path):
