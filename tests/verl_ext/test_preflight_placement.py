@@ -30,13 +30,16 @@ def test_a_head_with_two_cpus_cannot_hold_one_worker_of_three():
     assert problem is not None
     assert "global_pool x 1" in problem and "{CPU: 3, GPU: 1}" in problem
     assert "node head: CPU 2, GPU 1, memory 8.0 GiB" in problem
-    assert "--num-cpus=4" in problem and "ray_kwargs.ray_init.num_cpus=4" in problem
+    assert "--num-cpus=3" in problem and "ray_kwargs.ray_init.num_cpus=3" in problem
+    # the job's TransferQueue actors already hold 2 of the node's 4 CPUs: the fix counts them
+    held = placement_problem({"global_pool": [1]}, 3, {"head": {"CPU": 2, "GPU": 1}},
+                             totals={"head": {"CPU": 4, "GPU": 1}})
+    assert "node head: CPU 2 of 4, GPU 1 of 1" in held and "--num-cpus=5" in held
 
 
 def test_placement_that_fits_and_the_ways_it_does_not():
-    assert placement_problem({"global_pool": [2]}, 3, {"a": {"CPU": 7, "GPU": 2}}) is None
-    # every CPU taken by the workers: verl's default-resource actors (agent loop, reward) could never start
-    assert "no CPU is left" in placement_problem({"global_pool": [2]}, 3, {"a": {"CPU": 6, "GPU": 2}})
+    assert placement_problem({"global_pool": [2]}, 3, {"a": {"CPU": 6, "GPU": 2}}) is None
+    assert "fit no node" in placement_problem({"global_pool": [2]}, 3, {"a": {"CPU": 5, "GPU": 2}})
     # enough GPUs in total (verl's own check passes) but a node's workers must share one node
     spread = {"a": {"CPU": 16, "GPU": 2}, "b": {"CPU": 16, "GPU": 2}}
     assert "fit no node" in placement_problem({"global_pool": [4]}, 3, spread)
@@ -44,7 +47,7 @@ def test_placement_that_fits_and_the_ways_it_does_not():
     # the GPUs sit on a worker node, the CPUs on the head (the README's cluster layout): the workers need both
     layout = {"head": {"CPU": 8, "GPU": 0}, "gpu": {"CPU": 2, "GPU": 1}}
     assert "fit no node" in placement_problem({"global_pool": [1]}, 3, layout)
-    assert placement_problem({"global_pool": [1]}, 3, {**layout, "gpu": {"CPU": 4, "GPU": 1}}) is None
+    assert placement_problem({"global_pool": [1]}, 3, {**layout, "gpu": {"CPU": 3, "GPU": 1}}) is None
 
 
 def test_main_mopd_on_a_cluster_with_too_few_cpus_fails_fast_with_the_numbers(tiny, tmp_path):
@@ -59,4 +62,4 @@ def test_main_mopd_on_a_cluster_with_too_few_cpus_fails_fast_with_the_numbers(ti
         pytest.fail(f"main_mopd still waits for its placement after 600 s:\n{(e.stderr or b'')[-3000:]}")
     log = proc.stdout + proc.stderr
     assert proc.returncode != 0, log[-4000:]
-    assert "cannot place this job's 1 worker(s)" in log and "--num-cpus=4" in log, log[-6000:]
+    assert "cannot place this job's 1 worker(s)" in log and "ray_kwargs.ray_init.num_cpus=" in log, log[-6000:]
