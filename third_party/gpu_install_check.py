@@ -184,7 +184,7 @@ def check(glibc: str) -> tuple[bool, list[str]]:
                      + (f": not {newer}" if newer else ""))
         sdists = sorted(n for n, i in got.items() if not i["download_info"]["url"].endswith(".whl")
                         and n != "claas-verl")
-        lines.append(f"   note built from sdists (pure Python): {sdists}")
+        lines.append(f"   note built from sdists by pip on install: {sdists}")
         for name in DROPPED:
             if name in got:
                 lines.append(f"   note {name}=={got[name]['metadata']['version']} comes with verl-core; "
