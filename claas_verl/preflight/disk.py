@@ -24,6 +24,13 @@ DTYPE_BYTES = {"fp32": 4, "float32": 4, "bf16": 2, "bfloat16": 2, "fp16": 2, "fl
 HF_EXPORT_BYTES = 2  # verl's hf_model export and the stage snapshots: bf16
 
 
+def count(n: int) -> str:
+    for unit, scale in (("B", 1e9), ("M", 1e6), ("k", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.3g}{unit}"
+    return str(n)
+
+
 def human(n: float) -> str:
     for unit in ("B", "kB", "MB", "GB", "TB"):
         if n < 1000 or unit == "TB":
@@ -50,7 +57,7 @@ class CheckpointDisk:
     def summary(self) -> str:
         keep = "all (verl's default)" if self.kept is None else str(self.kept)
         return (f"checkpoint disk: {human(self.total)} at most under trainer.default_local_dir "
-                f"({self.params / 1e9:.3g}B parameters: {self.on_disk} of {self.saves} checkpoints x "
+                f"({count(self.params)} parameters: {self.on_disk} of {self.saves} checkpoints x "
                 f"{human(self.per_checkpoint)}, keeping {keep} [trainer.max_actor_ckpt_to_keep], + "
                 f"{self.snapshots} stage snapshots x {human(self.snapshot_bytes)})")
 
