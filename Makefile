@@ -11,8 +11,8 @@
 #               slow (tens of minutes on 2 cores); starts and stops only its own Ray nodes
 #
 # On a CPU-only machine torch is installed first as the pinned CPU wheel, so that nothing
-# later can pull a multi-GB CUDA build. GPU clusters: `make install TORCH_SPEC=` and
-# `pip install -e .[gpu]` (vllm brings its own CUDA torch).
+# later can pull a multi-GB CUDA build. GPU machines: `make install-gpu` (the pinned CUDA set, flash-attn built);
+# `make check-gpu-install` resolves that set here, without a GPU.
 
 PYTHON_BIN ?= python3
 VENV       ?= .venv
@@ -20,7 +20,8 @@ TORCH_SPEC ?= torch==2.13.0
 PY         := $(VENV)/bin/python
 STAMP      := $(VENV)/.claas_verl_installed
 
-.PHONY: install install-eval test test-cluster lint demo demo-tiny benchmark demo-grpo demo-claas clean install-vllm test-vllm gpu-check
+.PHONY: install install-eval test test-cluster lint demo demo-tiny benchmark demo-grpo demo-claas clean install-vllm test-vllm \
+	install-gpu check-gpu-install gpu-check
 
 # Demo scripts start subprocesses (`python -m ...`): put the venv first on PATH.
 RUN := PATH="$(abspath $(VENV))/bin:$$PATH"
@@ -109,6 +110,38 @@ install-vllm: $(VLLM_STAMP)
 # The vLLM tests only (-m vllm): one session-wide vLLM server on the tiny student (start-up ~2 min on 2 cores).
 test-vllm: install-vllm
 	$(VLLM_PY) -m pytest -q -m "vllm and not slow"
+
+# GPU machines (Linux x86_64, Python 3.10-3.12, an NVIDIA driver for torch 2.11's CUDA build, nvcc for flash-attn):
+# the set verl 0.9.1 was released against, pinned in third_party/gpu_constraints.txt (torch 2.11.0, vLLM 0.24.0,
+# transformers 5.9.0, flash-attn 2.8.3). Every step is constrained by that file, so nothing installed later (peft,
+# accelerate, lm-eval, ...) can swap torch or transformers. flash-attn is an sdist whose build imports torch: it is
+# built once torch is in place, without build isolation (MAX_JOBS=N bounds the compile's memory). torchcodec, which
+# verl-core pulls unpinned and so built against a newer torch, would break `import transformers` and is removed as
+# in install-vllm (text models decode no video); then the imports are checked. Marks the CPU install done too, so
+# `make test` afterwards keeps the CUDA torch.
+GPU_CONSTRAINTS := third_party/gpu_constraints.txt
+GPU_STAMP       := $(VENV)/.claas_verl_gpu_installed
+GPU_DROP        := torchcodec
+FLASH_ATTN_SPEC  = $(shell grep '^flash-attn==' $(GPU_CONSTRAINTS))
+GPU_PIP          = $(PY) -m pip install -q --disable-pip-version-check -c $(GPU_CONSTRAINTS)
+
+$(GPU_STAMP): setup.py $(GPU_CONSTRAINTS)
+	test -x $(PY) || $(PYTHON_BIN) -m venv $(VENV)
+	$(GPU_PIP) torch
+	$(GPU_PIP) -e '.[test,eval,gpu]'
+	$(EVALPLUS_INSTALL)
+	$(GPU_PIP) packaging psutil ninja wheel setuptools einops
+	$(GPU_PIP) --no-build-isolation '$(FLASH_ATTN_SPEC)'
+	$(PY) -m pip uninstall -q -y $(GPU_DROP)
+	$(PY) -c "import torch, vllm, transformers, verl, flash_attn, peft, claas_verl; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'devices', torch.cuda.device_count(), '| vllm', vllm.__version__, '| transformers', transformers.__version__, '| verl', verl.__version__, '| flash-attn', flash_attn.__version__)"
+	touch $(GPU_STAMP) $(STAMP)
+
+install-gpu: $(GPU_STAMP)
+
+# Resolve the GPU set with pip (--dry-run, nothing installed; needs the index, not a GPU) and write the summary to
+# third_party/gpu_install_check.txt (committed: the last resolution checked).
+check-gpu-install: install
+	$(PY) third_party/gpu_install_check.py
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) build *.egg-info

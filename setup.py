@@ -14,6 +14,19 @@ VERL_VERSION = "0.9.1"
 # The cluster commands of the README (token auth, ray start, ray job submit) are tested with this Ray
 # (tests/cluster/); 2.61 changes the token-auth defaults again, so newer releases are not accepted untested.
 RAY_VERSION = "2.60.0"
+# GPU machines: the set verl 0.9.1 was released against (third_party/gpu_constraints.txt; `make install-gpu`).
+# flash-attn is left out of the extra: PyPI has it as an sdist whose build imports torch, which pip's build
+# isolation hides, so `make install-gpu` builds it with --no-build-isolation once torch is in place.
+GPU_CONSTRAINTS = "third_party/gpu_constraints.txt"
+
+
+def gpu_pins() -> list[str]:
+    import os
+
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), GPU_CONSTRAINTS)
+    pins = [line.split("#", 1)[0].strip() for line in open(path, encoding="utf-8")]
+    return [p for p in pins if p and not p.startswith("flash-attn")]
+
 
 setup(
     name="claas_verl",
@@ -67,8 +80,8 @@ setup(
             "tree-sitter-python>=0.21",
             "stop-sequencer",
         ],
-        # GPU machines only: vllm brings its own CUDA torch; flash-attn builds from source.
-        "gpu": ["vllm>=0.11", "flash-attn>=2.7"],
+        # GPU machines only, through `make install-gpu` (exact pins; flash-attn built there)
+        "gpu": gpu_pins(),
     },
     entry_points={
         # verl imports every "verl.plugins" entry point at `import verl`, in the driver and in

@@ -2,12 +2,14 @@
 
 The config is the recipe that ``python -m claas_verl.plan --config-name mopd/<recipe>`` shows, plus a verl
 runtime group (``recipes/mopd/verl/{cpu,gpu}.yaml``: verl's ``ppo_trainer``, the CPU preset on CPU, and the
-``mopd.train`` values mapped onto verl keys), chosen automatically (CUDA present -> ``gpu``) unless the
-command line names one (``+verl@_global_=cpu``). Then it joins a running Ray cluster if one is there
-(``RAY_ADDRESS``, as inside ``ray job submit``, or an earlier ``ray start`` on this node; see
-:mod:`claas_verl.verl_ext.ray_connect`), and verl's own ``run_ppo`` starts a local one otherwise and its v1
+``mopd.train`` values mapped onto verl keys), chosen where the workers run unless the command line names one
+(``+verl@_global_=cpu``): by the GPUs Ray detected on the running cluster's nodes, else (a local cluster) by this
+machine's CUDA (:mod:`claas_verl.preflight.runtime`). Before Ray starts, every model of the plan is checked
+(:mod:`claas_verl.preflight.models`) and the checkpoint disk the run needs is printed. Then it joins a running Ray
+cluster if one is there (``RAY_ADDRESS``, as inside ``ray job submit``, or an earlier ``ray start`` on this node;
+see :mod:`claas_verl.verl_ext.ray_connect`), and verl's own ``run_ppo`` starts a local one otherwise and its v1
 ``TaskRunner``, which builds the trainer registered as ``trainer.v1.trainer_mode=mopd``
-(:class:`claas_verl.trainer.mopd.MOPDTrainer`).
+(:class:`claas_verl.trainer.mopd.MOPDTrainer`; it checks verl's worker placement against the cluster first).
 
 Examples::
 
@@ -23,19 +25,23 @@ prompt file), ``trainer.total_training_steps`` (the plan length, unless set lowe
 from __future__ import annotations
 
 import os
+import shutil
 import sys
 from pathlib import Path
 
 import hydra
 from omegaconf import DictConfig, open_dict
 
+from claas_verl.preflight.disk import checkpoint_disk, human, parameter_count
+from claas_verl.preflight.models import check_plan_models
+from claas_verl.preflight.runtime import choose_runtime
 from claas_verl.schedule import plan_from_config, recipes_dir
 
 RUNTIME_GROUP = "verl@_global_"  # relative to the recipe folder: recipes/mopd/verl/
 REPO = Path(__file__).resolve().parents[1]
 
 
-def _has_cuda() -> bool:
+def has_cuda() -> bool:
     try:
         import torch
 
@@ -44,8 +50,11 @@ def _has_cuda() -> bool:
         return False
 
 
-def runtime_args(argv: list[str]) -> list[str]:
-    """Extra Hydra arguments: verl's config search path and the runtime group (unless the user chose one)."""
+def runtime_args(argv: list[str], group: str | None = None) -> list[str]:
+    """Extra Hydra arguments: verl's config search path and the runtime group (unless the user chose one).
+
+    ``group`` fixes the group when the command line names none; otherwise it is chosen where the workers run
+    (:func:`claas_verl.preflight.runtime.choose_runtime`; ``ValueError`` when the cluster is ambiguous)."""
     extra = []
     if not any(a.startswith("hydra.searchpath") for a in argv):
         # verl's configs (ppo_trainer), and recipes/mopd itself so that Hydra accepts the runtime group
@@ -53,7 +62,11 @@ def runtime_args(argv: list[str]) -> list[str]:
         # but validated as a top-level group name)
         extra.append(f"hydra.searchpath=[pkg://verl.trainer.config,file://{recipes_dir() / 'mopd'}]")
     if not any(a.lstrip("+").startswith(("verl@", "verl=")) for a in argv):
-        extra.append(f"+{RUNTIME_GROUP}={'gpu' if _has_cuda() else 'cpu'}")
+        if group is None:
+            group, why = choose_runtime(has_cuda())
+            print(f"claas_verl.main_mopd: verl runtime group {group} ({why}; override: +{RUNTIME_GROUP}=cpu|gpu)",
+                  file=sys.stderr)
+        extra.append(f"+{RUNTIME_GROUP}={group}")
     return extra
 
 
@@ -82,13 +95,24 @@ def finalize_config(cfg: DictConfig) -> DictConfig:
         reward = cfg.reward.custom_reward_function
         if reward.get("path") and not os.path.isabs(reward.path) and (REPO / reward.path).exists():
             reward.path = str(REPO / reward.path)
-    student = str(mopd.student)
-    if not os.path.exists(os.path.join(student, "config.json")) and student.startswith(("/", ".")):
-        raise ValueError(
-            f"mopd.student: no Hugging Face model at {student}; for tiny recipes run "
-            "`python -m claas_verl.tiny make /tmp/claas_verl_tiny` first"
-        )
+    check_plan_models(cfg, plan)
+    report_disk(cfg, plan)
     return cfg
+
+
+def report_disk(cfg: DictConfig, plan) -> None:
+    """Print the checkpoint disk the run needs; warn when the output folder's file system has less free."""
+    need = checkpoint_disk(cfg, plan, parameter_count(str(cfg.mopd.student)),
+                           steps=int(cfg.trainer.total_training_steps))
+    print(f"claas_verl.main_mopd: {need.summary()}", file=sys.stderr)
+    folder = os.path.abspath(str(cfg.trainer.default_local_dir))
+    while not os.path.exists(folder):
+        folder = os.path.dirname(folder)
+    free = shutil.disk_usage(folder).free
+    if free < need.total:
+        print(f"claas_verl.main_mopd: WARNING: {folder} has {human(free)} free, less than the "
+              f"{human(need.total)} above: lower trainer.max_actor_ckpt_to_keep, raise trainer.save_freq, or "
+              "point trainer.default_local_dir (CLAAS_OUT_DIR) at a larger disk", file=sys.stderr)
 
 
 def _run(cfg: DictConfig) -> None:
@@ -109,7 +133,11 @@ def _run(cfg: DictConfig) -> None:
 
 
 def main() -> None:
-    sys.argv += runtime_args(sys.argv[1:])
+    try:
+        sys.argv += runtime_args(sys.argv[1:])
+    except ValueError as e:
+        print(f"claas_verl.main_mopd: error: {e}", file=sys.stderr)
+        sys.exit(2)
     hydra.main(config_path=str(recipes_dir()), config_name=None, version_base=None)(_run)()
 
 

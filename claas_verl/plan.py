@@ -4,10 +4,12 @@
     python -m claas_verl.plan --config-name mopd/tiny_seq plan.format=json
 
 Composes the same Hydra config the trainer uses (recipes under ``claas_verl.schedule.recipes_dir()``,
-overridable with ``$CLAAS_VERL_RECIPES``) and prints a per-stage summary (``plan.format=text``, the
-default) or only the JSON document ``{"steps": [...]}`` in execution order (``plan.format=json``).
-Only the ``mopd`` and ``plan`` sections are read, so recipes that also compose verl's ``ppo_trainer``
-plan the same way. Invalid schedule keys exit with status 2 and a message naming the key.
+overridable with ``$CLAAS_VERL_RECIPES``, with the verl runtime group ``gpu`` unless the command line names one:
+``+verl@_global_=cpu``) and prints a per-stage summary and the checkpoint disk the run needs
+(``plan.format=text``, the default; :mod:`claas_verl.preflight.disk`, from the student's size and the
+``trainer.save_freq`` / ``trainer.max_actor_ckpt_to_keep`` / ``save_contents`` keys, which can be overridden here
+as on ``main_mopd``) or only the JSON document ``{"steps": [...]}`` in execution order (``plan.format=json``).
+Invalid schedule keys exit with status 2 and a message naming the key.
 """
 
 from __future__ import annotations
@@ -45,11 +47,29 @@ def _run(cfg: DictConfig) -> None:
         print(json.dumps(plan.to_json_dict()))
     else:
         print(plan.summary())
+        print(disk_summary(cfg, plan))
+
+
+def disk_summary(cfg: DictConfig, plan) -> str:
+    """The checkpoint disk line of the text plan (needs the student's size: a local model directory)."""
+    from claas_verl.preflight.disk import checkpoint_disk, parameter_count
+    from claas_verl.preflight.models import model_path_problem
+
+    student = str(cfg.mopd.get("student"))
+    problem = model_path_problem("mopd.student", student)
+    if problem or "trainer" not in cfg:
+        return (f"checkpoint disk: unknown ({problem or 'no verl runtime group composed'}); 14 bytes per student "
+                "parameter and kept checkpoint + 2 per parameter and stage")
+    steps = cfg.trainer.get("total_training_steps")
+    return checkpoint_disk(cfg, plan, parameter_count(student), steps=int(steps) if steps else None).summary()
 
 
 def main() -> None:
+    from claas_verl.main_mopd import runtime_args
+
     given = {a.split("=", 1)[0].lstrip("+~") for a in sys.argv[1:] if "=" in a}
     sys.argv += [f"{k}={v}" for k, v in _QUIET.items() if k not in given]
+    sys.argv += runtime_args(sys.argv[1:], group="gpu")  # the checkpoint keys live in the runtime group
     hydra.main(config_path=str(recipes_dir()), config_name=None, version_base=None)(_run)()
 
 

@@ -201,7 +201,10 @@ class ClaasTrainer(PPOTrainer):
 
     # ------------------------------------------------------------------ verl hooks
     def _init_resource_pool_mgr(self):
+        from claas_verl.preflight.placement import check_placement
+
         super()._init_resource_pool_mgr()
+        check_placement(self.resource_pool_manager)  # an unplaceable pool would wait forever in verl
         if self.claas.algorithm == "sdpo":
             from claas_verl.trainer.claas import verl_couplings as vc
 

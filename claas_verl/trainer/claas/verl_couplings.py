@@ -51,6 +51,8 @@ SOURCE_MARKERS: tuple[tuple[str, str, str, str], ...] = (
     ("verl.workers.engine.fsdp.transformer_impl", "FSDPEngineWithLMHead", "prepare_model_outputs",
      "if not distillation_only:"),
     ("verl.trainer.ppo.v1.trainer_base", "PPOTrainer", "_init_resource_pool_mgr", "self.role_worker_mapping"),
+    # the placement check (claas_verl.preflight.placement) reads the manager verl builds there
+    ("verl.trainer.ppo.v1.trainer_base", "PPOTrainer", "_init_resource_pool_mgr", "self.resource_pool_manager ="),
     ("verl.trainer.ppo.v1.trainer_base", "PPOTrainer", "fit", "self._save_checkpoint()"),
     ("verl.trainer.ppo.v1.trainer_base", "PPOTrainer", "_save_checkpoint", "latest_checkpointed_iteration.txt"),
     ("verl.trainer.ppo.v1.trainer_base", "PPOTrainer", "_load_checkpoint", "find_latest_ckpt_path"),

@@ -13,7 +13,8 @@ Trainer overrides (``verl.trainer.ppo.v1.trainer_base.PPOTrainer``):
 * ``trainer_mode`` (attribute): verl reads it as a sync/async switch; registering under ``"mopd"`` would
   silently select the async replay buffer, dataloader refill and TransferQueue checkpointing. The property
   below always answers ``"sync"`` (the registered name is kept in ``registered_mode``).
-* ``_init_resource_pool_mgr``: the roles verl maps to ``ActorRolloutRefWorker`` get the MOPD worker class.
+* ``_init_resource_pool_mgr``: the roles verl maps to ``ActorRolloutRefWorker`` get the MOPD worker class, and the
+  pools are checked against the cluster before any placement group exists (:mod:`claas_verl.preflight.placement`).
 * ``_init_dataloader``: also builds one dataset per domain (train and held-out) for block lookup.
 * ``_next_train_batch``: the prompts of a step are the rows of the plan step's block (no sampler).
 * ``_build_replay_buffer``: verl's sync sampler, polled every ``mopd.sampler_poll_s`` instead of its fixed 2 s
@@ -74,6 +75,8 @@ COUPLINGS: tuple[tuple[str, str, str], ...] = (
 # Attributes that only exist on instances (checked on a built engine / trainer source by the tests).
 INSTANCE_ATTRIBUTES: tuple[tuple[str, str], ...] = (
     ("PPOTrainer.__init__", "self.trainer_mode"),
+    # read by the placement check (claas_verl.preflight.placement: its resource_pool_spec and max_colocate_count)
+    ("PPOTrainer._init_resource_pool_mgr", "self.resource_pool_manager"),
     ("FSDPEngine._build_model_optimizer", "self.optimizer"),
     ("FSDPEngine._build_model_optimizer", "self.lr_scheduler"),
     ("FSDPEngine.initialize", "self.checkpoint_manager"),
@@ -101,8 +104,11 @@ class MOPDTrainerCouplings:
 
     # ---- workers
     def _init_resource_pool_mgr(self):
+        from claas_verl.preflight.placement import check_placement
+
         super()._init_resource_pool_mgr()
         self.mopd_use_worker_class()
+        check_placement(self.resource_pool_manager)  # an unplaceable pool would wait forever in verl
 
     # ---- data
     def _init_dataloader(self):
