@@ -25,9 +25,8 @@ old adapter cached while they do needs ``max_cpu_loras >= 2``:
 ``actor_rollout_ref.rollout.engine_kwargs.vllm.max_cpu_loras`` (4 in ``recipes/claas/common/paper_model.yaml``);
 :func:`register` refuses a smaller value.
 
-Status: the decision logic is tested against a real vLLM engine on CPU (tests/verl_ext/test_lora_versions_vllm.py);
-this glue runs inside verl's GPU rollout only (verl's vLLM rollout does not run on vLLM's CPU build:
-third_party/verl_couplings.md, V4), see tests/verl_ext/test_vllm_versioned_lora_gpu.py.
+Status: the decision logic is tested against a real vLLM engine on CPU (tests/verl_ext/test_lora_versions_vllm.py),
+and this glue end to end on verl's vLLM rollout on CPU (tests/verl_ext/test_vllm_versioned_lora_e2e.py).
 """
 
 from __future__ import annotations
