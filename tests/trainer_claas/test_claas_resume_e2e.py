@@ -83,10 +83,8 @@ def _kill_group(proc: subprocess.Popen) -> None:
         pass
 
 
-@pytest.mark.parametrize("recipe,ranks", [("tiny_reinforce_pp", 1), ("tiny_sdpo", 1), ("tiny_sdpo", 2)])
-def test_killed_run_resumes_with_the_same_state(recipe, ranks, tiny_model_dir, tmp_path):
-    """``ranks=2``: two training ranks (gloo, FSDP2 over two logical GPUs), each with its own shard of the SDPO EMA
-    teacher (``sdpo_teacher_rank<r>.pt``); the resume must restore the same state as with one."""
+@pytest.mark.parametrize("recipe", ["tiny_reinforce_pp", "tiny_sdpo"])
+def test_killed_run_resumes_with_the_same_state(recipe, tiny_model_dir, tmp_path):
     stream = tmp_path / "stream.jsonl"
     _write_stream(stream, 2 * SPLIT)
     out = tmp_path / "runs"
@@ -95,7 +93,7 @@ def test_killed_run_resumes_with_the_same_state(recipe, ranks, tiny_model_dir, t
     cmd = [sys.executable, "-m", "claas_verl.main_claas", "--config-name", f"claas/{recipe}",
            "claas.env.name=ih_challenge", "~claas.env.kwargs", f"+claas.env.kwargs={{path:{stream},max_turns:2}}",
            f"claas.stream.split_size={SPLIT}", "claas.producer.max_concurrent_scenarios=1", "trainer.save_freq=1",
-           f"trainer.n_gpus_per_node={ranks}", "claas.a_max=2", "claas.b_min=4", "claas.m=4"]
+           "claas.a_max=2", "claas.b_min=4", "claas.m=4"]
     run_dir = out / f"claas_{recipe}"
     trace_path = run_dir / "claas_trace.jsonl"
 
@@ -179,12 +177,9 @@ def test_killed_run_resumes_with_the_same_state(recipe, ranks, tiny_model_dir, t
     if recipe == "tiny_sdpo":
         import torch
 
-        teachers = [torch.load(claas_dir / f"sdpo_teacher_rank{r}.pt", weights_only=False) for r in range(ranks)]
-        assert not (claas_dir / f"sdpo_teacher_rank{ranks}.pt").exists()
-        for r, teacher in enumerate(teachers):
-            assert teacher["rank"] == r
-            assert resume["sdpo_teacher_ema_steps"] == teacher["ema"]["num_updates"] == teacher["probe"]["ema_updates"]
-            assert teacher["ema"]["num_updates"] >= 1
+        teacher = torch.load(claas_dir / "sdpo_teacher_rank0.pt", weights_only=False)
+        assert resume["sdpo_teacher_ema_steps"] == teacher["ema"]["num_updates"] == teacher["probe"]["ema_updates"]
+        assert teacher["ema"]["num_updates"] >= 1
 
     metrics = json.loads((run_dir / "continual_metrics.json").read_text())
     assert len(metrics["M"]) == 2 and all(len(row) == 2 for row in metrics["M"])
