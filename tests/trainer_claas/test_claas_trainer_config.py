@@ -92,6 +92,7 @@ def test_trainer_rejects_settings_that_break_the_contract():
         ("actor_rollout_ref.actor.ppo_mini_batch_size", 2, "one optimizer step"),
         ("trainer.test_freq", 5, "claas.eval"),
         ("trainer.v1.sampler.custom_sampler.path", None, "ClaasReplaySampler|claas_verl.trainer.claas.sampler"),
+        ("trainer.n_gpus_per_node", 3, "split evenly over the 3 training ranks"),
     ]
     for key, value, msg in cases:
         bad = compose_recipe("tiny_reinforce_pp")
@@ -104,6 +105,16 @@ def test_trainer_rejects_settings_that_break_the_contract():
         with pytest.raises(ValueError, match=key.replace(".", r"\.")) as err:
             check_claas_config(bad, claas)
         assert any(m in str(err.value) for m in msg.split("|")), str(err.value)
+    # two ranks: each gets claas.m / 2 = 2 entries, which the tiny recipe's micro-batches of claas.m = 4 cannot split
+    # (verl's prepare_micro_batches would stop the first update deep inside a Ray worker)
+    two = compose_recipe("tiny_reinforce_pp")
+    with open_dict(two):
+        two.trainer.n_gpus_per_node = 2
+    with pytest.raises(ValueError, match=r"ppo_micro_batch_size_per_gpu=4: each of the 2 training ranks gets .* = 2"):
+        check_claas_config(two, claas)
+    with open_dict(two):
+        two.actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu = 2
+    check_claas_config(two, claas)
     sdpo = compose_recipe("tiny_sdpo")
     sdpo_claas = ClaasConfig.from_config(sdpo.claas)
     check_claas_config(sdpo, sdpo_claas)  # SDPO runs (claas_verl.trainer.claas.sdpo_worker)

@@ -36,12 +36,13 @@ class _Engine:
 
     def __init__(self, model, cfg):
         self.module, self.scaler, self.cfg, self.stepped, self.token_groups = model, None, cfg, None, None
+        self.dp_group = None  # verl's data-parallel group (several ranks: every rank runs as many micro-batches)
 
     def optimizer_zero_grad(self):
         self.module.zero_grad(set_to_none=True)
 
     def forward_backward_batch(self, data, loss_function, forward_only=False):
-        self.token_groups = update_row_groups(data)
+        self.token_groups = update_row_groups(data, self.dp_group)
         micro = A.aux_micro_batches(*_layout(data), self.token_groups)
         n = sum(mb.n_resp for mb in micro)
         total = 0.0

@@ -20,8 +20,10 @@ SHORT = ("mopd.order=[logic,math]", "mopd.domains.logic.num_blocks=1", "mopd.rec
 PLAN_KEYS = ("stage", "kind", "domain", "block", "teacher")
 
 
-def test_fsar_replay_step_logs_balanced_gradients_at_the_configured_ratio(mopd_run, mopd_plan, fast):
-    run_dir, log = mopd_run("mopd/tiny_fsar_shared", "fsar", *fast, *SHORT)
+@pytest.mark.parametrize("ranks", [1, pytest.param(2, marks=pytest.mark.slow)])
+def test_fsar_replay_step_logs_balanced_gradients_at_the_configured_ratio(mopd_run, mopd_plan, fast, ranks):
+    """``ranks=2``: two training ranks (gloo, FSDP2 over two logical GPUs); the norms are all-reduced over both."""
+    run_dir, log = mopd_run("mopd/tiny_fsar_shared", "fsar", *fast, *SHORT, f"trainer.n_gpus_per_node={ranks}")
     steps = [json.loads(x) for x in (run_dir / "steps.jsonl").read_text().splitlines() if x.strip()]
     assert [{k: s[k] for k in PLAN_KEYS} for s in steps] == mopd_plan("mopd/tiny_fsar_shared", *SHORT[:5])
     replay = [s for s in steps if s["kind"] == "replay"]

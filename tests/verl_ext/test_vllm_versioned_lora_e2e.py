@@ -37,7 +37,7 @@ def test_claas_on_verls_vllm_rollout_switches_adapters_without_a_base_window(tin
                RAY_ADDRESS="local")
     env.setdefault("RAY_raylet_start_wait_time_s", "180")
     cmd = [sys.executable, "-m", "claas_verl.main_claas", "--config-name", "claas/tiny_reinforce_pp",
-           "actor_rollout_ref.rollout.name=vllm", "+actor_rollout_ref.rollout.enable_sleep_mode=false",
+           "actor_rollout_ref.rollout.name=vllm",
            "+actor_rollout_ref.rollout.engine_kwargs.vllm.max_cpu_loras=4", f"claas.max_updates={UPDATES}",
            "claas.eval.enabled=false"]
     log = tmp_path / "job.log"

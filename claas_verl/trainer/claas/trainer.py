@@ -125,6 +125,17 @@ def check_claas_config(config: Any, claas: ClaasConfig) -> None:
     need(int(_get(config, "actor_rollout_ref.actor.ppo_mini_batch_size", 0)) == claas.m,
          "actor_rollout_ref.actor.ppo_mini_batch_size",
          "one optimizer step per sampled minibatch (SPEC A.1.6); set it to ${claas.m}")
+    # verl splits the update batch evenly over the data-parallel ranks, then each rank's share into micro-batches
+    ranks = int(_get(config, "trainer.nnodes", 1)) * int(_get(config, "trainer.n_gpus_per_node", 1))
+    need(claas.m % ranks == 0, "trainer.n_gpus_per_node",
+         f"claas.m={claas.m} entries per update must split evenly over the {ranks} training ranks")
+    per_rank = claas.m // ranks
+    key = "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu"
+    micro = _get(config, key, None)
+    need(micro is None or bool(_get(config, "actor_rollout_ref.actor.use_dynamic_bsz", False))
+         or per_rank % int(micro) == 0, key,
+         f"each of the {ranks} training ranks gets claas.m / {ranks} = {per_rank} entries per update; set it to a "
+         f"divisor of {per_rank}")
     need(int(_get(config, "actor_rollout_ref.actor.ppo_epochs", 1)) == 1, "actor_rollout_ref.actor.ppo_epochs",
          "each sampled minibatch gives exactly one update; set it to 1")
     need(bool(_get(config, "algorithm.rollout_correction.bypass_mode", False)),

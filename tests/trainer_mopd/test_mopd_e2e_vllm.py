@@ -1,0 +1,31 @@
+"""The tiny MOPD recipes on verl's own vLLM rollout on CPU: ``actor_rollout_ref.rollout.name=vllm`` is the only
+added override (the CPU preset turns vLLM's sleep mode off). Every step samples from vLLM and syncs the full student
+weights into it afterwards (third_party/verl_couplings.md, V4); that every sync is what vLLM then serves is checked
+in ``tests/verl_ext/test_vllm_cpu_weight_sync.py``. Slow (one verl job per recipe, about 17 min each on 2 busy cores):
+``.venv-vllm/bin/python -m pytest -q -m "vllm and slow" tests/trainer_mopd/test_mopd_e2e_vllm.py``.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+PLAN_KEYS = ("stage", "kind", "domain", "block", "teacher")
+
+
+@pytest.mark.parametrize("recipe", ["mopd/tiny_seq", "mopd/tiny_fsar_shared"])
+def test_tiny_recipe_runs_on_verls_vllm_rollout(recipe, mopd_run, mopd_plan):
+    run_dir, log = mopd_run(recipe, recipe.split("/")[1], "actor_rollout_ref.rollout.name=vllm", timeout=1800)
+    assert "weight_loader" not in log
+    steps = [json.loads(x) for x in (run_dir / "steps.jsonl").read_text().splitlines() if x.strip()]
+    assert [{k: s[k] for k in PLAN_KEYS} for s in steps] == mopd_plan(recipe)
+    assert all(s["metrics"]["mopd/update_skipped"] == 0 for s in steps)  # every step made its AdamW update
+    # ... and synced the new weights into vLLM (verl's console logger: one line per step)
+    synced = {int(n) for n, _ in re.findall(r"step:(\d+) - .*?timing_s/update_weights:([0-9.e-]+)", log)}
+    assert synced == {s["global_step"] for s in steps}, synced
+    if recipe.endswith("fsar_shared"):  # replay steps ran the balanced update on vLLM's samples
+        replay = [s for s in steps if s["kind"] == "replay"]
+        assert replay and all(s["metrics"]["actor/mopd/balance_fallback"] == 0 for s in replay)
