@@ -58,6 +58,8 @@ setup(
     extras_require={
         "test": ["pytest>=8", "hypothesis>=6", "ruff==0.14.*", "openai>=1.40"],
         "wandb": ["wandb"],
+        # the documentation site (`make docs`: mkdocs.yml, docs/), built strict by `make test`
+        "docs": ["mkdocs==1.6.1"],
         # Benchmark evaluation (claas_verl.eval) and the MOPD data builder (claas_verl.data). lm-eval carries
         # the BBH/MuSR/IFEval/MBPP+ prompts and metrics (langdetect, immutabledict: its IFEval verifiers);
         # math-verify pinned to the antlr4 4.9.3 runtime that hydra needs. evalplus itself is installed with
