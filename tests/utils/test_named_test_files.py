@@ -1,5 +1,5 @@
-"""Every test file the package's docstrings, the recipes, the README, the docs site and the Makefile name exists: a reader sent to a
-test that is not there cannot check the claim it backs."""
+"""Every test file the package's docstrings, the recipes, the README, the docs site and the Makefile name exists:
+a reader sent to a test that is not there cannot check the claim it backs."""
 
 from __future__ import annotations
 
