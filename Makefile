@@ -52,9 +52,9 @@ lint: install
 TEST_VLLM ?= 0
 
 # The documentation site (mkdocs.yml, docs/ -> site/, git-ignored); strict: a broken link, a missing anchor or a page
-# left out of the nav fails the build.
+# left out of the nav fails the build. Not --quiet: it hides the warnings, and then strict mode no longer fails.
 docs: install
-	$(PY) -m mkdocs build --strict --quiet
+	$(PY) -m mkdocs build --strict
 
 test: lint docs
 	$(PY) -m pytest -q
