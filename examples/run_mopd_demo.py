@@ -82,7 +82,7 @@ def main() -> None:
             fmt = lambda v: "n/a" if v is None else f"{v:.4f}"  # noqa: E731
             print(f"  {d:>6}: seq {fmt(a)}   replay_kl {fmt(b)}{diff}")
     print("note: on the tiny models later stages barely move the student on earlier domains' prompts, so these\n"
-          "      Seq vs Replay-KL differences are evaluation noise, not the paper's effect (README: known limits)")
+          "      Seq vs Replay-KL differences are evaluation noise, not the paper's effect (docs/limits.md)")
     print(json.dumps({"run_dirs": {k: str(v) for k, v in dirs.items()}}))
 
 

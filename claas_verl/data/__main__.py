@@ -1,4 +1,4 @@
-"""``python -m claas_verl.data mopd --out DIR --tokenizer STUDENT [sources...]`` (see README)."""
+"""``python -m claas_verl.data mopd --out DIR --tokenizer STUDENT [sources...]`` (see docs/reproducing-mopd.md)."""
 
 from claas_verl.data.cli import main
 

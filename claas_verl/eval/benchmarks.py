@@ -244,7 +244,7 @@ def load_math(path: Path, name: str) -> list:
 
 
 def math_equal(pred: str | None, target: str) -> bool:
-    """math-verify's equivalence of the boxed prediction and the reference (003 uses the OPRD checker; see README)."""
+    """math-verify's equivalence of the boxed prediction and the reference (003 uses the OPRD checker)."""
     if pred is None:
         return False
     from math_verify import parse, verify
@@ -450,7 +450,7 @@ def load_if(path: Path, name: str) -> list:
 def _lm_eval_ifeval():
     """lm-eval's IFEval ``process_results``. Its module calls ``nltk.download("punkt_tab")`` at import when the
     tokenizer data is missing; that call is suppressed here (nothing downloads at evaluation time). Only the
-    sentence-count instruction needs punkt_tab: install it into ``$NLTK_DATA`` beforehand (README)."""
+    sentence-count instruction needs punkt_tab: install it into ``$NLTK_DATA`` beforehand (docs/reproducing-mopd.md)."""
     import nltk
 
     real = nltk.download

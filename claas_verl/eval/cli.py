@@ -1,4 +1,4 @@
-"""Command line of the evaluation (see README, "Reproducing 003's table")."""
+"""Command line of the evaluation (see docs/reproducing-mopd.md)."""
 
 from __future__ import annotations
 
@@ -41,7 +41,8 @@ def eval_main(argv: list[str]) -> int:
     ap.add_argument("--data", action="append", default=[], help="BENCH=PATH, overrides --data-dir for one benchmark")
     ap.add_argument("--backend", choices=("auto", "vllm", "hf"), default="auto",
                     help="auto: vLLM when a GPU is visible, else Hugging Face generate on CPU")
-    ap.add_argument("--judge-config", help="YAML/JSON naming the OpenAI-compatible safety judge (see README)")
+    ap.add_argument("--judge-config",
+                    help="YAML/JSON naming the OpenAI-compatible safety judge (see docs/reproducing-mopd.md)")
     ap.add_argument("--ifbench-repo", help="checkout of the IFBench repository (its verifiers score IFBench)")
     ap.add_argument("--gym-tasks", help="comma-separated reasoning-gym tasks (default: the 38 of GYM_TASKS)")
     ap.add_argument("--limit", type=int, help="first N items per benchmark (smoke runs; not 003's numbers)")

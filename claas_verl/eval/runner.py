@@ -36,7 +36,7 @@ def score_benchmark(bench: str, items: list[dict], completions: list[list], judg
     flat = [(it, s, c) for it, comps in zip(items, completions) for s, c in enumerate(comps)]
     if bench in B.JUDGED:
         if judge is None:
-            raise ValueError(f"{bench} is judged by a safety model: pass --judge-config (see README, 'Safety judge')")
+            raise ValueError(f"{bench} is judged by a safety model: pass --judge-config (docs/reproducing-mopd.md)")
         texts = [X.split_thinking(c.text) for _, _, c in flat]
         verdicts = judge.judge([(str(it["question"]), t) for (it, _, _), (t, _) in zip(flat, texts)])
         for rec, (it, _, _), (_, closed), v in zip(records, flat, texts, verdicts):

@@ -3,7 +3,7 @@
 The workers run on the Ray cluster's nodes, not on the driver: under ``ray job submit`` the driver is on the head,
 which often has no GPU at all (``ray start --head --num-gpus=0``). So with a running cluster the choice is read from
 its nodes: Ray labels a node whose GPUs it detected with an ``accelerator_type:<model>`` resource; GPUs without that
-label are logical ones (``ray start --num-gpus=N`` on a CPU machine, as the CPU cluster commands of the README
+label are logical ones (``ray start --num-gpus=N`` on a CPU machine, as the CPU cluster commands of docs/cluster.md
 start). Without a running cluster, the local cluster the run starts is this machine, so its CUDA decides.
 """
 

@@ -30,7 +30,7 @@ this glue runs end to end inside verl's vLLM rollout on vLLM's CPU build for LoR
 (tests/verl_ext/test_vllm_versioned_lora_e2e.py, marked ``vllm`` and ``slow``; unchanged on a CUDA build), and the verl
 names it relies on are checked by tests/verl_ext/test_vllm_versioned_lora_couplings.py. Full-weight syncs take verl's
 own path (unchanged here); on vLLM's CPU build they work once the platform plugin keeps the linear weights
-(third_party/verl_couplings.md, V4). Neither has run on a GPU yet.
+(docs/verl-couplings.md, V4). Neither has run on a GPU yet.
 """
 
 from __future__ import annotations
@@ -83,7 +83,7 @@ def alias_unstacked_mapper() -> bool:
     """verl 0.9.1's in-memory LoRA loader (``VLLMHijack``) calls ``WeightsMapper.get_unstacked_mapper()`` on vLLM >=
     0.25; vLLM 0.30 renamed it ``get_rename_mapper`` (its own loader calls that: "ignore stacking and deletions"), so
     every LoRA sync of a model with an ``hf_to_vllm_mapper`` (Qwen2) fails with AttributeError. Alias the old name to
-    the new one where only the new one exists (third_party/verl_couplings.md, V5); True if it aliased."""
+    the new one where only the new one exists (docs/verl-couplings.md, V5); True if it aliased."""
     from vllm.model_executor.models.utils import WeightsMapper
 
     if hasattr(WeightsMapper, "get_unstacked_mapper") or not hasattr(WeightsMapper, "get_rename_mapper"):

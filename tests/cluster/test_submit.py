@@ -1,4 +1,4 @@
-"""The README's cluster commands, run as written: token auth, ``ray start``, ``ray job submit`` of the tiny recipes.
+"""docs/cluster.md's commands, run as written: token auth, ``ray start``, ``ray job submit`` of the tiny recipes.
 
 The nodes run an interpreter without claas_verl (``bare_python``): the package reaches the jobs only through
 the ``working_dir`` upload, and verl loads its plugin only through ``VERL_USE_EXTERNAL_MODULES``. The jobs
@@ -38,7 +38,7 @@ def tiny_root() -> Path:
 
 
 def _head(nodes, free_port, *resources: str, temp: str = "head") -> str:
-    """The README's auth step and head start; returns the dashboard address."""
+    """The documented auth step and head start; returns the dashboard address."""
     nodes.sh("ray", "get-auth-token", "--generate")
     assert (nodes.home / ".ray" / "auth_token").is_file()
     dash = free_port()
@@ -131,7 +131,7 @@ def test_submit_tiny_mopd_and_claas_to_a_head(ray_nodes, checkout, planted, free
 
 
 def test_submit_to_a_two_node_cluster(ray_nodes, checkout, planted, free_port, tiny_root, tmp_path):
-    """The README's multi-node example as two Ray nodes on this machine, each with its own temp dir.
+    """The documented multi-node example as two Ray nodes on this machine, each with its own temp dir.
 
     The head has no (logical) GPU, so verl's training rank can only be placed on the worker node.
     """

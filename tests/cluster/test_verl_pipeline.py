@@ -1,4 +1,4 @@
-"""The README's "in your own verl pipeline" path: verl's own ``main_ppo`` with claas_verl's loss and estimator.
+"""The path of docs/verl-pipeline.md: verl's own ``main_ppo`` with claas_verl's loss and estimator.
 
 ``claas_seq_is`` and ``claas_rpp_ema`` are selected only through config keys, on the tiny GRPO recipe with the
 CPU preset, two ways:

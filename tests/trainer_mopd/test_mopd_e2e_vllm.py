@@ -1,6 +1,6 @@
 """The tiny MOPD recipes on verl's own vLLM rollout on CPU: ``actor_rollout_ref.rollout.name=vllm`` is the only
 added override (the CPU preset turns vLLM's sleep mode off). Every step samples from vLLM and syncs the full student
-weights into it afterwards (third_party/verl_couplings.md, V4); that every sync is what vLLM then serves is checked
+weights into it afterwards (docs/verl-couplings.md, V4); that every sync is what vLLM then serves is checked
 in ``tests/verl_ext/test_vllm_cpu_weight_sync.py``. Slow (one verl job per recipe, about 17 min each on 2 busy cores):
 ``.venv-vllm/bin/python -m pytest -q -m "vllm and slow" tests/trainer_mopd/test_mopd_e2e_vllm.py``.
 """

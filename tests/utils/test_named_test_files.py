@@ -1,5 +1,5 @@
-"""Every test file the package's docstrings, the recipes, the docs and the Makefile name exists: a reader sent to a
-test that is not there cannot check the claim it backs."""
+"""Every test file the package's docstrings, the recipes, the README, the docs site and the Makefile name exists:
+a reader sent to a test that is not there cannot check the claim it backs."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 SOURCES = [*(REPO / "claas_verl").rglob("*.py"), *(REPO / "benchmarks").rglob("*.py"),
            *(REPO / "examples").rglob("*"), *(REPO / "recipes").rglob("*.yaml"), *(REPO / "third_party").rglob("*"),
-           REPO / "README.md", REPO / "Makefile"]
+           *(REPO / "docs").rglob("*.md"), REPO / "README.md", REPO / "Makefile"]
 NAMED = re.compile(r"tests/[A-Za-z0-9_/]+\.py")
 
 

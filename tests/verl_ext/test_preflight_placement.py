@@ -44,7 +44,7 @@ def test_placement_that_fits_and_the_ways_it_does_not():
     spread = {"a": {"CPU": 16, "GPU": 2}, "b": {"CPU": 16, "GPU": 2}}
     assert "fit no node" in placement_problem({"global_pool": [4]}, 3, spread)
     assert placement_problem({"global_pool": [2, 2]}, 3, spread) is None  # nnodes=2 x 2
-    # the GPUs sit on a worker node, the CPUs on the head (the README's cluster layout): the workers need both
+    # the GPUs sit on a worker node, the CPUs on the head (the cluster layout of docs/cluster.md): the workers need both
     layout = {"head": {"CPU": 8, "GPU": 0}, "gpu": {"CPU": 2, "GPU": 1}}
     assert "fit no node" in placement_problem({"global_pool": [1]}, 3, layout)
     assert placement_problem({"global_pool": [1]}, 3, {**layout, "gpu": {"CPU": 3, "GPU": 1}}) is None

@@ -1,4 +1,4 @@
-"""Full-weight syncs into vLLM's CPU build (third_party/verl_couplings.md, V4): the linear layers keep their weights,
+"""Full-weight syncs into vLLM's CPU build (docs/verl-couplings.md, V4): the linear layers keep their weights,
 verl's in-place load writes into them and its ``process_weights_after_loading`` repacks the GEMMs, so every update
 is what the engine serves.
 

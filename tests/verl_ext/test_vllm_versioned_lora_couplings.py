@@ -1,6 +1,6 @@
 """The verl 0.9.1 internals that claas_verl/verl_ext/vllm_versioned_lora.py relies on, checked in verl's source text
 (vLLM is not installed in the default venv, so the modules are read, not imported). A verl upgrade that moves one
-fails here by name (third_party/verl_couplings.md, "Versioned LoRA on verl's vLLM rollout")."""
+fails here by name (docs/verl-couplings.md, "Versioned LoRA on verl's vLLM rollout")."""
 
 from __future__ import annotations
 

@@ -4,7 +4,7 @@ rollout, three updates. Slow (about 4 min on 2 cores): ``.venv-vllm/bin/python -
 tests/verl_ext``; the same test runs unchanged on a GPU machine with a CUDA build of vLLM.
 
 The LoRA-only weight path is what makes verl's vLLM rollout run on CPU at all: with ``load_format=auto`` verl never
-sends the full weights (the sync that fails on vLLM's CPU build, third_party/verl_couplings.md V4), only adapters.
+sends the full weights (the sync that fails on vLLM's CPU build, docs/verl-couplings.md V4), only adapters.
 
 From the trainer's trace (the served-policy probe after every update reads ``ClaasVLLMHttpServer.claas_lora_state``):
 

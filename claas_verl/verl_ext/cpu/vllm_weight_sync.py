@@ -1,4 +1,4 @@
-"""Full-weight syncs into vLLM's CPU build: keep the linear layers' weights (third_party/verl_couplings.md, V4).
+"""Full-weight syncs into vLLM's CPU build: keep the linear layers' weights (docs/verl-couplings.md, V4).
 
 After loading, vLLM's CPU backend post-processes every unquantized linear layer
 (``UnquantizedLinearMethod.process_weights_after_loading`` calls
