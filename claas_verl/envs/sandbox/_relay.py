@@ -14,7 +14,7 @@ import time
 from _fork_server import _close_pipes, _kill_group
 from _jail_rpc import _MAX_ERROR_CHARS, _err
 
-_READY_TIMEOUT_S = 10.0  # sandbox._PARENT_MARGIN_S leaves room for it
+_READY_TIMEOUT_S = 10.0  # grader_sandbox._PARENT_MARGIN_S leaves room for it
 
 
 def _validate(buf, nonce, kind):
