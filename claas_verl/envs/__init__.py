@@ -1,4 +1,4 @@
-"""Scenario environments for CLaaS (issue #8): interface, built-in rule env, IH-Challenge JSONL, ICL state."""
+"""Scenario environments for CLaaS: interface, built-in rule env, IH-Challenge JSONL, ICL state."""
 
 from claas_verl.envs.base import (
     DEFAULT_MAX_TURNS,

@@ -1,4 +1,4 @@
-"""OS-level sandbox for untrusted code: IH-Challenge graders and model-written programs (issues 8 (b), 13).
+"""OS-level sandbox for untrusted code: IH-Challenge graders and model-written programs.
 
 Two kinds of untrusted code run here, never in the trainer's process: per-scenario graders
 (``grade_output_correct``, SPEC A.1.4) and the code domain's programs run against test cases.
