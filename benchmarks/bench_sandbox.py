@@ -24,9 +24,9 @@ from claas_verl.envs.sandbox import (
     GraderSandbox,
     IOTest,
     SandboxLimits,
-    _clean_env,
     probe_isolation,
 )
+from claas_verl.envs.sandbox.isolation import _clean_env
 
 TRIVIAL = "def grade_output_correct(output):\n    return 'secret' not in output.lower()\n"
 LIMITS = SandboxLimits(timeout_s=10.0, cpu_s=5, memory_mb=512)

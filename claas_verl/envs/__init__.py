@@ -1,8 +1,7 @@
-"""Scenario environments for CLaaS (issue #8): interface, built-in rule env, IH-Challenge JSONL, ICL state."""
+"""Scenario environments for CLaaS: interface, built-in rule env, IH-Challenge JSONL, ICL state."""
 
 from claas_verl.envs.base import (
     DEFAULT_MAX_TURNS,
-    Environment,
     Grade,
     GraderError,
     Scenario,
@@ -11,6 +10,7 @@ from claas_verl.envs.base import (
     grade_response,
     user_context,
 )
+from claas_verl.envs.environment import Environment
 from claas_verl.envs.factory import make_environment
 from claas_verl.envs.icl import ICLFeedbackMemory
 from claas_verl.envs.ih_challenge import IHChallengeEnv, load_ih_challenge_jsonl, parse_scenario

@@ -1,4 +1,4 @@
-"""Environment interface: scenario → system prompt, user turns, verifier (issue #8, SPEC A.1.4-A.1.5).
+"""Scenario interface: scenario → system prompt, user turns, verifier (SPEC A.1.4-A.1.5); pools in environment.py.
 
 A :class:`Scenario` is what the rollout producer runs: a defender system prompt,
 up to T attacker user turns (SPEC A.1.5, T = 4 by default) and a verifier. After
@@ -155,32 +155,3 @@ class Scenario:
         msgs.append({"role": "user", "content": self.user_turns[turn]})
         return msgs
 
-
-class Environment:
-    """A finite pool of scenarios. Subclasses fill ``self._scenarios``; ``close()`` frees resources."""
-
-    name: str = "environment"
-
-    def __init__(self, scenarios: Sequence[Scenario]):
-        ids = [s.scenario_id for s in scenarios]
-        if len(set(ids)) != len(ids):
-            dup = sorted({i for i in ids if ids.count(i) > 1})
-            raise ValueError(f"{self.name}: duplicate scenario ids {dup[:5]}; ids must be unique")
-        self._scenarios = tuple(scenarios)
-
-    def scenarios(self) -> tuple[Scenario, ...]:
-        return self._scenarios
-
-    def __len__(self) -> int:
-        return len(self._scenarios)
-
-    def stream(self, seed: int, num_splits: int, split_size: int | None = None,
-               split_groups: Sequence[str] | None = None, group_key: str = "families"):
-        """Deterministic shuffled stream cut into K splits (see :class:`ScenarioStream`)."""
-        from claas_verl.envs.stream import ScenarioStream
-
-        return ScenarioStream(self._scenarios, seed=seed, num_splits=num_splits, split_size=split_size,
-                              split_groups=split_groups, group_key=group_key)
-
-    def close(self) -> None:
-        """Release external resources (grader sandboxes). Idempotent; the base holds none."""

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from claas_verl.envs.base import Environment
+from claas_verl.envs.environment import Environment
 from claas_verl.envs.ih_challenge import IHChallengeEnv
 from claas_verl.envs.rule_following import RuleFollowingEnv
 from claas_verl.envs.sandbox import SandboxLimits

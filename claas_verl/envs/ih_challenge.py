@@ -41,7 +41,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from claas_verl.envs.base import DEFAULT_MAX_TURNS, GENERIC_FAIL_FEEDBACK, Environment, Scenario
+from claas_verl.envs.base import DEFAULT_MAX_TURNS, GENERIC_FAIL_FEEDBACK, Scenario
+from claas_verl.envs.environment import Environment
 from claas_verl.envs.sandbox import DEFAULT_LIMITS, SandboxedVerifier, SandboxLimits, require_isolation, shared_pool
 
 FIELD_ALIASES: dict[str, tuple[str, ...]] = {

@@ -35,7 +35,8 @@ import random
 import re
 from dataclasses import dataclass
 
-from claas_verl.envs.base import DEFAULT_MAX_TURNS, Environment, Scenario, Verdict
+from claas_verl.envs.base import DEFAULT_MAX_TURNS, Scenario, Verdict
+from claas_verl.envs.environment import Environment
 
 # ----------------------------------------------------------------------------- rules
 

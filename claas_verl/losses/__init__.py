@@ -11,12 +11,6 @@ from claas_verl.losses.advantages import (
     global_whiten_advantages,
     sequence_rewards,
 )
-from claas_verl.losses.ppo_critic import (
-    last_valid_index,
-    mc_value_targets,
-    scenario_token_rewards,
-    token_rewards_at_last_token,
-)
 from claas_verl.losses.sdpo import (
     FEEDBACK_TEMPLATE,
     REPROMPT_TEMPLATE,
@@ -40,8 +34,7 @@ from claas_verl.losses.seq_is import (
 
 __all__ = [
     "RPP_ADV_MODES", "EmaRewardStats", "discounted_returns", "ema_advantages", "global_whiten_advantages",
-    "sequence_rewards", "last_valid_index", "mc_value_targets", "scenario_token_rewards",
-    "token_rewards_at_last_token", "FEEDBACK_TEMPLATE", "REPROMPT_TEMPLATE", "EmaTeacher", "ema_update_",
+    "sequence_rewards", "FEEDBACK_TEMPLATE", "REPROMPT_TEMPLATE", "EmaTeacher", "ema_update_",
     "generalized_jsd", "reprompt", "sdpo_is_weight", "sdpo_loss", "self_distillation_mask", "teacher_messages",
     "topk_with_tail", "RATIO_MODES", "behaviour_seq_logprob", "seq_is_clipped_loss", "sequence_log_ratio",
     "token_log_ratio",

@@ -26,6 +26,8 @@ from typing import Any
 
 import numpy as np
 
+from claas_verl.metrics.matrix import as_matrix
+
 METRICS_JSON = "continual_metrics.json"
 MATRIX_CSV = "continual_matrix.csv"
 HEATMAP_PNG = "continual_matrix.png"
@@ -41,20 +43,9 @@ class ContinualMetrics:
         return asdict(self)
 
 
-def _as_matrix(M: Any, name: str = "M") -> np.ndarray:
-    a = np.asarray(M, dtype=np.float64)
-    if a.ndim != 2 or a.shape[0] != a.shape[1] or a.shape[0] < 1:
-        raise ValueError(f"{name} must be a non-empty square K×K matrix (rows checkpoints, cols splits), "
-                         f"got shape {a.shape}")
-    if not np.all(np.isfinite(a)):
-        raise ValueError(f"{name} has non-finite entries at {np.argwhere(~np.isfinite(a)).tolist()[:5]}; "
-                         "every checkpoint must be evaluated on every split")
-    return a
-
-
 def continual_metrics(M: Any) -> ContinualMetrics:
     """FWT, forgetting and final performance of one trial's K×K matrix (SPEC A.4; see module docstring)."""
-    a = _as_matrix(M)
+    a = as_matrix(M)
     K = a.shape[0]
     final = float(a[K - 1].mean())
     if K < 2:
@@ -76,7 +67,7 @@ def average_over_trials(matrices: Sequence[Any]) -> dict[str, Any]:
     """
     if len(matrices) == 0:
         raise ValueError("matrices must hold at least one trial's K×K matrix")
-    mats = [_as_matrix(m, f"matrices[{i}]") for i, m in enumerate(matrices)]
+    mats = [as_matrix(m, f"matrices[{i}]") for i, m in enumerate(matrices)]
     if len({m.shape for m in mats}) != 1:
         raise ValueError(f"all trials must have the same K, got shapes {sorted({m.shape for m in mats})}")
     per = [continual_metrics(m).to_dict() for m in mats]
@@ -103,7 +94,7 @@ def _json_safe(x: Any) -> Any:
 
 def write_matrix_csv(M: Any, path: str | Path) -> Path:
     """CSV with a header ``checkpoint,split_1..split_K`` and one row per checkpoint (``ckpt_1..ckpt_K``)."""
-    a = _as_matrix(M)
+    a = as_matrix(M)
     path = Path(path)
     with path.open("w", newline="") as f:
         w = csv.writer(f)
@@ -123,7 +114,7 @@ def write_continual_metrics(out_dir: str | Path, M: Any, buffer_stats: dict | No
     ``extra`` keys (e.g. split ids, seeds, ``average_over_trials`` output).
     Returns the written paths by kind (``json``, ``csv``, ``png``).
     """
-    a = _as_matrix(M)
+    a = as_matrix(M)
     if buffer_stats is not None and not isinstance(buffer_stats, dict):
         raise ValueError(f"buffer_stats must be a dict or None, got {type(buffer_stats).__name__}")
     if extra is not None:

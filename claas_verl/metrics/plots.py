@@ -12,6 +12,8 @@ from typing import Any
 
 import numpy as np
 
+from claas_verl.metrics.matrix import as_matrix
+
 
 def plot_transfer_heatmap(M: Any, path: str | Path, title: str | None = None, vmin: float = 0.0,
                           vmax: float = 1.0, dpi: int = 100) -> Path:
@@ -23,9 +25,7 @@ def plot_transfer_heatmap(M: Any, path: str | Path, title: str | None = None, vm
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
-    from claas_verl.metrics.continual import _as_matrix
-
-    a = _as_matrix(M)
+    a = as_matrix(M)
     K = a.shape[0]
     side = 1.6 + 0.9 * K
     fig = Figure(figsize=(side + 1.2, side))

@@ -18,8 +18,8 @@ binds its stats object once with :func:`bind_rpp_ema_stats` (or for a block with
 ``stats.state_dict()`` in its checkpoints. The estimator only READS b and v; calling it with nothing
 bound raises a ValueError that says so.
 
-PPO with a critic: :func:`replay_gae` and :func:`replay_value_loss` call verl's GAE and value loss on
-the token rewards the replay setting builds (``claas_verl.losses.ppo_critic``).
+PPO with a critic (SPEC A.3.2, ``recipes/claas/ppo.yaml``) needs nothing registered here: verl's own ``gae``
+estimator and critic worker compute the advantages and the value loss.
 """
 
 from __future__ import annotations
@@ -28,10 +28,8 @@ import contextlib
 from typing import Any
 
 import torch
-from verl.trainer.ppo import core_algos
 
 from claas_verl.losses.advantages import EmaRewardStats, global_whiten_advantages, sequence_rewards
-from claas_verl.losses.ppo_critic import token_rewards_at_last_token
 from claas_verl.losses.seq_is import seq_is_clipped_loss
 from claas_verl.verl_ext.registry import register_adv_est, register_policy_loss
 
@@ -193,44 +191,3 @@ def compute_claas_rpp_global_whiten_advantage(
     """
     gamma = float(_cfg(config, "gamma", 1.0))
     return global_whiten_advantages(token_level_rewards, response_mask, gamma)
-
-
-# --------------------------------------------------------------------------- PPO critic glue (A.3.2)
-
-
-def replay_gae(
-    rewards: torch.Tensor, values: torch.Tensor, response_mask: torch.Tensor, gamma: float = 1.0, lam: float = 1.0,
-    token_level_rewards: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """verl GAE on replayed entries: ``(advantages whitened over the minibatch, returns)``, ``[B, T]``.
-
-    ``rewards`` ``[B]`` go to the last valid token (pass ``token_level_rewards`` instead for the scenario
-    placements of ``claas_verl.losses.scenario_token_rewards``). ``values`` is V_old from the critic,
-    re-evaluated on this minibatch before the update. A minibatch with Σm ≤ 1, where verl's whitening
-    raises, gets A = 0 [CHOICE, as in A.3.1].
-    """
-    if token_level_rewards is None:
-        token_level_rewards = token_rewards_at_last_token(rewards, response_mask)
-    mask = response_mask.float()
-    if float(mask.sum()) <= 1:
-        # At most one valid token: nothing follows it, so its GAE return is exactly its reward.
-        returns = token_level_rewards.float() * mask
-        return torch.zeros_like(returns), returns
-    adv, returns = core_algos.compute_gae_advantage_return(
-        token_level_rewards=token_level_rewards.float(), values=values.float(), response_mask=mask, gamma=gamma,
-        lam=lam,
-    )
-    return adv * mask, returns
-
-
-def replay_value_loss(
-    vpreds: torch.Tensor, returns: torch.Tensor, values: torch.Tensor, response_mask: torch.Tensor,
-    cliprange_value: float = 0.5, loss_agg_mode: str = "token-mean", global_batch_info: dict | None = None,
-) -> tuple[torch.Tensor, float]:
-    """verl's clipped value loss ½·agg(max((V−ret)², (clip(V, V_old±c)−ret)²)) (SPEC A.3.2); ``(loss, clipfrac)``."""
-    info = dict(global_batch_info or {})
-    loss, clipfrac = core_algos.compute_value_loss(
-        vpreds=vpreds, returns=returns, values=values, response_mask=response_mask.float(),
-        cliprange_value=cliprange_value, loss_agg_mode=loss_agg_mode, **info,
-    )
-    return loss, float(clipfrac)

@@ -388,12 +388,12 @@ def test_ih_challenge_env_refuses_on_a_machine_without_namespaces(monkeypatch, c
     from pathlib import Path
 
     from claas_verl.envs import make_environment
-    from claas_verl.envs import sandbox as sandbox_mod
+    from claas_verl.envs.sandbox import isolation as isolation_mod
 
     sample = Path(__file__).resolve().parents[2] / "examples" / "data" / "ih_challenge_sample.jsonl"
     real = probe_isolation()
-    monkeypatch.setattr(sandbox_mod, "probe_isolation", lambda: IsolationSupport((), real.seccomp_path, real.root,
-                                                                                   "forced by the test"))
+    monkeypatch.setattr(isolation_mod, "probe_isolation", lambda: IsolationSupport((), real.seccomp_path, real.root,
+                                                                                     "forced by the test"))
     with pytest.raises(SandboxUnavailable, match="allow_weak_isolation"):
         make_environment("ih_challenge", path=sample)
     weak = {"timeout_s": 10.0, "cpu_s": 2, "memory_mb": 256, "allow_weak_isolation": True}

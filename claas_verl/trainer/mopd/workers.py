@@ -494,13 +494,3 @@ class MOPDWorker(ActorRolloutRefWorker):
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def mopd_optimizer_steps(self) -> int:
         return vc.optimizer_step_count(self.actor.engine)
-
-    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
-    def mopd_param_checksum(self) -> float:
-        """Sum of the local parameter shards (a cheap probe that weights changed / were restored)."""
-        with torch.no_grad():
-            total = 0.0
-            for p in self.actor.engine.module.parameters():
-                t = p.to_local() if hasattr(p, "to_local") else p
-                total += float(t.double().sum())
-        return total

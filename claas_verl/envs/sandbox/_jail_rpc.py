@@ -1,6 +1,6 @@
 """Assertion tests that a program cannot fake: the program and the assertions run in two separate jails.
 
-Loaded by :mod:`claas_verl.envs._grader_worker` (standard library only; it runs outside the venv). For an
+Loaded by path by :mod:`claas_verl.envs.sandbox._zygote` (standard library only; it runs outside the venv). For an
 assertion test such as ``assert add(2, 2) == 4`` the zygote takes two jailed processes:
 
 - the *program* process executes the model's source and then only answers queries about its own objects:
