@@ -43,6 +43,7 @@ from typing import Any
 import numpy as np
 
 from claas_verl.service.backend import MIXED_VERSION, BackendError, ChatBackend, Generation
+from claas_verl.service.buffer_share import BufferShare
 from claas_verl.service.grading import Grader, GradeRequest, normalize_grade
 from claas_verl.service.guard import (
     DEFAULT_TEMPLATE_KWARGS,
@@ -62,6 +63,9 @@ _FALSE = {"0", "false", "no", "off"}
 
 
 REWARD_MODES = ("binary", "unit")
+#: Retry-After of feedback refused for the buffer share: room comes from other keys' entries or the next policy
+#: update, neither of which the service can time
+SHARE_RETRY_S = 5.0
 
 
 class AuthError(PermissionError):
@@ -108,6 +112,10 @@ class ServiceConfig:
         max_grading: background gradings in flight; a chat beyond it is answered 429 before generating.
         rate_limit_per_s / rate_limit_burst: per-key token bucket over chat and feedback requests (429 with
             ``Retry-After``); None: no rate limit.
+        max_buffer_share: the fraction of the replay buffer (of its capacity ``b_max``) one API key may hold when its
+            next entry would push another key's entry out (see :mod:`~claas_verl.service.buffer_share`); feedback
+            beyond it is answered 429 with ``Retry-After`` and the turn stays pending. 1.0: no limit. The admin key
+            is exempt.
         ack_timeout_s: how long a feedback waits for the replay buffer's acknowledgement (503 after).
         body_timeout_s: how long a request body may take to arrive in full (408 after: a trickling client).
         template_kwargs: the ``chat_template_kwargs`` keys a request may set (values: booleans, numbers, short
@@ -135,6 +143,7 @@ class ServiceConfig:
     max_grading: int = 256
     rate_limit_per_s: float | None = None
     rate_limit_burst: int = 20
+    max_buffer_share: float = 1.0
     ack_timeout_s: float = 30.0
     body_timeout_s: float = 30.0
     template_kwargs: tuple[str, ...] = DEFAULT_TEMPLATE_KWARGS
@@ -157,6 +166,10 @@ class ServiceConfig:
                              "keyless loopback service with allow_keyless=True")
         if self.rate_limit_per_s is not None and not self.rate_limit_per_s > 0:
             raise ValueError(f"rate_limit_per_s must be None or > 0, got {self.rate_limit_per_s}")
+        share = self.max_buffer_share
+        if isinstance(share, bool) or not isinstance(share, (int, float)) or not 0 < share <= 1:
+            raise ValueError(f"max_buffer_share (claas.service.max_buffer_share) must be a number in (0, 1]: the "
+                             f"fraction of the replay buffer one API key may hold, 1 for no limit; got {share!r}")
         for name in ("max_pending_bytes", "max_grading", "rate_limit_burst"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {getattr(self, name)!r}")
@@ -263,6 +276,11 @@ class ChatService:
         self.extra_stats = extra_stats
         self.on_shutdown = on_shutdown
         self.shutdown_requested = threading.Event()
+        self.buffer_share = BufferShare(cfg.max_buffer_share)
+        if self.buffer_share.enabled and not hasattr(self.recorder.sink, "fill"):
+            raise ValueError(f"max_buffer_share={cfg.max_buffer_share} needs a sink that reports the buffer's fill "
+                             f"(fill() -> (size, b_max)); {type(self.recorder.sink).__name__} has none: set "
+                             "max_buffer_share=1.0 or use a ReplayBuffer / replay actor sink")
         self.rate_limiter = RateLimiter(cfg.rate_limit_per_s, cfg.rate_limit_burst) if cfg.rate_limit_per_s else None
         self._key_ids = {k: key_id(k) for k in cfg.api_keys}
         self._accepting = True  # False once intake stopped (shutdown): chat and feedback answer 503
@@ -559,17 +577,53 @@ class ChatService:
         except Exception as exc:  # any grader failure is a grader error: reward None (SPEC A.1.4)
             self.recorder.count("dropped_grader_error", owner=record.owner)
             return "dropped", f"grader error ({exc!r}): never used for training (SPEC A.1.4)"
+        reserved = reward is not None and self.buffer_share.enabled
+        if reserved and await self._share_refused(record.owner):
+            # a graded turn has no client to retry it: dropped, counted
+            self.recorder.count("dropped_buffer_share", owner=record.owner)
+            return "dropped", self._share_message()
         try:
-            return await self._settle(record, reward, feedback)
+            return await self._settle(record, reward, feedback, reserved=reserved)
         except Unavailable as exc:
             if raise_unavailable:
                 raise
             return "dropped", str(exc)
 
-    async def _settle(self, record: TurnRecord, reward: float | None, feedback: str | None) -> tuple[str, str | None]:
+    async def _share_refused(self, owner: str) -> bool:
+        """Reserve a buffer write for ``owner`` under its buffer share (which must be enabled); True (nothing
+        reserved) when refused. The buffer's fill is asked (off the event loop) only when the key is at its share."""
+        share = self.buffer_share
+        if not share.needs_fill(owner):
+            return not share.reserve(owner)
+        try:
+            size, capacity = await asyncio.to_thread(self.recorder.sink.fill)
+        except Exception as exc:  # noqa: BLE001 - a buffer that does not answer cannot take the entry either
+            raise Unavailable(f"the replay buffer does not answer ({exc!r}); retry later", 5.0) from None
+        return not share.reserve(owner, size, capacity)
+
+    def _share_message(self) -> str:
+        share = self.buffer_share
+        return (f"this API key holds its share of the replay buffer ({share.limit(share.capacity or 1)} of "
+                f"{share.capacity} entries, max_buffer_share={share.share:g}, set by claas.service.max_buffer_share); "
+                "the buffer is full and this entry would push out another key's: retry once other keys' entries or "
+                "policy updates have made room")
+
+    async def _settle(self, record: TurnRecord, reward: float | None, feedback: str | None,
+                      reserved: bool = False) -> tuple[str, str | None]:
         """Submit ``record`` with its reward and wait for the buffer: ``("accepted", None)`` once it is in the
         buffer, ``("refused", why)`` when the buffer refused it, ``Unavailable`` when the write failed or was not
-        acknowledged within ``ack_timeout_s`` (each counted)."""
+        acknowledged within ``ack_timeout_s`` (each counted). ``reserved``: a buffer-share reservation of the owner
+        to end with the outcome."""
+        status = None
+        try:
+            status, reason = await self._submit(record, reward, feedback)
+            return status, reason
+        finally:
+            if reserved:
+                self.buffer_share.release(record.owner, accepted=status == "accepted")
+
+    async def _submit(self, record: TurnRecord, reward: float | None, feedback: str | None
+                      ) -> tuple[str, str | None]:
         status, reason, ack = self.recorder.finish(record, reward, feedback)
         if ack is None:
             return status, reason
@@ -642,10 +696,18 @@ class ChatService:
             raise ValueError(f"'feedback' must be a string or null, got {type(text).__name__}")
         if text is not None and len(text) > self.config.max_message_chars:
             raise LimitError(f"'feedback' has {len(text)} characters; at most {self.config.max_message_chars}")
+        reserved = False
+        if reward is not None and self.buffer_share.enabled and self.recorder.owns(request_id, owner):
+            if await self._share_refused(owner):  # refused before the turn is taken: it stays pending for a retry
+                self.recorder.count("rejected_buffer_share", owner=owner)
+                raise LimitError(self._share_message(), 429, SHARE_RETRY_S)
+            reserved = True
         record = self.recorder.take(request_id, owner)
         if record is None:
+            if reserved:
+                self.buffer_share.release(owner, accepted=False)
             return {"request_id": request_id, "status": "unknown", "reason": self.recorder.unknown_reason(request_id)}
-        status, reason = await self._settle(record, reward, text)
+        status, reason = await self._settle(record, reward, text, reserved=reserved)
         return {"request_id": request_id, "status": status, "reason": reason}
 
     def adapter_path(self, path: str) -> str:
@@ -688,6 +750,7 @@ class ChatService:
         dropped.update({name: rec[name] for name in COUNTERS if name.startswith("rejected_")})
         out = {**rec, "policy_version": self.backend.policy_version, "model": self.backend.served_model,
                "reloads": self.reloads, "accepting": self._accepting, "keys": self.recorder.key_stats(),
+               "buffer_share": self._share_stats(),
                "turns": {"served": rec["served"], "recorded": rec["pending"] + rec["graded"],
                          "pending": rec["pending_now"], "completed": rec["submitted"],
                          "accepted": rec["accepted"], "expired": rec["dropped_timeout"],
@@ -697,9 +760,19 @@ class ChatService:
         return out
 
     def user_stats(self, owner: str) -> dict:
-        """The view of one API key: its own counters and pending turns, the served model and version."""
+        """The view of one API key: its own counters and pending turns, its buffer share, the served model and
+        version."""
+        share = self._share_stats()
         return {"key_id": owner, "policy_version": self.backend.policy_version, "model": self.backend.served_model,
-                **self.recorder.key_stats(owner)[owner]}
+                **self.recorder.key_stats(owner)[owner],
+                "buffer_share": {"max": share["max"], "limit": share["limit"], "held": share["held"].get(owner, 0)}}
+
+    def _share_stats(self) -> dict:
+        """``max`` (the configured fraction), ``limit`` (entries per key, once the capacity is known) and ``held``
+        (per key: entries of the last ``b_max`` it wrote, an upper bound of what it holds in the buffer)."""
+        share = self.buffer_share
+        return {"max": share.share, "limit": share.limit(share.capacity) if share.capacity else None,
+                "held": share.held()}
 
     def metrics_snapshot(self) -> dict:
         """What :class:`~claas_verl.service.metrics.ServiceMetrics` exports (blocking: the job's extra stats)."""
@@ -709,6 +782,7 @@ class ChatService:
         if buffer is None and hasattr(self.recorder.sink, "buffer"):
             buffer = self.recorder.sink.buffer.stats()
         return {"counts": {name: rec[name] for name in COUNTERS}, "keys": self.recorder.key_stats(),
+                "buffer_share_held": self.buffer_share.held() if self.buffer_share.enabled else None,
                 "pending_now": rec["pending_now"], "pending_bytes": rec["pending_bytes"],
                 "policy_version": self.backend.policy_version, "buffer": buffer, "updates": extra.get("updates"),
                 "last_update_unix": extra.get("last_update_unix")}
