@@ -677,7 +677,7 @@ class ClaasTrainer(PPOTrainer):
     def _start_service(self, generate, tokenizer, max_model_len: int | None) -> None:
         """Start the chat API (``claas.service``) on this process, in front of the job's rollout replicas."""
         from claas_verl.service import ChatService, ServiceConfig, build_app
-        from claas_verl.service.app import check_exposure
+        from claas_verl.service.config import check_exposure
         from claas_verl.service.rollout_backend import RolloutBackend
         from claas_verl.service.server import ServiceThread
         from claas_verl.service.sinks import ActorSink
