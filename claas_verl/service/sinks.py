@@ -156,7 +156,7 @@ class ActorSink:
         self._health = (time.monotonic(), answer)
         return answer
 
-    def fill(self, timeout_s: float = 2.0) -> tuple[int, int]:
+    def fill(self, timeout_s: float = 5.0) -> tuple[int, int]:
         """``(entries held, capacity b_max)`` of the actor's buffer (blocking: call it off the event loop; the
         capacity is asked once). Raises when the actor does not answer within ``timeout_s``."""
         if self._b_max is None:

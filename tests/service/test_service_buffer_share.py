@@ -137,3 +137,22 @@ def test_a_share_needs_a_sink_that_reports_the_buffers_fill():
     with pytest.raises(ValueError, match="max_buffer_share=0.5 needs a sink"):
         ChatService(Scripted(), Opaque(), config=ServiceConfig(api_keys=(KEY_A,), max_buffer_share=0.5))
     ChatService(Scripted(), Opaque(), config=ServiceConfig(api_keys=(KEY_A,)))  # the default asks nothing of it
+
+
+def test_the_share_holds_against_a_replay_actor(ray_session):
+    """The training job's path: the actor sink reports the actor's fill; the share refuses as with a local buffer."""
+    import ray
+
+    from claas_verl.replay import ReplayBufferActor
+
+    actor = ReplayBufferActor.remote(b_max=2, b_min=1, a_max=1000, seed=0)
+    assert ray.get(actor.size.remote(), timeout=120) == 0  # started (the first call waits for the worker)
+    with running_service(Scripted(), actor, api_keys=(KEY_A, KEY_B), max_buffer_share=0.5) as (service, url):
+        assert service.recorder.sink.fill() == (0, 2)
+        assert _reward(url, _turn(url, KEY_B), KEY_B).json()["status"] == "accepted"
+        assert _reward(url, _turn(url, KEY_A), KEY_A).json()["status"] == "accepted"
+        assert _reward(url, _turn(url, KEY_A), KEY_A).status_code == 429  # would push Bob's entry out
+        assert _reward(url, _turn(url, KEY_B), KEY_B).json()["status"] == "accepted"  # Bob pushes his own out
+        stats = httpx.get(f"{url}/v1/claas/stats", headers=_auth(ADMIN)).json()
+    assert stats["rejected_buffer_share"] == 1 and stats["buffer_share"]["limit"] == 1
+    assert sorted(stats["buffer_share"]["held"].values()) == [1, 1]
