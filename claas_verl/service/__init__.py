@@ -8,9 +8,12 @@ An OpenAI-compatible ``/v1/chat/completions`` in front of an inference backend (
 Heavy modules (torch/transformers for ``HFBackend``, FastAPI/uvicorn, httpx) are imported only when used.
 """
 
-from claas_verl.service.app import ChatService, ServiceConfig, build_app, scenario_key_to_id
+from claas_verl.service.app import ChatService
 from claas_verl.service.backend import BackendError, ChatBackend, Generation
+from claas_verl.service.config import ServiceConfig
 from claas_verl.service.grading import GradeRequest, normalize_grade, verifier_grader
+from claas_verl.service.guard import scenario_key_to_id
+from claas_verl.service.http_app import build_app
 from claas_verl.service.lora_reload import AdapterLease, AdapterSwitch, LoRAReloadError, Served, VLLMLoRAClient
 from claas_verl.service.recorder import COUNTERS, TrajectoryRecorder, TurnRecord, behaviour_logprob
 from claas_verl.service.sampling import TRAINING_SAMPLING, SamplingParams, training_violations

@@ -5,7 +5,8 @@ single line of code"). Each response is served as usual and, when recordable, be
 is known (grader callback or ``POST /v1/feedback``). The trainer hot-reloads new LoRA versions through
 :meth:`ChatService.load_adapter` (in process) or ``POST /v1/claas/load_adapter`` (over HTTP).
 
-Endpoints (the HTTP layer is :mod:`claas_verl.service.http_app`)::
+The HTTP layer is :mod:`claas_verl.service.http_app`, the bookkeeping of turns from response to replay buffer
+:mod:`claas_verl.service.turns`, the settings :mod:`claas_verl.service.config`. Endpoints::
 
     GET  /health                    liveness: 200 {"status": "ok", ...}; 503 when the replay buffer is unreachable
     GET  /ready                     readiness: 503 also while the service drains (intake stopped)
@@ -30,211 +31,44 @@ import contextlib
 import dataclasses
 import hmac
 import json
-import math
 import os
 import threading
 import time
 import uuid
-import zlib
 from collections.abc import AsyncIterator, Callable, Mapping
-from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
-
-from claas_verl.service.backend import MIXED_VERSION, BackendError, ChatBackend, Generation
-from claas_verl.service.grading import Grader, GradeRequest, normalize_grade
+from claas_verl.service.backend import BackendError, ChatBackend, Generation
+from claas_verl.service.config import REWARD_MODES, ServiceConfig, check_exposure
+from claas_verl.service.errors import AuthError, LimitError, Unavailable
+from claas_verl.service.grading import Grader
 from claas_verl.service.guard import (
-    DEFAULT_TEMPLATE_KWARGS,
-    LOOPBACK_HOSTS,
     RateLimiter,
     bounded_int,
     key_id,
+    scenario_key_to_id,
     template_kwargs,
+    validate_reward,
 )
-from claas_verl.service.recorder import COUNTERS, TrajectoryRecorder, TurnRecord, behaviour_logprob, unrecordable_reason
-from claas_verl.service.sampling import SamplingParams, training_violations, violation_message
-from claas_verl.service.sinks import make_sink
+from claas_verl.service.http_app import build_app
+from claas_verl.service.recorder import COUNTERS, behaviour_logprob
+from claas_verl.service.sampling import SamplingParams
 from claas_verl.service.streaming import StreamStart, TokenDelta
 from claas_verl.service.templating import normalize_messages
+from claas_verl.service.turns import TurnLedger
+
+# what callers import from here; each is defined in the module whose job it is
+__all__ = ["REWARD_MODES", "AuthError", "ChatService", "LimitError", "ServiceConfig", "Unavailable", "build_app",
+           "check_exposure", "scenario_key_to_id", "validate_reward"]
 
 _FALSE = {"0", "false", "no", "off"}
-
-
-REWARD_MODES = ("binary", "unit")
-
-
-class AuthError(PermissionError):
-    """A missing or wrong API key (HTTP 401) or a missing admin right (HTTP 403)."""
-
-    def __init__(self, status: int, message: str):
-        super().__init__(message)
-        self.status = status
-
-
-class LimitError(ValueError):
-    """A request over a limit (413 for the body, 429 for a rate or a full queue with ``retry_after`` seconds, 400
-    otherwise); the message names the limit."""
-
-    def __init__(self, message: str, status: int = 400, retry_after: float | None = None):
-        super().__init__(message)
-        self.status = status
-        self.retry_after = retry_after
-
-
-class Unavailable(RuntimeError):
-    """The service cannot take the request now (HTTP 503): draining for shutdown, or the replay buffer did not
-    acknowledge the entry."""
-
-    def __init__(self, message: str, retry_after: float | None = None):
-        super().__init__(message)
-        self.retry_after = retry_after
-
-
-@dataclass(frozen=True)
-class ServiceConfig:
-    """Service settings.
-
-    Fields:
-        record: record turns at all (False: a plain proxy).
-        default_scenario_id: scenario id of requests that give none; ``None`` makes such requests unrecordable.
-        max_pending / pending_ttl_s: bound and timeout of the table of turns awaiting feedback (expiry and overflow
-            drops are counted in the stats).
-        grade_inline: with a grader, grade before answering (the response then carries the final status); by
-            default grading runs after the response is sent, off the chat latency.
-        sweep_interval_s: how often expired pending turns are dropped in the background.
-        max_pending_per_key: pending turns one API key may hold (its oldest goes beyond); None: ``max_pending``.
-        max_pending_bytes: byte budget of the whole pending table (token arrays, texts kept for a grader).
-        max_grading: background gradings in flight; a chat beyond it is answered 429 before generating.
-        rate_limit_per_s / rate_limit_burst: per-key token bucket over chat and feedback requests (429 with
-            ``Retry-After``); None: no rate limit.
-        ack_timeout_s: how long a feedback waits for the replay buffer's acknowledgement (503 after).
-        body_timeout_s: how long a request body may take to arrive in full (408 after: a trickling client).
-        template_kwargs: the ``chat_template_kwargs`` keys a request may set (values: booleans, numbers, short
-            strings); a request never supplies a template.
-        api_keys: accepted ``Authorization: Bearer`` keys for every endpoint except ``/health`` / ``/ready``.
-        allow_keyless: serve without API keys (explicit opt-in; loopback only, ``Host``/``Origin`` checked, see
-            :func:`check_exposure`).
-        admin_key: key of the admin endpoints (adapter load, shutdown); ``None`` disables them.
-        adapter_root: the only directory ``POST /v1/claas/load_adapter`` loads from (a run's own output
-            directory); ``None`` refuses every load over HTTP.
-        reward: ``"binary"`` (rewards in {0, 1}) or ``"unit"`` (any value in [0, 1]); SPEC A.1.4 rewards.
-        max_body_bytes / max_messages / max_message_chars: request limits (413 / 400 / 400).
-        max_tokens: the largest ``max_tokens`` a request may ask for (``None``: the backend's bound only);
-            requests without ``max_tokens`` get ``default_max_tokens`` (or the backend's default).
-    """
-
-    record: bool = True
-    default_scenario_id: int | None = 0
-    max_pending: int = 4096
-    pending_ttl_s: float = 600.0
-    grade_inline: bool = False
-    sweep_interval_s: float = 5.0
-    max_pending_per_key: int | None = 1024
-    max_pending_bytes: int = 256 << 20
-    max_grading: int = 256
-    rate_limit_per_s: float | None = None
-    rate_limit_burst: int = 20
-    ack_timeout_s: float = 30.0
-    body_timeout_s: float = 30.0
-    template_kwargs: tuple[str, ...] = DEFAULT_TEMPLATE_KWARGS
-    api_keys: tuple[str, ...] = ()
-    allow_keyless: bool = False
-    admin_key: str | None = None
-    adapter_root: str | None = None
-    reward: str = "binary"
-    max_body_bytes: int = 1 << 20
-    max_messages: int = 256
-    max_message_chars: int = 32_768
-    max_tokens: int | None = None
-    default_max_tokens: int | None = None
-
-    def __post_init__(self):
-        if self.default_scenario_id is not None:
-            bounded_int(self.default_scenario_id, "default_scenario_id")
-        if not self.api_keys and not self.allow_keyless:
-            raise ValueError("no API keys: set api_keys (claas.service.api_keys or CLAAS_API_KEY), or opt in to a "
-                             "keyless loopback service with allow_keyless=True")
-        if self.rate_limit_per_s is not None and not self.rate_limit_per_s > 0:
-            raise ValueError(f"rate_limit_per_s must be None or > 0, got {self.rate_limit_per_s}")
-        for name in ("max_pending_bytes", "max_grading", "rate_limit_burst"):
-            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
-                raise ValueError(f"{name} must be an int >= 1, got {getattr(self, name)!r}")
-        for name in ("ack_timeout_s", "body_timeout_s"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
-        object.__setattr__(self, "template_kwargs", tuple(self.template_kwargs or ()))
-        if not self.sweep_interval_s > 0:
-            raise ValueError(f"sweep_interval_s must be > 0, got {self.sweep_interval_s}")
-        if self.reward not in REWARD_MODES:
-            raise ValueError(f"reward must be one of {REWARD_MODES}, got {self.reward!r}")
-        keys = tuple(self.api_keys or ())
-        if any(not isinstance(k, str) or not k for k in keys):
-            raise ValueError("api_keys must be non-empty strings")
-        object.__setattr__(self, "api_keys", keys)
-        if self.admin_key is not None and (not isinstance(self.admin_key, str) or not self.admin_key):
-            raise ValueError("admin_key must be a non-empty string or None")
-        for name in ("max_body_bytes", "max_messages", "max_message_chars"):
-            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
-                raise ValueError(f"{name} must be an int >= 1, got {getattr(self, name)!r}")
-        for name in ("max_tokens", "default_max_tokens"):
-            value = getattr(self, name)
-            if value is not None and (not isinstance(value, int) or value < 1):
-                raise ValueError(f"{name} must be None or an int >= 1, got {value!r}")
-        if self.max_tokens is not None and self.default_max_tokens is not None \
-                and self.default_max_tokens > self.max_tokens:
-            raise ValueError(f"default_max_tokens={self.default_max_tokens} exceeds max_tokens={self.max_tokens}")
-
-
-def check_exposure(host: str, config: ServiceConfig) -> None:
-    """Refuse to serve without API keys on anything but a loopback address (anyone could feed the trainer), and
-    without keys unless keyless mode was opted in to."""
-    if config.api_keys:
-        return
-    if host not in LOOPBACK_HOSTS:
-        raise ValueError(f"the chat service would listen on {host!r} without API keys; set claas.service.api_keys "
-                         "(or the environment variable CLAAS_API_KEY), or listen on 127.0.0.1")
-    if not config.allow_keyless:
-        raise ValueError("the chat service has no API keys; set api_keys, or opt in to keyless loopback mode "
-                         "(allow_keyless)")
-
-
-def validate_reward(value: Any, mode: str) -> float | None:
-    """The ``reward`` field of ``POST /v1/feedback`` (SPEC A.1.4): ``None`` (grader error: dropped), else a number in
-    {0, 1} (``mode="binary"``) or [0, 1] (``mode="unit"``); ``ValueError`` naming the field otherwise."""
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ValueError(f"'reward' must be a finite number (or null for a grader error), got {value!r}")
-    if isinstance(value, int) and not 0 <= value <= 1:  # compared as an int: a 400-digit integer has no float
-        raise ValueError(f"'reward' must be in [0, 1] (SPEC A.1.4), got {str(value)[:20]}")
-    if not math.isfinite(value):
-        raise ValueError(f"'reward' must be a finite number (or null for a grader error), got {value!r}")
-    if mode == "binary" and value not in (0, 1):
-        raise ValueError(f"'reward' must be 0 or 1 (this run uses binary rewards, SPEC A.1.4), got {value!r}")
-    if not 0.0 <= value <= 1.0:
-        raise ValueError(f"'reward' must be in [0, 1] (SPEC A.1.4), got {value!r}")
-    return float(value)
-
-
-def scenario_key_to_id(key: Any) -> tuple[int, str | None]:
-    """``(scenario_id, original_key)``: an int >= 0 (or its decimal string) is used as is; any other string maps to
-    a stable 31-bit id (crc32) and is returned so the entry keeps it in ``metadata["scenario"]``."""
-    if isinstance(key, bool):
-        raise ValueError(f"scenario_id must be an int >= 0 or a string, got {key!r}")
-    if isinstance(key, int):
-        return bounded_int(key, "scenario_id"), None
-    if isinstance(key, str) and key:
-        if key.isdigit():
-            return bounded_int(key, "scenario_id"), None
-        return zlib.crc32(key.encode()) & 0x7FFFFFFF, key
-    raise ValueError(f"scenario_id must be an int >= 0 or a non-empty string, got {key!r}")
 
 
 def _flag(value: Any) -> bool:
     if isinstance(value, bool):
         return value
     return str(value).strip().lower() not in _FALSE
+
 
 
 class ChatService:
@@ -253,12 +87,10 @@ class ChatService:
                  on_shutdown: Callable[[], None] | None = None):
         self.backend = backend
         self.config = config or ServiceConfig()
-        self.grader = grader
         cfg = self.config
-        self.recorder = TrajectoryRecorder(make_sink(sink), max_pending=cfg.max_pending,
-                                           pending_ttl_s=cfg.pending_ttl_s, max_pending_per_key=cfg.max_pending_per_key,
-                                           max_pending_bytes=cfg.max_pending_bytes)
-        self._tasks: set[asyncio.Task] = set()
+        self.turns = TurnLedger(sink, cfg, grader)
+        self.recorder = self.turns.recorder
+        self.buffer_share = self.turns.buffer_share
         self.reloads = 0
         self.extra_stats = extra_stats
         self.on_shutdown = on_shutdown
@@ -268,6 +100,10 @@ class ChatService:
         self._accepting = True  # False once intake stopped (shutdown): chat and feedback answer 503
         self._active = 0  # chat/feedback requests inside the service
         self._idle = threading.Condition()
+
+    @property
+    def grader(self) -> Grader | None:
+        return self.turns.grader
 
     # ------------------------------------------------------------------ auth
     def authorize(self, headers: Mapping[str, str], admin: bool = False) -> str:
@@ -391,10 +227,9 @@ class ChatService:
         if "chat_template" in body or "tools" in body:
             raise ValueError("'chat_template' and 'tools' are not accepted: the service renders every chat with the "
                              "policy's own template (tool calls are not recorded)")
-        if self.grader is not None and not self.config.grade_inline and ctx["record"] \
-                and len(self._tasks) >= self.config.max_grading:
+        if ctx["record"] and self.turns.grading_full():
             self.recorder.count("rejected_busy", owner=ctx["owner"])
-            raise LimitError(f"{len(self._tasks)} turns are waiting for the grader (at most "
+            raise LimitError(f"{self.turns.grading} turns are waiting for the grader (at most "
                              f"{self.config.max_grading}); retry shortly", 429, 1.0)
         return params, messages, ctx, kwargs
 
@@ -406,7 +241,7 @@ class ChatService:
             request_id = f"chatcmpl-{uuid.uuid4().hex}"
             gen = await self.backend.generate(messages, params, kwargs)
             self.recorder.count("served", owner=owner)
-            status, reason = await self._record(request_id, gen, params, messages, ctx)
+            status, reason = await self.turns.record(request_id, gen, params, messages, ctx)
             return self._response(request_id, gen, params, status, reason, ctx)
 
     async def chat_stream(self, body: dict, headers: Mapping[str, str] | None = None, owner: str = "local"
@@ -476,7 +311,7 @@ class ChatService:
             if gen is None:
                 raise BackendError("the backend's stream ended without the complete response")
             self.recorder.count("served", owner=ctx["owner"])
-            status, reason = await self._record(request_id, gen, params, messages, ctx)
+            status, reason = await self.turns.record(request_id, gen, params, messages, ctx)
             outcome = status
             response = self._response(request_id, gen, params, status, reason, ctx)
             yield chunk({}, gen.finish_reason, claas=response["claas"], usage=response["usage"])
@@ -499,95 +334,6 @@ class ChatService:
             with anyio.CancelScope(shield=True):
                 await events.aclose()
 
-    async def _record(self, request_id, gen, params, messages, ctx) -> tuple[str, str | None]:
-        owner = ctx["owner"]
-        if not ctx["record"]:
-            self.recorder.count("not_recorded", owner=owner)
-            return "not_recorded", "recording is off for this request"
-        violations = training_violations(params)
-        if violations:
-            self.recorder.count("rejected_sampling", owner=owner)
-            return "rejected", violation_message(violations)
-        scenario_id = ctx["scenario_id"] if ctx["scenario_id"] is not None else self.config.default_scenario_id
-        if gen.finish_reason == MIXED_VERSION:
-            self.recorder.count("dropped_mixed_version", owner=owner)
-            return "dropped", "not recorded: the response's tokens came from more than one policy version"
-        if gen.finish_reason not in ("stop", "length"):
-            # aborted (e.g. by a weight update) or truncated by the server for any other reason: the sampled tokens
-            # are not a complete draw from one policy, never an entry (counted)
-            self.recorder.count("dropped_aborted", owner=owner)
-            return "dropped", f"not recorded: the generation ended with finish_reason={gen.finish_reason!r}"
-        why = unrecordable_reason(gen)
-        if why is None and scenario_id is None:
-            why = "no scenario id (send metadata.scenario_id or the X-Claas-Scenario-Id header)"
-        if why is not None:
-            self.recorder.count("rejected_unrecordable", owner=owner)
-            return "rejected", f"not recorded: {why}"
-        metadata = {"request_id": request_id, "model": gen.model, "finish_reason": gen.finish_reason}
-        if ctx["scenario_key"] is not None:
-            metadata["scenario"] = ctx["scenario_key"]
-        if ctx["client_metadata"]:
-            metadata["client"] = ctx["client_metadata"]
-        graded = self.grader is not None
-        record = TurnRecord(
-            request_id=request_id, scenario_id=scenario_id, step_idx=ctx["step_idx"],
-            prompt_ids=np.asarray(gen.prompt_ids, dtype=np.int32),
-            response_ids=np.asarray(gen.response_ids, dtype=np.int32),
-            behaviour_logprob=behaviour_logprob(gen.token_logprobs), policy_version=gen.policy_version,
-            domain=ctx["domain"], metadata=metadata, owner=owner,
-            # the texts are the grader's input only: a turn waiting for feedback keeps its tokens, not its texts
-            messages=messages if graded else [], text=gen.text if graded else "",
-        )
-        if not graded:
-            if not self.recorder.hold(record):
-                return "dropped", (f"not recorded: the turn alone exceeds the pending byte budget "
-                                   f"({self.config.max_pending_bytes} bytes)")
-            return "pending_feedback", None
-        self.recorder.count("graded", owner=owner)
-        if self.config.grade_inline:
-            return await self._grade_and_finish(record, raise_unavailable=True)
-        task = asyncio.get_running_loop().create_task(self._grade_and_finish(record))
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-        return "grading", None
-
-    async def _grade_and_finish(self, record: TurnRecord, raise_unavailable: bool = False) -> tuple[str, str | None]:
-        request = GradeRequest(messages=record.messages, response_text=record.text, scenario_id=record.scenario_id,
-                               step_idx=record.step_idx, metadata=dict(record.metadata))
-        try:
-            reward, feedback = normalize_grade(await asyncio.to_thread(self.grader, request))
-        except Exception as exc:  # any grader failure is a grader error: reward None (SPEC A.1.4)
-            self.recorder.count("dropped_grader_error", owner=record.owner)
-            return "dropped", f"grader error ({exc!r}): never used for training (SPEC A.1.4)"
-        try:
-            return await self._settle(record, reward, feedback)
-        except Unavailable as exc:
-            if raise_unavailable:
-                raise
-            return "dropped", str(exc)
-
-    async def _settle(self, record: TurnRecord, reward: float | None, feedback: str | None) -> tuple[str, str | None]:
-        """Submit ``record`` with its reward and wait for the buffer: ``("accepted", None)`` once it is in the
-        buffer, ``("refused", why)`` when the buffer refused it, ``Unavailable`` when the write failed or was not
-        acknowledged within ``ack_timeout_s`` (each counted)."""
-        status, reason, ack = self.recorder.finish(record, reward, feedback)
-        if ack is None:
-            return status, reason
-        try:
-            accepted = await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(ack)), self.config.ack_timeout_s)
-        except asyncio.TimeoutError:
-            self.recorder.count("dropped_unconfirmed", owner=record.owner)
-            raise Unavailable(f"the replay buffer did not acknowledge the entry within {self.config.ack_timeout_s:g}s;"
-                              " it may or may not have been stored", 5.0) from None
-        except Exception as exc:  # noqa: BLE001 - the actor died or the write failed: the client must know
-            self.recorder.count("dropped_buffer_error", owner=record.owner)
-            raise Unavailable(f"the replay buffer did not take the entry ({exc}); the feedback was not stored",
-                              5.0) from None
-        if accepted >= 1:
-            self.recorder.count("accepted", owner=record.owner)
-            return "accepted", None
-        self.recorder.count("dropped_buffer_refused", owner=record.owner)
-        return "refused", "the replay buffer refused the entry (a duplicate request id, or stale on arrival)"
 
     def _response(self, request_id, gen, params, status, reason, ctx) -> dict:
         n_prompt = len(gen.prompt_ids) if gen.prompt_ids is not None else 0
@@ -625,28 +371,7 @@ class ChatService:
         """``POST /v1/feedback``: reward (and feedback text) for ``owner``'s pending turn; status ``accepted`` once the
         buffer holds the entry (``unknown``: no such turn of this key)."""
         with self.intake():
-            return await self._feedback(body, owner)
-
-    async def _feedback(self, body: dict, owner: str) -> dict:
-        if not isinstance(body, dict):
-            raise ValueError("the feedback body must be a JSON object")
-        request_id = body.get("request_id", body.get("id"))
-        if not isinstance(request_id, str) or not request_id:
-            raise ValueError("'request_id' must be the 'id' of a chat completion response")
-        if "reward" not in body:
-            raise ValueError("'reward' is required: 0 or 1 (or in [0, 1] if the recipe says so), or null for a "
-                             "grader error (the turn is dropped)")
-        reward = validate_reward(body["reward"], self.config.reward)
-        text = body.get("feedback")
-        if text is not None and not isinstance(text, str):
-            raise ValueError(f"'feedback' must be a string or null, got {type(text).__name__}")
-        if text is not None and len(text) > self.config.max_message_chars:
-            raise LimitError(f"'feedback' has {len(text)} characters; at most {self.config.max_message_chars}")
-        record = self.recorder.take(request_id, owner)
-        if record is None:
-            return {"request_id": request_id, "status": "unknown", "reason": self.recorder.unknown_reason(request_id)}
-        status, reason = await self._settle(record, reward, text)
-        return {"request_id": request_id, "status": status, "reason": reason}
+            return await self.turns.feedback(body, owner)
 
     def adapter_path(self, path: str) -> str:
         """``path`` resolved (symlinks included) if it lies inside ``config.adapter_root``; ``AuthError`` 403 else."""
@@ -688,6 +413,7 @@ class ChatService:
         dropped.update({name: rec[name] for name in COUNTERS if name.startswith("rejected_")})
         out = {**rec, "policy_version": self.backend.policy_version, "model": self.backend.served_model,
                "reloads": self.reloads, "accepting": self._accepting, "keys": self.recorder.key_stats(),
+               "buffer_share": self.turns.share_stats(),
                "turns": {"served": rec["served"], "recorded": rec["pending"] + rec["graded"],
                          "pending": rec["pending_now"], "completed": rec["submitted"],
                          "accepted": rec["accepted"], "expired": rec["dropped_timeout"],
@@ -697,9 +423,12 @@ class ChatService:
         return out
 
     def user_stats(self, owner: str) -> dict:
-        """The view of one API key: its own counters and pending turns, the served model and version."""
+        """The view of one API key: its own counters and pending turns, its buffer share, the served model and
+        version."""
+        share = self.turns.share_stats()
         return {"key_id": owner, "policy_version": self.backend.policy_version, "model": self.backend.served_model,
-                **self.recorder.key_stats(owner)[owner]}
+                **self.recorder.key_stats(owner)[owner],
+                "buffer_share": {"max": share["max"], "limit": share["limit"], "held": share["held"].get(owner, 0)}}
 
     def metrics_snapshot(self) -> dict:
         """What :class:`~claas_verl.service.metrics.ServiceMetrics` exports (blocking: the job's extra stats)."""
@@ -709,6 +438,7 @@ class ChatService:
         if buffer is None and hasattr(self.recorder.sink, "buffer"):
             buffer = self.recorder.sink.buffer.stats()
         return {"counts": {name: rec[name] for name in COUNTERS}, "keys": self.recorder.key_stats(),
+                "buffer_share_held": self.buffer_share.held() if self.buffer_share.enabled else None,
                 "pending_now": rec["pending_now"], "pending_bytes": rec["pending_bytes"],
                 "policy_version": self.backend.policy_version, "buffer": buffer, "updates": extra.get("updates"),
                 "last_update_unix": extra.get("last_update_unix")}
@@ -732,18 +462,10 @@ class ChatService:
             self.recorder.sweep()
 
     async def drain(self, timeout_s: float = 30.0) -> None:
-        """Stop intake, wait for background gradings (those still running after ``timeout_s`` are cancelled and
-        counted ``dropped_shutdown``), then for the sink's writes in flight. Turns still waiting for feedback can
-        get none any more: counted ``dropped_shutdown`` too."""
+        """Stop intake, then settle what is left (:meth:`TurnLedger.drain`: gradings, writes in flight, pending
+        turns; whatever cannot finish is counted ``dropped_shutdown``)."""
         self.stop_intake()
-        if self._tasks:
-            _, late = await asyncio.wait(list(self._tasks), timeout=timeout_s)
-            for task in late:
-                task.cancel()
-            if late:
-                self.recorder.count("dropped_shutdown", len(late))
-        await asyncio.to_thread(self.recorder.sink.flush, timeout_s)
-        self.recorder.drop_all("dropped_shutdown")
+        await self.turns.drain(timeout_s)
 
 
 def _logprob_items(token_ids, logprobs) -> list[dict]:
@@ -751,9 +473,3 @@ def _logprob_items(token_ids, logprobs) -> list[dict]:
     return [{"token": f"token_id:{t}", "logprob": lp, "bytes": None, "top_logprobs": []}
             for t, lp in zip(token_ids, logprobs)]
 
-
-def build_app(service: ChatService):
-    """The FastAPI app over ``service`` (see :func:`claas_verl.service.http_app.build_app`)."""
-    from claas_verl.service.http_app import build_app as build
-
-    return build(service)

@@ -1,5 +1,6 @@
 """Checks at the chat service's door: who is calling (key ids), how often (per-key rate), what the body may hold
-(depth, text, integer range), where a keyless request comes from (Host/Origin), which template arguments pass.
+(depth, text, integer range), where a keyless request comes from (Host/Origin), which template arguments pass, what
+a reward and a scenario id may be.
 
 Everything here answers with a ``ValueError`` naming the field (HTTP 400) or a value the HTTP layer turns into its
 status; nothing here touches the event loop or the backend.
@@ -11,6 +12,7 @@ import hashlib
 import math
 import threading
 import time
+import zlib
 from collections.abc import Mapping
 from typing import Any
 from urllib.parse import urlsplit
@@ -144,3 +146,36 @@ def keyless_origin_error(headers: Mapping[str, str]) -> str | None:
     if origin == "null":
         return "cross-site request from an opaque Origin refused by this keyless service"
     return None
+
+
+def validate_reward(value: Any, mode: str) -> float | None:
+    """The ``reward`` field of ``POST /v1/feedback`` (SPEC A.1.4): ``None`` (grader error: dropped), else a number in
+    {0, 1} (``mode="binary"``) or [0, 1] (``mode="unit"``); ``ValueError`` naming the field otherwise."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"'reward' must be a finite number (or null for a grader error), got {value!r}")
+    if isinstance(value, int) and not 0 <= value <= 1:  # compared as an int: a 400-digit integer has no float
+        raise ValueError(f"'reward' must be in [0, 1] (SPEC A.1.4), got {str(value)[:20]}")
+    if not math.isfinite(value):
+        raise ValueError(f"'reward' must be a finite number (or null for a grader error), got {value!r}")
+    if mode == "binary" and value not in (0, 1):
+        raise ValueError(f"'reward' must be 0 or 1 (this run uses binary rewards, SPEC A.1.4), got {value!r}")
+    if not 0.0 <= value <= 1.0:
+        raise ValueError(f"'reward' must be in [0, 1] (SPEC A.1.4), got {value!r}")
+    return float(value)
+
+
+def scenario_key_to_id(key: Any) -> tuple[int, str | None]:
+    """``(scenario_id, original_key)``: an int >= 0 (or its decimal string) is used as is; any other string maps to
+    a stable 31-bit id (crc32) and is returned so the entry keeps it in ``metadata["scenario"]``."""
+    if isinstance(key, bool):
+        raise ValueError(f"scenario_id must be an int >= 0 or a string, got {key!r}")
+    if isinstance(key, int):
+        return bounded_int(key, "scenario_id"), None
+    if isinstance(key, str) and key:
+        if key.isdigit():
+            return bounded_int(key, "scenario_id"), None
+        return zlib.crc32(key.encode()) & 0x7FFFFFFF, key
+    raise ValueError(f"scenario_id must be an int >= 0 or a non-empty string, got {key!r}")
+

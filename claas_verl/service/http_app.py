@@ -13,11 +13,15 @@ import contextlib
 import json
 import logging
 import time
+from typing import TYPE_CHECKING
 
-from claas_verl.service.app import AuthError, ChatService, LimitError, Unavailable
 from claas_verl.service.backend import BackendError
+from claas_verl.service.errors import AuthError, LimitError, Unavailable
 from claas_verl.service.guard import check_json_tree, keyless_origin_error
 from claas_verl.service.lora_reload import LoRAReloadError
+
+if TYPE_CHECKING:  # the service is handed in; this module never needs its class at run time
+    from claas_verl.service.app import ChatService
 
 audit_log = logging.getLogger("claas_verl.service.audit")
 
@@ -33,7 +37,7 @@ def _retry_after(seconds: float | None) -> dict | None:
     return None if seconds is None else {"Retry-After": str(max(1, int(seconds + 0.999)))}
 
 
-def build_app(service: ChatService):
+def build_app(service: "ChatService"):
     # No `from __future__ import annotations` in this module: FastAPI reads the `request: Request` annotations of
     # the nested handlers at definition time.
     """The FastAPI app over ``service`` (run it with :class:`~claas_verl.service.server.ServiceThread`, which adds the

@@ -9,6 +9,7 @@ Series::
     claas_turns_total{outcome}                 served / pending / accepted / submitted / rate_limited / ...
     claas_turns_dropped_total{reason}          every drop and refusal, by reason
     claas_key_turns_total{key_id, outcome}     the same per API key id (never the key)
+    claas_key_buffer_entries{key_id}           entries of the last b_max a key wrote (its buffer share's count)
     claas_pending_turns, claas_pending_bytes   the table of turns awaiting feedback
     claas_policy_version                       the version new requests are served with
     claas_buffer_entries, claas_buffer_capacity   the replay buffer (when the sink or the job reports it)
@@ -24,8 +25,9 @@ from collections.abc import Callable
 class ServiceMetrics:
     """The registry of one service: ``observe(endpoint, seconds)`` as requests end, ``render()`` for a scrape.
 
-    ``snapshot()`` returns ``{"counts", "keys", "pending_now", "pending_bytes", "policy_version", "buffer",
-    "updates", "last_update_unix"}`` (missing keys are skipped); it may block, so render off the event loop.
+    ``snapshot()`` returns ``{"counts", "keys", "buffer_share_held", "pending_now", "pending_bytes",
+    "policy_version", "buffer", "updates", "last_update_unix"}`` (missing keys are skipped); it may block, so
+    render off the event loop.
     """
 
     def __init__(self, snapshot: Callable[[], dict]):
@@ -71,6 +73,13 @@ class _Collector:
                 if not name.startswith("pending_"):
                     per_key.add_metric([key, name], value)
         yield per_key
+        held = snap.get("buffer_share_held")
+        if held is not None:
+            share = GaugeMetricFamily("claas_key_buffer_entries", "Entries of the last b_max accepted that each API "
+                                      "key wrote (an upper bound of what it holds in the buffer)", labels=["key_id"])
+            for key, value in held.items():
+                share.add_metric([key], value)
+            yield share
         for name, doc, value in (
             ("claas_pending_turns", "Turns awaiting feedback", snap.get("pending_now")),
             ("claas_pending_bytes", "Bytes held by turns awaiting feedback", snap.get("pending_bytes")),

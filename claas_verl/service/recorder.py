@@ -35,6 +35,7 @@ COUNTERS = (
     "rejected_invalid",  # ReplayEntry validation refused the turn
     "rejected_busy",  # the grading queue was full: the chat was answered 429 before generating
     "rate_limited",  # requests answered 429 by the per-key rate limit
+    "rejected_buffer_share",  # feedback answered 429: the key holds its share of the buffer (the turn stays pending)
     "pending",  # turns put in the pending table (cumulative)
     "graded",  # turns handed to the grader (cumulative)
     "submitted",  # entries handed to the sink
@@ -51,6 +52,7 @@ COUNTERS = (
     "dropped_buffer_refused",  # the buffer answered but refused the entry (duplicate uid, stale on arrival)
     "dropped_buffer_error",  # the write failed (replay actor dead or unreachable): the client got a 503
     "dropped_unconfirmed",  # the buffer did not acknowledge in time: the client got a 503 (outcome unknown)
+    "dropped_buffer_share",  # a graded turn of a key holding its share of the buffer (no client to retry it)
     "dropped_shutdown",  # pending or grading turns still open when the service stopped
     "feedback_unknown",  # feedback for an unknown / already finished / expired / another key's request id
 )
@@ -254,6 +256,12 @@ class TrajectoryRecorder:
                 self._count("feedback_unknown", 1, owner)
                 return None
             return self._evict(request_id, None)
+
+    def owns(self, request_id: str, owner: str) -> bool:
+        """Whether ``request_id`` is pending and ``owner``'s (nothing is counted or changed)."""
+        with self._lock:
+            item = self._pending.get(request_id)
+            return item is not None and item[0].owner == owner
 
     def unknown_reason(self, request_id: str) -> str:
         return (f"no pending turn {request_id!r} for this API key: unknown id, another key's turn, already rewarded, "

@@ -75,7 +75,7 @@ class ServiceThread:
     """uvicorn serving ``app`` in a daemon thread; a context manager (``with ServiceThread(app) as s: s.url``).
 
     An app built by :func:`~claas_verl.service.build_app` is checked against ``host`` first
-    (:func:`~claas_verl.service.app.check_exposure`: no keyless service off loopback, keyless only by opt-in).
+    (:func:`~claas_verl.service.config.check_exposure`: no keyless service off loopback, keyless only by opt-in).
     """
 
     def __init__(self, app, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning", *,
@@ -84,7 +84,7 @@ class ServiceThread:
                  forwarded_allow_ips: str | list[str] | None = None):
         import uvicorn
 
-        from claas_verl.service.app import check_exposure
+        from claas_verl.service.config import check_exposure
 
         self.service = getattr(getattr(app, "state", None), "claas_service", None)
         if self.service is not None:

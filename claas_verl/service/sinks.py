@@ -2,7 +2,8 @@
 
 ``submit(entries)`` never blocks its caller: it returns a ``concurrent.futures.Future`` that resolves to the number
 of entries the buffer accepted (0: refused, e.g. a duplicate uid or stale on arrival) or raises when the write
-failed (the actor died). The chat service answers ``accepted`` only once that future says so, so an
+failed (the actor died). ``fill()`` (optional for other sinks) reports the buffer's size and capacity, for the
+per-key buffer share. The chat service answers ``accepted`` only once that future says so, so an
 acknowledged reward is in the buffer; the chat response itself never waits for the write.
 
 The actor sink puts the steps' tokens into Ray's object store once and fires ``handle.add.remote`` with the
@@ -55,6 +56,11 @@ class LocalBufferSink:
     def healthy(self, timeout_s: float = 2.0) -> bool:
         return True
 
+    def fill(self, timeout_s: float = 2.0) -> tuple[int, int]:
+        """``(entries held, capacity b_max)`` of the buffer."""
+        with self._lock:
+            return len(self.buffer), self.buffer.b_max
+
     def stats(self) -> dict:
         with self._lock:
             return {"submitted": self._counts["submitted"], "accepted": self._counts["accepted"],
@@ -80,6 +86,7 @@ class ActorSink:
         self._counts: Counter = Counter()
         self.last_error: str | None = None
         self._health: tuple[float, bool] = (-1e9, True)  # (checked at, answer): one probe per second at most
+        self._b_max: int | None = None
 
     def submit(self, entries: list) -> concurrent.futures.Future:
         n = len(entries)
@@ -148,6 +155,13 @@ class ActorSink:
             answer = False
         self._health = (time.monotonic(), answer)
         return answer
+
+    def fill(self, timeout_s: float = 5.0) -> tuple[int, int]:
+        """``(entries held, capacity b_max)`` of the actor's buffer (blocking: call it off the event loop; the
+        capacity is asked once). Raises when the actor does not answer within ``timeout_s``."""
+        if self._b_max is None:
+            self._b_max = int(self.handle.stats.remote().future().result(timeout=timeout_s)["b_max"])
+        return int(self.handle.size.remote().future().result(timeout=timeout_s)), self._b_max
 
     def stats(self) -> dict:
         with self._lock:

@@ -101,7 +101,9 @@ class ServiceSection:
     ``max_messages`` / ``max_message_chars`` (400); ``max_pending`` turns await feedback at most
     ``pending_ttl_s`` seconds (expiry and overflow are counted in ``/v1/claas/stats``), at most
     ``max_pending_per_key`` per key and ``max_pending_bytes`` in all; ``rate_limit_per_s`` / ``rate_limit_burst``:
-    per-key request rate (429). ``allow_keyless``: serve without keys (127.0.0.1 only). Connections:
+    per-key request rate (429); ``max_buffer_share``: the fraction of the replay buffer one key may hold when its
+    next entry would push another key's out (feedback beyond it: 429, the turn stays pending; 1.0: no limit).
+    ``allow_keyless``: serve without keys (127.0.0.1 only). Connections:
     ``limit_concurrency`` (503 beyond), ``header_timeout_s``, ``body_timeout_s`` (408); behind a TLS reverse proxy
     ``proxy_headers`` trusts ``X-Forwarded-*`` from ``forwarded_allow_ips``.
     """
@@ -124,6 +126,7 @@ class ServiceSection:
     max_pending_bytes: int = 256 << 20
     rate_limit_per_s: float | None = None
     rate_limit_burst: int = 20
+    max_buffer_share: float = 1.0
     limit_concurrency: int = 512
     header_timeout_s: float = 10.0
     body_timeout_s: float = 30.0
@@ -137,6 +140,10 @@ class ServiceSection:
             raise ValueError(f"claas.service.reward must be 'binary' or 'unit', got {self.reward!r}")
         if self.max_tokens is not None and self.max_tokens < 1:
             raise ValueError(f"claas.service.max_tokens must be null or >= 1, got {self.max_tokens}")
+        share = self.max_buffer_share
+        if isinstance(share, bool) or not isinstance(share, (int, float)) or not 0 < share <= 1:
+            raise ValueError(f"claas.service.max_buffer_share must be a number in (0, 1] (the fraction of the replay "
+                             f"buffer one API key may hold; 1 for no limit), got {share!r}")
 
 
 @dataclass

@@ -677,7 +677,7 @@ class ClaasTrainer(PPOTrainer):
     def _start_service(self, generate, tokenizer, max_model_len: int | None) -> None:
         """Start the chat API (``claas.service``) on this process, in front of the job's rollout replicas."""
         from claas_verl.service import ChatService, ServiceConfig, build_app
-        from claas_verl.service.app import check_exposure
+        from claas_verl.service.config import check_exposure
         from claas_verl.service.rollout_backend import RolloutBackend
         from claas_verl.service.server import ServiceThread
         from claas_verl.service.sinks import ActorSink
@@ -693,7 +693,7 @@ class ClaasTrainer(PPOTrainer):
             max_message_chars=s.max_message_chars, max_tokens=cap, default_max_tokens=cap,
             allow_keyless=s.allow_keyless, max_pending_per_key=s.max_pending_per_key,
             max_pending_bytes=s.max_pending_bytes, rate_limit_per_s=s.rate_limit_per_s,
-            rate_limit_burst=s.rate_limit_burst, body_timeout_s=s.body_timeout_s,
+            rate_limit_burst=s.rate_limit_burst, body_timeout_s=s.body_timeout_s, max_buffer_share=s.max_buffer_share,
         )
         check_exposure(s.host, cfg)
         backend = RolloutBackend(generate, tokenizer, model_name=s.model_name, default_max_tokens=cap,
