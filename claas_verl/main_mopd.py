@@ -50,11 +50,21 @@ def has_cuda() -> bool:
         return False
 
 
+def help_without_recipe(argv: list[str]) -> bool:
+    """``--help`` (or ``-h``) given and no ``--config-name``/``-cn``: the user asks which recipes there are."""
+    asks_help = any(a in ("--help", "-h") for a in argv)
+    return asks_help and not any(a in ("-cn", "--config-name") or a.startswith("--config-name=") for a in argv)
+
+
 def runtime_args(argv: list[str], group: str | None = None) -> list[str]:
     """Extra Hydra arguments: verl's config search path and the runtime group (unless the user chose one).
 
     ``group`` fixes the group when the command line names none; otherwise it is chosen where the workers run
-    (:func:`claas_verl.preflight.runtime.choose_runtime`; ``ValueError`` when the cluster is ambiguous)."""
+    (:func:`claas_verl.preflight.runtime.choose_runtime`; ``ValueError`` when the cluster is ambiguous).
+    ``--help`` without a recipe gets none: Hydra then lists the recipes at once, without importing verl to
+    compose its config or probing for a Ray cluster."""
+    if help_without_recipe(argv):
+        return []
     extra = []
     if not any(a.startswith("hydra.searchpath") for a in argv):
         # verl's configs (ppo_trainer), and recipes/mopd itself so that Hydra accepts the runtime group
