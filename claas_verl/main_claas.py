@@ -14,35 +14,42 @@ Example (CPU, a few minutes on 2 cores)::
 
 from __future__ import annotations
 
+import functools
+
 import hydra
-import ray
 from omegaconf import OmegaConf
-from verl.trainer.main_ppo import TaskRunnerV1, run_ppo
 
 from claas_verl.paths import recipes_dir
 
 RECIPES_DIR = str(recipes_dir())
 
 
-class _ClaasTaskRunner(TaskRunnerV1.__ray_actor_class__):
-    """verl's v1 task runner, minus the agent loop, plus the ``claas`` trainer registration."""
+@functools.cache
+def claas_task_runner_class():
+    """verl's v1 task runner as a Ray actor class, minus the agent loop, plus the ``claas`` trainer registration.
 
-    def init_agent_loop_manager(self):
-        # Rollouts come from claas_verl.trainer.claas.producer, not from verl's dataset-driven agent loop;
-        # skipping it saves its worker actors (and their start-up time).
-        self.agent_loop_manager = None
+    Built on first use, so that ``--help`` (Hydra lists the recipes) does not import verl and Ray."""
+    import ray
+    from verl.trainer.main_ppo import TaskRunnerV1
 
-    def run(self, config):
-        import claas_verl.trainer.claas.trainer  # noqa: F401  registers trainer.v1.trainer_mode=claas here
+    class _ClaasTaskRunner(TaskRunnerV1.__ray_actor_class__):
+        def init_agent_loop_manager(self):
+            # Rollouts come from claas_verl.trainer.claas.producer, not from verl's dataset-driven agent loop;
+            # skipping it saves its worker actors (and their start-up time).
+            self.agent_loop_manager = None
 
-        return super().run(config)
+        def run(self, config):
+            import claas_verl.trainer.claas.trainer  # noqa: F401  registers trainer.v1.trainer_mode=claas here
 
+            return super().run(config)
 
-ClaasTaskRunner = ray.remote(_ClaasTaskRunner)
+    return ray.remote(_ClaasTaskRunner)
 
 
 @hydra.main(config_path=RECIPES_DIR, config_name=None, version_base=None)
 def main(config) -> None:
+    import ray
+    from verl.trainer.main_ppo import run_ppo
     from verl.trainer.ppo.utils import need_critic, need_reference_policy
     from verl.utils.config import validate_config
     from verl.utils.device import auto_set_device
@@ -53,12 +60,12 @@ def main(config) -> None:
     validate_config(config=config, use_reference_policy=need_reference_policy(config), use_critic=need_critic(config))
     connect_if_cluster_running(config)  # inside `ray job submit` or after `ray start`; else run_ppo starts Ray
     if not OmegaConf.select(config, "claas.service.enabled"):
-        run_ppo(config, task_runner_class=ClaasTaskRunner)
+        run_ppo(config, task_runner_class=claas_task_runner_class())
         return
     run_dir = str(config.trainer.default_local_dir)
     if ray.is_initialized():
         _drain_service_on_sigterm(run_dir)
-        run_ppo(config, task_runner_class=ClaasTaskRunner)
+        run_ppo(config, task_runner_class=claas_task_runner_class())
         return
     # ray.init installs Ray's own fatal-signal handler (SIGTERM aborts the driver): ours goes in right after it
     init = ray.init
@@ -70,7 +77,7 @@ def main(config) -> None:
 
     ray.init = init_then_handle
     try:
-        run_ppo(config, task_runner_class=ClaasTaskRunner)
+        run_ppo(config, task_runner_class=claas_task_runner_class())
     finally:
         ray.init = init
 

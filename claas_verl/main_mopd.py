@@ -4,8 +4,9 @@ The config is the recipe that ``python -m claas_verl.plan --config-name mopd/<re
 runtime group (``recipes/mopd/verl/{cpu,gpu}.yaml``: verl's ``ppo_trainer``, the CPU preset on CPU, and the
 ``mopd.train`` values mapped onto verl keys), chosen where the workers run unless the command line names one
 (``+verl@_global_=cpu``): by the GPUs Ray detected on the running cluster's nodes, else (a local cluster) by this
-machine's CUDA (:mod:`claas_verl.preflight.runtime`). Before Ray starts, every model of the plan is checked
-(:mod:`claas_verl.preflight.models`) and the checkpoint disk the run needs is printed. Then it joins a running Ray
+machine's CUDA (:mod:`claas_verl.preflight.runtime`). Before Ray starts, the optional packages the reward needs
+for the prompt files' data sources (:mod:`claas_verl.preflight.extras`) and every model of the plan are checked
+(:mod:`claas_verl.preflight.models`), and the checkpoint disk the run needs is printed. Then it joins a running Ray
 cluster if one is there (``RAY_ADDRESS``, as inside ``ray job submit``, or an earlier ``ray start`` on this node;
 see :mod:`claas_verl.verl_ext.ray_connect`), and verl's own ``run_ppo`` starts a local one otherwise and its v1
 ``TaskRunner``, which builds the trainer registered as ``trainer.v1.trainer_mode=mopd``
@@ -33,6 +34,7 @@ import hydra
 from omegaconf import DictConfig, open_dict
 
 from claas_verl.preflight.disk import checkpoint_disk, human, parameter_count
+from claas_verl.preflight.extras import check_reward_extras
 from claas_verl.preflight.models import check_plan_models
 from claas_verl.preflight.runtime import choose_runtime
 from claas_verl.schedule import plan_from_config, recipes_dir
@@ -50,11 +52,21 @@ def has_cuda() -> bool:
         return False
 
 
+def help_without_recipe(argv: list[str]) -> bool:
+    """``--help`` (or ``-h``) given and no ``--config-name``/``-cn``: the user asks which recipes there are."""
+    asks_help = any(a in ("--help", "-h") for a in argv)
+    return asks_help and not any(a in ("-cn", "--config-name") or a.startswith("--config-name=") for a in argv)
+
+
 def runtime_args(argv: list[str], group: str | None = None) -> list[str]:
     """Extra Hydra arguments: verl's config search path and the runtime group (unless the user chose one).
 
     ``group`` fixes the group when the command line names none; otherwise it is chosen where the workers run
-    (:func:`claas_verl.preflight.runtime.choose_runtime`; ``ValueError`` when the cluster is ambiguous)."""
+    (:func:`claas_verl.preflight.runtime.choose_runtime`; ``ValueError`` when the cluster is ambiguous).
+    ``--help`` without a recipe gets none: Hydra then lists the recipes at once, without importing verl to
+    compose its config or probing for a Ray cluster."""
+    if help_without_recipe(argv):
+        return []
     extra = []
     if not any(a.startswith("hydra.searchpath") for a in argv):
         # verl's configs (ppo_trainer), and recipes/mopd itself so that Hydra accepts the runtime group
@@ -95,6 +107,7 @@ def finalize_config(cfg: DictConfig) -> DictConfig:
         reward = cfg.reward.custom_reward_function
         if reward.get("path") and not os.path.isabs(reward.path) and (REPO / reward.path).exists():
             reward.path = str(REPO / reward.path)
+    check_reward_extras(cfg, plan)
     check_plan_models(cfg, plan)
     report_disk(cfg, plan)
     return cfg

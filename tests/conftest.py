@@ -175,3 +175,68 @@ def simulated_ranks(monkeypatch):
         return fake
 
     return make
+
+
+class TrackingLogs:
+    """Where a run started with :attr:`overrides` (verl's console, wandb and tensorboard loggers) writes its
+    metrics: wandb offline (``$WANDB_DIR``) and tensorboard (``$TENSORBOARD_DIR``), both under ``root``."""
+
+    overrides = ("trainer.logger=[console,wandb,tensorboard]",)
+
+    def __init__(self, root):
+        self.wandb_dir, self.tensorboard_dir = root / "wandb_dir", root / "tensorboard"
+
+    def wandb_keys(self) -> set[str]:
+        """The history (step metric) keys of every offline wandb run, read from its ``run-*.wandb`` file."""
+        import struct
+
+        from wandb.proto import wandb_internal_pb2
+
+        keys: set[str] = set()
+        runs = sorted(self.wandb_dir.glob("wandb/offline-run-*/run-*.wandb"))
+        assert runs, f"no offline wandb run under {self.wandb_dir}"
+        for path in runs:
+            data, pos, block, chunk = path.read_bytes(), 7, 32768, b""
+            assert data[:4] == b":W&B", f"{path}: not a wandb transaction log"
+            # wandb's log format: 32 KiB blocks of records (crc32, length, type), a record split over blocks
+            # as FIRST/MIDDLE/LAST pieces (types 2, 3, 4; 1 = whole); a block's tail under 7 bytes is padding
+            while pos + 7 <= len(data):
+                left = block - pos % block
+                if left < 7:
+                    pos += left
+                    continue
+                _crc, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
+                if length == 0 and kind == 0:  # zero padding to the end of the block
+                    pos += left
+                    continue
+                chunk += data[pos + 7:pos + 7 + length]
+                pos += 7 + length
+                if kind in (1, 4):
+                    rec = wandb_internal_pb2.Record()
+                    rec.ParseFromString(chunk)
+                    chunk = b""
+                    if rec.WhichOneof("record_type") == "history":
+                        keys |= {it.key or "/".join(it.nested_key) for it in rec.history.item}
+        return keys
+
+    def tensorboard_keys(self) -> set[str]:
+        """The scalar tags of the tensorboard event files."""
+        from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+        assert list(self.tensorboard_dir.glob("events.out.tfevents.*")), f"no event file in {self.tensorboard_dir}"
+        acc = EventAccumulator(str(self.tensorboard_dir))
+        acc.Reload()
+        return set(acc.Tags()["scalars"])
+
+
+@pytest.fixture
+def tracking_logs(tmp_path, monkeypatch) -> TrackingLogs:
+    """wandb (offline: no account, no network) and tensorboard write under ``tmp_path`` for the subprocesses and Ray
+    workers this test starts; add :attr:`TrackingLogs.overrides` to the run's command line."""
+    logs = TrackingLogs(tmp_path)
+    logs.wandb_dir.mkdir()
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_DIR", str(logs.wandb_dir))
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    monkeypatch.setenv("TENSORBOARD_DIR", str(logs.tensorboard_dir))
+    return logs

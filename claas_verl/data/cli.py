@@ -8,10 +8,13 @@ import os
 from claas_verl.data import mopd as D
 from claas_verl.utils.cli import name_values
 
+MOPD_HELP = "per-domain MOPD prompt files (003 §5.1) from local raw datasets"
 
-def mopd_main(argv: list[str]) -> int:
-    ap = argparse.ArgumentParser(prog="python -m claas_verl.data mopd",
-                                 description="Per-domain MOPD prompt files (003 §5.1) from local raw datasets.")
+
+def _parser() -> argparse.ArgumentParser:
+    top = argparse.ArgumentParser(prog="python -m claas_verl.data", description="Training data preparation.")
+    sub = top.add_subparsers(dest="cmd", required=True, metavar="{mopd}")
+    ap = sub.add_parser("mopd", help=MOPD_HELP, description=MOPD_HELP[0].upper() + MOPD_HELP[1:] + ".")
     ap.add_argument("--out", required=True, help="output folder (point CLAAS_DATA_DIR at it for the recipes)")
     ap.add_argument("--tokenizer", required=True, help="the student's model folder (its chat template measures "
                                                        "prompt lengths)")
@@ -34,7 +37,10 @@ def mopd_main(argv: list[str]) -> int:
                     help="more files of evaluation prompts (a column prompt, question or input)")
     ap.add_argument("--no-gym-overlap", action="store_true",
                     help="do not check against the generated GYM items (seed 4242)")
-    a = ap.parse_args(argv)
+    return top
+
+
+def mopd_main(a: argparse.Namespace) -> int:
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     domains = [d.strip() for d in a.domains.split(",") if d.strip()]
@@ -86,10 +92,5 @@ def mopd_main(argv: list[str]) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    import sys
-
-    argv = sys.argv[1:] if argv is None else argv
-    if not argv or argv[0] != "mopd":
-        print("usage: python -m claas_verl.data mopd --out DIR --tokenizer STUDENT [...]; see --help", file=sys.stderr)
-        return 2
-    return mopd_main(argv[1:])
+    a = _parser().parse_args(argv)
+    return mopd_main(a)

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from claas_verl.data.io import read_records, require_columns
+from claas_verl.utils.progress import Progress
 
 # 003 App. C: 20 logic blocks and 21 blocks of every later domain, 32 prompts each.
 PAPER_BLOCKS: dict[str, int] = {"logic": 20, "math": 21, "code": 21, "safety": 21, "if": 21}
@@ -232,10 +233,13 @@ class Filter:
 
 
 def take(cands: Iterator[Candidate], accept: Callable[[Candidate], bool], n: int, domain: str, src: str) -> list:
+    """The first ``n`` accepted candidates (progress lines on stderr: the chat template tokenises each one)."""
     out = []
+    progress = Progress(f"[data] {domain}", n, "prompts")
     for c in cands:
         if accept(c):
             out.append(c)
+            progress.update()
             if len(out) == n:
                 return out
     raise ValueError(f"domain {domain}: only {len(out)} usable prompts in {src}, {n} needed "

@@ -28,6 +28,18 @@ from functools import cache
 
 _FENCE = re.compile(r"```[^\n]*\n.*?```", re.S)
 
+# Optional modules (the ``eval`` extra) each data source's score imports, by data-source prefix: checked before
+# Ray starts (claas_verl.preflight.extras), since inside the reward worker a missing one fails minutes into a run.
+EXTRA_MODULES = {
+    "reasoning_gym/": ("reasoning_gym",),
+    "ultradata/if": ("lm_eval", "langdetect", "immutabledict"),
+}
+
+
+def extra_modules(data_source: str) -> tuple[str, ...]:
+    """The optional modules scoring ``data_source`` imports (empty for the tiny, math, code and safety sources)."""
+    return next((mods for prefix, mods in EXTRA_MODULES.items() if str(data_source).startswith(prefix)), ())
+
 
 def _after_thinking(text: str) -> str:
     return text.rsplit("</think>", 1)[1] if "</think>" in text else text

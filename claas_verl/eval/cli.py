@@ -25,9 +25,14 @@ def _checkpoints(model: str, name: str | None) -> list[tuple[str, str]]:
     return [(f"{name or p.name}/student_{j}", str(d)) for j, d in snaps]
 
 
+REPORT_HELP = "003's table (markdown + PNG) from evaluation outputs"
+
+
 def eval_main(argv: list[str]) -> int:
-    ap = argparse.ArgumentParser(prog="python -m claas_verl.eval",
-                                 description="Evaluate checkpoints with 003's benchmark settings.")
+    ap = argparse.ArgumentParser(
+        prog="python -m claas_verl.eval", formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Evaluate checkpoints with 003's benchmark settings.",
+        epilog=f"subcommands:\n  report      {REPORT_HELP} (python -m claas_verl.eval report --help)")
     ap.add_argument("--model", required=True, help="Hugging Face model folder, or a MOPD run folder (every stage "
                                                    "snapshot is evaluated)")
     ap.add_argument("--name", help="checkpoint name in the output (default: the folder name)")
@@ -93,7 +98,7 @@ def report_main(argv: list[str]) -> int:
     from claas_verl.eval import report as R
 
     ap = argparse.ArgumentParser(prog="python -m claas_verl.eval report",
-                                 description="003's table (markdown + PNG) from evaluation outputs.")
+                                 description=REPORT_HELP[0].upper() + REPORT_HELP[1:] + ".")
     ap.add_argument("--runs", required=True, help="the --out folder of the evaluations")
     ap.add_argument("--k", type=int, default=5, help="number of learned domains (3: the three-stage prefix)")
     ap.add_argument("--base", help="checkpoint name of the base student (for Norm, Norm_dom)")

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from claas_verl.utils.progress import Progress
+
 
 @dataclass(frozen=True)
 class Completion:
@@ -40,6 +42,7 @@ class HFGenerator:
         eos = self.model.generation_config.eos_token_id
         eos = set(eos if isinstance(eos, list) else [eos if eos is not None else self.tok.eos_token_id])
         out: list[list[Completion]] = []
+        progress = Progress("[eval] generate", len(texts), "prompts")
         for i in range(0, len(texts), self.batch_size):
             enc = self.tok(texts[i: i + self.batch_size], return_tensors="pt", padding=True, add_special_tokens=False)
             with torch.no_grad():
@@ -54,6 +57,7 @@ class HFGenerator:
                     toks = g if ended is None else g[:ended]
                     row.append(Completion(self.tok.decode(toks, skip_special_tokens=True), ended is None))
                 out.append(row)
+            progress.update(gen.shape[0] // n)
         return out
 
 

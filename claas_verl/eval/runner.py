@@ -20,6 +20,7 @@ from pathlib import Path
 from claas_verl.data.io import write_jsonl
 from claas_verl.eval import benchmarks as B
 from claas_verl.eval import extract as X
+from claas_verl.utils.progress import Progress
 
 
 def _pct(xs: list[float]) -> float:
@@ -86,7 +87,16 @@ def evaluate_model(generator, model_path: str, out_dir: Path, benches: list[str]
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / "scores.json"
     state = json.loads(path.read_text()) if path.exists() else {"model": model_path, "seeds": {}, "stats": {}}
+
+    def finished(bench: str, seed: int) -> bool:
+        return all(k in state["seeds"].get(str(seed), {}) for k in B.scores_of(bench))
+
+    todo = sum(not finished(b, s) for b in benches for s in seeds)
+    # One line per finished (benchmark, seed): each takes minutes, and the ETA tells how many remain.
+    progress = Progress(f"[eval] {out_dir.name}", todo, "benchmark runs", every_s=0)
     for bench in benches:
+        if all(finished(bench, s) for s in seeds):
+            continue
         items = B.load(bench, data, gym_tasks)[:limit]
         if_check = None
         if bench in ("IFEval", "IFBench"):
@@ -95,8 +105,7 @@ def evaluate_model(generator, model_path: str, out_dir: Path, benches: list[str]
             if_check = B.if_checker(ifbench_repo)
         st = B.SETTINGS[bench]
         for seed in seeds:
-            done = state["seeds"].get(str(seed), {})
-            if all(k in done for k in B.scores_of(bench)):
+            if finished(bench, seed):
                 continue
             comps = generator.generate([it["messages"] for it in items], st.samples, st.temperature, st.top_p,
                                        st.max_new_tokens, seed)
@@ -108,4 +117,5 @@ def evaluate_model(generator, model_path: str, out_dir: Path, benches: list[str]
             print(f"[eval] {out_dir.name} seed {seed} {bench}: "
                   + ", ".join(f"{k} {v:.2f}" for k, v in scores.items())
                   + f"  (truncated {100 * stats['truncated']:.1f}%)", flush=True)
+            progress.update()
     return state

@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -206,6 +207,7 @@ def _build_into(root: Path, seed: int, arch: str = DEFAULT_ARCH) -> None:
 
     root.mkdir(parents=True)
     paths = TinyPaths.under(root)
+    print(f"[tiny] building the tiny bundle ({arch}, seed {seed}) into {root}", file=sys.stderr, flush=True)
 
     # Data first: the tokenizer is trained on it.
     splits = {d: make_split(d, N_TRAIN, N_TEST, seed) for d in ALL_DATA_DOMAINS}
@@ -237,7 +239,7 @@ def _build_into(root: Path, seed: int, arch: str = DEFAULT_ARCH) -> None:
         student = build_student(len(tokenizer), eos_ids, ids[EOT_TOKEN], seed, arch)
         corpus = [ex for d in ALL_DATA_DOMAINS for ex in train_examples[d]]
         train_lm(student, corpus, **PRETRAIN, seed=stable_seed("claas_tiny.pretrain", seed),
-                 prompt_loss=True, pad_token_id=ids[EOT_TOKEN])
+                 prompt_loss=True, pad_token_id=ids[EOT_TOKEN], label="[tiny] pretrain")
         save_model(student, tokenizer, paths.student)
         markers = {}
         for d in MOPD_DOMAINS:

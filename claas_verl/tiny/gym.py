@@ -26,12 +26,16 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import sys
 from dataclasses import dataclass
 from pathlib import Path
+
+from claas_verl.utils.progress import Progress, track
 
 GYM_VERSION = "2"  # 2: the arith expert trains 3000 steps (800 gave 0.19 sampled accuracy)
 DEFAULT_GYM_DIR = "/tmp/claas_verl_gym"
 ENV_GYM_DIR = "CLAAS_GYM_DIR"
+LOG = "[tiny gym]"  # prefix of the build's progress lines (stderr)
 GYM_MANIFEST_MARKER = "base_sft"  # a key only the gym bundle's manifest has (build.refuse_foreign_dir)
 
 
@@ -190,7 +194,9 @@ def _build_into(root: Path, seed: int) -> None:
     tok = byte_tokenizer()
     eos, pad = stop_and_pad_ids(tok)
 
-    splits = {d.name: gym_rows(d, seed) for d in GYM_DOMAINS}
+    print(f"{LOG} building the gym bundle into {root} (seed {seed}; minutes on a few CPU cores)", file=sys.stderr,
+          flush=True)
+    splits = {d.name: gym_rows(d, seed) for d in track(GYM_DOMAINS, f"{LOG} reasoning-gym data", unit="domains")}
     for name, (train, test) in splits.items():
         write_parquet(train, paths.data(name, "train"))
         write_parquet(test, paths.data(name, "test"))
@@ -202,17 +208,18 @@ def _build_into(root: Path, seed: int) -> None:
     torch.set_num_threads(1)
     try:
         student = build_student(len(tok), eos, pad, seed)
-        sft(student, joint_mix(examples), **BASE_SFT, seed=stable_seed("claas_gym.base", seed), pad_token_id=pad)
+        sft(student, joint_mix(examples), **BASE_SFT, seed=stable_seed("claas_gym.base", seed), pad_token_id=pad,
+            label=f"{LOG} base SFT")
         save_model(student, tok, paths.student)
-        accuracy = {"student": evaluate(student, tok, splits, seed)}
+        accuracy = {"student": evaluate(student, tok, splits, seed, label=f"{LOG} student accuracy")}
         for name in DOMAIN_NAMES:
             import copy
 
             expert = copy.deepcopy(student)
             sft(expert, examples[name], steps=EXPERT_STEPS[name], **EXPERT_SFT,
-                seed=stable_seed("claas_gym.expert", seed, name), pad_token_id=pad)
+                seed=stable_seed("claas_gym.expert", seed, name), pad_token_id=pad, label=f"{LOG} expert {name} SFT")
             save_model(expert, tok, paths.expert(name))
-            accuracy[f"expert:{name}"] = evaluate(expert, tok, splits, seed)
+            accuracy[f"expert:{name}"] = evaluate(expert, tok, splits, seed, label=f"{LOG} expert {name} accuracy")
     finally:
         torch.set_num_threads(n_threads)
     manifest = {
@@ -259,8 +266,10 @@ def joint_mix(examples: dict[str, list]) -> list:
     return [examples[name][i % len(examples[name])] for name in DOMAIN_NAMES for i in range(per)]
 
 
-def sft(model, examples, steps: int, lr: float, batch_size: int, seed: int, pad_token_id: int) -> float:
-    """One-cycle AdamW next-token training on the response tokens, in place; returns the last loss."""
+def sft(model, examples, steps: int, lr: float, batch_size: int, seed: int, pad_token_id: int,
+        label: str = f"{LOG} SFT") -> float:
+    """One-cycle AdamW next-token training on the response tokens, in place; returns the last loss. Progress lines
+    (``label``: step, ETA, loss) go to stderr."""
     import torch
 
     gen = torch.Generator().manual_seed(seed)
@@ -268,6 +277,7 @@ def sft(model, examples, steps: int, lr: float, batch_size: int, seed: int, pad_
     sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=lr, total_steps=max(steps, 1), pct_start=0.1)
     model.train()
     loss = torch.tensor(float("nan"))
+    progress = Progress(label, steps, "steps")
     for _ in range(steps):
         idx = torch.randperm(len(examples), generator=gen)[:batch_size].tolist()
         batch = [examples[i] for i in idx]
@@ -286,13 +296,14 @@ def sft(model, examples, steps: int, lr: float, batch_size: int, seed: int, pad_
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         sched.step()
+        progress.update(loss=float(loss.detach()))
     model.eval()
     return float(loss.detach())
 
 
-def evaluate(model, tok, splits, seed: int) -> dict[str, float]:
+def evaluate(model, tok, splits, seed: int, label: str = f"{LOG} accuracy") -> dict[str, float]:
     """Mean reasoning-gym score per domain of sampled replies (τ = 1) on the held-out prompts (one batched,
-    left-padded ``generate`` per domain)."""
+    left-padded ``generate`` per domain; a progress line per domain)."""
     import torch
 
     from claas_verl.data.rewards import compute_score
@@ -301,7 +312,7 @@ def evaluate(model, tok, splits, seed: int) -> dict[str, float]:
 
     out = {}
     eos = tok.convert_tokens_to_ids(IM_END)
-    for name, (_, test) in splits.items():
+    for name, (_, test) in track(splits.items(), label, total=len(splits), unit="domains"):
         rows = test[:ACC_PROMPTS]
         texts = [tok.apply_chat_template(r["prompt"], add_generation_prompt=True, tokenize=False) for r in rows]
         enc = tok([t for t in texts for _ in range(ACC_SAMPLES)], return_tensors="pt", padding=True,

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from claas_verl.tiny.data import stable_seed
+from claas_verl.utils.progress import Progress
 
 if TYPE_CHECKING:
     import torch
@@ -142,7 +143,7 @@ def make_expert(student, domain: str, seed: int, examples: Sequence[tuple[Sequen
 
     expert = copy.deepcopy(student)
     train_lm(expert, examples, steps, lr, batch_size, stable_seed("claas_tiny.expert", seed, domain),
-             prompt_loss=False, pad_token_id=pad_token_id)
+             prompt_loss=False, pad_token_id=pad_token_id, label=f"[tiny] expert {domain}")
     with torch.no_grad():
         if marker_ids and len(prompt_ids) and marker_logit_boost:
             h = _mean_final_hidden(expert, prompt_ids)
@@ -156,13 +157,14 @@ def make_expert(student, domain: str, seed: int, examples: Sequence[tuple[Sequen
 
 
 def train_lm(model, examples: Sequence[tuple[Sequence[int], Sequence[int]]], steps: int, lr: float,
-             batch_size: int, seed: int, prompt_loss: bool, pad_token_id: int):
+             batch_size: int, seed: int, prompt_loss: bool, pad_token_id: int, label: str = "[tiny] training"):
     """Deterministic AdamW next-token training of ``model`` in place; returns the last loss.
 
     ``examples`` are (prompt ids, response ids) pairs; the loss covers response tokens, and
     prompt tokens too when ``prompt_loss``. Batches are drawn with a generator seeded by
     ``seed`` (sampling without replacement within a batch). Callers run this with one thread
-    and ``torch.use_deterministic_algorithms(True)`` so the weights are byte-reproducible.
+    and ``torch.use_deterministic_algorithms(True)`` so the weights are byte-reproducible. Progress lines
+    (``label``: step, ETA, loss) go to stderr.
     """
     import torch
 
@@ -172,6 +174,7 @@ def train_lm(model, examples: Sequence[tuple[Sequence[int], Sequence[int]]], ste
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     model.train()
     loss = torch.tensor(float("nan"))
+    progress = Progress(label, steps, "steps")
     for _ in range(steps):
         idx = torch.randperm(len(examples), generator=gen)[:batch_size].tolist()
         batch = [(list(examples[i][0]), list(examples[i][1])) for i in idx]
@@ -189,6 +192,7 @@ def train_lm(model, examples: Sequence[tuple[Sequence[int], Sequence[int]]], ste
         opt.zero_grad()
         loss.backward()
         opt.step()
+        progress.update(loss=float(loss.detach()))
     model.eval()
     return float(loss.detach())
 

@@ -10,7 +10,8 @@ the run's own records (``claas_trace.jsonl``, ``continual_metrics.json``, split 
 - after every update the rollout server serves a new policy: its version increments and the served
   weights' fingerprint changes, and the push carried only LoRA adapter tensors (``lora.merge=false``);
 - a checkpoint per split and the M[j, k] metrics (JSON, CSV, PNG) were written;
-- the crashing grader produced reward None steps, which were dropped, and the run finished.
+- the crashing grader produced reward None steps, which were dropped, and the run finished;
+- with ``trainer.logger=[console,wandb,tensorboard]`` the step metrics reach wandb (offline) and tensorboard.
 """
 
 from __future__ import annotations
@@ -53,7 +54,7 @@ def _write_stream(path: Path) -> None:
             }) + "\n")
 
 
-def test_tiny_reinforce_pp_stream_end_to_end(tiny_model_dir, tmp_path):
+def test_tiny_reinforce_pp_stream_end_to_end(tiny_model_dir, tmp_path, tracking_logs):
     stream = tmp_path / "stream.jsonl"
     _write_stream(stream)
     out = tmp_path / "runs"
@@ -62,7 +63,7 @@ def test_tiny_reinforce_pp_stream_end_to_end(tiny_model_dir, tmp_path):
     cmd = [
         sys.executable, "-m", "claas_verl.main_claas", "--config-name", "claas/tiny_reinforce_pp",
         "claas.env.name=ih_challenge", "~claas.env.kwargs", f"+claas.env.kwargs={{path:{stream},max_turns:2}}",
-        f"claas.a_max={A_MAX}", f"claas.b_min={B_MIN}", f"claas.m={M}",
+        f"claas.a_max={A_MAX}", f"claas.b_min={B_MIN}", f"claas.m={M}", *tracking_logs.overrides,
     ]
     start = time.time()
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=1500)
@@ -117,3 +118,8 @@ def test_tiny_reinforce_pp_stream_end_to_end(tiny_model_dir, tmp_path):
         assert claas_state["global_steps"] == split["global_steps"] and claas_state["position"]["complete"]
         assert claas_state["position"]["split"] == j - 1
         assert (run_dir / f"claas_split_{j}" / "replay_buffer.pkl").exists()
+
+    # trainer.logger=[console,wandb,tensorboard]: the step metrics reach wandb (offline) and tensorboard
+    logged = {"claas/split", "claas/wait_buffer_s", "claas/buffer_size"}
+    for keys in (tracking_logs.wandb_keys(), tracking_logs.tensorboard_keys()):
+        assert logged <= keys and any(k.startswith("actor/") for k in keys), sorted(keys)

@@ -4,8 +4,9 @@ One short run (shorter responses and fewer held-out prompts than the recipe; the
 ``steps.jsonl`` equals the plan step by step (stage, kind, domain, block, teacher), every stage starts with a
 fresh AdamW state (the optimizer's step count is 1 after each stage's first update and grows inside the stage),
 the stage-final students M_1..M_3 exist in Hugging Face format and differ from π_0 and from each other, every
-checkpoint has its ``mopd_state.json``, the forgetting table has one row per stage end and learned domain, and
-during every stage the held-out KL from the student to the new domain's expert falls.
+checkpoint has its ``mopd_state.json``, the forgetting table has one row per stage end and learned domain,
+during every stage the held-out KL from the student to the new domain's expert falls, and the step metrics reach
+wandb (offline) and tensorboard (``trainer.logger=[console,wandb,tensorboard]``).
 """
 
 from __future__ import annotations
@@ -16,10 +17,10 @@ import math
 import torch
 
 
-def test_tiny_seq_runs_the_plan_end_to_end(tiny_dir, mopd_run, mopd_plan, fast):
+def test_tiny_seq_runs_the_plan_end_to_end(tiny_dir, mopd_run, mopd_plan, fast, tracking_logs):
     # 8 held-out prompts per domain (FAST has 2), 4 sampled responses each, so that the start/end KL of a stage
     # is not sampling noise
-    run_dir, log = mopd_run("mopd/tiny_seq", "seq", *fast, "mopd.eval.prompts=8")
+    run_dir, log = mopd_run("mopd/tiny_seq", "seq", *fast, "mopd.eval.prompts=8", *tracking_logs.overrides)
     plan = mopd_plan("mopd/tiny_seq")
     steps = read_jsonl(run_dir / "steps.jsonl")
     # 1. the audit trail is the plan, step by step (4 logic + 3 math + 3 code new-domain steps)
@@ -66,6 +67,10 @@ def test_tiny_seq_runs_the_plan_end_to_end(tiny_dir, mopd_run, mopd_plan, fast):
         if r["stage"] in starts and r["domain"] == starts[r["stage"]]["domain"]:
             assert r["kl"] < starts[r["stage"]]["kl"], (starts[r["stage"]], r)
             assert r["kl_binned"] < starts[r["stage"]]["kl_binned"], (starts[r["stage"]], r)
+    # 7. with trainer.logger=[console,wandb,tensorboard], the step metrics reach wandb (offline) and tensorboard
+    logged = {"mopd/kl_topk", "mopd/adv_sigma", "mopd/optimizer_steps_in_stage", "actor/loss"}
+    for keys in (tracking_logs.wandb_keys(), tracking_logs.tensorboard_keys()):
+        assert logged <= keys, sorted(keys)
 
 def read_jsonl(path):
     return [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
