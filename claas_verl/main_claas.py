@@ -17,28 +17,17 @@ from __future__ import annotations
 import hydra
 import ray
 from omegaconf import OmegaConf
-from verl.trainer.main_ppo import TaskRunnerV1, run_ppo
+from verl.trainer.main_ppo import run_ppo
 
 from claas_verl.paths import recipes_dir
+from claas_verl.trainer.base import task_runner_class
 
 RECIPES_DIR = str(recipes_dir())
 
 
-class _ClaasTaskRunner(TaskRunnerV1.__ray_actor_class__):
-    """verl's v1 task runner, minus the agent loop, plus the ``claas`` trainer registration."""
-
-    def init_agent_loop_manager(self):
-        # Rollouts come from claas_verl.trainer.claas.producer, not from verl's dataset-driven agent loop;
-        # skipping it saves its worker actors (and their start-up time).
-        self.agent_loop_manager = None
-
-    def run(self, config):
-        import claas_verl.trainer.claas.trainer  # noqa: F401  registers trainer.v1.trainer_mode=claas here
-
-        return super().run(config)
-
-
-ClaasTaskRunner = ray.remote(_ClaasTaskRunner)
+# verl's v1 task runner, plus the ``claas`` trainer registration, minus the agent loop: rollouts come from
+# claas_verl.trainer.claas.producer, not from verl's dataset-driven agent loop (skipping it saves its worker actors)
+ClaasTaskRunner = task_runner_class("claas_verl.trainer.claas.trainer", agent_loop=False)
 
 
 @hydra.main(config_path=RECIPES_DIR, config_name=None, version_base=None)
@@ -88,7 +77,7 @@ def _drain_service_on_sigterm(run_dir: str) -> None:
 
         import httpx
 
-        from claas_verl.trainer.claas.trainer import SERVICE_ADMIN_FILE
+        from claas_verl.trainer.claas.chat_api import SERVICE_ADMIN_FILE
 
         try:
             with open(os.path.join(run_dir, "service.json")) as f:
