@@ -55,7 +55,7 @@ from claas_verl.trainer.base import VerlSeams, drop_prompt_dataloader, swap_acto
 from claas_verl.trainer.claas import verl_couplings as vc
 from claas_verl.trainer.claas.chat_api import ChatApiWiring
 from claas_verl.trainer.claas.checkpoints import ClaasCheckpoints
-from claas_verl.trainer.claas.checks import (  # noqa: F401  (check_claas_config: re-exported)
+from claas_verl.trainer.claas.checks import (
     SAMPLER_NAME,
     SAMPLER_PATH,
     check_claas_config,

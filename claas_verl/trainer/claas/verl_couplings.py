@@ -1,10 +1,11 @@
-"""EVERY place where the CLaaS trainer touches a private verl 0.9.1 name, in one module.
+"""The CLaaS trainer's shims over private verl 0.9.1 names, and its view of the one list of them
+(:mod:`claas_verl.trainer.verl_couplings`, where every entry says who relies on it and why).
 
 Public extension points used elsewhere (no coupling): ``register_trainer``, the custom v1 sampler,
 ``TrainingWorker.set_loss_fn``, ``register`` / ``Dispatch`` for worker methods.
 
-Private names (each listed in :data:`COUPLINGS`; ``tests/trainer_claas/test_claas_verl_couplings.py`` fails
-loudly when a verl upgrade moves one of them):
+Private names (each listed in :data:`COUPLINGS`; ``tests/trainer_claas/test_claas_verl_couplings.py`` and
+``tests/verl_ext/test_trainer_couplings.py`` fail loudly when a verl upgrade moves one of them):
 
 * ``PPOTrainer._init_resource_pool_mgr``: wrapped so the pools are checked before placement and (SDPO) the roles
   verl maps to ``ActorRolloutRefWorker`` get :class:`~claas_verl.trainer.claas.sdpo_worker.ClaasSdpoWorker`

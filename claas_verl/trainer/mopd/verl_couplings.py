@@ -1,4 +1,5 @@
-"""EVERY place where the MOPD trainer touches a private verl 0.9.1 name, in one module.
+"""EVERY place where the MOPD trainer touches a private verl 0.9.1 name (the list itself, shared with the CLaaS
+trainer and the base both stand on: :mod:`claas_verl.trainer.verl_couplings`).
 
 verl has no hooks for: choosing each step's prompts from a plan, running a logits processor in the
 pre-update forward, asking a teacher for log-probs at the student's ids, resetting the optimizer, or keeping
