@@ -26,24 +26,13 @@ RECIPES_DIR = str(recipes_dir())
 
 @functools.cache
 def claas_task_runner_class():
-    """verl's v1 task runner as a Ray actor class, minus the agent loop, plus the ``claas`` trainer registration.
+    """verl's v1 task runner, plus the ``claas`` trainer registration, minus the agent loop: rollouts come from
+    claas_verl.trainer.claas.producer, not from verl's dataset-driven agent loop (skipping it saves its worker actors).
 
     Built on first use, so that ``--help`` (Hydra lists the recipes) does not import verl and Ray."""
-    import ray
-    from verl.trainer.main_ppo import TaskRunnerV1
+    from claas_verl.trainer.base import task_runner_class
 
-    class _ClaasTaskRunner(TaskRunnerV1.__ray_actor_class__):
-        def init_agent_loop_manager(self):
-            # Rollouts come from claas_verl.trainer.claas.producer, not from verl's dataset-driven agent loop;
-            # skipping it saves its worker actors (and their start-up time).
-            self.agent_loop_manager = None
-
-        def run(self, config):
-            import claas_verl.trainer.claas.trainer  # noqa: F401  registers trainer.v1.trainer_mode=claas here
-
-            return super().run(config)
-
-    return ray.remote(_ClaasTaskRunner)
+    return task_runner_class("claas_verl.trainer.claas.trainer", agent_loop=False)
 
 
 @hydra.main(config_path=RECIPES_DIR, config_name=None, version_base=None)
@@ -95,7 +84,7 @@ def _drain_service_on_sigterm(run_dir: str) -> None:
 
         import httpx
 
-        from claas_verl.trainer.claas.trainer import SERVICE_ADMIN_FILE
+        from claas_verl.trainer.claas.chat_api import SERVICE_ADMIN_FILE
 
         try:
             with open(os.path.join(run_dir, "service.json")) as f:

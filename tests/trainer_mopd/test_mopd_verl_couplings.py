@@ -53,6 +53,7 @@ def test_instance_attributes_are_still_assigned(where, needle):
         "PPOTrainer": "verl.trainer.ppo.v1.trainer_base",
         "FSDPEngine": "verl.workers.engine.fsdp.transformer_impl",
         "ReplayBuffer": "verl.trainer.ppo.v1.replay_buffer",
+        "WorkerGroup": "verl.single_controller.base.worker_group",
     }[owner]
     src = inspect.getsource(getattr(getattr(importlib.import_module(module), owner), method))
     assert f"{needle} =" in src, f"{owner}.{method} no longer assigns {needle}"

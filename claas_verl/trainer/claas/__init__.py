@@ -1,4 +1,4 @@
-"""CLaaS asynchronous replay trainer on verl (issue #8): producers + replay-buffer actor + verl's v1 trainer.
+"""CLaaS asynchronous replay trainer on verl: producers + replay-buffer actor + verl's v1 trainer.
 
 ``import claas_verl.trainer.claas.trainer`` registers ``trainer.v1.trainer_mode=claas`` (``main_claas`` does it
 in the Ray task runner). The light pieces are importable without verl's trainer stack.

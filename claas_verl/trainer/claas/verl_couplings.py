@@ -1,13 +1,22 @@
-"""EVERY place where the CLaaS trainer touches a private verl 0.9.1 name, in one module.
+"""The CLaaS trainer's shims over private verl 0.9.1 names, and its view of the one list of them
+(:mod:`claas_verl.trainer.verl_couplings`, where every entry says who relies on it and why).
 
 Public extension points used elsewhere (no coupling): ``register_trainer``, the custom v1 sampler,
 ``TrainingWorker.set_loss_fn``, ``register`` / ``Dispatch`` for worker methods.
 
-Private names (each listed in :data:`COUPLINGS`; ``tests/trainer_claas/test_claas_verl_couplings.py`` fails
-loudly when a verl upgrade moves one of them):
+Private names (each listed in :data:`COUPLINGS`; ``tests/trainer_claas/test_claas_verl_couplings.py`` and
+``tests/verl_ext/test_trainer_couplings.py`` fail loudly when a verl upgrade moves one of them):
 
-* ``PPOTrainer._init_resource_pool_mgr``: wrapped (SDPO only) so the roles verl maps to
-  ``ActorRolloutRefWorker`` get :class:`~claas_verl.trainer.claas.sdpo_worker.ClaasSdpoWorker`.
+* ``PPOTrainer._init_resource_pool_mgr``: wrapped so the pools are checked before placement and (SDPO) the roles
+  verl maps to ``ActorRolloutRefWorker`` get :class:`~claas_verl.trainer.claas.sdpo_worker.ClaasSdpoWorker`
+  (:func:`claas_verl.trainer.base.swap_actor_worker`).
+* ``PPOTrainer._init_dataloader``: replaced (no prompt dataset; :func:`claas_verl.trainer.base.drop_prompt_dataloader`).
+* ``PPOTrainer.replay_buffer`` (verl's name for its sampler; here the ``ClaasReplaySampler``, which the trainer
+  calls ``sampler``; the replay buffer itself is the ``ReplayBufferActor``, ``replay_actor``).
+* ``PPOTrainer._pending_sync_metrics``: set in ``on_step_end`` with the buffer's per-update statistics; verl's
+  ``_consume_sync_metrics`` merges it into the step's metrics.
+* ``trainer_mode`` and ending verl's loop (``total_training_steps``): the shared base,
+  :class:`claas_verl.trainer.base.VerlSeams`.
 * ``PPOTrainer.role_worker_mapping`` / ``actor_rollout_wg`` (instance attributes set by verl).
 * ``ActorRolloutRefWorker.actor_worker_cls``: class-attribute hook selecting the SDPO training worker.
 * ``TrainingWorker.train_mini_batch``: overridden (pre-pass + teacher pass before verl's update, EMA after).
@@ -32,43 +41,12 @@ import math
 
 import torch
 
-COUPLINGS: tuple[tuple[str, str, str], ...] = (
-    ("verl.trainer.ppo.v1.trainer_base", "PPOTrainer", "_init_resource_pool_mgr"),
-    ("verl.workers.engine_workers", "ActorRolloutRefWorker", "actor_worker_cls"),
-    ("verl.workers.engine_workers", "TrainingWorker", "train_mini_batch"),
-    ("verl.workers.engine.base", "BaseEngine", "optimizer_step"),
-    ("verl.workers.engine.base", "BaseEngine", "eval_mode"),
-    ("verl.workers.engine.fsdp.transformer_impl", "FSDPEngineWithLMHead", "prepare_model_outputs"),
-    ("verl.trainer.ppo.v1.trainer_base", "PPOTrainer", "_save_checkpoint"),
-    ("verl.trainer.ppo.v1.trainer_base", "PPOTrainer", "_load_checkpoint"),
-)
-# (method whose source must mention the string, string): checked against verl's source by the test.
-SOURCE_MARKERS: tuple[tuple[str, str, str, str], ...] = (
-    ("verl.workers.engine.fsdp.transformer_impl", "FSDPEngineWithLMHead", "prepare_model_outputs",
-     "distillation_use_topk"),
-    ("verl.workers.engine.fsdp.transformer_impl", "FSDPEngineWithLMHead", "prepare_model_outputs",
-     "logits_processor_func(student_logits="),
-    ("verl.workers.engine.fsdp.transformer_impl", "FSDPEngineWithLMHead", "prepare_model_outputs",
-     "if not distillation_only:"),
-    ("verl.trainer.ppo.v1.trainer_base", "PPOTrainer", "_init_resource_pool_mgr", "self.role_worker_mapping"),
-    # the placement check (claas_verl.preflight.placement) reads the manager verl builds there
-    ("verl.trainer.ppo.v1.trainer_base", "PPOTrainer", "_init_resource_pool_mgr", "self.resource_pool_manager ="),
-    ("verl.trainer.ppo.v1.trainer_base", "PPOTrainer", "fit", "self._save_checkpoint()"),
-    ("verl.trainer.ppo.v1.trainer_base", "PPOTrainer", "_save_checkpoint", "latest_checkpointed_iteration.txt"),
-    ("verl.trainer.ppo.v1.trainer_base", "PPOTrainer", "_load_checkpoint", "find_latest_ckpt_path"),
-)
+from claas_verl.trainer.verl_couplings import couplings_of, source_markers_of
 
-
-def use_sdpo_worker(trainer) -> None:
-    """After verl's ``_init_resource_pool_mgr``: the actor roles run the SDPO worker class."""
-    import ray
-    from verl.trainer.ppo.utils import Role
-
-    from claas_verl.trainer.claas.sdpo_worker import ClaasSdpoWorker
-
-    for role in (Role.ActorRollout, Role.ActorRolloutRef, Role.Actor):
-        if role in trainer.role_worker_mapping:
-            trainer.role_worker_mapping[role] = ray.remote(ClaasSdpoWorker)
+# this system's view of the one list in claas_verl.trainer.verl_couplings (the shared base's couplings included)
+COUPLINGS: tuple[tuple[str, str, str], ...] = couplings_of("claas")
+# (module, owner, method, string the method's source must contain): checked against verl's source by the test.
+SOURCE_MARKERS: tuple[tuple[str, str, str, str], ...] = source_markers_of("claas")
 
 
 def actor_worker_group(trainer):

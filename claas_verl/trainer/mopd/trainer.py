@@ -31,7 +31,6 @@ import shutil
 import uuid
 
 import numpy as np
-import ray
 import torch
 import transfer_queue as tq
 from verl.trainer.ppo.v1.trainer_base import register_trainer
@@ -51,6 +50,7 @@ from claas_verl.distill import (
     topk_weighted_kl,
 )
 from claas_verl.schedule import plan_from_config
+from claas_verl.trainer.base import swap_actor_worker
 from claas_verl.trainer.mopd import fields as F
 from claas_verl.trainer.mopd import stages as S
 from claas_verl.trainer.mopd.alignment import AUX_KEY, aux_config, region_fields
@@ -113,9 +113,7 @@ class MOPDTrainer(MOPDTrainerCouplings, PPOTrainerSync):
 
         if Role.Critic in self.role_worker_mapping:
             raise ValueError("continual MOPD trains no critic: drop critic settings (algorithm.adv_estimator=grpo)")
-        for role in (Role.ActorRollout, Role.ActorRolloutRef, Role.Actor):
-            if role in self.role_worker_mapping:
-                self.role_worker_mapping[role] = ray.remote(MOPDWorker)
+        swap_actor_worker(self, MOPDWorker)
 
     # ================================================================= data (called from the couplings)
     def mopd_tune_sampler(self, sampler):

@@ -1,4 +1,5 @@
-"""EVERY place where the MOPD trainer touches a private verl 0.9.1 name, in one module.
+"""EVERY place where the MOPD trainer touches a private verl 0.9.1 name (the list itself, shared with the CLaaS
+trainer and the base both stand on: :mod:`claas_verl.trainer.verl_couplings`).
 
 verl has no hooks for: choosing each step's prompts from a plan, running a logits processor in the
 pre-update forward, asking a teacher for log-probs at the student's ids, resetting the optimizer, or keeping
@@ -11,8 +12,9 @@ upgrade moves or renames one of them.
 Trainer overrides (``verl.trainer.ppo.v1.trainer_base.PPOTrainer``):
 
 * ``trainer_mode`` (attribute): verl reads it as a sync/async switch; registering under ``"mopd"`` would
-  silently select the async replay buffer, dataloader refill and TransferQueue checkpointing. The property
-  below always answers ``"sync"`` (the registered name is kept in ``registered_mode``).
+  silently select the async replay buffer, dataloader refill and TransferQueue checkpointing. The shared base
+  (:class:`claas_verl.trainer.base.VerlSeams`) always answers ``"sync"`` (the registered name is kept in
+  ``registered_mode``).
 * ``_init_resource_pool_mgr``: the roles verl maps to ``ActorRolloutRefWorker`` get the MOPD worker class, and the
   pools are checked against the cluster before any placement group exists (:mod:`claas_verl.preflight.placement`).
 * ``_init_dataloader``: also builds one dataset per domain (train and held-out) for block lookup.
@@ -43,64 +45,19 @@ from __future__ import annotations
 from copy import deepcopy
 from typing import Any
 
-# (module, owner, attribute): every private (or semi-private) verl name this package depends on.
-COUPLINGS: tuple[tuple[str, str, str], ...] = (
-    ("verl.trainer.ppo.v1.trainer_base", "PPOTrainer", "_init_resource_pool_mgr"),
-    ("verl.trainer.ppo.v1.trainer_base", "PPOTrainer", "_init_dataloader"),
-    ("verl.trainer.ppo.v1.trainer_base", "PPOTrainer", "_next_train_batch"),
-    ("verl.trainer.ppo.v1.trainer_base", "PPOTrainer", "_compute_old_log_prob"),
-    ("verl.trainer.ppo.v1.trainer_base", "PPOTrainer", "_compute_advantage"),
-    ("verl.trainer.ppo.v1.trainer_base", "PPOTrainer", "_update_actor"),
-    ("verl.trainer.ppo.v1.trainer_base", "PPOTrainer", "_save_checkpoint"),
-    ("verl.trainer.ppo.v1.trainer_base", "PPOTrainer", "_load_checkpoint"),
-    ("verl.trainer.ppo.v1.trainer_base", "PPOTrainer", "_compute_metrics"),
-    ("verl.trainer.ppo.v1.trainer_base", "PPOTrainer", "_balance_batch"),
-    ("verl.trainer.ppo.v1.trainer_base", "PPOTrainer", "_build_replay_buffer"),
-    ("verl.workers.engine_workers", "ActorRolloutRefWorker", "actor_worker_cls"),
-    ("verl.trainer.main_ppo", "TaskRunnerV1", "__ray_metadata__"),
-    ("verl.workers.engine.fsdp.transformer_impl", "FSDPEngine", "_build_lr_scheduler"),
-    # balanced update (workers.MOPDTrainingWorker): verl's TrainingWorker.train_batch is overridden and, for one
-    # call, the engine's train_batch is shadowed by an instance attribute that re-sequences the engine's own
-    # zero-grad / forward_backward_batch / optimizer_step with the alignment passes in between
-    ("verl.workers.engine_workers", "TrainingWorker", "train_batch"),
-    # workers.MOPDTrainingWorker.infer_batch folds the K top-k logits-processor outputs into one field each
-    ("verl.workers.engine_workers", "TrainingWorker", "infer_batch"),
-    ("verl.workers.engine.base", "BaseEngine", "train_batch"),
-    ("verl.workers.engine.base", "BaseEngine", "forward_backward_batch"),
-    ("verl.workers.engine.base", "BaseEngine", "optimizer_zero_grad"),
-    ("verl.workers.engine.base", "BaseEngine", "optimizer_step"),
-    ("verl.workers.engine.base", "BaseEngine", "is_mp_src_rank_with_outputs"),
-    ("verl.workers.engine.base", "BaseEngine", "eval_mode"),
-)
-# Attributes that only exist on instances (checked on a built engine / trainer source by the tests).
-INSTANCE_ATTRIBUTES: tuple[tuple[str, str], ...] = (
-    ("PPOTrainer.__init__", "self.trainer_mode"),
-    # read by the placement check (claas_verl.preflight.placement: its resource_pool_spec and max_colocate_count)
-    ("PPOTrainer._init_resource_pool_mgr", "self.resource_pool_manager"),
-    ("FSDPEngine._build_model_optimizer", "self.optimizer"),
-    ("FSDPEngine._build_model_optimizer", "self.lr_scheduler"),
-    ("FSDPEngine.initialize", "self.checkpoint_manager"),
-    ("FSDPEngine._build_model_optimizer", "self.module"),  # the student / teacher nn.Module (FSDP2-wrapped)
-    ("FSDPEngine._build_fsdp_module", "self.scaler"),  # None unless fp16 (the balanced update refuses fp16)
-    # the dtype of the autocast verl wraps every forward in (= mixed_precision.param_dtype); the alignment forwards
-    # use the same, and teachers with mopd.train.teacher_dtype=fp32_bf16_autocast get bf16 over fp32 weights
-    ("FSDPEngine._build_fsdp_module", "self._autocast_dtype"),
-    # the sync sampler's sleep between looks at TransferQueue (set from mopd.sampler_poll_s)
-    ("ReplayBuffer.__init__", "self.poll_interval"),
-)
+from claas_verl.trainer.base import VerlSeams, task_runner_class
+from claas_verl.trainer.verl_couplings import couplings_of, instance_attributes_of
+
+# this system's view of the one list in claas_verl.trainer.verl_couplings (the shared base's couplings included)
+COUPLINGS: tuple[tuple[str, str, str], ...] = couplings_of("mopd")
+INSTANCE_ATTRIBUTES: tuple[tuple[str, str], ...] = instance_attributes_of("mopd")
 
 
-class MOPDTrainerCouplings:
-    """Mixin placed before verl's ``PPOTrainer`` in the MOPD trainer's bases; see the module docstring."""
+class MOPDTrainerCouplings(VerlSeams):
+    """Mixin placed before verl's ``PPOTrainer`` in the MOPD trainer's bases; see the module docstring.
 
-    # ---- sync semantics (verl uses trainer_mode both as the registry key and as the sync/async switch)
-    @property
-    def trainer_mode(self) -> str:
-        return "sync"
-
-    @trainer_mode.setter
-    def trainer_mode(self, value: str) -> None:
-        self.registered_mode = value
+    ``trainer_mode`` ("sync" whatever the registered name) and the checkpoint wrapping come from
+    :class:`~claas_verl.trainer.base.VerlSeams`."""
 
     # ---- workers
     def _init_resource_pool_mgr(self):
@@ -131,13 +88,11 @@ class MOPDTrainerCouplings:
     def _update_actor(self, batch, metrics: dict):
         return self.mopd_update_actor(batch, metrics)
 
-    # ---- checkpoints, audit trail
-    def _save_checkpoint(self):
-        super()._save_checkpoint()
+    # ---- checkpoints (wrapped by VerlSeams), audit trail
+    def after_checkpoint_saved(self):
         self.mopd_after_save()
 
-    def _load_checkpoint(self):
-        super()._load_checkpoint()
+    def after_checkpoint_loaded(self):
         self.mopd_after_load()
 
     def _compute_metrics(self, batch, metrics, timing_raw, global_steps, epoch):
@@ -147,25 +102,9 @@ class MOPDTrainerCouplings:
 
 # ---------------------------------------------------------------------------------------------- task runner
 def mopd_task_runner_class():
-    """verl's v1 ``TaskRunner`` (a Ray actor) whose ``run`` first imports the MOPD trainer module.
-
-    ``get_trainer_cls("mopd")`` runs inside the TaskRunner's own Ray process, where only verl's plugins were
-    imported; registering there is what makes ``trainer.v1.trainer_mode=mopd`` resolve. verl exposes the
-    runner only as a Ray actor class, so the plain class is recovered from Ray's actor metadata (a private Ray
-    attribute, checked by the coupling test).
-    """
-    import ray
-    from verl.trainer.main_ppo import TaskRunnerV1
-
-    base = TaskRunnerV1.__ray_metadata__.modified_class.__ray_actor_class__
-
-    class MOPDTaskRunner(base):
-        def run(self, config):
-            import claas_verl.trainer.mopd.trainer  # noqa: F401  (register_trainer("mopd") in this process)
-
-            return super().run(config)
-
-    return ray.remote(MOPDTaskRunner)
+    """verl's v1 ``TaskRunner`` whose ``run`` first imports the MOPD trainer module (``register_trainer("mopd")``
+    in the runner's own Ray process); see :func:`claas_verl.trainer.base.task_runner_class`."""
+    return task_runner_class("claas_verl.trainer.mopd.trainer")
 
 
 # ---------------------------------------------------------------------------------------------- worker side

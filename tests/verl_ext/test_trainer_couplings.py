@@ -1,0 +1,109 @@
+"""The one list of private verl names the trainers use (claas_verl.trainer.verl_couplings) is true of the installed
+verl and complete, and the trainer glue imports in one direction only."""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import inspect
+from pathlib import Path
+
+import pytest
+
+from claas_verl.trainer import verl_couplings as vc
+
+TRAINER_DIR = Path(__file__).resolve().parents[2] / "claas_verl" / "trainer"
+
+
+def _owner(module: str, owner: str):
+    mod = importlib.import_module(module)
+    return getattr(mod, owner) if owner else mod
+
+
+@pytest.mark.parametrize("c", vc.COUPLINGS, ids=lambda c: f"{c.owner}.{c.attr}")
+def test_listed_name_exists(c):
+    assert hasattr(_owner(c.module, c.owner), c.attr), (
+        f"verl moved {c.module}.{c.owner}.{c.attr} ({', '.join(c.users)}: {c.why}); update claas_verl/trainer")
+
+
+@pytest.mark.parametrize("m", vc.SOURCE_MARKERS, ids=lambda m: f"{m.owner}.{m.attr}:{m.marker[:30]}")
+def test_listed_behaviour_still_in_verl_source(m):
+    src = inspect.getsource(getattr(_owner(m.module, m.owner), m.attr))
+    assert m.marker in src, f"{m.module}.{m.owner}.{m.attr} no longer contains {m.marker!r}"
+
+
+@pytest.mark.parametrize("a", vc.INSTANCE_ATTRIBUTES, ids=lambda a: f"{a.owner}.{a.method}:{a.needle}")
+def test_listed_instance_attribute_still_assigned(a):
+    src = inspect.getsource(getattr(_owner(a.module, a.owner), a.method))
+    assert f"{a.needle} =" in src, f"{a.owner}.{a.method} no longer assigns {a.needle}"
+
+
+@pytest.mark.parametrize("system,module,cls", [("claas", "claas_verl.trainer.claas.trainer", "ClaasTrainer"),
+                                               ("mopd", "claas_verl.trainer.mopd.trainer", "MOPDTrainer")])
+def test_every_private_ppotrainer_method_a_trainer_overrides_is_listed(system, module, cls):
+    from verl.trainer.ppo.v1.trainer_base import PPOTrainer
+
+    trainer = getattr(importlib.import_module(module), cls)
+    ours = [k for k in trainer.__mro__ if k.__module__.startswith("claas_verl.")]
+    overridden = {name for k in ours for name, v in vars(k).items()
+                  if name.startswith("_") and not name.startswith("__") and inspect.isfunction(v)
+                  and hasattr(PPOTrainer, name)}
+    listed = {attr for _, owner, attr in vc.couplings_of(system) if owner == "PPOTrainer"}
+    assert overridden and overridden <= listed, f"{cls} overrides unlisted private verl methods: {overridden - listed}"
+
+
+def test_pending_sync_metrics_reach_the_step_metrics():
+    """CLaaS's on_step_end stores its buffer statistics in ``_pending_sync_metrics``; verl merges them into the
+    step's metrics once and clears them."""
+    from types import SimpleNamespace
+
+    from verl.trainer.ppo.v1.trainer_base import PPOTrainer
+
+    trainer = SimpleNamespace(_pending_sync_metrics={"claas/buffer_size": 7})
+    assert PPOTrainer._consume_sync_metrics(trainer) == {"claas/buffer_size": 7}
+    assert PPOTrainer._consume_sync_metrics(trainer) == {}
+
+
+def test_trainer_mode_reads_sync_whatever_name_registered():
+    from claas_verl.trainer.base import VerlSeams
+
+    seams = VerlSeams()
+    seams.trainer_mode = "claas"
+    assert seams.trainer_mode == "sync" and seams.registered_mode == "claas"
+
+
+def _imports(path: Path, package: str) -> set[str]:
+    """claas_verl.trainer modules ``path`` imports (module level and inside functions)."""
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith(package):
+            for alias in node.names:
+                sub = f"{node.module}.{alias.name}"
+                out.add(sub if (TRAINER_DIR.parent.parent / (sub.replace(".", "/") + ".py")).exists() else node.module)
+        elif isinstance(node, ast.Import):
+            out |= {a.name for a in node.names if a.name.startswith(package)}
+    return out
+
+
+def test_trainer_glue_has_no_import_circle():
+    package = "claas_verl.trainer"
+    graph = {}
+    for path in TRAINER_DIR.rglob("*.py"):
+        name = ".".join(path.relative_to(TRAINER_DIR.parent.parent).with_suffix("").parts)
+        graph[name.removesuffix(".__init__")] = _imports(path, package)
+    state: dict[str, int] = {}
+
+    def visit(node: str, trail: list[str]) -> None:
+        state[node] = 1
+        for nxt in sorted(graph.get(node, ())):
+            if nxt == node or nxt not in graph:
+                continue
+            if state.get(nxt) == 1:
+                pytest.fail("import circle: " + " -> ".join([*trail[trail.index(nxt):], nxt]))
+            if nxt not in state:
+                visit(nxt, [*trail, nxt])
+        state[node] = 2
+
+    for node in sorted(graph):
+        if node not in state:
+            visit(node, [node])
