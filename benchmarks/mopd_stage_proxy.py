@@ -57,9 +57,16 @@ def read_rows(root: Path, domain: str, split: str) -> list[dict]:
 
 
 def stage(student, expert, tok, rows: list[dict], *, steps: int, prompts: int, replies: int, topk: int, lr: float,
-          seed: int) -> list[float]:
+          seed: int, blocks: list[list[dict]] | None = None, timings: list[dict] | None = None) -> list[float]:
     """``steps`` MOPD updates of ``student`` (in place) toward ``expert`` on ``rows``; the per-step top-κ weighted
-    KL (Σ_v −r on the student's samples, token mean) before each update."""
+    KL (Σ_v −r on the student's samples, token mean) before each update.
+
+    ``blocks``: step ``i`` uses exactly the prompts ``blocks[i]`` (the trainer's plan blocks) instead of ``prompts``
+    rows drawn from ``rows``. ``timings``: one dict per step is appended, the seconds of its phases (``gen``,
+    ``old_log_prob`` (student top-κ), ``teacher`` (expert log-probs, rewards, advantages), ``update_actor``) and
+    ``step``, with the number of reply tokens (``response_tokens``)."""
+    if blocks is not None and len(blocks) < steps:
+        raise ValueError(f"stage: {steps} steps but only {len(blocks)} blocks")
     from claas_verl.verl_ext.cpu.hf_rollout import eos_token_ids
 
     eos = eos_token_ids(student, tok)
@@ -68,22 +75,27 @@ def stage(student, expert, tok, rows: list[dict], *, steps: int, prompts: int, r
     opt = torch.optim.AdamW(student.parameters(), lr=lr, betas=(0.9, 0.999), weight_decay=0.01)
     kls = []
     for step in range(steps):
+        clock = _PhaseClock()
         torch.manual_seed(seed * 100_003 + step)
         batch = []
         student.eval()
-        for row in rng.sample(rows, prompts):
+        for row in (blocks[step] if blocks is not None else rng.sample(rows, prompts)):
             text = tok.apply_chat_template(list(row["prompt"]), add_generation_prompt=True, tokenize=False)
             prompt_ids = tok.encode(text, add_special_tokens=False)
             sampled = sample_replies(student, prompt_ids, replies, MAX_RESPONSE_TOKENS, 1.0, eos, pad)
             batch.append((prompt_ids, right_padded(prompt_ids, sampled, pad)))
+        clock.lap("gen")
         # θ_old candidates and rewards for the whole step first (the trainer's order), then one update
-        prepared, rewards, masks = [], [], []
+        prepared, top, rewards, masks = [], [], [], []
         with torch.no_grad():
             for prompt_ids, (ids, attn, resp) in batch:
                 P = len(prompt_ids)
                 cand, S = student_topk(response_logits(student, ids, attn, P), topk)
-                Q = teacher_logprobs_at(response_logits(expert, ids, attn, P), cand)
                 prepared.append((P, ids, attn, resp, cand))
+                top.append(S)
+            clock.lap("old_log_prob")
+            for (P, ids, attn, resp, cand), S in zip(prepared, top):
+                Q = teacher_logprobs_at(response_logits(expert, ids, attn, P), cand)
                 rewards.append(topk_rewards(S, Q, resp))
                 masks.append(resp)
         # σ_d over the whole step's responses (one domain): concatenate the ragged [B, T, K] rewards along T-padding
@@ -92,6 +104,7 @@ def stage(student, expert, tok, rows: list[dict], *, steps: int, prompts: int, r
         m_all = torch.cat([torch.nn.functional.pad(m, (0, T - m.shape[1])) for m in masks])
         kls.append(float(-(r_all.sum(-1) * m_all).sum() / m_all.sum()))
         adv = domain_normalized_advantages(r_all, m_all, sync=False)
+        clock.lap("teacher")
         student.train()
         opt.zero_grad()
         n_tokens = m_all.sum()
@@ -104,8 +117,27 @@ def stage(student, expert, tok, rows: list[dict], *, steps: int, prompts: int, r
             row0 += B
         torch.nn.utils.clip_grad_norm_(student.parameters(), 1000.0)
         opt.step()
+        clock.lap("update_actor")
+        if timings is not None:
+            timings.append({**clock.phases, "step": clock.total(), "response_tokens": int(m_all.sum())})
     student.eval()
     return kls
+
+
+class _PhaseClock:
+    """Seconds per named phase of one step, each lap measured from the previous one."""
+
+    def __init__(self):
+        self.start = self.last = time.perf_counter()
+        self.phases: dict[str, float] = {}
+
+    def lap(self, name: str) -> None:
+        now = time.perf_counter()
+        self.phases[name] = self.phases.get(name, 0.0) + now - self.last
+        self.last = now
+
+    def total(self) -> float:
+        return self.last - self.start
 
 
 def score_all(student, student_dir: str, experts: dict, root: Path, domains: list[str], replies: int) -> dict:

@@ -66,3 +66,19 @@ def test_the_stage_moves_the_student_toward_a_sharp_teacher(tok):
         expert.lm_head.weight.mul_(8.0)  # a sharp teacher, far (27 nats/token) from the near-uniform student
     kls = stage(student, expert, tok, ROWS, steps=8, prompts=3, replies=2, topk=len(tok), lr=1e-2, seed=0)
     assert kls[0] > 20 and kls[-1] < 0.5 * kls[0]
+
+
+def test_a_stage_on_given_blocks_times_its_phases(tok):
+    # bench_mopd_step.py runs the proxy on the trainer's plan blocks and reads one timing dict per step
+    student = _model(tok, 0)
+    blocks = [ROWS[:2], ROWS[2:4]]
+    timings = []
+    stage(student, student, tok, ROWS, steps=2, prompts=6, replies=2, topk=16, lr=1e-3, seed=0, blocks=blocks,
+          timings=timings)
+    assert len(timings) == 2
+    for t in timings:
+        phases = [t[p] for p in ("gen", "old_log_prob", "teacher", "update_actor")]
+        assert min(phases) >= 0 and abs(sum(phases) - t["step"]) < 1e-6
+        assert 1 <= t["response_tokens"] <= 2 * 2 * 40  # 2 prompts x 2 replies of at most 40 tokens
+    with pytest.raises(ValueError, match="only 2 blocks"):
+        stage(student, student, tok, ROWS, steps=3, prompts=2, replies=2, topk=16, lr=1e-3, seed=0, blocks=blocks)

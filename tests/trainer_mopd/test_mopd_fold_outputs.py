@@ -66,3 +66,36 @@ def test_outputs_without_candidate_fields_pass_through():
 def test_another_kappa_is_refused_naming_the_setting():
     with pytest.raises(ValueError, match="mopd.train.topk"):
         fold_topk_outputs(_output([F.STUDENT_LP_PACKED], k=2), _mask(), K)
+
+
+def _reference_fold(fields, mask):
+    """The fold as verl's own helpers spell it: each field's response slice, padded, stacked, packed."""
+    from verl.workers.utils.padding import response_from_nested
+
+    cols = [response_from_nested(f, mask).to_padded_tensor(0) for f in fields]
+    return F.pack_rows(torch.stack(cols, dim=-1), mask)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.int64])
+def test_fold_is_bit_identical_to_verls_per_field_response_slices(dtype):
+    # a trainer-sized forward: 64 rows, kappa 128, one empty reply, random values (ids as int64)
+    g = torch.Generator().manual_seed(0)
+    resp = [int(x) for x in torch.randint(0, 12, (64,), generator=g)]
+    resp[5] = 0
+    seq = [r + int(p) for r, p in zip(resp, torch.randint(3, 30, (64,), generator=g))]
+    k = 128
+    fields = {f"{F.STUDENT_LP_PACKED}{j}": _nested([(torch.randn(n, generator=g) * 50).to(dtype) for n in seq])
+              for j in range(k)}
+    mask = _nested([torch.ones(r, dtype=torch.long) for r in resp])
+    want = _reference_fold(list(fields.values()), mask)
+    got = fold_topk_outputs(tu.get_tensordict(tensor_dict=dict(fields)), mask, k)[F.STUDENT_LP]
+    assert got.dtype == want.dtype
+    assert torch.equal(got.offsets(), want.offsets()) and torch.equal(got.values(), want.values())
+
+
+def test_fields_of_different_row_layouts_are_refused():
+    other = _nested([torch.zeros(n) for n in (4, 5)])  # the rows of _field() swapped
+    out = _output([F.TEACHER_LP_PACKED])
+    out[f"{F.TEACHER_LP_PACKED}1"] = other
+    with pytest.raises(ValueError, match="different row layouts"):
+        fold_topk_outputs(out, _mask(), K)
