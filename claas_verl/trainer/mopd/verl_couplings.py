@@ -75,6 +75,8 @@ COUPLINGS: tuple[tuple[str, str, str], ...] = (
 # Attributes that only exist on instances (checked on a built engine / trainer source by the tests).
 INSTANCE_ATTRIBUTES: tuple[tuple[str, str], ...] = (
     ("PPOTrainer.__init__", "self.trainer_mode"),
+    # the weight-sync probe's metrics join the step's through verl's stash for weight-sync stats
+    ("PPOTrainer._consume_sync_metrics", "self._pending_sync_metrics"),
     # read by the placement check (claas_verl.preflight.placement: its resource_pool_spec and max_colocate_count)
     ("PPOTrainer._init_resource_pool_mgr", "self.resource_pool_manager"),
     ("FSDPEngine._build_model_optimizer", "self.optimizer"),
