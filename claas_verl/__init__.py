@@ -18,6 +18,7 @@ is imported, so ``get_policy_loss_fn("claas_seq_is")`` works after
 
 from __future__ import annotations
 
+from claas_verl.config_resolvers import register_resolvers
 from claas_verl.verl_ext import register_when_verl_loads
 
 __version__ = "0.1.0"
@@ -26,3 +27,4 @@ __version__ = "0.1.0"
 # imported (at once if it already is), in this process and, through the verl.plugins
 # entry point, in every Ray worker.
 register_when_verl_loads()
+register_resolvers()

@@ -69,8 +69,9 @@ COUPLINGS: tuple[Coupling, ...] = (
              "extra checkpoint state read (claas: before verl loads, from the folder verl will load)"),
     Coupling(TRAINER, "PPOTrainer", "_compute_metrics", ("mopd",), "the step appended to steps.jsonl"),
     Coupling(TRAINER, "PPOTrainer", "_balance_batch", ("mopd",), "called on forgetting-evaluation batches"),
-    Coupling(TRAINER, "PPOTrainer", "_consume_sync_metrics", ("claas",),
-             "reads _pending_sync_metrics, which claas's on_step_end sets (buffer size, evicted entries)"),
+    Coupling(TRAINER, "PPOTrainer", "_consume_sync_metrics", ("claas", "mopd"),
+             "reads _pending_sync_metrics, which claas's on_step_end sets (buffer size, evicted entries) and mopd's "
+             "weight-sync probe sets (rollout/weight_sync_*)"),
     # ---- workers and engines
     Coupling(WORKERS, "ActorRolloutRefWorker", "actor_worker_cls", ("claas", "mopd"),
              "class-attribute hook selecting the training worker class"),
@@ -111,7 +112,7 @@ SOURCE_MARKERS: tuple[SourceMarker, ...] = (
     SourceMarker(TRAINER, "PPOTrainer", "fit", "self.global_steps <= self.total_training_steps", ("base",)),
     # trainer_mode is read as the sync/async switch (VerlSeams keeps it "sync")
     SourceMarker(TRAINER, "PPOTrainer", "_init_dataloader", 'self.trainer_mode != "sync"', ("base",)),
-    SourceMarker(TRAINER, "PPOTrainer", "_consume_sync_metrics", "self._pending_sync_metrics", ("claas",)),
+    SourceMarker(TRAINER, "PPOTrainer", "_consume_sync_metrics", "self._pending_sync_metrics", ("claas", "mopd")),
     # canonical row order reads the data-parallel size from the mapping verl's dispatch caches
     SourceMarker("verl.single_controller.base.decorator", "", "dispatch_lazy_compute_data_proto",
                  "worker_group._dispatch_info[mesh_name] =", ("mopd",)),
@@ -126,7 +127,7 @@ INSTANCE_ATTRIBUTES: tuple[InstanceAttribute, ...] = (
     InstanceAttribute(TRAINER, "PPOTrainer", "_init_resource_pool_mgr", "self.resource_pool_manager", ("base",)),
     InstanceAttribute(TRAINER, "PPOTrainer", "_init_dataloader", "self.total_training_steps", ("base",)),
     InstanceAttribute(TRAINER, "PPOTrainer", "_init_dataloader", "self.steps_per_epoch", ("base",)),
-    InstanceAttribute(TRAINER, "PPOTrainer", "_consume_sync_metrics", "self._pending_sync_metrics", ("claas",)),
+    InstanceAttribute(TRAINER, "PPOTrainer", "_consume_sync_metrics", "self._pending_sync_metrics", ("claas", "mopd")),
     InstanceAttribute(FSDP, "FSDPEngine", "_build_model_optimizer", "self.optimizer", ("mopd",)),
     InstanceAttribute(FSDP, "FSDPEngine", "_build_model_optimizer", "self.lr_scheduler", ("mopd",)),
     InstanceAttribute(FSDP, "FSDPEngine", "initialize", "self.checkpoint_manager", ("mopd",)),

@@ -15,6 +15,9 @@ N (``latest_checkpointed_iteration.txt``) and must:
 - SDPO: restore the EMA teacher of checkpoint N (its EMA step count);
 - complete the run (``continual_metrics.json`` with the 2x2 matrix and the resume record);
 - and a third start on the same folder with another ``claas.a_max`` is refused with an error naming the key.
+
+The same checks also run with two training ranks (``trainer.n_gpus_per_node=2`` as the only added key: two logical
+GPUs, gloo; REINFORCE++, splits of 4), where each update and each checkpoint are sharded over both ranks.
 """
 
 from __future__ import annotations
@@ -33,8 +36,7 @@ from claas_verl.replay import load_snapshot
 
 REPO = Path(__file__).resolve().parents[2]
 SPLIT = 8
-
-pytestmark = pytest.mark.slow
+TWO_RANK_SPLIT = 4  # the fewest scenarios per split that still checkpoint inside split 2
 
 
 @pytest.fixture(scope="module")
@@ -83,17 +85,29 @@ def _kill_group(proc: subprocess.Popen) -> None:
         pass
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("recipe", ["tiny_reinforce_pp", "tiny_sdpo"])
 def test_killed_run_resumes_with_the_same_state(recipe, tiny_model_dir, tmp_path):
+    _kill_and_resume(recipe, tiny_model_dir, tmp_path, split=SPLIT)
+
+
+@pytest.mark.slow  # two verl jobs with two ranks: ~5 min on 2 busy cores
+def test_killed_two_rank_run_resumes_with_the_same_state(tiny_model_dir, tmp_path):
+    """The same checks with two training ranks (two logical GPUs, gloo): verl shards each update over both ranks,
+    and checkpoint N and its restore cover both ranks' actor shards."""
+    _kill_and_resume("tiny_reinforce_pp", tiny_model_dir, tmp_path, split=TWO_RANK_SPLIT, ranks=2)
+
+
+def _kill_and_resume(recipe: str, tiny_model_dir: Path, tmp_path: Path, split: int, ranks: int = 1) -> None:
     stream = tmp_path / "stream.jsonl"
-    _write_stream(stream, 2 * SPLIT)
+    _write_stream(stream, 2 * split)
     out = tmp_path / "runs"
     env = dict(os.environ, CLAAS_TINY_DIR=str(tiny_model_dir), CLAAS_OUT_DIR=str(out), PYTHONUNBUFFERED="1")
     env.setdefault("RAY_raylet_start_wait_time_s", "180")
     cmd = [sys.executable, "-m", "claas_verl.main_claas", "--config-name", f"claas/{recipe}",
            "claas.env.name=ih_challenge", "~claas.env.kwargs", f"+claas.env.kwargs={{path:{stream},max_turns:2}}",
-           f"claas.stream.split_size={SPLIT}", "claas.producer.max_concurrent_scenarios=1", "trainer.save_freq=1",
-           "claas.a_max=2", "claas.b_min=4", "claas.m=4"]
+           f"claas.stream.split_size={split}", "claas.producer.max_concurrent_scenarios=1", "trainer.save_freq=1",
+           f"trainer.n_gpus_per_node={ranks}", "claas.b_min=4", "claas.m=4", "claas.a_max=2"]
     run_dir = out / f"claas_{recipe}"
     trace_path = run_dir / "claas_trace.jsonl"
 
@@ -126,8 +140,8 @@ def test_killed_run_resumes_with_the_same_state(recipe, tiny_model_dir, tmp_path
     proc2 = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=1500)
     t_resume = time.time() - t1
     assert proc2.returncode == 0, (proc2.stdout + proc2.stderr)[-6000:]
-    print(f"{recipe}: killed at {t_kill:.0f}s (checkpoint N={n}, position {saved['position']}); resumed run "
-          f"{t_resume:.0f}s")
+    print(f"{recipe}, {ranks} rank(s): killed at {t_kill:.0f}s (checkpoint N={n}, position {saved['position']}); "
+          f"resumed run {t_resume:.0f}s")
 
     resumed = _segments(_records(trace_path))[-1]
     resume = next(r for r in resumed if r["event"] == "resume")
@@ -143,7 +157,7 @@ def test_killed_run_resumes_with_the_same_state(recipe, tiny_model_dir, tmp_path
     # the stream continues where checkpoint N stood
     pos = saved["position"]
     assert pos["split"] == 1, pos  # the checkpoint that triggered the kill, or a later one inside split 2
-    split_ids = set(range(SPLIT, 2 * SPLIT))
+    split_ids = set(range(split, 2 * split))
     if pos["complete"]:
         regenerate = set()
     else:
@@ -186,8 +200,9 @@ def test_killed_run_resumes_with_the_same_state(recipe, tiny_model_dir, tmp_path
     assert metrics["updates"] == n + len(steps)
     assert len(metrics["resumes"]) == 1 and metrics["resumes"][0]["global_steps"] == n
 
-    if recipe == "tiny_reinforce_pp":  # the same folder with another setting: refused, naming the key, nothing loaded
-        bad = subprocess.run([*cmd[:-3], "claas.a_max=3", *cmd[-2:]], cwd=REPO, env=env, capture_output=True,
+    if recipe == "tiny_reinforce_pp" and ranks == 1:
+        # the same folder with another setting: refused, naming the key, nothing loaded
+        bad = subprocess.run([*cmd[:-1], "claas.a_max=3"], cwd=REPO, env=env, capture_output=True,
                              text=True, timeout=1500)
         assert bad.returncode != 0
         assert "claas.a_max=2 but this run has claas.a_max=3" in bad.stdout + bad.stderr, bad.stderr[-3000:]

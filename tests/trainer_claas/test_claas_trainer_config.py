@@ -105,16 +105,18 @@ def test_trainer_rejects_settings_that_break_the_contract():
         with pytest.raises(ValueError, match=key.replace(".", r"\.")) as err:
             check_claas_config(bad, claas)
         assert any(m in str(err.value) for m in msg.split("|")), str(err.value)
-    # two ranks: each gets claas.m / 2 = 2 entries, which the tiny recipe's micro-batches of claas.m = 4 cannot split
-    # (verl's prepare_micro_batches would stop the first update deep inside a Ray worker)
-    two = compose_recipe("tiny_reinforce_pp")
+    # two ranks: the tiny recipes' micro-batch is one rank's share, claas.m / 2 = 2, so the rank count is the only key
+    two = compose_recipe("tiny_reinforce_pp", ["trainer.n_gpus_per_node=2"])
+    assert two.actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu == 2
+    assert two.actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu == 2
+    check_claas_config(two, claas)
+    assert compose_recipe("tiny_ppo", ["trainer.n_gpus_per_node=2"]).critic.ppo_micro_batch_size_per_gpu == 2
+    # a micro-batch that does not divide a rank's share would stop the first update deep inside verl's
+    # prepare_micro_batches in a Ray worker: refused before Ray, naming the key
     with open_dict(two):
-        two.trainer.n_gpus_per_node = 2
+        two.actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu = 4
     with pytest.raises(ValueError, match=r"ppo_micro_batch_size_per_gpu=4: each of the 2 training ranks gets .* = 2"):
         check_claas_config(two, claas)
-    with open_dict(two):
-        two.actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu = 2
-    check_claas_config(two, claas)
     sdpo = compose_recipe("tiny_sdpo")
     sdpo_claas = ClaasConfig.from_config(sdpo.claas)
     check_claas_config(sdpo, sdpo_claas)  # SDPO runs (claas_verl.trainer.claas.sdpo_worker)

@@ -5,8 +5,9 @@ One short run (shorter responses and fewer held-out prompts than the recipe; the
 fresh AdamW state (the optimizer's step count is 1 after each stage's first update and grows inside the stage),
 the stage-final students M_1..M_3 exist in Hugging Face format and differ from π_0 and from each other, every
 checkpoint has its ``mopd_state.json``, the forgetting table has one row per stage end and learned domain,
-during every stage the held-out KL from the student to the new domain's expert falls, and the step metrics reach
-wandb (offline) and tensorboard (``trainer.logger=[console,wandb,tensorboard]``).
+during every stage the held-out KL from the student to the new domain's expert falls, after every weight sync the
+rollout's log-probs of a fixed probe equal the trainer's forward of the updated student and moved, and the step
+metrics reach wandb (offline) and tensorboard (``trainer.logger=[console,wandb,tensorboard]``).
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ import json
 import math
 
 import torch
+
+from claas_verl.trainer.mopd.weight_probe import CHANGE_KEY, DIFF_KEY
 
 
 def test_tiny_seq_runs_the_plan_end_to_end(tiny_dir, mopd_run, mopd_plan, fast, tracking_logs):
@@ -30,6 +33,10 @@ def test_tiny_seq_runs_the_plan_end_to_end(tiny_dir, mopd_run, mopd_plan, fast, 
         m = s["metrics"]
         assert math.isfinite(m["mopd/kl_topk"])
         assert m["mopd/adv_sigma"] > 0 and math.isfinite(m["actor/loss"]) and m["actor/grad_norm"] > 0
+    # the weight-sync probe after every update: the rollout serves exactly the updated student (HF rollout vs the
+    # FSDP trainer's forward, both float32) and no longer the previous step's weights
+    assert all(s["metrics"][DIFF_KEY] < 1e-4 for s in steps), [s["metrics"][DIFF_KEY] for s in steps]
+    assert all(s["metrics"][CHANGE_KEY] > 1e-3 for s in steps), [s["metrics"][CHANGE_KEY] for s in steps]
     # 2. fresh AdamW state per stage: step count 1 after the first update of a stage, then +1 per step
     counts = [s["metrics"]["mopd/optimizer_steps_in_stage"] for s in steps]
     assert counts == [1, 2, 3, 4, 1, 2, 3, 1, 2, 3]

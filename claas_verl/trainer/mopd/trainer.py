@@ -53,6 +53,7 @@ from claas_verl.schedule import plan_from_config
 from claas_verl.trainer.base import swap_actor_worker
 from claas_verl.trainer.mopd import fields as F
 from claas_verl.trainer.mopd import stages as S
+from claas_verl.trainer.mopd import weight_probe as WP
 from claas_verl.trainer.mopd.alignment import AUX_KEY, aux_config, region_fields
 from claas_verl.trainer.mopd.verl_couplings import MOPDTrainerCouplings
 from claas_verl.trainer.mopd.workers import TEACHER_KEY, MOPDWorker
@@ -105,6 +106,12 @@ class MOPDTrainer(MOPDTrainerCouplings, PPOTrainerSync):
         self._resumed_mid_stage = False
         self._saved_at = -1
         self._pending_end_eval: tuple[int, int] | None = None  # (stage, its last global step) to evaluate on resume
+        # after every weight sync the rollout scores a fixed probe (weight_probe); 0 turns the check off
+        self.probe_tokens = int(mopd.get("weight_sync_probe_tokens", 0) or 0)
+        if self.probe_tokens < 0:
+            raise ValueError(f"mopd.weight_sync_probe_tokens={self.probe_tokens}: give the probe's length in tokens "
+                             "(0 turns the weight-sync check off)")
+        self._probe_served: list[list[float]] | None = None  # the previous sync's served log-probs
 
     # ================================================================= verl wiring
     def mopd_use_worker_class(self):
@@ -204,8 +211,16 @@ class MOPDTrainer(MOPDTrainerCouplings, PPOTrainerSync):
         step = self.current_step(global_step)
         return S.step_index(global_step, len(self.plan_steps)) == self.bounds[step["stage"]][1]
 
+    def on_init_end(self):
+        super().on_init_end()  # pushes the initial (or resumed) weights to the rollout replicas
+        if self.probe_tokens:
+            self.probe_weight_sync()  # the baseline the first step's change is measured against
+
     def on_step_end(self):
         super().on_step_end()  # pushes the updated weights to the rollout replicas
+        if self.probe_tokens:
+            self._pending_sync_metrics = {**(getattr(self, "_pending_sync_metrics", None) or {}),
+                                          **self.probe_weight_sync()}
         self._optim_steps = int(self.actor_rollout_wg.mopd_optimizer_steps()[0])
         if not self.is_stage_end(self.global_steps):
             return
@@ -213,6 +228,15 @@ class MOPDTrainer(MOPDTrainerCouplings, PPOTrainerSync):
             self._save_checkpoint()
         if self.eval_enabled:
             self.evaluate_forgetting()
+
+    def probe_weight_sync(self) -> dict[str, float]:
+        """Score the fixed probe on every rollout replica and in the trainer's student (:mod:`.weight_probe`)."""
+        ids = WP.probe_ids(self.tokenizer, self.probe_tokens)
+        served = WP.served_logprobs(self.checkpoint_manager.replicas, ids)
+        trained = self.actor_rollout_wg.mopd_probe_logprobs(ids, [tokens for tokens, _ in served])[0]
+        metrics = WP.probe_metrics(served, trained, self._probe_served)
+        self._probe_served = [logps for _, logps in served]
+        return metrics
 
     # ================================================================= the step's math
     def _distill_flags(self, phase: str) -> dict:
@@ -352,7 +376,8 @@ class MOPDTrainer(MOPDTrainerCouplings, PPOTrainerSync):
         if metrics["mopd/update_skipped"]:
             logger.warning(f"MOPD step {global_step}: non-finite gradient norm, optimizer update skipped")
         keep = {k: v for k, v in metrics.items() if k.startswith(("mopd/", "actor/", "response_length/mean",
-                                                                    "critic/score/mean", "timing_s/step"))}
+                                                                    "critic/score/mean", "timing_s/step",
+                                                                    "rollout/weight_sync_"))}
         S.append_step(self.run_dir, global_step, step, keep)
         print(f"[mopd] step {global_step}/{len(self.plan_steps)} stage={step['stage']} kind={step['kind']} "
               f"domain={step['domain']} block={step['block']} teacher={step['teacher']} "

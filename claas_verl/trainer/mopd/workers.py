@@ -513,3 +513,16 @@ class MOPDWorker(ActorRolloutRefWorker):
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def mopd_optimizer_steps(self) -> int:
         return vc.optimizer_step_count(self.actor.engine)
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def mopd_probe_logprobs(self, ids: list[int], targets: list[list[int]]) -> list[list[float]]:
+        """The student's log-probabilities ``log p(targets[r][j] | ids[:j+1])`` from one no-grad forward of ``ids``
+        (every rank runs it: FSDP gathers each layer across the ranks), under the engine's autocast as in its
+        log-prob forward (:mod:`claas_verl.trainer.mopd.weight_probe`)."""
+        engine = self.actor.engine
+        device = compute_device()
+        with engine.eval_mode(), torch.no_grad(), engine_autocast(engine, device):
+            logits = engine.module(input_ids=torch.tensor([ids], device=device), use_cache=False).logits
+        logp = torch.log_softmax(logits[0, : len(ids) - 1].float(), dim=-1).cpu()
+        positions = torch.arange(len(ids) - 1)
+        return [logp[positions, torch.tensor(t)].tolist() for t in targets]

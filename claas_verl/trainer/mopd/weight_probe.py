@@ -1,0 +1,59 @@
+"""Did the update arrive? After every weight sync the rollout scores a fixed probe and the trainer compares.
+
+The probe is a fixed token sequence ``s`` of ``K + 1`` tokens. For every prefix ``s[:j]`` (``j = 1..K``) each
+rollout replica answers one greedy request for one token with its log-probability: ``g_j`` and
+``served_j = log p_served(g_j | s[:j])``, the model's own log-softmax (no temperature at greedy). The trainer runs
+one no-grad forward of the updated student on ``s`` and reads ``trained_j = log p_student(g_j | s[:j])`` at the
+same tokens. Two metrics per step (``rollout/`` in the step's metrics and ``steps.jsonl``):
+
+- ``rollout/weight_sync_max_abs_logprob_diff = max_{replica, j} |served_j - trained_j|``: kernel rounding only when
+  the rollout serves the weights the trainer just produced (about 1e-5 in float32);
+- ``rollout/weight_sync_max_abs_logprob_change = max_{replica, j} |served_j - served_j^prev|``: how far the served
+  top-1 log-probabilities moved since the previous sync (``served_j`` is the maximum of the next-token log-softmax,
+  a continuous function of the weights); 0 means the rollout still serves the previous weights.
+"""
+
+from __future__ import annotations
+
+import uuid
+
+import ray
+
+DIFF_KEY = "rollout/weight_sync_max_abs_logprob_diff"
+CHANGE_KEY = "rollout/weight_sync_max_abs_logprob_change"
+PROBE_TEXT = "Continual learning keeps what it learned while it learns: one, two, three, four, five, six, seven."
+
+
+def probe_ids(tokenizer, tokens: int) -> list[int]:
+    """The fixed probe: the first ``tokens + 1`` token ids of :data:`PROBE_TEXT` under the student's tokenizer."""
+    ids = [int(t) for t in tokenizer(PROBE_TEXT, add_special_tokens=False)["input_ids"]][: tokens + 1]
+    if len(ids) < 2:
+        raise ValueError(f"mopd.weight_sync_probe_tokens={tokens}: the probe needs at least 2 tokens, got {len(ids)}")
+    return ids
+
+
+def served_logprobs(replicas, ids: list[int]) -> list[tuple[list[int], list[float]]]:
+    """Per replica: the greedy next token after every prefix of ``ids`` and its served log-probability."""
+    out = []
+    for replica in replicas:
+        refs = [replica.server_handle.generate.remote(
+                    prompt_ids=ids[:j], request_id=f"weight-sync-probe-{uuid.uuid4().hex}",
+                    sampling_params={"temperature": 0.0, "max_tokens": 1, "logprobs": True})
+                for j in range(1, len(ids))]
+        answers = ray.get(refs)
+        tokens = [int(a.token_ids[0]) for a in answers]
+        logps = [float(a.log_probs[0]) for a in answers]
+        out.append((tokens, logps))
+    return out
+
+
+def probe_metrics(served: list[tuple[list[int], list[float]]], trained: list[list[float]],
+                  previous: list[list[float]] | None) -> dict[str, float]:
+    """The two metrics of the module docstring; ``trained[r]`` holds the student's log-probs at replica ``r``'s
+    tokens, ``previous[r]`` replica ``r``'s served log-probs at the previous sync (None: no change metric)."""
+    diff = max(abs(s - t) for (_, logps), tr in zip(served, trained) for s, t in zip(logps, tr))
+    metrics = {DIFF_KEY: diff}
+    if previous is not None:
+        metrics[CHANGE_KEY] = max(abs(s - p) for (_, logps), prev in zip(served, previous)
+                                  for s, p in zip(logps, prev))
+    return metrics
