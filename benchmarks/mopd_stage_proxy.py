@@ -67,7 +67,7 @@ def stage(student, expert, tok, rows: list[dict], *, steps: int, prompts: int, r
     ``step``, with the number of reply tokens (``response_tokens``)."""
     if blocks is not None and len(blocks) < steps:
         raise ValueError(f"stage: {steps} steps but only {len(blocks)} blocks")
-    from claas_verl.verl_ext.cpu.hf_rollout import eos_token_ids
+    from claas_verl.utils.generation import eos_token_ids
 
     eos = eos_token_ids(student, tok)
     pad = tok.pad_token_id if tok.pad_token_id is not None else eos[0]

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import json
 import re
-from functools import cache
 
 _FENCE = re.compile(r"```[^\n]*\n.*?```", re.S)
 
@@ -45,20 +44,6 @@ def _after_thinking(text: str) -> str:
     return text.rsplit("</think>", 1)[1] if "</think>" in text else text
 
 
-@cache
-def _gym(task: str, size: int, seed: int, config: str = "{}"):
-    import reasoning_gym
-
-    return reasoning_gym.create_dataset(task, size=size, seed=seed, **json.loads(config))
-
-
-def _meta(extra_info) -> dict:
-    meta = (extra_info or {}).get("meta")
-    if not meta:
-        raise ValueError("reasoning_gym rows need extra_info.meta (written by python -m claas_verl.data mopd)")
-    return json.loads(meta) if isinstance(meta, str) else dict(meta)
-
-
 def compute_score(data_source: str, solution_str: str, ground_truth: str, extra_info: dict | None = None,
                   **_verl_kwargs) -> float:
     ds = str(data_source)
@@ -67,16 +52,9 @@ def compute_score(data_source: str, solution_str: str, ground_truth: str, extra_
 
         return tiny(ds, solution_str, ground_truth, extra_info)
     if ds.startswith("reasoning_gym/"):
-        from reasoning_gym.utils import extract_answer
+        from claas_verl.tiny.gym_score import score_reasoning_gym
 
-        m = _meta(extra_info)
-        gym = _gym(m["task"], int(m["size"]), int(m["seed"]), json.dumps(m.get("config") or {}, sort_keys=True))
-        fmt = m.get("answer_format", "tag")
-        if fmt not in ("tag", "plain"):
-            raise ValueError(f"extra_info.meta.answer_format={fmt!r}: expected 'tag' (<answer>...</answer>) or 'plain'")
-        reply = _after_thinking(solution_str)
-        answer = reply.strip() if fmt == "plain" else extract_answer(reply)
-        return float(gym.score_answer(answer=answer, entry=gym[int(m["index"])])) if answer is not None else 0.0
+        return score_reasoning_gym(_after_thinking(solution_str), extra_info)
     if ds == "math_dapo":
         from verl.utils.reward_score import default_compute_score
 

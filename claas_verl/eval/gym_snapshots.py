@@ -109,7 +109,7 @@ def score_snapshot(model_path: str, rows: list[dict], *, expert_path: str | None
     from transformers import AutoTokenizer
 
     from claas_verl.data.rewards import compute_score
-    from claas_verl.verl_ext.cpu.hf_rollout import eos_token_ids
+    from claas_verl.utils.generation import eos_token_ids
 
     if not rows:
         raise ValueError(f"no held-out rows to score {model_path} on ({tag})")

@@ -54,7 +54,8 @@ class HFBackend(ChatBackend):
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         # Imported here: the rollout module pulls in verl, which CPU tests of the rest of the service do not need.
-        from claas_verl.verl_ext.cpu.hf_rollout import eos_token_ids, sample_next_token
+        from claas_verl.utils.generation import eos_token_ids
+        from claas_verl.verl_ext.cpu.hf_rollout import sample_next_token
 
         if default_max_tokens < 1:
             raise ValueError(f"default_max_tokens must be >= 1, got {default_max_tokens}")

@@ -306,8 +306,8 @@ def evaluate(model, tok, splits, seed: int, label: str = f"{LOG} accuracy") -> d
     left-padded ``generate`` per domain; a progress line per domain)."""
     import torch
 
-    from claas_verl.data.rewards import compute_score
     from claas_verl.tiny.data import stable_seed
+    from claas_verl.tiny.gym_score import score_reasoning_gym
     from claas_verl.tiny.tokenizer import IM_END
 
     out = {}
@@ -325,6 +325,6 @@ def evaluate(model, tok, splits, seed: int, label: str = f"{LOG} accuracy") -> d
         total = 0.0
         for i, text in enumerate(replies):
             row = rows[i // ACC_SAMPLES]
-            total += compute_score(row["data_source"], text, row["reward_model"]["ground_truth"], row["extra_info"])
+            total += score_reasoning_gym(text.rsplit("</think>", 1)[-1], row["extra_info"])
         out[name] = round(total / len(replies), 4)
     return out

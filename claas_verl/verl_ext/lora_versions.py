@@ -7,7 +7,7 @@ cache is reset while requests run (vLLM refuses such a reset, so blocks cached u
 valid for the new weights). :class:`VersionedLoRAEngine` wraps the engine client of a vLLM server so that:
 
 * a new adapter is added under a new id and name (the old one stays loaded);
-* requests lease the adapter served when they start (:class:`~claas_verl.service.lora_reload.AdapterSwitch`) and
+* requests lease the adapter served when they start (:class:`~claas_verl.service.adapter_switch.AdapterSwitch`) and
   keep it to their last token; the switch is one step, so a request gets either the old or the new adapter;
 * the old adapter is removed from the engine once its last request ended;
 * no prefix-cache reset is needed for a LoRA switch: vLLM keys cached KV blocks by the adapter's name, and every
@@ -23,7 +23,7 @@ import asyncio
 from collections import Counter
 from typing import Any
 
-from claas_verl.service.lora_reload import AdapterSwitch
+from claas_verl.service.adapter_switch import AdapterSwitch
 
 BASE = "<base>"  # the served "adapter" before the first one: the base model (never removed)
 LORA_ID_BASE = 1_000_000  # versioned adapter ids start here (far from verl's fixed id 123)

@@ -117,7 +117,7 @@ def test_tiny_reinforce_pp_stream_end_to_end(tiny_model_dir, tmp_path, tracking_
         claas_state = json.loads((Path(split["checkpoint"]) / "claas" / "state.json").read_text())  # resume state
         assert claas_state["global_steps"] == split["global_steps"] and claas_state["position"]["complete"]
         assert claas_state["position"]["split"] == j - 1
-        assert (run_dir / f"claas_split_{j}" / "replay_buffer.pkl").exists()
+        assert not (run_dir / f"claas_split_{j}" / "replay_buffer.pkl").exists()  # the buffer lives in the checkpoint
 
     # trainer.logger=[console,wandb,tensorboard]: the step metrics reach wandb (offline) and tensorboard
     logged = {"claas/split", "claas/wait_buffer_s", "claas/buffer_size"}

@@ -122,8 +122,7 @@ class SplitProtocol:
         if self.claas.trains:
             self._checkpoint()  # checkpoint j: verl's actor (+critic) and the CLaaS state at global_step_{k}
         split_dir = os.path.join(self.out_dir, f"claas_split_{j + 1}")
-        os.makedirs(split_dir, exist_ok=True)
-        ray.get(self.side.replay_actor.save.remote(os.path.join(split_dir, "replay_buffer.pkl")))
+        os.makedirs(split_dir, exist_ok=True)  # the split's record; the buffer itself is in the checkpoint (resume)
         state = {**self.split_records[-1], "producer": self.side.producer.stats.as_dict(),
                  "buffer": self.side.buffer_stats()}
         if self.side.ema is not None:

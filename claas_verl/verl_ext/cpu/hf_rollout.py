@@ -30,6 +30,7 @@ import ray
 import torch
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+from claas_verl.utils.generation import eos_token_ids
 from claas_verl.verl_ext.cpu.checks import check_model_path
 
 logger = logging.getLogger(__name__)
@@ -39,18 +40,6 @@ ROLLOUT_NAME = "hf"
 # Weight-sync bucket: tensors are shipped to the server through Ray's object store
 # in groups of about this many bytes, so a large model never needs two full copies in flight.
 _BUCKET_BYTES = 64 << 20
-
-
-def eos_token_ids(model, tokenizer=None) -> list[int]:
-    """Every id that ends a generation: the model's generation config and config, plus the tokenizer's EOS."""
-    ids: set[int] = set()
-    for src in (getattr(model, "generation_config", None), model.config):
-        eos = getattr(src, "eos_token_id", None)
-        if eos is not None:
-            ids.update([eos] if isinstance(eos, int) else list(eos))
-    if tokenizer is not None and tokenizer.eos_token_id is not None:
-        ids.add(int(tokenizer.eos_token_id))
-    return sorted(ids)
 
 
 def sample_next_token(
