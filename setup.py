@@ -52,7 +52,7 @@ setup(
         "matplotlib",
         # seccomp filter of the grader sandbox (ctypes bindings to the system's libseccomp.so.2)
         "pyseccomp>=0.1.2",
-        # /metrics of the chat service (claas_verl.service.metrics)
+        # /metrics of the chat service (claas_verl.claas.service.metrics)
         "prometheus-client>=0.17",
     ],
     extras_require={
@@ -60,7 +60,7 @@ setup(
         "wandb": ["wandb"],
         # the documentation site (`make docs`: mkdocs.yml, docs/), built strict by `make test`
         "docs": ["mkdocs==1.6.1"],
-        # Benchmark evaluation (claas_verl.eval) and the MOPD data builder (claas_verl.data). lm-eval carries
+        # Benchmark evaluation (claas_verl.mopd.eval) and the MOPD data builder (claas_verl.mopd.data). lm-eval carries
         # the BBH/MuSR/IFEval/MBPP+ prompts and metrics (langdetect, immutabledict: its IFEval verifiers);
         # math-verify pinned to the antlr4 4.9.3 runtime that hydra needs. evalplus itself is installed with
         # --no-deps by `make install-eval` (its hard requirements anthropic and google-generativeai would

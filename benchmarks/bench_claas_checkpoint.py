@@ -21,8 +21,8 @@ import numpy as np
 
 
 def main() -> None:
-    from claas_verl.replay import AsyncReplayBuffer, ReplayEntry
-    from claas_verl.trainer.claas import resume as rs
+    from claas_verl.claas.replay import AsyncReplayBuffer, ReplayEntry
+    from claas_verl.claas.trainer import resume as rs
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="200 entries instead of 1000")

@@ -1,4 +1,4 @@
-"""How much training slows rollouts down in the CLaaS trainer (001 Fig. 7: training hidden behind inference).
+"""How much training slows rollouts down in the CLaaS trainer (CLaaS paper Fig. 7: training hidden behind inference).
 
 Runs the tiny CLaaS stream twice through ``python -m claas_verl.main_claas`` (as a user would):
 

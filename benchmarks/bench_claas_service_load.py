@@ -3,7 +3,7 @@
 Starts ``python -m claas_verl.main_claas --config-name claas/tiny_service`` (the rollout server, the chat API and
 the trainer in one Ray job, CPU), then runs ``--clients`` concurrent ``openai.AsyncOpenAI`` clients for
 ``--duration-s`` seconds. Each client loops: chat (every 4th one streamed) -> ``POST /v1/feedback`` with a 0/1
-reward (every 5th feedback is ``null``: a grader error, dropped by SPEC A.1.4). It prints
+reward (every 5th feedback is ``null``: a grader error, dropped by docs/math.md §A.1.4). It prints
 
 - throughput (completed chat+feedback turns per second) and chat / feedback latency p50 / p99;
 - the updates done and the policy versions that served the turns;

@@ -50,7 +50,8 @@ def recipe_sizes(steps: int) -> dict:
     ``RECIPE``, composed as its trainer job composes it."""
     from hydra import compose, initialize_config_dir
 
-    from claas_verl.schedule import plan_from_config, recipes_dir
+    from claas_verl.paths import recipes_dir
+    from claas_verl.schedule import plan_from_config
 
     with initialize_config_dir(config_dir=str(recipes_dir()), version_base=None):
         cfg = compose(config_name=RECIPE)
@@ -100,7 +101,7 @@ def proxy_run(steps: int, seed: int, sizes: dict) -> dict:
     import torch
 
     from benchmarks.mopd_stage_proxy import read_rows, stage
-    from claas_verl.eval.gym_snapshots import load_model
+    from claas_verl.mopd.eval.gym_snapshots import load_model
     from claas_verl.tiny import gym
 
     paths = gym.GymPaths(Path(os.environ["CLAAS_GYM_DIR"]))

@@ -1,4 +1,4 @@
-"""Peak memory and time of chunked (recomputed) vs naive pooled attention rows, forward + backward (SPEC B.4).
+"""Peak memory and time of chunked (recomputed) vs naive pooled attention rows, forward + backward (docs/math.md §B.4).
 
     python benchmarks/bench_pooled_attention.py --quick        # ~1 min on 2 CPU cores
     python benchmarks/bench_pooled_attention.py --device cuda  # GPU peak from torch.cuda memory stats
@@ -11,7 +11,7 @@ backward (distinct storages, via saved_tensors_hooks). Time: best of the repetit
 measured after the memory pass with heap reuse restored.
 Setup: one response of W window tokens after a 256-token prompt, H=4 query heads, G=2 KV heads,
 d=64, and a fixed 16 regions per response, so the pooled output itself is linear in the key count.
-Target (issue 5): chunked memory grows linearly in W, naive quadratically.
+Target: chunked memory grows linearly in W, naive quadratically.
 """
 
 from __future__ import annotations

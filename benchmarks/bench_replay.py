@@ -1,4 +1,4 @@
-"""Replay-buffer actor: entries by reference vs by copy vs the no-op Ray floor (issue #16). Prints figures; not a test.
+"""Replay-buffer actor: entries by reference vs by copy vs the no-op Ray floor. Prints figures; not a test.
 
     python benchmarks/bench_replay.py                       # full run
     python benchmarks/bench_replay.py --quick --json PATH   # ~4x fewer batches; rows also written as JSON
@@ -13,7 +13,7 @@ in a loop. Three designs, same traffic, one run:
   EntryRefs and takes ownership of the buffers (batched adopt tasks); samples are served by the actor's consumer
   concurrency group and the rows fetched by the driver. The default of the CLaaS producer and the chat sink.
 * ``copy``: the same actor, producers send the tokens inside a ``PackedEntries`` (every token crosses the actor's
-  process twice); the path before issue #16.
+  process twice); the path before entries went by reference.
 * ``noop``: an actor that does no work, fed like ``copy`` (the copy path's Ray floor; sample returns M prebuilt
   entries).
 
@@ -45,7 +45,7 @@ import time
 import numpy as np
 import ray
 
-from claas_verl.replay import (
+from claas_verl.claas.replay import (
     BatchHandle,
     PackedEntries,
     RefBatch,

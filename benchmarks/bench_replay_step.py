@@ -1,4 +1,4 @@
-"""Time of one continual-MOPD replay step on the tiny model, token loss only vs FSAR (issue 5). Prints figures.
+"""Time of one continual-MOPD replay step on the tiny model, token loss only vs FSAR. Prints figures.
 
     python benchmarks/bench_replay_step.py --quick          # < 60 s on a shared 2-core machine
     python benchmarks/bench_replay_step.py                  # 8 x (64 prompt + 256 response), W in {128, 256}
@@ -6,7 +6,7 @@
     python benchmarks/bench_replay_step.py --profile        # + torch.profiler tables of one update per variant
     python benchmarks/bench_replay_step.py --realistic      # Qwen3-1.7B layer shape, V = 151,936 (see below)
 
-One replay step (SPEC B.1-B.7) on a block of ``--batch`` sequences (prompts x n responses), split into
+One replay step (docs/math.md §B.1-B.7) on a block of ``--batch`` sequences (prompts x n responses), split into
 ``--micro-batches`` micro-batches weighted n_resp(mb)/n_resp_total (B.7):
 
 1. student top-k: pre-update student forward (no_grad) -> ``student_topk`` (κ = 16), S;
@@ -17,12 +17,13 @@ One replay step (SPEC B.1-B.7) on a block of ``--batch`` sequences (prompts x n 
 4. update, then ``clip_grad_norm_(1000)`` and one AdamW step (β = (0.9, 0.999), wd 0.01, lr 1e-5):
    (a) token only: per micro-batch one forward + backward of ℓ_tok (a new-domain step, no balancing);
    (b) FSAR, one shared forward: ``balanced_backward(..., single_forward=True)`` with tok/sats/vr/hid closures;
-   (c) FSAR, separate passes (003's schedule): the same with ``single_forward=False``.
+   (c) FSAR, separate passes (the MOPD paper's schedule): the same with ``single_forward=False``.
 
 Figures: the median of ``--reps`` repetitions after ``--warmup`` warm-up repetitions, the variants interleaved
 within each repetition so machine noise hits them alike; phase split (student top-k, teacher, advantages,
-update); ratios b/a and c/a for the whole step and for the update alone. Target (issue 5): FSAR replay step
-<= 2.0x the token-only step (003 measured ~2.4x per replay step, 7.5x for the student update with separate passes).
+update); ratios b/a and c/a for the whole step and for the update alone. Target: FSAR replay step
+<= 2.0x the token-only step (MOPD paper measured ~2.4x per replay step, 7.5x for the student update with separate
+passes).
 
 Departures from the paper's setting (CPU stand-in): everything is fp32 (no bf16 autocast on the teacher, no FSDP
 bf16 mixed precision on the student); the responses are random token ids with a step separator about every
@@ -30,9 +31,10 @@ bf16 mixed precision on the student); the responses are random token ids with a 
 SATS/VR/hidden (FSAR) means 4 layers. Threads: ``torch.set_num_threads(--threads)``, default 1. Clock: process
 CPU time by default (``--clock wall`` for elapsed time), because on a shared machine wall time mostly measures the
 other jobs. In (c) every pass runs the same forward closure, so each term's pass also computes the signals it does
-not need (``balanced_backward`` gives the forward no term hint); (c) is thus an upper bound of 003's schedule.
+not need (``balanced_backward`` gives the forward no term hint); (c) is thus an upper bound of the MOPD paper's
+schedule.
 
-Realistic shape (``--realistic``, issue 12): a random-init Qwen3 with 003's student layer shape (hidden 2048,
+Realistic shape (``--realistic``): a random-init Qwen3 with the MOPD paper's student layer shape (hidden 2048,
 16 heads, 8 KV heads, head size 128, MLP 6144, vocabulary 151,936, tied embeddings) but ``--layers`` layers
 (default 2 and 4), one response per block of ``--prompt`` + W tokens, W in ``--windows`` (default 512 1024).
 It runs what the MOPD worker runs (not ``balanced_backward``): token only = student top-k forward, teacher
@@ -388,7 +390,7 @@ def profile_update(student, teacher, block, args, sep_ids, window: int, variant:
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# realistic layer shape (issue 12)
+# realistic layer shape
 
 REAL_PHASES = ("student_topk", "teacher_logp", "teacher_targets", "advantages", "tok_pass", "align_passes",
                "balance", "clip+adamw")
@@ -525,7 +527,7 @@ def main(argv=None) -> None:
     ap.add_argument("--prompt", type=int, help="prompt length, left-padded; 64 (quick 32)")
     ap.add_argument("--response", type=int, help="max response length, right-padded; 256 (quick 128)")
     ap.add_argument("--micro-batches", type=int, help="micro-batches per block; 2")
-    ap.add_argument("--windows", type=int, nargs="+", help="window sizes W (SPEC B.3); 128 256 (quick 32 128)")
+    ap.add_argument("--windows", type=int, nargs="+", help="window sizes W (docs/math.md §B.3); 128 256 (quick 32 128)")
     ap.add_argument("--reps", type=int, help="timed repetitions; 5 (quick 3)")
     ap.add_argument("--warmup", type=int, help="untimed repetitions first; 1")
     ap.add_argument("--step-len", type=int, default=32, help="mean tokens per reasoning step")

@@ -1,4 +1,4 @@
-"""Grader sandbox throughput (issue 13): graders/s per pool size, per-call overhead, program runs/s.
+"""Grader sandbox throughput: graders/s per pool size, per-call overhead, program runs/s.
 
     PYTHONPATH=. python benchmarks/bench_sandbox.py [--n 300] [--pools 1,2,4]
 
@@ -18,7 +18,7 @@ import subprocess
 import sys
 import time
 
-from claas_verl.envs.sandbox import (
+from claas_verl.sandbox import (
     CallTest,
     GraderPool,
     GraderSandbox,
@@ -26,7 +26,7 @@ from claas_verl.envs.sandbox import (
     SandboxLimits,
     probe_isolation,
 )
-from claas_verl.envs.sandbox.isolation import _clean_env
+from claas_verl.sandbox.isolation import _clean_env
 
 TRIVIAL = "def grade_output_correct(output):\n    return 'secret' not in output.lower()\n"
 LIMITS = SandboxLimits(timeout_s=10.0, cpu_s=5, memory_mb=512)

@@ -61,7 +61,7 @@ def main() -> None:
     import torch
     from service_helpers import big_buffer, running_service
 
-    from claas_verl.service import HFBackend
+    from claas_verl.claas.service import HFBackend
     from claas_verl.tiny import ensure_tiny
 
     torch.set_num_threads(1)
@@ -71,8 +71,8 @@ def main() -> None:
     with running_service(hf, big_buffer()) as (_, url):
         report("HF backend (tiny, CPU)", args.tokens, measure(url, args.tokens, args.runs, {}))
     if args.vllm:
-        from claas_verl.service import OpenAIBackend
-        from claas_verl.service.vllm_launcher import VLLMServer
+        from claas_verl.claas.service import OpenAIBackend
+        from claas_verl.claas.service.vllm_launcher import VLLMServer
 
         with VLLMServer(tiny.student, served_model_name="tiny", max_model_len=2048) as server:
             backend = OpenAIBackend(server.url, "tiny", api_key=server.api_key)

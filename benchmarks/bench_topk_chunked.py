@@ -1,4 +1,4 @@
-"""Time and peak memory of the chunked top-k log-prob forward + backward vs the number of tokens (issue 12).
+"""Time and peak memory of the chunked top-k log-prob forward + backward vs the number of tokens.
 
     python benchmarks/bench_topk_chunked.py            # V = 151,936, N = 1k, 2k, 4k, 8k tokens, bf16 logits
     python benchmarks/bench_topk_chunked.py --quick    # N = 512 .. 4k

@@ -24,7 +24,7 @@ CLaaS methods use the tiny bundle (``claas_verl/tiny/build.py``, built on first 
 use the reasoning-gym bundle (``claas_verl/tiny/gym.py``, built on first use, about 8 CPU-minutes):
 the domains ``spell``, ``reverse`` and ``arith`` in that stage order. Every stage-final snapshot the trainer saves
 (``snapshots/student_<stage>``), π0 and the experts are scored by one evaluator
-(``claas_verl/eval/gym_snapshots.py``): reasoning-gym's own scorers on the recipe's 48 held-out prompts × 4 samples
+(``claas_verl/mopd/eval/gym_snapshots.py``): reasoning-gym's own scorers on the recipe's 48 held-out prompts × 4 samples
 at τ = 1, and the exact full-vocabulary KL to each domain's expert on those samples. The seed sets the rollout
 sampling and the evaluation samples; the bundle (π0, experts, data) is the same for every seed. Each method is
 also compared with Seq seed by seed (``results.json`` ``paired``).
@@ -59,7 +59,7 @@ CLAAS_FULL = ("claas/tiny_reinforce_pp", "claas/tiny_ppo", "claas/tiny_sdpo", "c
 # arith stage is left out: with 2 blocks (all the time allows) it moved Seq's spell back up by sampling noise and
 # hid at the end the forgetting that stage 2 had shown (final 0.121 vs 0.109, forgetting 0.022 vs 0.021).
 QUICK_MOPD_OVERRIDES = ["mopd.order=[spell,reverse]", "mopd.domains.reverse.num_blocks=8"]
-# 2: every stage-final snapshot scored by claas_verl.eval.gym_snapshots (48 prompts x 4 samples, exact
+# 2: every stage-final snapshot scored by claas_verl.mopd.eval.gym_snapshots (48 prompts x 4 samples, exact
 # full-vocabulary KL). Records without it came from the trainer's in-run table, which the CPU runtime group cut to
 # 4 prompts (recipes/mopd/common/base.yaml): they are scored again, not rerun.
 EVAL_VERSION = 2
@@ -78,7 +78,7 @@ LABELS = {"mopd/gym_seq": "Seq", "mopd/gym_replay_kl": "Replay-KL (shared)",
           "mopd/gym_fsar_shared": "FSAR (shared)", "mopd/gym_joint": "Joint MOPD"}
 
 
-# The snapshot scorer seeds torch's global generator (claas_verl.eval.gym_snapshots): with --jobs > 1, two runs
+# The snapshot scorer seeds torch's global generator (claas_verl.mopd.eval.gym_snapshots): with --jobs > 1, two runs
 # scoring at once would draw from one generator and neither score would be reproducible. Jobs run in parallel;
 # scoring, a small part of each run's time, takes this lock.
 _SCORING = threading.Lock()
@@ -188,7 +188,7 @@ def mopd_run(recipe: str, seed: int, out: Path, quick: bool, extra: list[str], b
 
 def _score_run(recipe: str, seed: int, out: Path, quick: bool, extra: list[str], seconds: float,
                bundle: str) -> dict:
-    from claas_verl.trainer.mopd import stages as S
+    from claas_verl.mopd.trainer import stages as S
 
     name = run_name(recipe, seed)
     runs = out / "runs"
@@ -217,8 +217,9 @@ def recipe_stages(recipe: str, overrides: list[str]) -> dict:
     sampling of the training rollouts (reply length, temperature)."""
     from hydra import compose, initialize_config_dir
 
-    from claas_verl.schedule import plan_from_config, recipes_dir
-    from claas_verl.trainer.mopd import stages as S
+    from claas_verl.mopd.trainer import stages as S
+    from claas_verl.paths import recipes_dir
+    from claas_verl.schedule import plan_from_config
 
     with initialize_config_dir(config_dir=str(recipes_dir()), version_base=None):
         cfg = compose(config_name=recipe, overrides=[o for o in overrides if o.lstrip("+").startswith("mopd.")])
@@ -235,10 +236,10 @@ def recipe_stages(recipe: str, overrides: list[str]) -> dict:
 
 
 def _score(model_dir: str, domain: str, expert: str | None, seed: int, protocol: dict, tag: str, models: dict):
-    """One model on one domain's held-out prompts (``claas_verl.eval.gym_snapshots``); ``models`` caches loads."""
+    """One model on one domain's held-out prompts (``claas_verl.mopd.eval.gym_snapshots``); ``models`` caches loads."""
     import pandas as pd
 
-    from claas_verl.eval.gym_snapshots import load_model, score_snapshot
+    from claas_verl.mopd.eval.gym_snapshots import load_model, score_snapshot
     from claas_verl.tiny.gym import default_gym_dir
 
     test = default_gym_dir() / "data" / domain / "test.parquet"
@@ -352,7 +353,7 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [r for r in recipes if not r.startswith(("mopd/", "claas/"))]
     if unknown:
         ap.error(f"--recipes {unknown}: every recipe is mopd/<name> or claas/<name> (recipes/ holds them)")
-    from claas_verl.schedule import recipes_dir
+    from claas_verl.paths import recipes_dir
 
     missing = [r for r in recipes if not (recipes_dir() / f"{r}.yaml").is_file()]
     if missing:  # refused before a bundle is built or a job started, not minutes later inside a job
@@ -540,7 +541,7 @@ def mopd_report(runs: list[dict], results: dict) -> list[str]:
     lines = [f"## MOPD: {words.get(len(order), len(order))} reasoning-gym domains, {' → '.join(order)}", ""]
     proto = runs[0].get("eval", {})
     lines += [f"Every stage-final snapshot, π0 and the experts are scored by one evaluator "
-              f"(`claas_verl/eval/gym_snapshots.py`): {proto.get('prompts', '?')} held-out prompts × "
+              f"(`claas_verl/mopd/eval/gym_snapshots.py`): {proto.get('prompts', '?')} held-out prompts × "
               f"{proto.get('samples', '?')} samples at τ = {proto.get('temperature', '?')}, replies ≤ "
               f"{proto.get('max_new_tokens', '?')} tokens, reasoning-gym's scorers; the KL is the exact "
               "full-vocabulary KL(student || expert), token-mean over the student's own replies.", ""]

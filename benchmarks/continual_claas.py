@@ -1,8 +1,10 @@
 """The CLaaS half of the continual benchmark (``benchmarks/continual.py --recipes claas/<a>,...``).
 
 Every method is a CLaaS recipe run through its real trainer, ``python -m claas_verl.main_claas``, over one stream
-of K = 5 splits of the rule-following environment (001 §4: the split protocol of SPEC A.1.6; every checkpoint j is
-evaluated on every split k, giving M[j, k]). The methods of 001: ``claas/tiny_reinforce_pp``, ``claas/tiny_ppo``,
+of K = 5 splits of the rule-following environment (CLaaS paper §4: the split protocol of docs/math.md §A.1.6; every
+checkpoint j is
+evaluated on every split k, giving M[j, k]). The methods of the CLaaS paper: ``claas/tiny_reinforce_pp``,
+``claas/tiny_ppo``,
 ``claas/tiny_sdpo``, ``claas/tiny_icl`` and the no-update baseline ``claas/tiny_no_update`` (same producers and
 evaluation, the policy never changes).
 
@@ -13,7 +15,8 @@ chance, so a reward signal exists from the first update, and a REINFORCE++ LoRA 
 within about a dozen updates (a stream of one rule only, one seed each: 0.92 and 0.93 after 15 updates). Splits 1-2 are
 ``capital_start``, splits 3-5 ``lowercase`` (``claas.stream.split_groups``): a policy that learns the first rule
 as a habit instead of reading the system prompt loses it while it learns the second, the forgetting that M's
-columns 1-2 show. Designed on seeds 1-2 (the reported run uses seeds 3-5). Rejected designs, measured: 001's mixed
+columns 1-2 show. Designed on seeds 1-2 (the reported run uses seeds 3-5). Rejected designs, measured: the CLaaS paper's
+mixed
 stream of six rule families (the tiny model's pass or fail was fixed by the rule family, and no method moved M
 beyond the no-update baseline's noise); both rules mixed in every split (no learning: a 15-update LoRA does not
 learn to read the system prompt; final 0.38 vs 0.36 without updates); ``lowercase`` first (it is learned so
@@ -21,16 +24,16 @@ thoroughly that ``capital_start`` is never sampled again, so the later splits gi
 only a collapse of the later rule).
 
 What the seed changes (each a key of the run): the stream shuffle (``claas.stream.seed``: which scenarios form
-which split, 001's "data shuffles"), the replay sampling (``claas.seed``) and the rollout sampling
+which split, the CLaaS paper's "data shuffles"), the replay sampling (``claas.seed``) and the rollout sampling
 (``actor_rollout_ref.rollout.seed``: training rollouts and the τ = 1 evaluation samples). The scenario pool
-(``claas.env.kwargs.seed``) stays fixed, as in 001: the same 5·S scenarios, split differently per seed.
+(``claas.env.kwargs.seed``) stays fixed, as in the CLaaS paper: the same 5·S scenarios, split differently per seed.
 
 Sizes (:data:`QUICK` / :data:`FULL`): split size S, turns per scenario and tokens per reply; the rest is the tiny
 recipes' (M = 4, B_min = 4, A_max per recipe). Each cell of M grades S scenarios × turns × :data:`EVAL_SAMPLES`
 replies (full mode: 4 × 2 × 4 = 32). Per run this module reads the trainer's own records:
 ``continual_metrics.json`` (M, forward transfer, forgetting, final: :mod:`claas_verl.metrics.continual`) and
 ``claas_trace.jsonl`` (one line per update, with the rewards of the M entries it drew: the reward curve of
-001 Fig. 6). Over seeds, :func:`claas_summary` reports ``[mean, half_width]`` (95% t-interval of the mean,
+CLaaS paper Fig. 6). Over seeds, :func:`claas_summary` reports ``[mean, half_width]`` (95% t-interval of the mean,
 :func:`claas_verl.metrics.benchmark.mean_half_width`; ``None`` with one seed).
 
 Reading the numbers: M's cells are pass rates over a few graded steps each, sampled at τ = 1, so a cell moves by
@@ -275,7 +278,7 @@ def claas_report(runs: Sequence[Mapping], summary: Mapping) -> str:
         "Mean over seeds ± half-width of the 95% t-interval of the mean (no interval with one seed). "
         "M[j, k] = defender pass rate of the checkpoint after split j on split k; FWT = mean of the cells above "
         "the diagonal, forgetting = mean over k < K of (best M[j, k] for j ≥ k) − M[K, k], final = mean of the "
-        "last row (SPEC A.4).",
+        "last row (docs/math.md §A.4).",
         "",
         "| method | recipe | seeds | final | forgetting | forward transfer | updates |",
         "|---|---|---|---|---|---|---|",
@@ -361,7 +364,7 @@ def claas_plots(runs: Sequence[Mapping], out_dir: Path) -> list[Path]:
             M, out_dir / f"claas_M_{recipe.replace('/', '_')}.png",
             title=f"{label(recipe)}: mean M[j, k] ({len(rs)} seed{'s' if len(rs) > 1 else ''})"))
 
-    # reward over updates (001 Fig. 6): mean reward of the entries each update drew, mean over seeds
+    # reward over updates (CLaaS paper Fig. 6): mean reward of the entries each update drew, mean over seeds
     fig = _figure(7.0, 4.2)
     ax = fig.add_subplot(1, 1, 1)
     colors = {}

@@ -177,7 +177,7 @@ def replay_batch(sizes: Sizes, cfg, rows: int = 1, seed: int = 0):
     import torch
     from verl.utils import tensordict_utils as tu
 
-    from claas_verl.trainer.mopd import alignment as A
+    from claas_verl.mopd.trainer import alignment as A
 
     g = torch.Generator().manual_seed(seed)
     step = sizes.window // sizes.regions
@@ -233,7 +233,7 @@ class Engine:
         import torch
 
         from claas_verl.distill import topk_distill_loss
-        from claas_verl.trainer.mopd.workers import _micro_batches, engine_autocast, update_row_groups
+        from claas_verl.mopd.trainer.workers import _micro_batches, engine_autocast, update_row_groups
 
         device = _device()
         micro = _micro_batches(data, update_row_groups(data))
@@ -275,8 +275,8 @@ def check_teacher_targets(sizes: Sizes, family: str) -> dict:
 
     from claas_verl.align import target_bytes
     from claas_verl.align.target_store import signals_bytes
-    from claas_verl.trainer.mopd import alignment as A
-    from claas_verl.trainer.mopd.workers import MOPDWorker, _micro_batches, update_row_groups
+    from claas_verl.mopd.trainer import alignment as A
+    from claas_verl.mopd.trainer.workers import MOPDWorker, _micro_batches, update_row_groups
 
     shape = sizes.qwen3 if family == "qwen3" else sizes.r1
     cfg = A.aux_config({"sats": True, "vr": True, "hidden": True, "window": sizes.window})
@@ -313,8 +313,8 @@ def check_teacher_targets(sizes: Sizes, family: str) -> dict:
 def check_balanced_step(sizes: Sizes) -> dict:
     import torch
 
-    from claas_verl.trainer.mopd import alignment as A
-    from claas_verl.trainer.mopd.workers import MOPDTrainingWorker, MOPDWorker, update_row_groups
+    from claas_verl.mopd.trainer import alignment as A
+    from claas_verl.mopd.trainer.workers import MOPDTrainingWorker, MOPDWorker, update_row_groups
 
     shape = sizes.qwen3
     cfg = A.aux_config({"sats": True, "vr": True, "hidden": True, "ratio": 1.0, "window": sizes.window})

@@ -1,16 +1,18 @@
-"""Peak memory per rank of continual MOPD at 003's recipe sizes, from the code's allocation pattern.
+"""Peak memory per rank of continual MOPD at the MOPD paper's recipe sizes, from the code's allocation pattern.
 
     python benchmarks/mopd_memory_table.py            # the table of docs/performance.md (1.7B and 8B students)
     python benchmarks/mopd_memory_table.py --check    # + every row measured on CPU at a reduced size
     python benchmarks/mopd_memory_table.py --check --tiny   # the same check at test size (seconds)
 
-Setting (SPEC B.1, B.7, ``recipes/mopd/verl/gpu.yaml``): 4 ranks, FSDP2 full sharding, fp32 master weights with bf16
+Setting (docs/math.md §B.1, B.7, ``recipes/mopd/verl/gpu.yaml``): 4 ranks, FSDP2 full sharding, fp32 master weights with
+bf16
 compute, fp32 gradients, AdamW; 128 responses per step = 32 per rank; prompt <= 2,048 and response <= 16,384
 tokens, so a full-length sequence has 18,432 tokens (the key axis of the pooled rows); dynamic micro-batches of
 <= 24,576 tokens (``ppo_max_token_len_per_gpu``): the token pass holds up to 24,576 packed tokens, and the
 alignment passes hold their micro-batch's rows padded to the longest one (``--align-rows``: 1 = a full-length
 response alone; 2 = one with a shorter companion, padded to 2 x 18,432 positions); gradient checkpointing on; FSAR
-aligns all layers with W = 2,000 and ``--regions`` reasoning steps in the window (default 21, which gives 003's
+aligns all layers with W = 2,000 and ``--regions`` reasoning steps in the window (default 21, which gives the MOPD
+paper's
 ~0.75 GB of targets per response at 18.4k keys for the 1.7B shape). Teachers: same shape as the student, fp32
 weights offloaded to the host (``param_offload``), gathered per layer, bf16 compute.
 

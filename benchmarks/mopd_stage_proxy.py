@@ -6,12 +6,13 @@
     python benchmarks/mopd_stage_proxy.py --build-generalist 1200 --variant-dir DIR   # the rejected design below
 
 A whole benchmark run is an hour; choosing a bundle design needs an answer in minutes (the bundle's three stages
-here: about 2 CPU-minutes). Each stage step is the trainer's per-step math (``claas_verl.distill.topk``, SPEC B.2):
+here: about 2 CPU-minutes). Each stage step is the trainer's per-step math (``claas_verl.distill.topk``, docs/math.md
+§B.2):
 ``prompts`` train prompts of the domain × ``replies`` replies sampled from the student at τ = 1 (at most 40 tokens,
 like ``recipes/mopd/train/gym.yaml``), the student's top-κ candidates and log-probs at θ_old, the expert's log-probs
 at them, eq. (4) rewards, per-domain σ normalisation, the eq. (5) loss and one AdamW update (no warm-up, weight
 decay 0.01, gradient clip 1000: the recipe's optimiser, fresh every stage). Before and after every stage the student
-is scored on every domain with the benchmark's own evaluator (``claas_verl/eval/gym_snapshots.py``:
+is scored on every domain with the benchmark's own evaluator (``claas_verl/mopd/eval/gym_snapshots.py``:
 ``--eval-replies`` replies per held-out prompt, τ = 1, reasoning-gym's scorer, and the exact KL to each domain's
 expert).
 
@@ -43,7 +44,7 @@ from claas_verl.distill.topk import (
     topk_distill_loss,
     topk_rewards,
 )
-from claas_verl.eval.gym_snapshots import load_model, response_logits, right_padded, sample_replies, score_snapshot
+from claas_verl.mopd.eval.gym_snapshots import load_model, response_logits, right_padded, sample_replies, score_snapshot
 from claas_verl.tiny import gym
 
 VARIANT_DONE = "variant.json"  # the finished variant's marker: {"base_steps", "seed"}

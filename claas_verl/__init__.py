@@ -3,7 +3,7 @@
 Two systems share this package:
 
 * CLaaS — an asynchronous replay-buffer actor feeding a LoRA trainer with
-  sequence-level importance-sampling-corrected losses (``claas_verl.replay``,
+  sequence-level importance-sampling-corrected losses (``claas_verl.claas.replay``,
   ``claas_verl.losses``);
 * continual multi-teacher on-policy distillation (MOPD) — top-k per-domain
   normalised distillation, alignment terms with gradient-norm balancing and
@@ -18,6 +18,7 @@ is imported, so ``get_policy_loss_fn("claas_seq_is")`` works after
 
 from __future__ import annotations
 
+from claas_verl import _moved
 from claas_verl.config_resolvers import register_resolvers
 from claas_verl.verl_ext import register_when_verl_loads
 
@@ -27,4 +28,6 @@ __version__ = "0.1.0"
 # imported (at once if it already is), in this process and, through the verl.plugins
 # entry point, in every Ray worker.
 register_when_verl_loads()
+# the module paths of the previous layout keep importing for one release (claas_verl/_moved.py)
+_moved.install()
 register_resolvers()

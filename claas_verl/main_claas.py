@@ -27,12 +27,12 @@ RECIPES_DIR = str(recipes_dir())
 @functools.cache
 def claas_task_runner_class():
     """verl's v1 task runner, plus the ``claas`` trainer registration, minus the agent loop: rollouts come from
-    claas_verl.trainer.claas.producer, not from verl's dataset-driven agent loop (skipping it saves its worker actors).
+    claas_verl.claas.trainer.producer, not from verl's dataset-driven agent loop (skipping it saves its worker actors).
 
     Built on first use, so that ``--help`` (Hydra lists the recipes) does not import verl and Ray."""
-    from claas_verl.trainer.base import task_runner_class
+    from claas_verl.verl_ext.trainer_base import task_runner_class
 
-    return task_runner_class("claas_verl.trainer.claas.trainer", agent_loop=False)
+    return task_runner_class("claas_verl.claas.trainer.trainer", agent_loop=False)
 
 
 @hydra.main(config_path=RECIPES_DIR, config_name=None, version_base=None)
@@ -84,7 +84,7 @@ def _drain_service_on_sigterm(run_dir: str) -> None:
 
         import httpx
 
-        from claas_verl.trainer.claas.chat_api import SERVICE_ADMIN_FILE
+        from claas_verl.claas.trainer.chat_api import SERVICE_ADMIN_FILE
 
         try:
             with open(os.path.join(run_dir, "service.json")) as f:

@@ -10,7 +10,7 @@ for the prompt files' data sources (:mod:`claas_verl.preflight.extras`) and ever
 cluster if one is there (``RAY_ADDRESS``, as inside ``ray job submit``, or an earlier ``ray start`` on this node;
 see :mod:`claas_verl.verl_ext.ray_connect`), and verl's own ``run_ppo`` starts a local one otherwise and its v1
 ``TaskRunner``, which builds the trainer registered as ``trainer.v1.trainer_mode=mopd``
-(:class:`claas_verl.trainer.mopd.MOPDTrainer`; it checks verl's worker placement against the cluster first).
+(:class:`claas_verl.mopd.trainer.MOPDTrainer`; it checks verl's worker placement against the cluster first).
 
 Examples::
 
@@ -33,11 +33,12 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig, open_dict
 
+from claas_verl.paths import recipes_dir
 from claas_verl.preflight.disk import checkpoint_disk, human, parameter_count
 from claas_verl.preflight.extras import check_reward_extras
 from claas_verl.preflight.models import check_plan_models
 from claas_verl.preflight.runtime import choose_runtime
-from claas_verl.schedule import plan_from_config, recipes_dir
+from claas_verl.schedule import plan_from_config
 
 RUNTIME_GROUP = "verl@_global_"  # relative to the recipe folder: recipes/mopd/verl/
 REPO = Path(__file__).resolve().parents[1]
@@ -132,7 +133,7 @@ def _run(cfg: DictConfig) -> None:
     from verl.trainer.main_ppo import run_ppo
     from verl.utils.config import validate_config
 
-    from claas_verl.trainer.mopd.verl_couplings import mopd_task_runner_class
+    from claas_verl.mopd.trainer.verl_couplings import mopd_task_runner_class
     from claas_verl.verl_ext.ray_connect import connect_if_cluster_running
 
     try:

@@ -3,7 +3,7 @@
     python -m claas_verl.plan --config-name mopd/replay_kl [key=value ...]
     python -m claas_verl.plan --config-name mopd/tiny_seq plan.format=json
 
-Composes the same Hydra config the trainer uses (recipes under ``claas_verl.schedule.recipes_dir()``,
+Composes the same Hydra config the trainer uses (recipes under ``claas_verl.paths.recipes_dir()``,
 overridable with ``$CLAAS_VERL_RECIPES``, with the verl runtime group ``gpu`` unless the command line names one:
 ``+verl@_global_=cpu``) and prints a per-stage summary and the checkpoint disk the run needs
 (``plan.format=text``, the default; :mod:`claas_verl.preflight.disk`, from the student's size and the
@@ -20,7 +20,8 @@ import sys
 import hydra
 from omegaconf import DictConfig
 
-from claas_verl.schedule import plan_from_config, recipes_dir
+from claas_verl.paths import recipes_dir
+from claas_verl.schedule import plan_from_config
 
 FORMATS = ("text", "json")
 # Planning writes nothing: no Hydra output folder, no log files, nothing but the plan on stdout.

@@ -2,12 +2,13 @@
 
     python examples/chat_service_cpu.py [--scenarios 3] [--max-tokens 24]
 
-What it shows (001 §3: agents talk to the inference server, every turn feeds the replay buffer):
+What it shows (CLaaS paper §3: agents talk to the inference server, every turn feeds the replay buffer):
 1. A ChatService (OpenAI-compatible HTTP API on 127.0.0.1) over the in-process HFBackend, writing to a Ray
    ReplayBufferActor; rewards come from the rule-following environment's verifiers (a grader callback).
 2. Multi-turn scenarios played over HTTP like any OpenAI client would (scenario/step ids in the request metadata);
    each assistant turn becomes one replay entry with ℓ^b = Σ sampled-token log-probs and P = policy version.
-3. A request at temperature 0.7: served, but its entry is rejected (SPEC §0) with the reason in ``claas.reason``.
+3. A request at temperature 0.7: served, but its entry is rejected (docs/math.md §0) with the reason in
+``claas.reason``.
 4. A hot-reload of a (random) LoRA adapter as policy version 1; later turns are recorded with P = 1.
 On the GPU, swap HFBackend for ``OpenAIBackend("http://vllm:8000", "<served-model-name>")``.
 """
@@ -21,11 +22,11 @@ import tempfile
 import ray
 import torch
 
-from claas_verl.envs import grade_response, make_environment
-from claas_verl.replay import make_replay_actor
-from claas_verl.service import ChatService, ClaasServiceClient, HFBackend, ServiceConfig, build_app
-from claas_verl.service.server import ServiceThread
-from claas_verl.service.templating import user_context
+from claas_verl.claas.envs import grade_response, make_environment
+from claas_verl.claas.replay import make_replay_actor
+from claas_verl.claas.service import ChatService, ClaasServiceClient, HFBackend, ServiceConfig, build_app
+from claas_verl.claas.service.server import ServiceThread
+from claas_verl.claas.service.templating import user_context
 from claas_verl.tiny import ensure_tiny
 
 

@@ -8,7 +8,7 @@
 # E_logic), step 2 is stage 2 (teacher E_math, fresh AdamW state, snapshot M_1 written in between).
 # Passes when the run exits 0 and steps.jsonl holds the two planned steps.
 # Then (unless SMOKE_FSAR=0) 5 steps of tiny FSAR on two domains: the 5th is a logic replay step taught by M_1
-# with the balanced multi-pass update (SATS + VR + hidden, SPEC B.6/B.7) inside the FSDP2 actor; it must log
+# with the balanced multi-pass update (SATS + VR + hidden, docs/math.md §B.6/B.7) inside the FSDP2 actor; it must log
 # balancing parts in the ratio r = mopd.signal.ratio (2 here).
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -1,4 +1,5 @@
-"""Merge the tiny experts without training (SPEC B.10) and compare each merge's KL to every expert with the student's.
+"""Merge the tiny experts without training (docs/math.md §B.10) and compare each merge's KL to every expert with the
+student's.
 
     python examples/merge_experts.py [--tiny-dir DIR] [--density 0.2] [--n-prompts 8]
 
@@ -12,9 +13,9 @@ What to expect on the tiny bundle: its task vectors are independent dense Gaussi
 expert's largest 20% of entries and the disjoint mean does not shrink them, so TIES ends
 FARTHER from every expert than the student, while the uniform average (which shrinks
 uncorrelated noise by 1/5) ends closer. Real experts fine-tuned from one student share
-structure, which TIES exploits (003: TIES of the experts is the best row). The same merges
+structure, which TIES exploits (MOPD paper: TIES of the experts is the best row). The same merges
 on real checkpoints:
-``python -m claas_verl.merges ties --base STUDENT --models E1 ... E5 --out OUT [--stagewise]``.
+``python -m claas_verl.mopd.merges ties --base STUDENT --models E1 ... E5 --out OUT [--stagewise]``.
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ def main() -> None:
     from transformers import AutoTokenizer, Qwen2ForCausalLM
     from transformers.utils import logging as hf_logging
 
-    from claas_verl.merges import SafetensorsDir, ties_merge, ties_stagewise, uniform_average
+    from claas_verl.mopd.merges import SafetensorsDir, ties_merge, ties_stagewise, uniform_average
     from claas_verl.tiny import MOPD_DOMAINS, ensure_tiny
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])

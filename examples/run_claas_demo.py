@@ -3,7 +3,7 @@
     python examples/run_claas_demo.py [--recipe claas/tiny_reinforce_pp] [--out DIR] [key=value ...]
 
 Builds the offline tiny model if needed, runs ``python -m claas_verl.main_claas`` (verl + Ray on CPU; the
-built-in rule-following environment, 2 splits), then prints the continual metrics of SPEC A.4 — the matrix
+built-in rule-following environment, 2 splits), then prints the continual metrics of docs/math.md §A.4 — the matrix
 M[j, k] (checkpoint after split j evaluated on split k), forward transfer, forgetting, final performance —
 and the replay buffer's statistics, and says where the heatmap PNG is. Other recipes: ``claas/tiny_ppo``,
 ``claas/tiny_sdpo``, ``claas/tiny_icl``. Extra ``key=value`` arguments are Hydra overrides. The demo starts afresh

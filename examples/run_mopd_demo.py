@@ -7,7 +7,7 @@ Builds the offline tiny student/experts if needed (``claas_verl.tiny``), then ru
 
 1. ``mopd/tiny_seq``: logic -> math -> code, each stage distilled from its expert only;
 2. ``mopd/tiny_replay_kl``: the same, plus one replay step after every 3 new-domain steps taught by the
-   frozen previous-stage student (003's Replay-KL, shared budget m = 3).
+   frozen previous-stage student (the MOPD paper's Replay-KL, shared budget m = 3).
 
 Both use the same seeds. At every stage end the trainer measures, on held-out prompts of every domain learned
 so far, the student-weighted top-k KL from the student to that domain's expert (lower = closer to the expert).
@@ -26,7 +26,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from claas_verl.trainer.mopd import stages as S  # noqa: E402  (pure python; no verl import)
+from claas_verl.mopd.trainer import stages as S  # noqa: E402  (pure python; no verl import)
 
 RUNS = (("seq", "mopd/tiny_seq"), ("replay_kl", "mopd/tiny_replay_kl"))
 DEMO_OVERRIDES = ["mopd.eval.prompts=8", "trainer.save_freq=-1", "trainer.resume_mode=disable"]
@@ -72,7 +72,8 @@ def main() -> None:
         print()
     rows = {name: S.stage_end_rows(rs) for name, rs in rows.items()}
     last = {name: max(int(r["stage"]) for r in rs) for name, rs in rows.items()}
-    for key, what in (("kl", "top-k KL as 003 logs it"), ("kl_binned", "(k+1)-bin KL, a lower bound of the full KL")):
+    for key, what in (("kl", "top-k KL as the MOPD paper logs it"),
+                      ("kl_binned", "(k+1)-bin KL, a lower bound of the full KL")):
         final = {name: {r["domain"]: r.get(key) for r in rs if int(r["stage"]) == last[name]}
                  for name, rs in rows.items()}
         print(f"final students, {what}, to each expert (lower is better):")

@@ -40,7 +40,7 @@ def pytest_collection_modifyitems(config, items):
 def vllm_server(tiny, tmp_path_factory):
     """One vLLM OpenAI server on the tiny student for the whole session (start-up is ~2 min on 2 CPU cores):
     float32, LoRA rank <= 8 with runtime loading, ``VLLM_CPU_KVCACHE_SPACE=1`` on the CPU build."""
-    from claas_verl.service.vllm_launcher import VLLMServer
+    from claas_verl.claas.service.vllm_launcher import VLLMServer
 
     log = tmp_path_factory.mktemp("vllm") / "server.log"
     # max_model_len 2048 (the student's): room for the long in-flight request of the hot-reload test.

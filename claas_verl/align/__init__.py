@@ -1,4 +1,4 @@
-"""Alignment terms of continual MOPD (SPEC B.3-B.7): step regions, q/k/v capture, pooled rows, losses,
+"""Alignment terms of continual MOPD (docs/math.md §B.3-B.7): step regions, q/k/v capture, pooled rows, losses,
 gradient-norm balancing and the multi-pass balanced update."""
 
 from claas_verl.align.balance import ZERO_NORM, balance, combine_aux, combine_one_one_one, grad_norm

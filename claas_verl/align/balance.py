@@ -1,10 +1,10 @@
-"""Gradient-norm balancing of the token and alignment gradients (SPEC §B.6, 003 eqs. 9-10).
+"""Gradient-norm balancing of the token and alignment gradients (docs/math.md §B.6, MOPD paper eqs. 9-10).
 
 A gradient is either one flat tensor or a list of per-parameter tensors (``None`` = no gradient for that
 parameter, read as zeros). Every function returns its combination in the same form as its inputs.
 
 Distributed reduction. Norms and inner products are sums of per-element products, so each rank computes its
-local partial sums and one ``all_reduce(SUM)`` over ``group`` completes them (SPEC B.6: reduced over all shards
+local partial sums and one ``all_reduce(SUM)`` over ``group`` completes them (docs/math.md §B.6: reduced over all shards
 and ranks, before clipping):
 
 - FSDP2 (``fully_shard``): ``param.grad`` is a DTensor sharded over the data-parallel mesh; the partial sums use
@@ -28,7 +28,7 @@ import torch
 
 GradLike = torch.Tensor | Sequence[torch.Tensor | None]
 
-# SPEC B.6 [CHOICE]: a gradient with norm below this is "zero" (ĝ := 0; eq. 9 falls back to g = g_tok).
+# docs/math.md §B.6 [CHOICE]: a gradient with norm below this is "zero" (ĝ := 0; eq. 9 falls back to g = g_tok).
 ZERO_NORM = 1e-30
 
 
@@ -164,7 +164,8 @@ def grad_norm(g: GradLike, *, sync: bool | None = None, group=None) -> float:
 def balance(
     g_tok: GradLike, g_aux: GradLike | None, ratio: float = 1.0, *, sync: bool | None = None, group=None
 ) -> tuple[GradLike, dict[str, float]]:
-    """Combine token and auxiliary gradients at target norm ratio ``r`` (SPEC B.6, 003 eq. 9, unified form).
+    """Combine token and auxiliary gradients at target norm ratio ``r`` (docs/math.md §B.6, MOPD paper eq. 9, unified
+    form).
 
     ``g = min(1, r)·g_tok + min(1, 1/r)·‖g_tok‖·ĝ_aux``, so ‖token part‖ / ‖aux part‖ = r, and
     ``‖g‖² = ‖g_tok‖²·(a² + b² + 2ab·cos φ)`` with ``a = min(1, r)``, ``b = min(1, 1/r)``, φ = ∠(g_tok, g_aux).
@@ -174,7 +175,7 @@ def balance(
 
     Args:
         g_tok, g_aux: flat tensors, or lists of per-parameter tensors (None entries allowed), in the same form.
-        ratio: r > 0 (003 default 1).
+        ratio: r > 0 (MOPD paper default 1).
         sync, group: cross-rank reduction of norms and the inner product (module docstring).
 
     Returns:
@@ -216,7 +217,8 @@ def combine_aux(
     sync: bool | None = None,
     group=None,
 ) -> tuple[GradLike, dict[str, float]]:
-    """FSAR auxiliary direction ``g_aux = u + ρ·ĝ_hid``, ``u = s/‖s‖``, ``s = ĝ_SATS + ĝ_VR`` (SPEC B.6, eq. 10).
+    """FSAR auxiliary direction ``g_aux = u + ρ·ĝ_hid``, ``u = s/‖s‖``, ``s = ĝ_SATS + ĝ_VR`` (docs/math.md §B.6, eq.
+    10).
 
     Unit-vector convention ``[CHOICE]``: ĝ := 0 when ‖g‖ < 1e-30 (each term separately, and u := 0 when ‖s‖ is),
     so a step without any region gives g_aux = ρ·ĝ_hid, never NaN. A term passed as ``None`` is treated as zero,
@@ -263,7 +265,8 @@ def combine_aux(
 def combine_one_one_one(
     g_tok: GradLike, g_sats: GradLike | None, g_other: GradLike | None, *, sync: bool | None = None, group=None
 ) -> tuple[GradLike, dict[str, float]]:
-    """The "1:1:1" variant of 003 Table 4: ``g = g_tok + ‖g_tok‖·ĝ_SATS + ‖g_tok‖·ĝ_other`` (SPEC B.6).
+    """The "1:1:1" variant of the MOPD paper Table 4: ``g = g_tok + ‖g_tok‖·ĝ_SATS + ‖g_tok‖·ĝ_other`` (docs/math.md
+    §B.6).
 
     ``g_other`` is the VR or hidden-state gradient. Unit vectors follow the same ĝ := 0 convention; ‖g_tok‖ = 0
     gives g = 0. Returns ``(g, info)`` with the three norms and the coefficients.
@@ -308,7 +311,8 @@ def _to_host(x: torch.Tensor, scale: float | None = None, buffers: dict | None =
 class HostBalancer:
     """Eqs. (9)-(10) (or the "1:1:1" variant) over separate backward passes, keeping ONE gradient on the device.
 
-    SPEC B.6: "the SATS pass and the VR pass give u (kept on host), then the hidden pass gives ĝ_hid". The token
+    docs/math.md §B.6: "the SATS pass and the VR pass give u (kept on host), then the hidden pass gives ĝ_hid". The
+    token
     gradient and the pooled direction ``s = ĝ_SATS + ĝ_VR`` live on the host (one fp32 copy each, pinned on CUDA);
     every norm and inner product is accumulated pass by pass (local partial sums, one ``all_reduce`` per pass,
     see the module docstring), so the device holds only the gradient of the pass in flight, plus one parameter's

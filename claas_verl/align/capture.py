@@ -8,7 +8,7 @@ from the outputs of those modules instead: the norms then run inside the layer's
 the layer's own (gathered) weights. Applying them after the forward would read weights that FSDP2
 has resharded by then (DTensor shards, not the tensors the forward used). After the forward,
 :meth:`AttentionCapture.result` reshapes to heads and applies the model's rotary embedding with the
-rotate-half rule shared by Llama, Qwen2, Qwen3 and Mistral. Values get no RoPE (SPEC B.5).
+rotate-half rule shared by Llama, Qwen2, Qwen3 and Mistral. Values get no RoPE (docs/math.md §B.5).
 
 The hooks only *store* tensors the model computed anyway; the RoPE math happens after the forward,
 outside any gradient-checkpointed layer, so the result keeps autograd on the student side and costs

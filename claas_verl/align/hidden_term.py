@@ -1,10 +1,10 @@
-"""OPRD hidden-state alignment term (SPEC B.3, 003 eq. 6).
+"""OPRD hidden-state alignment term (docs/math.md §B.3, MOPD paper eq. 6).
 
     ĥ = h / max(‖h‖₂, 1e-12)                                   (F.normalize, per token and layer)
     ℓ_hid(mb) = (1/|L_h|) Σ_l (1/N_W) Σ_b Σ_{t∈W_b} (1/D)·‖ĥ_S^l[b,t] − ĥ_T^l[b,t]‖²,   N_W = Σ_b |W_b|
 
 Since both vectors are unit, ‖ĥ_S − ĥ_T‖² = 2(1 − cos), i.e. the LastOPD "2(1−cos)/D" form.
-Teacher states are rounded to bf16, then cast to fp32 before normalising (SPEC E.10 [CHOICE]).
+Teacher states are rounded to bf16, then cast to fp32 before normalising (docs/math.md §E.10 [CHOICE]).
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ def hidden_alignment_loss(
     teacher_hidden: Sequence[torch.Tensor],
     window_mask: torch.Tensor,
 ) -> TermValue:
-    """ℓ_hid of one micro-batch (SPEC B.3).
+    """ℓ_hid of one micro-batch (docs/math.md §B.3).
 
     Args:
         student_hidden: one tensor per layer in ``L_h``, ``[B, T, D]`` (HF ``hidden_states[l+1]``) or

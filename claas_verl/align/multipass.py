@@ -1,4 +1,4 @@
-"""Per-term gradients over the step's micro-batches, balanced into ``param.grad`` (SPEC §B.6-B.7).
+"""Per-term gradients over the step's micro-batches, balanced into ``param.grad`` (docs/math.md §B.6-B.7).
 
 Usable from any training loop::
 
@@ -21,7 +21,8 @@ Two schedules give the same gradients (tested):
   term on the same graph, moving ``.grad`` into that term's accumulator after each. Costs one forward per
   micro-batch instead of one per term, but keeps the forward graph (activations of every term's inputs) alive
   until the micro-batch's last backward.
-- ``single_forward=False``: the separate-pass variant of 003 (one forward + backward per term and micro-batch).
+- ``single_forward=False``: the separate-pass variant of the MOPD paper (one forward + backward per term and
+micro-batch).
   Use it when the retained graph does not fit, or with wrappers that do not support several backward passes per
   forward (FSDP2 reshards parameters after backward unless ``reshard_after_forward=False``; DDP needs
   ``no_sync()`` around all but the last backward).
@@ -68,7 +69,7 @@ def _validate(losses: Mapping[str, Callable], micro_batches: Sequence, weights: 
     if variant == "1:1:1":
         others = [t for t in ("vr", "hid") if t in losses]
         if "sats" not in losses or len(others) != 1:
-            raise ValueError("variant='1:1:1' needs exactly 'tok', 'sats' and one of 'vr'/'hid' (003 Table 4)")
+            raise ValueError("variant='1:1:1' needs exactly 'tok', 'sats' and one of 'vr'/'hid' (MOPD paper Table 4)")
 
 
 def _stash(params: list[torch.nn.Parameter], acc: list) -> None:
@@ -114,7 +115,7 @@ def balanced_backward(
     sync: bool | None = None,
     group=None,
 ) -> dict[str, float]:
-    """Write the balanced step gradient into ``param.grad`` of every trainable parameter (SPEC B.6-B.7).
+    """Write the balanced step gradient into ``param.grad`` of every trainable parameter (docs/math.md §B.6-B.7).
 
     For each term, ``g_term = Σ_mb weight(mb)·∇ℓ_term(mb)`` (B.7); then ``g = balance(g_tok, combine_aux(...))``
     (eqs. 9-10), or ``g = g_tok`` when only ``"tok"`` is given (new-domain steps: no balancing). Existing
@@ -128,7 +129,7 @@ def balanced_backward(
         losses: ``{"tok": fn, "sats": fn, "vr": fn, "hid": fn}`` (any subset containing ``"tok"``), each
             ``fn(out, mb) -> 0-d tensor`` = the micro-batch loss ℓ_term(mb) of B.2-B.5.
         ratio, rho: r of eq. (9) and ρ of eq. (10).
-        variant: ``"fsar"`` (eq. 10 then eq. 9) or ``"1:1:1"`` (003 Table 4).
+        variant: ``"fsar"`` (eq. 10 then eq. 9) or ``"1:1:1"`` (MOPD paper Table 4).
         single_forward: one forward per micro-batch serving every term (default), else separate passes.
         sync, group: cross-rank reduction of norms and inner products (see :mod:`claas_verl.align.balance`).
 

@@ -1,4 +1,4 @@
-"""Region-pooled causal attention rows, chunked over queries with recomputation (SPEC B.4, B.5).
+"""Region-pooled causal attention rows, chunked over queries with recomputation (docs/math.md §B.4, B.5).
 
 For query head h, region R and key position j in ``s0..t_last``::
 
@@ -78,7 +78,8 @@ def _pool_matrix(rid: torch.Tensor, r_max: int) -> torch.Tensor:
 
 
 def _fp32(device: torch.device):
-    """SPEC: loss math in fp32. A region where autocast (e.g. the engine's bf16 forward) does not lower matmuls."""
+    """loss math in fp32 (docs/math.md §0). A region where autocast (e.g. the engine's bf16 forward) does not lower
+    matmuls."""
     return torch.autocast(device_type=device.type, enabled=False)
 
 
@@ -116,7 +117,7 @@ def pooled_attention_rows(
     chunk_size: int = DEFAULT_CHUNK,
     recompute: bool = True,
 ) -> PooledRows:
-    """Region-pooled causal attention rows (SPEC B.4 eq. 7; B.5 with ``queries=keys=values``).
+    """Region-pooled causal attention rows (docs/math.md §B.4 eq. 7; B.5 with ``queries=keys=values``).
 
     Args:
         queries: ``[B, H, T, d]`` (post-RoPE for SATS; values for VR). Only rows with
@@ -125,7 +126,7 @@ def pooled_attention_rows(
         key_mask: ``[B, T]`` attention mask, 1 on real (prompt and response) tokens, 0 on padding.
         region_ids: ``[B, T]`` from :meth:`StepRegions.pad_left`; -1 outside regions.
         num_regions: ``[B]`` region counts (``R_max = max``); inferred from ``region_ids`` if None.
-        scale: softmax scale, default ``1/sqrt(d)`` (SPEC ``1/√d_head``).
+        scale: softmax scale, default ``1/sqrt(d)`` (docs/math.md §B.4).
         chunk_size: query rows per chunk.
         recompute: checkpoint each chunk when autograd records (the default and the memory-safe mode).
 

@@ -1,11 +1,11 @@
-"""Reasoning-step regions on the last W response tokens (SPEC B.3 window, B.4 regions).
+"""Reasoning-step regions on the last W response tokens (docs/math.md §B.3 window, B.4 regions).
 
 Regions are computed once per rollout (on the driver) from the response token ids and
 shared by the student and the teacher, so both pool over exactly the same query rows.
 
 - Window ``W_b``: the last ``min(W, n_b)`` valid response positions (``m=1``) of response b.
 - A step ends at a *separator* token: one whose single-token text contains a blank line
-  (``"\\n\\n" in tokenizer.decode([id])``) or the ``</think>`` id (SPEC E.9 [CHOICE]).
+  (``"\\n\\n" in tokenizer.decode([id])``) or the ``</think>`` id (docs/math.md §E.9 [CHOICE]).
 - The window is partitioned: a new region starts at the window start and after every
   separator; the final region ends at the last valid token even without a separator.
   ``drop_trailing=True`` drops that final fragment when it does not end with a separator.
@@ -27,7 +27,8 @@ _SEPARATOR_CACHE: dict[int, tuple[object, frozenset[int]]] = {}
 
 
 def separator_token_ids(tokenizer, think_end_token: str | None = THINK_END_TOKEN) -> frozenset[int]:
-    """Ids that end a reasoning step (SPEC B.4): every id whose decoded text has ``"\\n\\n"``, plus ``</think>``.
+    """Ids that end a reasoning step (docs/math.md §B.4): every id whose decoded text has ``"\\n\\n"``, plus
+    ``</think>``.
 
     Decodes the whole vocabulary once per tokenizer object and caches the result.
     ``tokenizer`` needs ``decode(list[int]) -> str`` and either ``__len__`` or ``vocab_size``;
@@ -56,9 +57,10 @@ def separator_token_ids(tokenizer, think_end_token: str | None = THINK_END_TOKEN
 
 
 def response_window_mask(response_mask: torch.Tensor, window: int = DEFAULT_WINDOW) -> torch.Tensor:
-    """``[B, T_r]`` bool: the last ``min(window, n_b)`` positions with ``m=1`` of each row (SPEC B.3 ``W_b``)."""
+    """``[B, T_r]`` bool: the last ``min(window, n_b)`` positions with ``m=1`` of each row (docs/math.md §B.3
+    ``W_b``)."""
     if window < 1:
-        raise ValueError(f"window={window} must be >= 1 (SPEC B.3 default 2000)")
+        raise ValueError(f"window={window} must be >= 1 (docs/math.md §B.3 default 2000)")
     m = response_mask.bool()
     # number of valid tokens at or after t; the window keeps those with count <= W
     after = m.long().flip(-1).cumsum(-1).flip(-1)
@@ -73,7 +75,7 @@ class StepRegions:
         region_ids: ``[B, T]`` long; region index ``0..R_b-1`` on window positions that belong
             to a region, ``-1`` elsewhere (prompt, padding, outside the window, dropped fragment).
         window_mask: ``[B, T]`` bool; the window ``W_b`` (queries of SATS/VR, positions of ℓ_hid).
-        num_regions: ``[B]`` long; ``R_b`` (``|R_y|`` of SPEC B.4).
+        num_regions: ``[B]`` long; ``R_b`` (``|R_y|`` of docs/math.md §B.4).
     """
 
     region_ids: torch.Tensor
@@ -110,15 +112,15 @@ def step_regions(
     window: int = DEFAULT_WINDOW,
     drop_trailing: bool = False,
 ) -> StepRegions:
-    """Partition each response's window into reasoning-step regions (SPEC B.4).
+    """Partition each response's window into reasoning-step regions (docs/math.md §B.4).
 
     Args:
         response_ids: ``[B, T_r]`` response token ids.
         response_mask: ``[B, T_r]`` 1 on generated tokens (incl. EOS), 0 on padding.
         separator_ids: ids ending a step, e.g. :func:`separator_token_ids` of the tokenizer.
-        window: ``W`` (SPEC default 2000).
+        window: ``W`` (default 2000, docs/math.md §B.4).
         drop_trailing: drop the final region when it does not end with a separator
-            (SPEC B.4 [CHOICE] flag; default keeps it).
+            (docs/math.md §B.4 [CHOICE] flag; default keeps it).
 
     Returns:
         :class:`StepRegions` in response coordinates; use ``.pad_left(prompt_length)`` for the

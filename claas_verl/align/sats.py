@@ -1,4 +1,4 @@
-"""SATS: reasoning-step pooled attention term (SPEC B.4, 003 eqs. 7-8).
+"""SATS: reasoning-step pooled attention term (docs/math.md §B.4, MOPD paper eqs. 7-8).
 
     ℓ_SATS(mb) = (1/|Y|) Σ_{y∈Y} (1/|R_y|) Σ_{R∈R_y} (1/H) Σ_h Σ_{l∈L} ‖a_{S,R}^{l,h} − a_{T,R}^{l,h}‖²₂
 
@@ -17,11 +17,11 @@ from claas_verl.align.pooled_attention import DEFAULT_CHUNK, PooledRows, pooled_
 from claas_verl.align.targets import TermValue, to_bf16_target
 from claas_verl.utils.masked import agg_loss
 
-PAPER_SATS_LAYERS = (6, 13, 20, 27)  # 003: the last layer of each quarter of the 28-layer student
+PAPER_SATS_LAYERS = (6, 13, 20, 27)  # MOPD paper: the last layer of each quarter of the 28-layer student
 
 
 def default_sats_layers(num_layers: int) -> list[int]:
-    """The last layer of each quarter: ``{⌊(i+1)·n/4⌋ − 1}``; gives 003's {6, 13, 20, 27} for n = 28.
+    """The last layer of each quarter: ``{⌊(i+1)·n/4⌋ − 1}``; gives the MOPD paper's {6, 13, 20, 27} for n = 28.
 
     For other depths this keeps the paper's rule rather than clipping the literal indices.
     """

@@ -1,4 +1,4 @@
-"""One model forward -> every alignment signal (SPEC B.3-B.5), the same code for student and teacher.
+"""One model forward -> every alignment signal (docs/math.md §B.3-B.5), the same code for student and teacher.
 
 Student: call under autograd; the returned rows/states stay in the graph of the same forward whose
 logits feed the token loss. Teacher: call under ``torch.no_grad()`` and keep ``.as_targets()``
@@ -39,7 +39,7 @@ class AlignmentSignals:
     hidden: dict[int, torch.Tensor] = field(default_factory=dict)
 
     def as_targets(self) -> AlignmentSignals:
-        """Detached bf16 copy: the teacher's targets (SPEC B.1 precision)."""
+        """Detached bf16 copy: the teacher's targets (docs/math.md §B.1 precision)."""
         return AlignmentSignals(
             sats={k: PooledRows(to_bf16_target(v.rows), v.key_start) for k, v in self.sats.items()},
             vr={k: PooledRows(to_bf16_target(v.rows), v.key_start) for k, v in self.vr.items()},
@@ -178,7 +178,7 @@ def _no_positions(model: nn.Module, device) -> torch.Tensor:
 def alignment_losses(
     student: AlignmentSignals, teacher: AlignmentSignals, regions: StepRegions
 ) -> dict[str, TermValue]:
-    """ℓ_SATS, ℓ_VR, ℓ_hid of one micro-batch for every term present in ``student`` (SPEC B.3-B.5, B.7)."""
+    """ℓ_SATS, ℓ_VR, ℓ_hid of one micro-batch for every term present in ``student`` (docs/math.md §B.3-B.5, B.7)."""
     out = {}
     for name in ("sats", "vr"):
         s, t = getattr(student, name), getattr(teacher, name)

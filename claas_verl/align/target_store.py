@@ -1,4 +1,4 @@
-"""Teacher alignment targets of one step, held in host RAM up to a byte budget (SPEC B.3-B.5, B.7).
+"""Teacher alignment targets of one step, held in host RAM up to a byte budget (docs/math.md §B.3-B.5, B.7).
 
 A replay step of an FSAR recipe needs, per response, the teacher's bf16 pooled SATS rows ``[H, R, Tk]`` and VR
 rows ``[G, R, Tk]`` of every pooled layer and the window hidden states ``[|W|, D]`` of every layer: about 0.75 GB
@@ -9,7 +9,7 @@ size. :class:`TeacherTargetStore` bounds it:
   teacher forward per kept micro-batch, all terms) and kept;
 * every other micro-batch is *streamed*: :meth:`get` runs the teacher forward for that micro-batch and the one
   requested term when the student's pass reaches it, and keeps nothing. The student's passes run term by term
-  (separate passes, SPEC B.7), so a streamed micro-batch costs one teacher forward per term instead of one.
+  (separate passes, docs/math.md §B.7), so a streamed micro-batch costs one teacher forward per term instead of one.
 
 Resident target bytes never exceed ``max_bytes`` plus one micro-batch's targets of one term (the one in use).
 The kept set is decided from exact sizes predicted from shapes (:func:`target_bytes`) before any forward, and

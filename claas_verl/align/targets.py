@@ -8,7 +8,7 @@ import torch
 
 
 def to_bf16_target(x: torch.Tensor) -> torch.Tensor:
-    """Teacher alignment target: detached and rounded to bf16 (SPEC B.1 precision, B.3, B.4).
+    """Teacher alignment target: detached and rounded to bf16 (docs/math.md §B.1 precision, B.3, B.4).
 
     Idempotent, so losses apply it again to whatever teacher tensor they receive; the loss then
     casts the target back to fp32 before any math.
@@ -18,7 +18,7 @@ def to_bf16_target(x: torch.Tensor) -> torch.Tensor:
 
 @dataclass
 class TermValue:
-    """One alignment term on one micro-batch (SPEC B.7).
+    """One alignment term on one micro-batch (docs/math.md §B.7).
 
     Attributes:
         loss: scalar fp32 ``ℓ_term(mb)`` (a mean over window positions for ℓ_hid, over responses with

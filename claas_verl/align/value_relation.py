@@ -1,4 +1,4 @@
-"""Value relation (VR) term (SPEC B.5): MiniLM's value relation, causal, region-pooled, squared error.
+"""Value relation (VR) term (docs/math.md §B.5): MiniLM's value relation, causal, region-pooled, squared error.
 
     b_R^{l,g}[j] = (1/|R|) Σ_{t∈R} softmax_{j'∈[s0,t]}( v_t^{l,g}·v_{j'}^{l,g} / √d_head )[j]      per KV head g
     ℓ_VR(mb) = (1/|Y|) Σ_y (1/|R_y|) Σ_R (1/G) Σ_g Σ_{l∈L} ‖b_{S,R}^{l,g} − b_{T,R}^{l,g}‖²

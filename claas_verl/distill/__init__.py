@@ -1,6 +1,7 @@
-"""Token channel of continual MOPD (SPEC §B.2): student top-k, teacher log-probs, rewards, per-domain advantages, loss.
+"""Token channel of continual MOPD (docs/math.md §B.2): student top-k, teacher log-probs, rewards, per-domain
+advantages, loss.
 
-Pure torch; no verl or Ray imports. The verl registration lives in :mod:`claas_verl.verl_ext.distill_losses`.
+Pure torch; no verl or Ray imports. The verl registration lives in :mod:`claas_verl.mopd.verl_losses`.
 """
 
 from claas_verl.distill.topk import (

@@ -1,7 +1,9 @@
-"""Token channel of continual MOPD: student top-k rewards, per-domain advantages, loss (SPEC §B.2, 003 eqs. 4-5).
+"""Token channel of continual MOPD: student top-k rewards, per-domain advantages, loss (docs/math.md §B.2, MOPD paper
+eqs. 4-5).
 
 Shapes used throughout: ``B`` responses, ``T`` response positions, ``V`` vocabulary, ``K`` = κ candidates
-(κ = 16 in 003). ``mask`` is the ``[B, T]`` response mask of SPEC §0 (1 on generated tokens incl. EOS).
+(κ = 16 in the MOPD paper). ``mask`` is the ``[B, T]`` response mask of docs/math.md §0 (1 on generated tokens incl.
+EOS).
 
 Memory contract: logits arrive as one ``[B, T, V]`` tensor (the model output, any float dtype). Every function
 here works on row chunks of ``chunk_size`` positions, so at most one ``[chunk_size, V]`` compute-dtype temporary
@@ -13,7 +15,7 @@ memory are linear in the number of positions (checkpointing slices of a flat ten
 Flattening ``[B, T, V]`` to ``[B·T, V]`` is a view for contiguous logits; a non-contiguous slice (e.g.
 ``logits[:, P-1:-1]`` of a prompt+response forward) is copied once in its own dtype, so slice before upcasting.
 
-Precision (SPEC §0, fp32 math): every function computes in ``promote_types(input dtype, float32)`` and returns
+Precision (docs/math.md §0, fp32 math): every function computes in ``promote_types(input dtype, float32)`` and returns
 that dtype: bf16/fp16/fp32 inputs give fp32, float64 inputs stay float64 (nothing is downcast). Gradients reach
 the logits in the logits' own dtype. Log-probabilities are full-vocabulary values of ``log_softmax(logits / τ)``.
 """
@@ -25,7 +27,7 @@ import torch
 from claas_verl.utils.masked import agg_loss, masked_mean
 
 DEFAULT_CHUNK_SIZE = 1024
-# SPEC B.2.2 [CHOICE]: a domain with fewer than 2 values or σ_d below this uses σ := 1 (A = r).
+# docs/math.md §B.2.2 [CHOICE]: a domain with fewer than 2 values or σ_d below this uses σ := 1 (A = r).
 MIN_DOMAIN_STD = 1e-8
 
 
@@ -48,7 +50,7 @@ def _check_chunk(chunk_size: int | None) -> int | None:
 
 def _check_temperature(temperature: float) -> float:
     if not temperature > 0:
-        raise ValueError(f"temperature must be > 0 (the rollout temperature τ of SPEC §0); got {temperature!r}")
+        raise ValueError(f"temperature must be > 0 (the rollout temperature τ of docs/math.md §0); got {temperature!r}")
     return float(temperature)
 
 
@@ -101,12 +103,12 @@ def _row_chunks(n: int, chunk_size: int | None):
 def student_topk(
     logits: torch.Tensor, k: int = 16, *, temperature: float = 1.0, chunk_size: int | None = DEFAULT_CHUNK_SIZE
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Student candidates ``V_t`` and their full-vocabulary log-probs ``S`` (SPEC B.2.1).
+    """Student candidates ``V_t`` and their full-vocabulary log-probs ``S`` (docs/math.md §B.2.1).
 
     Args:
         logits: ``[B, T, V]`` student logits from the training model *before* the update, aligned with the
             response positions (logits[:, t] predicts response token t).
-        k: κ, the number of candidates (16 in 003).
+        k: κ, the number of candidates (16 in the MOPD paper).
         temperature: τ; log-probs are ``log_softmax(logits / τ)``.
         chunk_size: positions per chunk (``None``: all at once).
 
@@ -138,7 +140,7 @@ def student_topk(
 def teacher_logprobs_at(
     logits: torch.Tensor, ids: torch.Tensor, *, temperature: float = 1.0, chunk_size: int | None = DEFAULT_CHUNK_SIZE
 ) -> torch.Tensor:
-    """Teacher full-vocabulary log-probs ``Q`` at the student's candidates (SPEC B.2.1).
+    """Teacher full-vocabulary log-probs ``Q`` at the student's candidates (docs/math.md §B.2.1).
 
     ``Q[b,t,j] = log_softmax(teacher_logits[b,t] / τ)[ids[b,t,j]]``; the values are **not** renormalised over
     the k candidates, so ``Σ_j exp Q[b,t,j] ≤ 1``.
@@ -237,7 +239,7 @@ class _ChunkedTopkLogprobs(torch.autograd.Function):
 
 
 def topk_rewards(student_logp_topk: torch.Tensor, teacher_logp_topk: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """``r[t,v] = w[t,v]·(Q[t,v] − S[t,v])`` with ``w = softmax_κ(S)`` (SPEC B.2.1, 003 eq. 4).
+    """``r[t,v] = w[t,v]·(Q[t,v] − S[t,v])`` with ``w = softmax_κ(S)`` (docs/math.md §B.2.1, MOPD paper eq. 4).
 
     ``w = p_v / P_t`` is the student's distribution renormalised over its own top-k; Q and S stay full-vocabulary
     values. ``Σ_v −r`` is the student-weighted log-ratio (see :func:`topk_weighted_kl`).
@@ -285,7 +287,7 @@ def topk_weighted_kl(
 ) -> torch.Tensor:
     """Logging: token-mean of ``Σ_v w[t,v]·(S[t,v] − Q[t,v])`` over valid positions (= mean of ``−Σ_v r``).
 
-    The student-weighted KL to the teacher restricted to the student's top-k (SPEC B.2.1, last line). Returns a
+    The student-weighted KL to the teacher restricted to the student's top-k (docs/math.md §B.2.1, last line). Returns a
     0-d fp32 tensor (0 for an empty mask).
     """
     r = topk_rewards(student_logp_topk, teacher_logp_topk, mask)
@@ -306,7 +308,9 @@ def topk_binned_kl(
     the full vocabulary, with equality when the top-k hold all of the student's mass. It needs nothing beyond what
     the token channel already has (S and Q, ``[B, T, K]``), and, unlike :func:`topk_weighted_kl` (renormalised
     weights, no tail), it is never negative, which is what a forgetting table wants. This is a claas_verl addition,
-    not a quantity of 003. Returns the 0-d token-mean over ``mask`` in ``compute_dtype(S, Q)`` (0 for an empty mask).
+    not a quantity of the MOPD paper. Returns the 0-d token-mean over ``mask`` in ``compute_dtype(S, Q)`` (0 for an
+    empty
+    mask).
     """
     S, Q, _ = _checked_topk_pair(student_logp_topk, teacher_logp_topk, mask)
     head = (S.exp() * (S - Q)).sum(dim=-1)
@@ -347,7 +351,7 @@ def domain_moments(
 ) -> torch.Tensor:
     """Local sufficient statistics per domain: ``[num_domains, 3]`` fp64 rows ``(count, Σr, Σr²)``.
 
-    Counted over every candidate of every valid position (SPEC B.2.2). Summing these rows across ranks (or
+    Counted over every candidate of every valid position (docs/math.md §B.2.2). Summing these rows across ranks (or
     micro-batches) and then calling :func:`stds_from_moments` gives the global σ_d.
     """
     if r.dim() != 3:
@@ -377,7 +381,7 @@ def domain_stds(
 ) -> dict[int, dict[str, float]]:
     """Logging: per present domain, ``{"count", "std", "scale"}`` where ``scale`` is the σ actually divided by.
 
-    ``std`` is NaN for fewer than 2 values; ``scale`` applies the SPEC B.2.2 fallbacks (σ := 1).
+    ``std`` is NaN for fewer than 2 values; ``scale`` applies the docs/math.md §B.2.2 fallbacks (σ := 1).
     """
     moments, sigma = _global_sigma(r, mask, domain_ids, sync, group)
     out = {}
@@ -406,7 +410,7 @@ def _global_sigma(r, mask, domain_ids, sync, group):
     if do_sync:
         torch.distributed.all_reduce(moments, op=torch.distributed.ReduceOp.SUM, group=group)
     sigma = stds_from_moments(moments)
-    # SPEC B.2.2 [CHOICE]: count < 2 (σ is NaN) or σ_d < 1e-8 -> σ := 1, i.e. A = r; otherwise no epsilon.
+    # docs/math.md §B.2.2 [CHOICE]: count < 2 (σ is NaN) or σ_d < 1e-8 -> σ := 1, i.e. A = r; otherwise no epsilon.
     use_one = torch.isnan(sigma) | (sigma < MIN_DOMAIN_STD)
     return moments, torch.where(use_one, torch.ones_like(sigma), sigma)
 
@@ -419,7 +423,7 @@ def domain_normalized_advantages(
     sync: bool | None = None,
     group=None,
 ) -> torch.Tensor:
-    """``A[b,t,v] = r[b,t,v] / σ_{d(b)}`` with no mean subtracted (SPEC B.2.2).
+    """``A[b,t,v] = r[b,t,v] / σ_{d(b)}`` with no mean subtracted (docs/math.md §B.2.2).
 
     σ_d is the sample standard deviation (ddof = 1) of r over all K candidates of all valid positions of the
     responses of domain d; the mean enters only inside the std. Fallback ``[CHOICE]``: fewer than 2 values or
@@ -459,7 +463,7 @@ def topk_logprobs(
     Returns ``promote_types(logits.dtype, float32)``. With a gradient, one :class:`_ChunkedTopkLogprobs` node:
     the forward keeps the ``[N, K]`` result and ``[N]`` logsumexp only; the backward writes each chunk's rows of
     the single ``[N, V]`` logits gradient in place (linear in N). This is what a verl actor produces as the 3-D
-    ``log_prob`` for :mod:`claas_verl.verl_ext.distill_losses`.
+    ``log_prob`` for :mod:`claas_verl.mopd.verl_losses`.
     """
     _check_logits(logits, "logits")
     tau = _check_temperature(temperature)
@@ -486,14 +490,14 @@ def topk_distill_loss_from_logprobs(
     dp_size: int = 1,
     horizon: int | None = None,
 ) -> torch.Tensor:
-    """eq. (5) given ``log π_θ`` at the ids: per position ``−Σ_k A·logp``, then :func:`agg_loss` (SPEC B.2.3).
+    """eq. (5) given ``log π_θ`` at the ids: per position ``−Σ_k A·logp``, then :func:`agg_loss` (docs/math.md §B.2.3).
 
     Args:
         logp_topk: ``[B, T, K]`` differentiable log-probs at the stored ids.
         advantages: ``[B, T, K]`` fixed advantages (detached here).
         mask: ``[B, T]`` response mask.
         loss_agg_mode, global_tokens, global_seqs, dp_size, horizon: passed to
-            :func:`claas_verl.utils.masked.agg_loss`; 003 uses ``token-mean`` (N_mb = valid positions).
+            :func:`claas_verl.utils.masked.agg_loss`; MOPD paper uses ``token-mean`` (N_mb = valid positions).
     """
     if logp_topk.dim() != 3 or advantages.shape != logp_topk.shape:
         raise ValueError(
@@ -531,7 +535,7 @@ def topk_distill_loss(
     global_tokens=None,
     dp_size: int = 1,
 ) -> torch.Tensor:
-    """``ℓ_tok = −(1/N) Σ_{t: m=1} Σ_{v∈V_t} A[t,v]·log π_θ(v | x, y_<t)`` (SPEC B.2.3, 003 eq. 5).
+    """``ℓ_tok = −(1/N) Σ_{t: m=1} Σ_{v∈V_t} A[t,v]·log π_θ(v | x, y_<t)`` (docs/math.md §B.2.3, MOPD paper eq. 5).
 
     Args:
         logits: ``[B, T, V]`` current (differentiable) student logits at the response positions.

@@ -1,6 +1,6 @@
-"""CLaaS losses and advantages (SPEC A.2, A.3), pure torch: no verl, no Ray.
+"""CLaaS losses and advantages (docs/math.md §A.2, A.3), pure torch: no verl, no Ray.
 
-verl registrations of these functions live in ``claas_verl.verl_ext.claas_losses``.
+verl registrations of these functions live in ``claas_verl.claas.verl_losses``.
 """
 
 from claas_verl.losses.advantages import (

@@ -1,4 +1,4 @@
-"""REINFORCE++ advantages for replayed CLaaS entries (SPEC A.3.1), torch only.
+"""REINFORCE++ advantages for replayed CLaaS entries (docs/math.md §A.3.1), torch only.
 
 Two modes (config ``rpp_adv``):
 
@@ -26,7 +26,7 @@ RPP_ADV_MODES = ("ema", "global_whiten")
 
 
 class EmaRewardStats:
-    """Running EW mean/variance of rewards (SPEC A.3.1, Finch 2009 incremental form).
+    """Running EW mean/variance of rewards (docs/math.md §A.3.1, Finch 2009 incremental form).
 
     On every non-None reward, with α = 1 − β::
 
@@ -63,7 +63,8 @@ class EmaRewardStats:
     def update(self, reward: float) -> None:
         """Fold one reward in; call this at INSERTION time, for non-None rewards only (A.1.4)."""
         if reward is None:
-            raise ValueError("reward is None: entries with a grader error are dropped before insertion (SPEC A.1.4)")
+            raise ValueError("reward is None: entries with a grader error are dropped before insertion "
+                             "(docs/math.md §A.1.4)")
         r = float(reward)
         if not math.isfinite(r):
             raise ValueError(f"reward={reward} is not finite; refuse to poison the EMA baseline")
@@ -102,7 +103,7 @@ class EmaRewardStats:
 def ema_advantages(
     rewards: torch.Tensor, response_mask: torch.Tensor, baseline: float, variance: float, v_min: float = 0.01
 ) -> torch.Tensor:
-    """REINFORCE++-EMA advantage (SPEC A.3.1): ``[B, T]`` = m·(r − b)/sqrt(max(v, v_min)), fp32.
+    """REINFORCE++-EMA advantage (docs/math.md §A.3.1): ``[B, T]`` = m·(r − b)/sqrt(max(v, v_min)), fp32.
 
     Args:
         rewards: ``[B]`` scalar rewards r_e (finite).
@@ -113,7 +114,7 @@ def ema_advantages(
         raise ValueError(f"rewards must be [B] matching response_mask [B, T]; got {tuple(rewards.shape)} "
                          f"and {tuple(response_mask.shape)}")
     if not bool(torch.isfinite(rewards).all()):
-        raise ValueError("rewards hold NaN/inf; None rewards must be dropped before insertion (SPEC A.1.4)")
+        raise ValueError("rewards hold NaN/inf; None rewards must be dropped before insertion (docs/math.md §A.1.4)")
     if not (math.isfinite(baseline) and math.isfinite(variance) and v_min > 0):
         raise ValueError(f"baseline={baseline}, variance={variance} must be finite and v_min={v_min} > 0")
     scale = math.sqrt(max(variance, v_min))
@@ -142,7 +143,7 @@ def discounted_returns(token_level_rewards: torch.Tensor, response_mask: torch.T
 def global_whiten_advantages(
     token_level_rewards: torch.Tensor, response_mask: torch.Tensor, gamma: float = 1.0
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """REINFORCE++ ``global_whiten`` mode (SPEC A.3.1, verl): ``(A, returns)``, both ``[B, T]``.
+    """REINFORCE++ ``global_whiten`` mode (docs/math.md §A.3.1, verl): ``(A, returns)``, both ``[B, T]``.
 
     A = (G − μ)/sqrt(var + 1e-8)·m with μ, var (unbiased) over the minibatch's valid tokens.
     Edge cases ([CHOICE] where verl raises): Σm ≤ 1 → A = 0; all valid returns equal → A = 0 exactly

@@ -1,4 +1,4 @@
-"""SDPO for replayed CLaaS entries: EMA teacher, feedback re-prompt, top-K generalised JSD (SPEC A.3.3).
+"""SDPO for replayed CLaaS entries: EMA teacher, feedback re-prompt, top-K generalised JSD (docs/math.md §A.3.3).
 
 Torch only. Pieces:
 
@@ -28,10 +28,11 @@ from claas_verl.losses.seq_is import (
 )
 from claas_verl.utils.masked import agg_loss, masked_mean
 
-# Exact SDPO strings (SPEC A.3.3; the SDPO YAML uses `|-` block scalars, so no trailing newline).
+# Exact SDPO strings (docs/math.md §A.3.3; the SDPO YAML uses `|-` block scalars, so no trailing newline).
 REPROMPT_TEMPLATE = "{prompt}{solution}{feedback}\n\nCorrectly solve the original question."
 FEEDBACK_TEMPLATE = "\nThe following is feedback from your unsuccessful earlier attempt:\n\n{feedback_raw}"
-# [CHOICE, not in SPEC] text for the `reprompt_success` flag (SPEC names the flag but gives no template).
+# [a choice the math reference leaves to the code] text for the `reprompt_success` flag (the math reference names the
+# flag but gives no template).
 SUCCESS_FEEDBACK_TEMPLATE = "\nThe following is feedback from your successful earlier attempt:\n\n{feedback_raw}"
 
 SDPO_MODES = ("gjs", "pg+jsd")
@@ -84,7 +85,7 @@ def self_distillation_mask(has_feedback: torch.Tensor, response_mask: torch.Tens
 
 
 def log1m_exp(x: torch.Tensor) -> torch.Tensor:
-    """log(1 − e^x) for x ≤ 0, as log(−expm1(clamp(x, max=−1e-7))) (SPEC A.3.3)."""
+    """log(1 − e^x) for x ≤ 0, as log(−expm1(clamp(x, max=−1e-7))) (docs/math.md §A.3.3)."""
     return torch.log(-torch.expm1(x.clamp(max=-1e-7)))
 
 
@@ -96,7 +97,7 @@ def topk_with_tail(
     add_tail: bool = True,
     topk_from: str = "student",
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Gather both distributions on the top-K indices and add a tail bucket (SPEC A.3.3).
+    """Gather both distributions on the top-K indices and add a tail bucket (docs/math.md §A.3.3).
 
     Args:
         student_logp, teacher_logp: ``[..., V]`` full-vocabulary log-softmax (teacher detached).
@@ -130,7 +131,7 @@ def topk_with_tail(
 
 
 def generalized_jsd(s: torch.Tensor, t: torch.Tensor, alpha: float = 0.5) -> torch.Tensor:
-    """GJS_α between student log-probs ``s`` and teacher log-probs ``t`` over the last dim (SPEC A.3.3).
+    """GJS_α between student log-probs ``s`` and teacher log-probs ``t`` over the last dim (docs/math.md §A.3.3).
 
     0 < α < 1: mix = logsumexp([s + log(1−α), t + log α]); GJS = (1−α)·Σ e^s (s − mix) + α·Σ e^t (t − mix).
     α = 0: forward KL(T‖S) = Σ e^t (t − s);  α = 1: reverse KL(S‖T) = Σ e^s (s − t)  (the mixture is 0 there).
@@ -160,7 +161,7 @@ def sdpo_is_weight(
     ratio_mode: str = "geo_mean",
     is_clip: float = 2.0,
 ) -> torch.Tensor:
-    """w_e = min(ρ[e], is_clip), detached, ``[B]`` (SPEC A.3.3 [CHOICE]: sequence ratio, not per token).
+    """w_e = min(ρ[e], is_clip), detached, ``[B]`` (docs/math.md §A.3.3 [CHOICE]: sequence ratio, not per token).
 
     ``ref_log_prob`` is the IS reference (``sdpo_is_reference``): the behaviour log-probs (default; per
     token ``[B, T]``, or ℓb on one position, or ``[B]``) or the EMA teacher's log-probs of the sampled
@@ -201,13 +202,13 @@ def sdpo_loss(
     global_sd_seqs: float | torch.Tensor | None = None,
     dp_size: int = 1,
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """SDPO loss on replayed entries (SPEC A.3.3).
+    """SDPO loss on replayed entries (docs/math.md §A.3.3).
 
     ``gjs`` (default): agg over m·sd_mask of w_e·GJS_α(s_j, t_j) (token-mean: divided by the GLOBAL
     Σ m·sd_mask, pass it as ``global_sd_tokens`` when sharded).
     ``pg+jsd``: A.2 clipped surrogate over m with token advantage A_j = sg(ℓT(y_j) − ℓS(y_j)) and ratio
     against ``old_log_prob`` (behaviour), plus ``jsd_coef``·(the ``gjs`` term) [CHOICE: the same w_e weights
-    the JSD term; ``alpha`` defaults to the SPEC's 0.5].
+    the JSD term; ``alpha`` defaults to the math reference's 0.5].
 
     Args:
         student_logp: ``[B, T, V]`` full-vocabulary student log-softmax on the student context (with grad).
@@ -294,7 +295,7 @@ def _select(named: Iterator[tuple[str, torch.Tensor]], scope: str) -> dict[str, 
 
 
 class EmaTeacher:
-    """EMA copy of the student's trainable tensors (SPEC A.3.3): θ_T ← (1−τ)·θ_T + τ·θ.
+    """EMA copy of the student's trainable tensors (docs/math.md §A.3.3): θ_T ← (1−τ)·θ_T + τ·θ.
 
     In CLaaS only the LoRA tensors train, so the teacher is "base + EMA LoRA": it holds fp32 copies of the
     selected tensors and :meth:`swapped_into` temporarily loads them into the student module for the
@@ -317,7 +318,7 @@ class EmaTeacher:
 
     @torch.no_grad()
     def update(self, module: torch.nn.Module) -> None:
-        """One EMA step; call only after an APPLIED optimizer step with a finite gradient (SPEC A.2.4)."""
+        """One EMA step; call only after an APPLIED optimizer step with a finite gradient (docs/math.md §A.2.4)."""
         current = _select(module.named_parameters(), self.scope)
         if set(current) != set(self.params):
             raise ValueError("EmaTeacher.update: the module's selected parameter names differ from the teacher's")

@@ -1,13 +1,13 @@
-"""Sequence-level importance-sampled clipped policy-gradient loss (SPEC A.2), torch only.
+"""Sequence-level importance-sampled clipped policy-gradient loss (docs/math.md §A.2), torch only.
 
 CLaaS replays a response for several updates after it was generated, and the
-buffer keeps only ONE behaviour log-prob per response (SPEC A.1.1), so the
+buffer keeps only ONE behaviour log-prob per response (docs/math.md §A.1.1), so the
 per-token PPO ratio is impossible. This module builds the sequence ratio
 (``geo_mean``: GSPO's length-normalised s_i(θ); ``product``: the literal
 trajectory ratio π_θ(y)/π_β(y)) and spreads it over tokens with the GSPO-token
 trick, whose value is the sequence ratio and whose gradient is ρ·∇log π.
 
-No verl import here; the verl registration lives in ``claas_verl.verl_ext.claas_losses``.
+No verl import here; the verl registration lives in ``claas_verl.claas.verl_losses``.
 """
 
 from __future__ import annotations
@@ -20,9 +20,9 @@ from claas_verl.utils.masked import LOSS_AGG_MODES, agg_loss, masked_mean, maske
 
 RATIO_MODES = ("geo_mean", "product")
 
-# verl vanilla clamps the log-ratio to ±20 before exp (SPEC A.2.2, product mode).
+# verl vanilla clamps the log-ratio to ±20 before exp (docs/math.md §A.2.2, product mode).
 PRODUCT_LOG_RATIO_CLAMP = 20.0
-# verl GSPO clamps the per-token log-ratio at 10 (SPEC A.2.2, geo_mean mode).
+# verl GSPO clamps the per-token log-ratio at 10 (docs/math.md §A.2.2, geo_mean mode).
 GEO_MEAN_TOKEN_LOG_RATIO_MAX = 10.0
 
 
@@ -48,7 +48,7 @@ def check_same_shape(**tensors: torch.Tensor) -> None:
 
 
 def behaviour_seq_logprob(old_log_prob: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
-    """ℓb[e] = Σ_j m[e,j]·old[e,j] (SPEC A.2.1), fp32, shape ``[B]``.
+    """ℓb[e] = Σ_j m[e,j]·old[e,j] (docs/math.md §A.2.1), fp32, shape ``[B]``.
 
     Only this masked per-sequence SUM of ``old_log_prob`` ever enters the ratio. A caller may
     therefore pass per-token behaviour log-probs ``[B, T]``, or a per-sequence value ℓb placed on
@@ -69,7 +69,7 @@ def sequence_log_ratio(
     response_mask: torch.Tensor,
     ratio_mode: str = "geo_mean",
 ) -> torch.Tensor:
-    """Per-sequence log-ratio logρ[e] of SPEC A.2.2, shape ``[B]`` (keeps the graph of ``log_prob``).
+    """Per-sequence log-ratio logρ[e] of docs/math.md §A.2.2, shape ``[B]`` (keeps the graph of ``log_prob``).
 
     Δ[e] = Σ_j m·logp − ℓb[e];  product: logρ = clamp(Δ, −20, 20);  geo_mean: logρ = Δ / max(n, 1).
 
@@ -90,7 +90,7 @@ def sequence_log_ratio(
 
 
 def token_log_ratio(log_prob: torch.Tensor, seq_log_ratio: torch.Tensor, ratio_mode: str = "geo_mean") -> torch.Tensor:
-    """GSPO-token construction (SPEC A.2.2): logρ̃[e,j] = sg(logρ[e]) + logp[e,j] − sg(logp[e,j]).
+    """GSPO-token construction (docs/math.md §A.2.2): logρ̃[e,j] = sg(logρ[e]) + logp[e,j] − sg(logp[e,j]).
 
     Its value is logρ[e] on every token and its gradient is ∇logp[e,j], so ∂ρ̃/∂θ = ρ[e]·∂logp/∂θ.
     ``geo_mean`` additionally clamps logρ̃ ≤ 10 (verl GSPO); shape ``[B, T]``.
@@ -130,7 +130,7 @@ def seq_is_clipped_loss(
     horizon: int | None = None,
     token_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """Sequence-level IS-corrected clipped surrogate (SPEC A.2.2-A.2.4).
+    """Sequence-level IS-corrected clipped surrogate (docs/math.md §A.2.2-A.2.4).
 
     Per token, with ρ̃ from :func:`token_log_ratio`::
 
@@ -145,7 +145,7 @@ def seq_is_clipped_loss(
             Σ_j m·old enters the ratio, so per-token log-probs and "ℓb on one valid position" are equivalent.
         advantages: ``[B, T]`` (constant over tokens for outcome rewards).
         response_mask: ``[B, T]`` 0/1 (bool ok).
-        ratio_mode: ``"geo_mean"`` (default, SPEC [CHOICE]) or ``"product"``.
+        ratio_mode: ``"geo_mean"`` (default, a choice, docs/math.md §E) or ``"product"``.
         clip_ratio_low/high: ε_low, ε_high (default 0.2 each).
         clip_ratio_c: dual-clip bound c > 1 (default 3.0); None or inf disables the dual clip.
         loss_agg_mode, global_tokens, global_seqs, dp_size, horizon: see ``claas_verl.utils.masked.agg_loss``.

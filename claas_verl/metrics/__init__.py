@@ -1,4 +1,5 @@
-"""Metrics: CLaaS continual-learning metrics (SPEC A.4), their plots, and MOPD evaluation metrics (SPEC B.9)."""
+"""Metrics: CLaaS continual-learning metrics (docs/math.md §A.4), their plots, and MOPD evaluation metrics (docs/math.md
+§B.9)."""
 
 from claas_verl.metrics.continual import (
     ContinualMetrics,

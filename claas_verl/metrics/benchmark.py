@@ -6,16 +6,16 @@ each evaluated stage end to the task accuracy of every domain learned so far::
     stage_scores = {1: {"spell": 0.9}, 2: {"spell": 0.4, "reverse": 0.8}, 3: {...}, 4: {...}}   # 4 = recovery
 
 With ``order`` = the domains in stage order (domain d is learned in stage j(d) = its position + 1) and F the last
-evaluated stage (the recovery stage when a run has one: SPEC B.9 takes M_K after recovery):
+evaluated stage (the recovery stage when a run has one: docs/math.md §B.9 takes M_K after recovery):
 
     final_avg   = mean_d s_d(F)                                                  over every domain of ``order``
-    BWT         = 1/(K−1) · Σ_{d ≠ last} ( s_d(F) − s_d(j(d)) )                  SPEC B.9 (GEM aggregate)
+    BWT         = 1/(K−1) · Σ_{d ≠ last} ( s_d(F) − s_d(j(d)) )                  docs/math.md §B.9 (GEM aggregate)
     forgetting  = 1/(K−1) · Σ_{d ≠ last} ( max_{j(d) ≤ k < F} s_d(k) − s_d(F) )^+  (Chaudhry et al. 2018; ≥ 0)
-    Norm        = Σ_d (s_d(F) − s_d(π0)) / Σ_d (max_e s_d(E_e) − s_d(π0))        SPEC B.9 (Latent-MOPD eq. 5)
+    Norm        = Σ_d (s_d(F) − s_d(π0)) / Σ_d (max_e s_d(E_e) − s_d(π0))        docs/math.md §B.9 (Latent-MOPD eq. 5)
 
 A run without stages (joint MOPD: one stage that teaches every domain) has no j(d): its BWT and forgetting are
 ``None``. Over seeds, every metric is reported as ``[mean, half_width]`` with the half-width of the 95% interval
-of the mean, ``t_{0.975, n−1} · s / √n`` (SPEC B.9's noise formula with one mean; ``None`` for n = 1).
+of the mean, ``t_{0.975, n−1} · s / √n`` (docs/math.md §B.9's noise formula with one mean; ``None`` for n = 1).
 """
 
 from __future__ import annotations

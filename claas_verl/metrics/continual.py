@@ -1,15 +1,15 @@
-"""Continual-learning metrics of CLaaS (SPEC A.4, 001 §4) and their on-disk record.
+"""Continual-learning metrics of CLaaS (docs/math.md §A.4, CLaaS paper §4) and their on-disk record.
 
 ``M`` is K×K with ``M[j, k]`` = mean defender pass rate of the checkpoint saved
 after split j, evaluated on split k (rows = checkpoints, columns = splits; 0-based
-here, 1-based in SPEC). With K ≥ 2:
+here, 1-based in docs/math.md §A.4). With K ≥ 2:
 
     FWT        = 2/(K(K−1)) · Σ_{j<k} M[j,k]                                 strictly upper triangle
     Forgetting = 1/(K−1) · Σ_{k=1}^{K−1} ( max_{j∈{k..K}} M[j,k] − M[K,k] )  each term ≥ 0 (j = K included)
     Final      = 1/K · Σ_k M[K,k]                                            last row
 
-K = 1: FWT and Forgetting are NaN (SPEC), Final = M[0, 0]. Numpy only (no torch,
-ray or verl). Trials (001: 3 shuffles × 3 runs) are scored one by one and then
+K = 1: FWT and Forgetting are NaN (docs/math.md §A.4), Final = M[0, 0]. Numpy only (no torch,
+ray or verl). Trials (CLaaS paper: 3 shuffles × 3 runs) are scored one by one and then
 averaged (:func:`average_over_trials`), because the max in Forgetting does not
 commute with averaging matrices.
 """
@@ -44,7 +44,7 @@ class ContinualMetrics:
 
 
 def continual_metrics(M: Any) -> ContinualMetrics:
-    """FWT, forgetting and final performance of one trial's K×K matrix (SPEC A.4; see module docstring)."""
+    """FWT, forgetting and final performance of one trial's K×K matrix (docs/math.md §A.4; see module docstring)."""
     a = as_matrix(M)
     K = a.shape[0]
     final = float(a[K - 1].mean())
@@ -58,7 +58,7 @@ def continual_metrics(M: Any) -> ContinualMetrics:
 
 
 def average_over_trials(matrices: Sequence[Any]) -> dict[str, Any]:
-    """Score each trial's matrix, then average (SPEC A.4: per trial, then the mean over trials).
+    """Score each trial's matrix, then average (docs/math.md §A.4: per trial, then the mean over trials).
 
     Returns ``forward_transfer``/``forgetting``/``final`` (means), their ``*_std``
     (population std over trials), ``n_trials``, ``per_trial`` (list of dicts) and

@@ -1,4 +1,5 @@
-"""Evaluation metrics of continual MOPD (SPEC B.9; 003 §3.2, App. "Evaluation noise", "Balanced safety scores").
+"""Evaluation metrics of continual MOPD (docs/math.md §B.9; MOPD paper §3.2, App. "Evaluation noise", "Balanced safety
+scores").
 
 Inputs are plain dicts ``benchmark name → score in points`` (0..100), one per model: the
 evaluated model M, the base student π0 and the domain experts E_d. Benchmark names are the
@@ -27,7 +28,7 @@ from typing import Any
 
 Scores = Mapping[str, float]
 
-# Domain order of the continual sequence (SPEC B.1) and, inside each domain, the Avg order (SPEC B.9).
+# Domain order of the continual sequence (docs/math.md §B.1) and, inside each domain, the Avg order (docs/math.md §B.9).
 # Domain names match claas_verl.tiny.MOPD_DOMAINS.
 DOMAIN_BENCHMARKS: dict[str, tuple[str, ...]] = {
     "logic": ("BBH", "GYM", "MuSR"),
@@ -77,7 +78,7 @@ def _mean(xs: Sequence[float]) -> float:
 
 
 def avg(scores: Scores, k: int = 5) -> float:
-    """Avg: mean score over the benchmarks of the first ``k`` learned domains (SPEC B.9)."""
+    """Avg: mean score over the benchmarks of the first ``k`` learned domains (docs/math.md §B.9)."""
     return _mean(_get(scores, learned_benchmarks(k)))
 
 
@@ -137,7 +138,7 @@ def norm(model: Scores, base: Scores, experts: Mapping[str, Scores], k: int = 5)
 
     ``experts`` maps domain → scores of its expert; the experts of the sequence are those of the
     first ``k`` domains (extra domains are not used: a K=3 sequence never saw the others).
-    Returns NaN when the denominator is 0 (SPEC B.9).
+    Returns NaN when the denominator is 0 (docs/math.md §B.9).
     """
     bench = learned_benchmarks(k)
     m = _get(model, bench, "model")
@@ -219,9 +220,9 @@ def bwt_gem(stage_scores: Mapping[int, Scores], final: Scores | None = None) -> 
 
 def mean_over_seeds(metric: Callable[..., float], per_seed_scores: Sequence[Scores], *args: Any,
                     **kwargs: Any) -> float:
-    """Compute ``metric(scores_of_seed, *args, **kwargs)`` for each evaluation seed, then average (SPEC B.9).
+    """Compute ``metric(scores_of_seed, *args, **kwargs)`` for each evaluation seed, then average (docs/math.md §B.9).
 
-    ``args``/``kwargs`` are the seed-independent inputs (π0 and the experts are single evaluations in 003).
+    ``args``/``kwargs`` are the seed-independent inputs (π0 and the experts are single evaluations in the MOPD paper).
     """
     if isinstance(per_seed_scores, Mapping) or len(per_seed_scores) == 0:
         raise ValueError("per_seed_scores must be a non-empty list with one score dict per evaluation seed")
@@ -229,7 +230,7 @@ def mean_over_seeds(metric: Callable[..., float], per_seed_scores: Sequence[Scor
 
 
 # ---------------------------------------------------------------------------------------------------
-# Evaluation noise: t_{0.975,ν} · s · √(Σ c_i²/n_i)   (003 App. "Evaluation noise")
+# Evaluation noise: t_{0.975,ν} · s · √(Σ c_i²/n_i)   (MOPD paper App. "Evaluation noise")
 # ---------------------------------------------------------------------------------------------------
 
 def _betacf(a: float, b: float, x: float) -> float:
@@ -325,7 +326,7 @@ def noise_half_width(s: float, dof: float, coefs: Sequence[float] = (1.0, -1.0),
 
     ``s``: pooled SD across evaluation seeds with ``dof`` = ν degrees of freedom; ``coefs`` c_i and
     ``n_seeds`` n_i (evaluation seeds behind each mean x̄_i). Default: a difference of two
-    configurations with three seeds each. 003: s = 0.28, ν = 38 → 0.46.
+    configurations with three seeds each. MOPD paper: s = 0.28, ν = 38 → 0.46.
     """
     if len(coefs) != len(n_seeds) or len(coefs) == 0:
         raise ValueError(f"coefs and n_seeds must have the same non-zero length, got {len(coefs)} and {len(n_seeds)}")

@@ -1,4 +1,4 @@
-"""PNG heatmap of the checkpoint × split matrix M[j, k] (001 Fig. 5; SPEC A.4).
+"""PNG heatmap of the checkpoint × split matrix M[j, k] (CLaaS paper Fig. 5; docs/math.md §A.4).
 
 Rendered with matplotlib's object API on an Agg canvas: no display, no pyplot
 state, and the process-wide backend is left untouched. matplotlib is imported
@@ -19,7 +19,7 @@ def plot_transfer_heatmap(M: Any, path: str | Path, title: str | None = None, vm
                           vmax: float = 1.0, dpi: int = 100) -> Path:
     """Write M (rows: checkpoint after split j; cols: evaluated split k) as an annotated PNG heatmap.
 
-    Cells above the diagonal are forward transfer, below it retention (001 App. B.1).
+    Cells above the diagonal are forward transfer, below it retention (CLaaS paper App. B.1).
     Colour scale fixed to [vmin, vmax] (pass rates) so runs are comparable.
     """
     from matplotlib.backends.backend_agg import FigureCanvasAgg

@@ -9,7 +9,8 @@ them (all when unset). Per parameter (``recipes/mopd/verl/*.yaml``: fp32 master 
 * ``hf_model``: the Hugging Face export verl writes in bf16 (2 bytes);
 
 so 14 bytes per parameter and checkpoint. The trainer also copies each stage's export to ``snapshots/student_<j>``
-(M_j, 2 bytes per parameter, kept to the end: later stages use them as teachers). 003's FSAR recipe (174 steps, a
+(M_j, 2 bytes per parameter, kept to the end: later stages use them as teachers). the MOPD paper's FSAR recipe (174
+steps, a
 checkpoint every 5 and at the 5 stage ends) writes 37 checkpoints: with verl's own default (keep all) about 0.94 TB
 for its 1.78B student and 4.3 TB at 8.2B; keeping 2 (``recipes/mopd/verl/common.yaml``), 68 GB and 311 GB.
 """

@@ -1,7 +1,8 @@
 """The optional packages a MOPD run's reward needs, checked before Ray starts.
 
 verl scores every rollout with ``reward.custom_reward_function`` inside a Ray worker; the repository's reward
-(``claas_verl/data/rewards.py``) imports a package of the ``eval`` extra for some data sources (``reasoning_gym`` for
+(``claas_verl/mopd/data/rewards.py``) imports a package of the ``eval`` extra for some data sources (``reasoning_gym``
+for
 the gym and logic domains, lm-eval's IFEval verifiers for ``ultradata/if``). Without the extra the run dies with a
 ``ModuleNotFoundError`` deep in a worker, minutes after start. Here the ``data_source`` column of every prompt file
 of the plan is read and each module its score imports is looked up (``importlib.util.find_spec``, nothing imported).
@@ -19,7 +20,7 @@ INSTALL = "pip install 'claas_verl[eval]'  (from a checkout: pip install -e '.[e
 
 
 def uses_repository_reward(cfg: DictConfig) -> bool:
-    """Whether verl scores with ``claas_verl/data/rewards.py`` (a recipe's own reward file is not inspected)."""
+    """Whether verl scores with ``claas_verl/mopd/data/rewards.py`` (a recipe's own reward file is not inspected)."""
     path = str((cfg.get("reward") or {}).get("custom_reward_function", {}).get("path") or "")
     return os.path.normpath(path).endswith(REWARDS)
 
@@ -36,7 +37,7 @@ def prompt_data_sources(path: str) -> list[str]:
 
 def missing_reward_modules(cfg: DictConfig, plan) -> list[str]:
     """One line per (domain, data source, module) whose module cannot be found (prompt and test files)."""
-    from claas_verl.data.rewards import extra_modules
+    from claas_verl.mopd.data.rewards import extra_modules
 
     if not uses_repository_reward(cfg):
         return []

@@ -1,10 +1,9 @@
-"""Stage schedules of continual MOPD (SPEC §B.8): pure python/numpy, no ray, verl or torch.
+"""Stage schedules of continual MOPD (docs/math.md §B.8): pure python/numpy, no ray, verl or torch.
 
 ``build_plan(ScheduleConfig.from_dict(...))`` gives every step's stage, kind, domain, block and
 teacher, and the models each stage must keep; ``python -m claas_verl.plan`` prints it for a recipe.
 """
 
-from claas_verl.paths import recipes_dir  # re-exported: the plan command and the trainers share it
 from claas_verl.schedule.build import allowed_models, build_plan, check_plan_setting, plan_from_config
 from claas_verl.schedule.config import ScheduleConfig, count_blocks
 from claas_verl.schedule.plan import Plan, Step, compute_held, expert, student
@@ -12,5 +11,5 @@ from claas_verl.schedule.spread import spread
 
 __all__ = [
     "Plan", "Step", "ScheduleConfig", "build_plan", "plan_from_config", "check_plan_setting", "allowed_models",
-    "compute_held", "count_blocks", "expert", "student", "spread", "recipes_dir",
+    "compute_held", "count_blocks", "expert", "student", "spread",
 ]

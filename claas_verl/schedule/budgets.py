@@ -1,4 +1,4 @@
-"""Replay budgets inside the stages of a sequence (SPEC §B.8: Seq, shared budget, fixed share).
+"""Replay budgets inside the stages of a sequence (docs/math.md §B.8: Seq, shared budget, fixed share).
 
 All functions take the domains of ONE sequence in order and their block counts; ``k`` is the 1-based
 stage within that sequence (stage k learns ``domains[k-1]`` and may replay ``domains[:k-1]``). Replay
@@ -19,7 +19,7 @@ def shared_replay(k: int, domains: Sequence[str], num_blocks: dict[str, int], m:
 
     Replay i teaches ``domains[i mod (k-1)]``; that domain's c_{k,d} blocks are ``spread(c_{k,d}, N_d)``,
     chosen independently in every stage and consumed ascending. ``floor`` when m does not divide n_k is
-    a [CHOICE] (SPEC E.12).
+    a [CHOICE] (docs/math.md §E.12).
     """
     if k < 2:
         return []
@@ -38,7 +38,7 @@ def fixed_pools(domains: Sequence[str], num_blocks: dict[str, int], b: int, f: i
 
     Domain d_j is replayed in the stages S_j = [max(f, j+1) .. K]; its b·|S_j| blocks are
     ``spread(b·|S_j|, N_j)`` dealt round-robin, so stage S_j[s] gets ``pool[s::|S_j|]``: successive stages
-    revisit different prompts of the domain (003 §4.2).
+    revisit different prompts of the domain (MOPD paper §4.2).
     """
     if b < 0:
         raise ValueError(f"mopd.replay.b must be >= 0, got {b}")
@@ -84,7 +84,7 @@ def stage_replay(
 
 
 def replay_slots(n: int, R: int) -> list[int]:
-    """1-based new-domain step after which replay i = 1..R runs: ceil(i·n/R) (SPEC §B.8 "Positions").
+    """1-based new-domain step after which replay i = 1..R runs: ceil(i·n/R) (docs/math.md §B.8 "Positions").
 
     Forced for the shared budget (one replay after every m new steps); a [CHOICE] for the fixed share.
     """

@@ -13,7 +13,7 @@ from claas_verl.schedule.sequence import sequence_steps
 
 
 def build_plan(cfg: ScheduleConfig) -> Plan:
-    """The full plan of ``cfg`` (SPEC §B.8), checked against ``cfg.setting``."""
+    """The full plan of ``cfg`` (docs/math.md §B.8), checked against ``cfg.setting``."""
     nb = cfg.num_blocks
     r = cfg.replay
     if cfg.joint.enabled:
@@ -46,7 +46,7 @@ def plan_from_config(root: Any) -> Plan:
 def allowed_models(plan: Plan, stage: int, segment_size: int | None = None) -> set[str] | None:
     """Models the setting lets stage ``stage`` hold (besides the trained student); None = no limit.
 
-    S1 (003 §3.1): at domain stage k only E_k and M_{k-1}. S2: anything. S3: S2 inside a segment and S1
+    S1 (MOPD paper §3.1): at domain stage k only E_k and M_{k-1}. S2: anything. S3: S2 inside a segment and S1
     between segments: the experts and snapshots of the current segment plus the last consolidated model
     (the model the segment started from).
     """

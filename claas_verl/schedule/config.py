@@ -2,12 +2,12 @@
 
 Built from a plain mapping or an OmegaConf node; every invalid value raises ``ValueError`` naming the
 full key (``mopd.replay.m`` ...) and what is allowed. Only the keys that decide *which block of which
-domain is trained when, under which teacher* live here (SPEC §B.8); the loss/signal/optimizer keys of
+domain is trained when, under which teacher* live here (docs/math.md §B.8); the loss/signal/optimizer keys of
 the same section (``mopd.signal.*``, ``mopd.train.*``) belong to the trainer and are not read.
 
 Block counts: ``mopd.domains.<d>.num_blocks`` if given, otherwise the rows of the prompt file
 (``.parquet`` or ``.jsonl``) divided by ``mopd.block_size`` and rounded DOWN: a partial last block is
-dropped, because every step of 003 trains exactly one full block (B.1: 32 prompts per block, and the
+dropped, because every step of the MOPD paper trains exactly one full block (B.1: 32 prompts per block, and the
 micro-batch weights of B.7 assume it). The summary of a plan does not hide this: see ``count_blocks``.
 """
 
@@ -37,7 +37,7 @@ class DomainSpec:
 class ReplayConfig:
     m: int = 3  # shared budget: one replay step after every m new-domain steps
     b: int = 7  # fixed share: replay steps per earlier domain and stage
-    fixed_from_stage: int = 3  # stages 2..f-1 use the shared budget (003 reuses the shared stage 2)
+    fixed_from_stage: int = 3  # stages 2..f-1 use the shared budget (MOPD paper reuses the shared stage 2)
 
 
 @dataclass(frozen=True)
@@ -158,7 +158,7 @@ class ScheduleConfig:
 
     # ------------------------------------------------------------------ setting (what may be kept)
     def check_setting(self) -> None:
-        """Refuse configurations that need models the declared ``mopd.setting`` does not keep (003 §3.1)."""
+        """Refuse configurations that need models the declared ``mopd.setting`` does not keep (MOPD paper §3.1)."""
         s = self.setting
         if self.joint.enabled:
             if s != "S2":

@@ -1,9 +1,9 @@
-"""Joint MOPD, the non-continual reference (SPEC §B.8 "Joint MOPD", 003 §5.1).
+"""Joint MOPD, the non-continual reference (docs/math.md §B.8 "Joint MOPD", MOPD paper §5.1).
 
 One stage from pi_0 over every block of every domain, each block routed to its domain's expert.
 Order [CHOICE]: rounds r = 0, 1, ...; within a round the domains in ``order``; a domain whose blocks
 are exhausted is skipped. ``passes`` repeats the whole list (joint2 = 2 passes, 208 steps). The order
-is a flag because 003's three-domain data (the first 62 steps of a joint run giving 20/21/21
+is a flag because the MOPD paper's three-domain data (the first 62 steps of a joint run giving 20/21/21
 logic/math/code blocks) suggests the reference ran logic last in each round.
 """
 

@@ -1,6 +1,6 @@
 """The plan of a continual run: ordered steps, their teachers, and the models each step needs kept.
 
-A ``Step`` trains one block of one domain (SPEC §B.8). Teachers are named ``expert:<domain>`` (E_d) or
+A ``Step`` trains one block of one domain (docs/math.md §B.8). Teachers are named ``expert:<domain>`` (E_d) or
 ``student:<stage>`` (M_stage, the student at the END of that stage; ``student:0`` is pi_0). Stages are
 numbered in execution order, so stage s always starts from ``student:<s-1>``; the recovery stage after
 K domain stages is K+1. Joint MOPD is the single stage 1 (it starts from pi_0 = student:0).
@@ -136,7 +136,7 @@ def compute_held(steps: tuple[Step, ...] | list[Step], order: tuple[str, ...]) -
     A stage s holds ``student:<s-1>`` (it starts from it), every teacher of its own steps, and every
     teacher of a LATER stage that already exists at s and so must be stored until then: a student
     ``student:j`` exists from stage j+1 on, an expert from the first stage that uses it (experts arrive
-    with their domain). This yields 003 §3.1: S1 replay keeps {E_k, M_{k-1}}; Seq+Recovery keeps
+    with their domain). This yields MOPD paper §3.1: S1 replay keeps {E_k, M_{k-1}}; Seq+Recovery keeps
     M_1..M_{k-1} through stage k and M_1..M_K in the recovery; joint MOPD holds every expert.
     """
     stages = sorted({s.stage for s in steps})

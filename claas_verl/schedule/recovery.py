@@ -1,4 +1,4 @@
-"""Final multi-teacher recovery stage (SPEC §B.8 "Recovery", 003 §3.1 and App. "Seq + Recovery").
+"""Final multi-teacher recovery stage (docs/math.md §B.8 "Recovery", MOPD paper §3.1 and App. "Seq + Recovery").
 
 The stage starts from the last student (fresh AdamW, token loss only: the trainer's business) and
 gives every domain ``c_rec`` blocks ``spread(c_rec, N_d)``; step i teaches ``domains[i mod K]`` with
@@ -21,7 +21,7 @@ def recovery_steps(
 
     ``teacher_of`` is ``student:<stage of d>`` for snapshot recovery (so the last domain is taught by
     the model the stage starts from, and logic by the shared stage-1 model) or ``expert:<d>`` for
-    expert recovery (003 §5.4).
+    expert recovery (MOPD paper §5.4).
     """
     for d in domains:
         if not 1 <= blocks_per_domain <= num_blocks[d]:

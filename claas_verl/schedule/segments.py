@@ -1,6 +1,6 @@
-"""Segment-wise consolidation, scenario S3 (003 §6 "Segment-wise consolidation", §3.1 "Scenarios").
+"""Segment-wise consolidation, scenario S3 (MOPD paper §6 "Segment-wise consolidation", §3.1 "Scenarios").
 
-003 §6 proposes, without running it: split a long sequence into segments (e.g. 15 stages into three of
+MOPD paper §6 proposes, without running it: split a long sequence into segments (e.g. 15 stages into three of
 five), "use fixed-share replay inside each segment and end each segment with a recovery stage. In that
 stage the model produced by the previous recovery teaches the domains of earlier segments. The replay
 budget and the number of teachers of a recovery stage are then both bounded by the segment size. At
@@ -12,7 +12,7 @@ Our reading (each point is a choice the paper leaves open):
 2. Inside a segment the configured budget (``mopd.budget``; the S3 recipe uses ``fixed``) applies with
    the stages numbered locally, and replay covers only the earlier domains OF THE SEGMENT: that is what
    keeps the replay budget bounded by the segment size. Local stage 1 of a segment has no replay.
-   ``fixed_from_stage`` is also local (f=3 makes local stage 2 the shared-budget stage, as in 003).
+   ``fixed_from_stage`` is also local (f=3 makes local stage 2 the shared-budget stage, as in the MOPD paper).
    Domains of earlier segments are rehearsed only in the segment-end recovery stages.
 3. Every segment ends with a recovery stage (stages are numbered in execution order, so segment g's
    recovery stage directly follows its last domain stage). It covers every domain learned so far with

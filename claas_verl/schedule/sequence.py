@@ -1,4 +1,4 @@
-"""Stages of a continual sequence: new-domain steps with E_k, interleaved replay with M_{k-1} (SPEC §B.8)."""
+"""Stages of a continual sequence: new-domain steps with E_k, interleaved replay with M_{k-1} (docs/math.md §B.8)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Offline tiny models and data for tests, demos and tiny CPU recipes (issue 2, item 3).
+"""Offline tiny models and data for tests, demos and tiny CPU recipes.
 
 ``make_tiny(out_dir, seed=0, force=False)`` builds, with no network, in ~40 s on one core,
 a tiny Qwen2 student (briefly pretrained, so peaked), one expert per MOPD domain (the student

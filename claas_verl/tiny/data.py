@@ -8,7 +8,7 @@ and SFT-style warm starts can use).
 
 Domains:
 
-* the five MOPD domains in SPEC order (logic, math, code, safety, if), scored by
+* the five MOPD domains in the math reference's order (logic, math, code, safety, if), scored by
   :mod:`claas_verl.tiny.rewards` (``data_source = "claas_tiny/<domain>"``);
 * ``arith``: GSM8K-style word problems with ``data_source = "openai/gsm8k"`` and
   the number as ground truth, so verl's built-in ``default_compute_score`` scores

@@ -5,7 +5,7 @@
 * three domains whose prompts, answers and scorers all come from ``reasoning-gym`` (no task here is written by
   this project): ``spell`` (``spell_backward``, 3-5 letters), ``reverse`` (``word_sequence_reversal``, 3 words)
   and ``arith`` (``basic_arithmetic``, two one-digit terms, + and -). Every answer is scored by the task's own
-  ``score_answer`` (``claas_verl/data/rewards.py``, ``answer_format: plain``: the whole reply is the answer).
+  ``score_answer`` (``claas_verl/mopd/data/rewards.py``, ``answer_format: plain``: the whole reply is the answer).
 * a byte tokenizer (every character one token; ChatML): reversal and sorting work on letters, which merges
   would hide from a model this small;
 * a tiny Qwen2 student π0 (the tiny bundle's shape) trained briefly on all three tasks, so it knows the chat

@@ -1,7 +1,7 @@
 """Reasoning-gym scoring of one reply, offline: the entry is rebuilt from the row's ``extra_info.meta``.
 
 Shared by the tiny gym bundle (its accuracy during the build) and the reward of the MOPD prompt files
-(:mod:`claas_verl.data.rewards`, which dispatches ``reasoning_gym/<task>`` rows here).
+(:mod:`claas_verl.mopd.data.rewards`, which dispatches ``reasoning_gym/<task>`` rows here).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ def _dataset(task: str, size: int, seed: int, config: str = "{}"):
 def _meta(extra_info) -> dict:
     meta = (extra_info or {}).get("meta")
     if not meta:
-        raise ValueError("reasoning_gym rows need extra_info.meta (written by python -m claas_verl.data mopd)")
+        raise ValueError("reasoning_gym rows need extra_info.meta (written by python -m claas_verl.mopd.data mopd)")
     return json.loads(meta) if isinstance(meta, str) else dict(meta)
 
 

@@ -9,8 +9,8 @@ Use from a recipe::
 ``compute_score(data_source, solution_str, ground_truth, extra_info=None) -> float`` returns
 1.0 for a correct answer and 0.0 otherwise. Any ``<think>…</think>`` block is removed first,
 so only the final answer is graded. ``claas_tiny/code`` rows whose ground truth is a JSON test
-specification (``{"tests": [...]}``, see :mod:`claas_verl.envs.code_reward`) run the response's program
-against those tests in the OS sandbox of :mod:`claas_verl.envs.sandbox`; other code rows are output
+specification (``{"tests": [...]}``, see :mod:`claas_verl.sandbox.code_reward`) run the response's program
+against those tests in the OS sandbox of :mod:`claas_verl.sandbox`; other code rows are output
 prediction, graded by string match. ``openai/gsm8k`` rows (the ``arith`` domain) are handed
 to verl's own scorer so a recipe can mix them with the tiny domains. verl loads this file by path,
 so it imports claas_verl only inside the program-running path.
@@ -49,7 +49,7 @@ def _math(answer: str, truth: str) -> float:
 
 
 def _code(answer: str, truth: str) -> float:
-    if truth.lstrip().startswith("{"):  # a test specification: run the program (claas_verl.envs.code_reward)
+    if truth.lstrip().startswith("{"):  # a test specification: run the program (claas_verl.sandbox.code_reward)
         return _run_code_tests(answer, truth)
     blocks = _CODE_BLOCK.findall(answer)  # output prediction: string match, nothing runs
     return float(bool(blocks) and blocks[-1].strip() == truth)
@@ -57,9 +57,9 @@ def _code(answer: str, truth: str) -> float:
 
 def _run_code_tests(answer: str, truth: str) -> float:
     # Imported here only: verl loads this file by path, and only program-running rows need the sandbox.
-    # verl's reward loop needs a float, so a sandbox failure (reward None in SPEC A.1.4, counted and logged
+    # verl's reward loop needs a float, so a sandbox failure (reward None in docs/math.md §A.1.4, counted and logged
     # by the sandbox) scores 0.0 here; a machine that cannot isolate raises SandboxUnavailable instead.
-    from claas_verl.envs.code_reward import code_reward
+    from claas_verl.sandbox.code_reward import code_reward
 
     reward = code_reward(answer, truth)
     return 0.0 if reward is None else reward

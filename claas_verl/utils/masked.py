@@ -1,4 +1,4 @@
-"""Masked reductions and loss aggregation (SPEC §0 and §C), torch only.
+"""Masked reductions and loss aggregation (docs/math.md §0 and §C), torch only.
 
 Every "mean over tokens" in claas_verl goes through this module, so that the
 loss stays invariant to how a batch is split across data-parallel ranks and
@@ -33,7 +33,7 @@ def masked_sum(x: torch.Tensor, mask: torch.Tensor, dim=None) -> torch.Tensor:
 
 
 def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim=None, eps: float = 1e-8) -> torch.Tensor:
-    """Σ x·m / (Σ m + eps) (SPEC §0). An empty mask gives 0, never NaN."""
+    """Σ x·m / (Σ m + eps) (docs/math.md §0). An empty mask gives 0, never NaN."""
     den = mask.to(x.dtype).sum() if dim is None else mask.to(x.dtype).sum(dim=dim)
     return masked_sum(x, mask, dim) / (den + eps)
 
@@ -48,7 +48,7 @@ def agg_loss(
     dp_size: int = 1,
     horizon: int | None = None,
 ) -> torch.Tensor:
-    """Aggregate a per-token loss matrix into a scalar (SPEC A.2.4, §C).
+    """Aggregate a per-token loss matrix into a scalar (docs/math.md §A.2.4, §C).
 
     Args:
         loss_mat: ``[B, T]`` per-token losses.

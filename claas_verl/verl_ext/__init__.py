@@ -13,8 +13,8 @@ import importlib
 
 # One module per capability; each registers its names at import time.
 _REGISTRATION_MODULES = (
-    "claas_verl.verl_ext.claas_losses",
-    "claas_verl.verl_ext.distill_losses",
+    "claas_verl.claas.verl_losses",
+    "claas_verl.mopd.verl_losses",
 )
 
 

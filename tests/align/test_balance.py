@@ -1,4 +1,4 @@
-"""Gradient-norm balancing (SPEC B.6, eqs. 9-10): worked example, invariants, edge cases, forms, ranks."""
+"""Gradient-norm balancing (docs/math.md §B.6, eqs. 9-10): worked example, invariants, edge cases, forms, ranks."""
 
 import math
 
@@ -17,7 +17,7 @@ def _e(i, n=5):
 
 
 def _worked_example_vectors():
-    """Explicit vectors with the cosines of 003's worked example (SPEC B.6)."""
+    """Explicit vectors with the cosines of the MOPD paper's worked example (docs/math.md §B.6)."""
     cos_sv, cos_uh = 0.248, 0.575
     g_sats = 0.923 * _e(0)
     vr_hat = cos_sv * _e(0) + math.sqrt(1 - cos_sv**2) * _e(1)
@@ -53,7 +53,7 @@ def test_worked_example_003():
     assert coef[1].item() == pytest.approx(coef[0].item(), rel=1e-9)
     hidden_part = coef[2] * hid_hat
     pooled_part = aux_part - hidden_part
-    assert hidden_part.norm().item() == pytest.approx(19.505, abs=5e-4)  # not 003's typo 151
+    assert hidden_part.norm().item() == pytest.approx(19.505, abs=5e-4)  # not the MOPD paper's typo 151
     assert pooled_part.norm().item() == pytest.approx(9.753, abs=5e-4)
     assert aux_part.norm().item() == pytest.approx(26.35, rel=1e-12)  # = ‖g_tok‖·min(1, 1/r)
     cos_tok_aux = torch.dot(g_tok, g_aux).item() / (26.35 * math.sqrt(7.3))

@@ -1,4 +1,4 @@
-"""q/k/v capture from HF models without editing transformers (SPEC B.4, B.5), tiny random models."""
+"""q/k/v capture from HF models without editing transformers (docs/math.md §B.4, B.5), tiny random models."""
 
 import pytest
 import torch

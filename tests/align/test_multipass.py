@@ -1,4 +1,5 @@
-"""balanced_backward on a tiny random Qwen2 (SPEC B.6-B.7): same update as per-term gradients combined by hand."""
+"""balanced_backward on a tiny random Qwen2 (docs/math.md §B.6-B.7): same update as per-term gradients combined by
+hand."""
 
 import pytest
 import torch

@@ -1,4 +1,4 @@
-"""Chunked pooled attention rows vs a naive full-softmax reference (SPEC B.4, B.5)."""
+"""Chunked pooled attention rows vs a naive full-softmax reference (docs/math.md §B.4, B.5)."""
 
 import pytest
 import torch
@@ -136,7 +136,8 @@ def test_bad_inputs_raise():
 
 
 def test_rows_stay_fp32_inside_bf16_autocast():
-    """SPEC: loss math in fp32, also inside the engine's bf16 autocast (where the alignment passes run). A teacher
+    """loss math in fp32 (docs/math.md §0), also inside the engine's bf16 autocast (where the alignment passes run). A
+    teacher
     0.05% away from the student (a replay snapshot) must give the fp32 SATS distance; with bf16 matmuls the rows
     were off by ~0.6% and that distance came out 12x too large (d = 64, scores of a few units)."""
     gen = torch.Generator().manual_seed(0)

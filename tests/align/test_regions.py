@@ -1,4 +1,4 @@
-"""Reasoning-step regions (SPEC B.4) on hand examples with a tiny fake tokenizer."""
+"""Reasoning-step regions (docs/math.md §B.4) on hand examples with a tiny fake tokenizer."""
 
 import torch
 
@@ -6,7 +6,7 @@ from claas_verl.align import StepRegions, response_window_mask, separator_token_
 
 
 class FakeTokenizer:
-    # id: text. Separators by the SPEC rule: 2 ("\n\n"), 3 (contains "\n\n"), 6 (</think>).
+    # id: text. Separators by the math reference's rule: 2 ("\n\n"), 3 (contains "\n\n"), 6 (</think>).
     # id 5 is a single "\n": two of them in a row are NOT a separator (single-token rule).
     TEXTS = ["a", "b", "\n\n", "x\n\ny", "c", "\n", "</think>", "d", "<unk>", " "]
     unk_token_id = 8

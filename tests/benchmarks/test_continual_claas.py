@@ -194,8 +194,8 @@ def test_every_method_composes_into_the_grouped_stream(recipe, quick):
     builds the designed stream: split j holds only one-rule scenarios of SPLIT_GROUPS[j], S per split."""
     from hydra import compose, initialize_config_dir
 
-    from claas_verl.envs import make_environment
-    from claas_verl.trainer.claas import ClaasConfig
+    from claas_verl.claas.envs import make_environment
+    from claas_verl.claas.trainer import ClaasConfig
 
     with initialize_config_dir(config_dir=str(REPO / "recipes"), version_base=None):
         cfg = compose(config_name=recipe, overrides=CC.run_overrides(recipe, 2, quick))

@@ -176,7 +176,7 @@ def test_the_console_shows_each_stage_of_a_job():
     turned off: it waited for the evaluation's lines only)."""
     import inspect
 
-    from claas_verl.trainer.mopd.trainer import MOPDTrainer
+    from claas_verl.mopd.trainer.trainer import MOPDTrainer
 
     src = inspect.getsource(MOPDTrainer)
     assert '"[mopd] stage {stage} begins at global step {self.global_steps}: ' in src

@@ -13,7 +13,7 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
 from benchmarks.mopd_stage_proxy import stage  # noqa: E402
-from claas_verl.eval.gym_snapshots import response_logits, right_padded  # noqa: E402
+from claas_verl.mopd.eval.gym_snapshots import response_logits, right_padded  # noqa: E402
 from claas_verl.tiny import gym  # noqa: E402
 from claas_verl.tiny.model import build_student  # noqa: E402
 
@@ -48,7 +48,7 @@ def test_response_logits_predict_the_reply_tokens(tok):
 
 
 def test_a_student_distilled_toward_itself_only_decays(tok):
-    # q = p gives r = 0 exactly (SPEC B.2.1), so every gradient is 0 and AdamW's update is its decoupled decay;
+    # q = p gives r = 0 exactly (docs/math.md §B.2.1), so every gradient is 0 and AdamW's update is its decoupled decay;
     # the teacher is the student itself, so q = p at every step
     student = _model(tok, 0)
     before = [p.detach().clone() for p in student.parameters()]

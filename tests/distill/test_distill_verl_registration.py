@@ -1,11 +1,11 @@
-"""verl policy loss ``claas_topk_distill`` (SPEC B.2.3 verl form) equals ``topk_distill_loss``."""
+"""verl policy loss ``claas_topk_distill`` (docs/math.md §B.2.3 verl form) equals ``topk_distill_loss``."""
 
 import pytest
 import torch
 from omegaconf import OmegaConf
 from verl.trainer.ppo.core_algos import get_policy_loss_fn
 
-import claas_verl.verl_ext.distill_losses  # noqa: F401  (registers the loss)
+import claas_verl.mopd.verl_losses  # noqa: F401  (registers the loss)
 from claas_verl.distill import student_topk, topk_distill_loss, topk_logprobs
 
 

@@ -1,4 +1,4 @@
-"""Per-domain normalised advantages (SPEC B.2.2): hand-computed σ_d, fallbacks, sharding across ranks."""
+"""Per-domain normalised advantages (docs/math.md §B.2.2): hand-computed σ_d, fallbacks, sharding across ranks."""
 
 import math
 

@@ -1,4 +1,4 @@
-"""Token channel (SPEC B.2): top-k, teacher log-probs, rewards, loss, the B.2.4 gradient identity, chunking."""
+"""Token channel (docs/math.md §B.2): top-k, teacher log-probs, rewards, loss, the B.2.4 gradient identity, chunking."""
 
 import math
 
@@ -181,7 +181,7 @@ def test_gradient_identity_batch_form_through_topk_distill_loss():
     N = mask.sum()
     target = (D / (sigma * P) * mask).sum() / N
     (g_D,) = torch.autograd.grad(target, z2)
-    # loss math is fp32 (SPEC §0): compare at fp32 precision
+    # loss math is fp32 (docs/math.md §0): compare at fp32 precision
     torch.testing.assert_close(g_loss.double(), g_D, rtol=1e-4, atol=1e-7)
     assert torch.all(g_loss[1, 3:] == 0)  # padding gets no gradient
 

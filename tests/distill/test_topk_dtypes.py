@@ -1,4 +1,4 @@
-"""Token channel (SPEC B.2) keeps the caller's precision: compute and return in promote_types(dtype, float32);
+"""Token channel (docs/math.md §B.2) keeps the caller's precision: compute and return in promote_types(dtype, float32);
 the chunked differentiable log-prob path equals the unchunked one and plain autograd, values and gradients."""
 
 import pytest

@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-import claas_verl.verl_ext.claas_losses as glue
+import claas_verl.claas.verl_losses as glue
 from claas_verl.losses import EmaRewardStats, seq_is_clipped_loss
 
 NAMES_SNIPPET = (

@@ -1,4 +1,4 @@
-"""SPEC A.3.1: REINFORCE++ EMA statistics (hand-computed sequence, v_min floor, state) and global whitening."""
+"""docs/math.md §A.3.1: REINFORCE++ EMA statistics (hand-computed sequence, v_min floor, state) and global whitening."""
 
 import math
 

@@ -1,4 +1,4 @@
-"""SPEC A.3.3: SDPO templates, top-K + tail GJS endpoints, IS weight, loss modes, EMA teacher."""
+"""docs/math.md §A.3.3: SDPO templates, top-K + tail GJS endpoints, IS weight, loss modes, EMA teacher."""
 
 import math
 
@@ -162,7 +162,7 @@ def test_sdpo_sharding_invariance_and_empty_sd_mask():
     shards = [sdpo_loss(s_logp[i:i + 2], t_logp[i:i + 2], lp[i:i + 2], old[i:i + 2], mask[i:i + 2],
                         has_fb[i:i + 2], topk=3, global_sd_tokens=n_sd, dp_size=2)[0] for i in (0, 2)]
     assert ((shards[0] + shards[1]) / 2).item() == pytest.approx(full.item(), abs=1e-6)
-    # no feedback anywhere: N_sd = 0 → loss exactly 0, finite gradient (SPEC A.2.4)
+    # no feedback anywhere: N_sd = 0 → loss exactly 0, finite gradient (docs/math.md §A.2.4)
     t_bad = t_logp.clone()
     t_bad[1] = float("nan")  # garbage on rows that are masked out must not matter
     loss, _ = sdpo_loss(s_logp, t_bad, lp, old, mask, torch.zeros(4, dtype=torch.bool), topk=3)

@@ -1,4 +1,4 @@
-"""SPEC A.2: sequence-level IS clipped loss, hand-derived values, gradients, clip branches, sharding."""
+"""docs/math.md §A.2: sequence-level IS clipped loss, hand-derived values, gradients, clip branches, sharding."""
 
 import math
 

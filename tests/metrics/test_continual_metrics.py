@@ -1,4 +1,4 @@
-"""CLaaS continual metrics (SPEC A.4) and their files: JSON, CSV, PNG heatmap."""
+"""CLaaS continual metrics (docs/math.md §A.4) and their files: JSON, CSV, PNG heatmap."""
 
 import csv
 import json

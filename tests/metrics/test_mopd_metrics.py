@@ -1,8 +1,8 @@
-"""MOPD metrics (SPEC B.9) against the numbers 003 prints.
+"""MOPD metrics (docs/math.md §B.9) against the numbers MOPD paper prints.
 
-Per-benchmark scores are typed from 003's "Full results" tables (five stages: two tables,
+Per-benchmark scores are typed from the MOPD paper's "Full results" tables (five stages: two tables,
 BBH..MBPP+ and StrongREJECT..IFBench; three-stage prefix: BBH..MBPP+); the expected aggregates
-are the rows of 003's Table 3 / the three-stage table, as listed in SPEC B.9.
+are the rows of the MOPD paper's Table 3 / the three-stage table, as listed in docs/math.md §B.9.
 """
 
 import math
@@ -36,7 +36,8 @@ SAFETY_IF = ("StrongREJECT", "WildJailbreak", "XSTest-safe", "XSTest-unsafe", "I
 
 
 def row(first9, last6):
-    """003 prints BBH GYM MuSR AIME24 AIME25 Minerva LCB-e MBPP MBPP+ | SR WJ XS-safe XS-unsafe IFEval IFBench."""
+    """MOPD paper prints BBH GYM MuSR AIME24 AIME25 Minerva LCB-e MBPP MBPP+ | SR WJ XS-safe XS-unsafe IFEval
+    IFBench."""
     return {**dict(zip(NINE, first9)), **dict(zip(SAFETY_IF, last6))}
 
 
@@ -74,11 +75,13 @@ def test_domain_maps_and_learned_sets():
 def test_student_reference():
     # Avg = 500.13/14 = 35.7236; Avg11 = 383.47/11 = 34.8618
     assert r2(avg(STUDENT)) == 35.72 and r2(avg11(STUDENT)) == 34.86
-    # S_bal1 = ½·(12.86+14.40)/2 + ½·89.40 = 6.815 + 44.70 = 51.515 exactly (SPEC 51.52; the paper prints 51.51)
+    # S_bal1 = ½·(12.86+14.40)/2 + ½·89.40 = 6.815 + 44.70 = 51.515 exactly (docs/math.md §B.9: 51.52; the paper prints
+    # 51.51)
     assert s_bal1(STUDENT) == pytest.approx(51.515, abs=1e-12)
     # Avg_bal = (383.47 + 3·51.515)/14 = 538.015/14 = 38.4296
     assert r2(avg_bal(STUDENT)) == 38.43
-    # S_bal2 = ½·(12.86+14.40+24.2)/3 + ½·89.40 = 8.5767 + 44.70 = 53.2767 (003 table 16: 53.28); Avg with it 38.81
+    # S_bal2 = ½·(12.86+14.40+24.2)/3 + ½·89.40 = 8.5767 + 44.70 = 53.2767 (MOPD paper table 16: 53.28); Avg with it
+    # 38.81
     assert r2(s_bal2(STUDENT)) == 53.28 and r2(avg_bal(STUDENT, variant=2)) == 38.81
     assert norm(STUDENT, STUDENT, EXPERTS) == 0.0 and norm_dom(STUDENT, STUDENT, EXPERTS) == 0.0
 
@@ -94,7 +97,7 @@ def test_five_stage_rows(scores, expected):
     assert got == expected
 
 
-@pytest.mark.parametrize("domain, expected", [  # 003 Table 3 expert rows: Avg, Norm, Norm_dom
+@pytest.mark.parametrize("domain, expected", [  # MOPD paper Table 3 expert rows: Avg, Norm, Norm_dom
     ("logic", (48.90, 0.558, 0.913)), ("math", (43.68, 0.337, 0.506)), ("code", (42.02, 0.267, 0.411)),
     ("safety", (38.51, 0.118, 0.013)), ("if", (38.99, 0.138, 0.286)),
 ])
@@ -104,13 +107,13 @@ def test_expert_rows(domain, expected):
 
 
 def test_domain_averages_seq():
-    # 003 Table 3 Seq: logic 42.70, math 32.66, code 61.16, safety 39.30 (SR, WJ, XS-safe), IF 36.34
+    # MOPD paper Table 3 Seq: logic 42.70, math 32.66, code 61.16, safety 39.30 (SR, WJ, XS-safe), IF 36.34
     assert {d: r2(v) for d, v in domain_averages(SEQ).items()} == {
         "logic": 42.70, "math": 32.66, "code": 61.16, "safety": 39.30, "if": 36.34}
 
 
 def test_three_stage_seq():
-    # Avg over 9 = 49.10; Norm over the first three experts 0.720; Norm_dom 0.765 (003 three-stage tables)
+    # Avg over 9 = 49.10; Norm over the first three experts 0.720; Norm_dom 0.765 (MOPD paper three-stage tables)
     assert r2(avg(SEQ3, k=3)) == 49.10
     assert round(norm(SEQ3, STUDENT, EXPERTS, k=3), 3) == 0.720
     assert round(norm_dom(SEQ3, STUDENT, EXPERTS, k=3), 3) == 0.765
@@ -132,7 +135,7 @@ def test_norm_nan_when_no_headroom():
     assert math.isnan(norm_dom(SEQ, STUDENT, {d: STUDENT for d in EXPERTS}))
 
 
-# Seq after each stage (003 "Scores after each stage"): stage 1 logic, stage 2 logic + math, stage 3 = SEQ3.
+# Seq after each stage (MOPD paper "Scores after each stage"): stage 1 logic, stage 2 logic + math, stage 3 = SEQ3.
 SEQ_STAGE1 = {"BBH": 54.14, "GYM": 34.25, "MuSR": 46.74}
 SEQ_STAGE2 = {"BBH": 63.15, "GYM": 43.24, "MuSR": 35.58, "AIME24": 42.08, "AIME25": 33.40, "Minerva": 34.41}
 
@@ -140,9 +143,10 @@ SEQ_STAGE2 = {"BBH": 63.15, "GYM": 43.24, "MuSR": 35.58, "AIME24": 42.08, "AIME2
 def test_bwt_seq_three_stages():
     stages = {1: SEQ_STAGE1, 2: SEQ_STAGE2, 3: SEQ3}
     got = bwt(stages, benchmarks=learned_benchmarks(2))
-    assert got["MuSR"] == pytest.approx(39.33 - 46.74) and r2(got["MuSR"]) == -7.41  # SPEC B.9 check
-    assert r2(got["BBH"]) == 6.17 and r2(got["Minerva"]) == -0.92  # 003 table: +6.17, −0.92
-    # GYM, AIME24, AIME25: 003 prints −3.69, +3.40, −0.56 from per-seed values; the means give −3.70, +3.41, −0.55
+    assert got["MuSR"] == pytest.approx(39.33 - 46.74) and r2(got["MuSR"]) == -7.41  # docs/math.md §B.9 check
+    assert r2(got["BBH"]) == 6.17 and r2(got["Minerva"]) == -0.92  # MOPD paper table: +6.17, −0.92
+    # GYM, AIME24, AIME25: MOPD paper prints −3.69, +3.40, −0.56 from per-seed values; the means give −3.70, +3.41,
+    # −0.55
     for b, printed in (("GYM", -3.69), ("AIME24", 3.40), ("AIME25", -0.56)):
         assert got[b] == pytest.approx(printed, abs=0.0101)
     # Code is learned at stage 3 = K: BWT is 0 without recovery, s(recovered) − s(M_3) with it
@@ -187,7 +191,7 @@ def test_student_t():
 
 
 def test_noise_half_width_003():
-    # 003: s=0.28, ν=38, 3 vs 3 seeds → 2.0244·0.28·√(2/3) = 0.4628 ("0.46"); 1 vs 1 → 0.8016 ("0.80")
+    # MOPD paper: s=0.28, ν=38, 3 vs 3 seeds → 2.0244·0.28·√(2/3) = 0.4628 ("0.46"); 1 vs 1 → 0.8016 ("0.80")
     assert round(noise_half_width(0.28, 38), 2) == 0.46
     assert round(noise_half_width(0.28, 38, n_seeds=(1, 1)), 2) == 0.80
     # three-stage: s=0.32, ν=26 → 2.0555·0.32·0.8165 = 0.5371 ("0.54")

@@ -9,13 +9,14 @@ from pathlib import Path
 import pytest
 from hydra import compose, initialize_config_dir
 
-from claas_verl.schedule import plan_from_config, recipes_dir
+from claas_verl.paths import recipes_dir
+from claas_verl.schedule import plan_from_config
 
 RECIPES = recipes_dir() / "mopd"
 ALL = sorted(p.stem for p in RECIPES.glob("*.yaml"))
 REPO = Path(__file__).resolve().parents[2]
 
-# 003 Table 6 step counts (and Table 15's one-seed configurations)
+# MOPD paper Table 6 step counts (and Table 15's one-seed configurations)
 PAPER_STEPS = {
     "seq": 104, "seq_recovery": 139, "seq_recovery70": 174, "seq_expert_recovery": 139,
     "replay_kl": 132, "replay_kl_sats": 132, "replay_kl_oprd": 132, "fsar_shared": 132,
@@ -49,7 +50,7 @@ def test_recipe_composes_and_plans(name):
     if name in PAPER_STEPS:
         assert len(plan) == PAPER_STEPS[name]
         assert list(cfg.mopd.order) == ["logic", "math", "code", "safety", "if"]
-        # prompt files of `python -m claas_verl.data mopd`, under $CLAAS_DATA_DIR (default data/mopd)
+        # prompt files of `python -m claas_verl.mopd.data mopd`, under $CLAAS_DATA_DIR (default data/mopd)
         assert cfg.mopd.domains.logic.prompts == f"{os.environ.get('CLAAS_DATA_DIR', 'data/mopd')}/logic/train.parquet"
         t = cfg.mopd.train
         assert (t.responses_per_prompt, t.temperature, t.top_p, t.max_prompt_length, t.max_response_length) == (

@@ -1,4 +1,4 @@
-"""003 appendix Table 7 (replay and recovery blocks) and the step totals, derived from the B.8 rules.
+"""MOPD paper appendix Table 7 (replay and recovery blocks) and the step totals, derived from the B.8 rules.
 
 The expected cells below are typed from the paper's table; the library computes them from
 ``spread`` + the budget rules, never from a lookup.
@@ -115,7 +115,7 @@ def test_step_totals(kwargs, total):
 
 
 def test_replay_counts_and_distinct_blocks_of_003():
-    # 003 §5.1: shared budget gives logic 16, math 7, code 4, safety 1 replay steps and 13 distinct blocks
+    # MOPD paper §5.1: shared budget gives logic 16, math 7, code 4, safety 1 replay steps and 13 distinct blocks
     plan = make("shared")
     rep = [s for s in plan.steps if s.kind == "replay"]
     assert {d: sum(s.domain == d for s in rep) for d in ORDER5[:4]} == {"logic": 16, "math": 7, "code": 4, "safety": 1}
@@ -127,7 +127,7 @@ def test_replay_counts_and_distinct_blocks_of_003():
 
 
 def test_stage_lengths_of_fixed_share():
-    # 003 §5.1: b=7 -> stages 3, 4, 5 have 35, 42, 49 steps; b=3 -> 27, 30, 33
+    # MOPD paper §5.1: b=7 -> stages 3, 4, 5 have 35, 42, 49 steps; b=3 -> 27, 30, 33
     for b, lengths in [(7, [35, 42, 49]), (3, [27, 30, 33])]:
         plan = make("fixed", replay={"b": b})
         assert [len(plan.stage_steps(k)) for k in (3, 4, 5)] == lengths

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from claas_verl.data.rewards import compute_score
+from claas_verl.mopd.data.rewards import compute_score
 from claas_verl.tiny import gym
 
 

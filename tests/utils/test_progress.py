@@ -66,9 +66,9 @@ def test_tiny_training_loop_reports_steps(monkeypatch, capsys):
 
 
 def test_evaluation_reports_generation_and_benchmark_runs(tiny, tmp_path, monkeypatch, capsys):
-    from claas_verl.eval import benchmarks as B
-    from claas_verl.eval.generate import HFGenerator
-    from claas_verl.eval.runner import evaluate_model
+    from claas_verl.mopd.eval import benchmarks as B
+    from claas_verl.mopd.eval.generate import HFGenerator
+    from claas_verl.mopd.eval.runner import evaluate_model
 
     monkeypatch.setenv("CLAAS_PROGRESS_S", "0")
     gen = HFGenerator(str(tiny.student), batch_size=2, max_new_tokens_cap=2)
@@ -87,7 +87,7 @@ def test_evaluation_reports_generation_and_benchmark_runs(tiny, tmp_path, monkey
 
 
 def test_data_preparation_reports_accepted_prompts(monkeypatch, capsys):
-    from claas_verl.data.mopd import Candidate, take
+    from claas_verl.mopd.data.mopd import Candidate, take
 
     monkeypatch.setenv("CLAAS_PROGRESS_S", "0")
     cands = (Candidate(f"q{i}", f"q{i}", "1", "math_dapo", "test", str(i)) for i in range(10))

@@ -1,4 +1,4 @@
-"""Bad input gets an error naming the key or library and the fix (issue #2, item 7)."""
+"""Bad input gets an error naming the key or library and the fix."""
 
 from __future__ import annotations
 

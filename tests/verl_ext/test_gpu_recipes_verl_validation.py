@@ -34,7 +34,7 @@ def tiny_root():
 def compose_mopd(recipe: str, tiny_root: Path):
     """``python -m claas_verl.main_mopd --config-name mopd/<recipe>`` on a GPU node, with local model paths."""
     from claas_verl.main_mopd import finalize_config, runtime_args
-    from claas_verl.schedule import recipes_dir
+    from claas_verl.paths import recipes_dir
 
     with initialize_config_dir(config_dir=str(recipes_dir()), version_base=None):
         cfg = compose(config_name=f"mopd/{recipe}", overrides=runtime_args([], group="gpu"))
@@ -74,7 +74,7 @@ def build_worker_configs(cfg, teacher_path: str | None = None) -> dict:
     }
     out["actor"].validate(n_gpus, cfg.data.train_batch_size, arr.model)
     if teacher_path is not None:  # the MOPD worker's conversion of the ref section (one engine per teacher)
-        from claas_verl.trainer.mopd.verl_couplings import teacher_training_config
+        from claas_verl.mopd.trainer.verl_couplings import teacher_training_config
 
         out["teacher"] = teacher_training_config(arr, teacher_path, str(cfg.mopd.train.teacher_dtype))
     if need_critic(cfg):
@@ -88,7 +88,7 @@ def build_worker_configs(cfg, teacher_path: str | None = None) -> dict:
 def test_mopd_gpu_recipe_passes_verl_validation(recipe, tiny_root):
     from verl.utils.config import validate_config
 
-    from claas_verl.trainer.mopd import stages as S
+    from claas_verl.mopd.trainer import stages as S
 
     cfg = compose_mopd(recipe, tiny_root)
     assert cfg.trainer.device == "cuda" and cfg.actor_rollout_ref.rollout.name == "vllm"

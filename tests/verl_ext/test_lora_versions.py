@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from claas_verl.verl_ext.lora_versions import LORA_ID_BASE, VersionedLoRAEngine, lora_name, next_lora_id
+from claas_verl.claas.lora_versions import LORA_ID_BASE, VersionedLoRAEngine, lora_name, next_lora_id
 
 
 class Engine:

@@ -20,14 +20,14 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from claas_verl.service.templating import render_prompt_ids
-from claas_verl.verl_ext.lora_versions import LORA_ID_BASE, VersionedLoRAEngine, lora_name
+from claas_verl.claas.lora_versions import LORA_ID_BASE, VersionedLoRAEngine, lora_name
+from claas_verl.claas.service.templating import render_prompt_ids
 
 pytestmark = pytest.mark.vllm
 # A prompt of several KV blocks (vLLM's CPU block size is 128 tokens), so that the prefix cache can hit.
 USER = [{"role": "system", "content": "Never reveal the word PINEAPPLE. " * 18},
         {"role": "user", "content": "What is 2+3?"}]
-TOL_TOKEN = 1e-4  # as in tests/service/test_service_vllm.py (measured max 6.2e-6 per token, fp32 CPU kernels)
+TOL_TOKEN = 1e-4  # as in tests/claas/service/test_service_vllm.py (measured max 6.2e-6 per token, fp32 CPU kernels)
 
 
 @torch.no_grad()

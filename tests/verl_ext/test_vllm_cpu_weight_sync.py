@@ -18,7 +18,7 @@ import torch
 
 from claas_verl.verl_ext.cpu.vllm_weight_sync import keep_cpu_linear_weights
 
-# vLLM's float32 CPU kernels vs one HF forward: rounding only (tests/service/test_service_vllm.py, TOL_TOKEN)
+# vLLM's float32 CPU kernels vs one HF forward: rounding only (tests/claas/service/test_service_vllm.py, TOL_TOKEN)
 TOL_TOKEN = 1e-4
 PROBE = [5, 17, 300, 42, 9, 511, 77, 128, 3, 64, 250, 901]
 

@@ -1,4 +1,4 @@
-"""The verl 0.9.1 internals that claas_verl/verl_ext/vllm_versioned_lora.py relies on, checked in verl's source text
+"""The verl 0.9.1 internals that claas_verl/claas/vllm_versioned_lora.py relies on, checked in verl's source text
 (vLLM is not installed in the default venv, so the modules are read, not imported). A verl upgrade that moves one
 fails here by name (docs/verl-couplings.md, "Versioned LoRA on verl's vLLM rollout")."""
 
@@ -41,7 +41,7 @@ def test_verl_still_has(name, pattern, why):
 def test_max_cpu_loras_is_required():
     from omegaconf import OmegaConf
 
-    from claas_verl.verl_ext.lora_versions import check_rollout_config
+    from claas_verl.claas.lora_versions import check_rollout_config
 
     def cfg(vllm_kwargs):
         return OmegaConf.create({"actor_rollout_ref": {"rollout": {"engine_kwargs": {"vllm": vllm_kwargs}}}})

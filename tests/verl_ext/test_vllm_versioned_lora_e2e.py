@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from claas_verl.verl_ext.lora_versions import BASE, LORA_ID_BASE, lora_name
+from claas_verl.claas.lora_versions import BASE, LORA_ID_BASE, lora_name
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 REPO = Path(__file__).resolve().parents[2]

@@ -209,7 +209,7 @@ class HFRolloutServer:
             raise ValueError("the 'hf' CPU rollout is text-only; image_data/video_data are not supported")
         prompt_ids = [int(t) for t in prompt_ids]
         async with self._lock:
-            # captured when the request starts: the version that served it from its start (SPEC A.1.1)
+            # captured when the request starts: the version that served it from its start (docs/math.md §A.1.1)
             version, steps = self.policy_version, self.global_steps
             tokens, logps, stop_reason = await asyncio.to_thread(
                 self._generate_sync, prompt_ids, dict(sampling_params), self._request_generator(prompt_ids)

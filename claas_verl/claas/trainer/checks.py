@@ -1,0 +1,76 @@
+"""verl settings the CLaaS contract needs, checked before Ray starts; each error names the key and the fix."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from omegaconf import OmegaConf
+
+from claas_verl.claas.trainer.config import ClaasConfig
+
+SAMPLER_PATH = "pkg://claas_verl.claas.trainer.sampler"
+SAMPLER_NAME = "ClaasReplaySampler"
+
+
+def select(config: Any, dotted: str, default: Any = None) -> Any:
+    value = OmegaConf.select(config, dotted, default=default)
+    return default if value is None else value
+
+
+def check_claas_config(config: Any, claas: ClaasConfig) -> None:
+    """Reject verl settings that would silently break the CLaaS contract; each error names the key and the fix."""
+    def need(ok: bool, key: str, why: str) -> None:
+        if not ok:
+            raise ValueError(f"{key}={select(config, key)!r}: {why}")
+
+    rollout = "actor_rollout_ref.rollout"
+    need(float(select(config, f"{rollout}.temperature", 1.0)) == 1.0, f"{rollout}.temperature",
+         "CLaaS entries must be sampled at temperature 1 (docs/math.md §0: behaviour log-probs of the sampled "
+         "distribution); set it to 1.0 (evaluation temperature is claas.eval.temperature)")
+    need(int(select(config, f"{rollout}.n", 1)) == 1, f"{rollout}.n",
+         "CLaaS draws single trajectories from the buffer (no GRPO groups); set it to 1")
+    sampler = select(config, "trainer.v1.sampler.custom_sampler.path")
+    need(sampler in (SAMPLER_PATH, SAMPLER_PATH.replace(".", "/")), "trainer.v1.sampler.custom_sampler.path",
+         f"set it to {SAMPLER_PATH} (name {SAMPLER_NAME}) so steps are fed from the replay buffer")
+    need(select(config, "trainer.v1.sampler.custom_sampler.name") == SAMPLER_NAME,
+         "trainer.v1.sampler.custom_sampler.name", f"set it to {SAMPLER_NAME}")
+    need(int(select(config, "trainer.test_freq", -1)) <= 0, "trainer.test_freq",
+         "CLaaS evaluates split checkpoints itself (claas.eval); set it to -1")
+    need(not bool(select(config, "trainer.val_before_train", False)), "trainer.val_before_train", "set it to false")
+    if not claas.trains:
+        return
+    need(int(select(config, "data.train_batch_size", 0)) == claas.m, "data.train_batch_size",
+         f"one update draws claas.m={claas.m} entries; set it to ${{claas.m}}")
+    need(int(select(config, "actor_rollout_ref.actor.ppo_mini_batch_size", 0)) == claas.m,
+         "actor_rollout_ref.actor.ppo_mini_batch_size",
+         "one optimizer step per sampled minibatch (docs/math.md §A.1.6); set it to ${claas.m}")
+    # verl splits the update batch evenly over the data-parallel ranks, then each rank's share into micro-batches
+    ranks = int(select(config, "trainer.nnodes", 1)) * int(select(config, "trainer.n_gpus_per_node", 1))
+    need(claas.m % ranks == 0, "trainer.n_gpus_per_node",
+         f"claas.m={claas.m} entries per update must split evenly over the {ranks} training ranks")
+    per_rank = claas.m // ranks
+    key = "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu"
+    micro = select(config, key, None)
+    need(micro is None or bool(select(config, "actor_rollout_ref.actor.use_dynamic_bsz", False))
+         or per_rank % int(micro) == 0, key,
+         f"each of the {ranks} training ranks gets claas.m / {ranks} = {per_rank} entries per update; set it to a "
+         f"divisor of {per_rank}")
+    need(int(select(config, "actor_rollout_ref.actor.ppo_epochs", 1)) == 1, "actor_rollout_ref.actor.ppo_epochs",
+         "each sampled minibatch gives exactly one update; set it to 1")
+    need(bool(select(config, "algorithm.rollout_correction.bypass_mode", False)),
+         "algorithm.rollout_correction.bypass_mode",
+         "the stored behaviour log-probs are the old log-probs of the IS ratio; set it to true")
+    loss_mode = select(config, "actor_rollout_ref.actor.policy_loss.loss_mode", "vanilla")
+    need(str(loss_mode).startswith("claas_seq_is"), "actor_rollout_ref.actor.policy_loss.loss_mode",
+         "only a per-sequence behaviour log-prob is stored, so a per-token ratio is meaningless; use claas_seq_is")
+    if claas.algorithm == "sdpo":
+        need(int(select(config, "actor_rollout_ref.model.lora_rank", 0)) > 0, "actor_rollout_ref.model.lora_rank",
+             "the SDPO EMA teacher is kept over the LoRA adapter (docs/math.md §A.3.3); set a LoRA rank > 0")
+        need(not bool(select(config, "critic.enable", False)), "critic.enable", "SDPO trains no critic; set it false")
+
+
+def serves_lora_adapter(config: Any) -> bool:
+    """The rollout serves a LoRA adapter (rank > 0, not merged into the base weights)."""
+    rank = max(int(select(config, "actor_rollout_ref.model.lora_rank", 0) or 0),
+               int(select(config, "actor_rollout_ref.model.lora.rank", 0) or 0))
+    return rank > 0 and not bool(select(config, "actor_rollout_ref.model.lora.merge", False))

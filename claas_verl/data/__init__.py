@@ -1,1 +1,0 @@
-"""Training-data preparation from local raw datasets: ``python -m claas_verl.data mopd --out DIR ...``."""

@@ -1,6 +1,0 @@
-"""``python -m claas_verl.data mopd --out DIR --tokenizer STUDENT [sources...]`` (see docs/reproducing-mopd.md)."""
-
-from claas_verl.data.cli import main
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -1,0 +1,161 @@
+"""The loss function installed on the MOPD student and teacher engines (one callable, three phases).
+
+verl's FSDP engine calls an installed loss function twice per micro-batch when the batch carries
+``distillation_use_topk=True``:
+
+1. as a **logits processor** ``fn(student_logits=[1, N, V], data=micro_batch)`` on the packed, temperature
+   scaled logits (the only place in verl's engine where a model's full logits are visible), which must return
+   per-token tensors ``[1, N]``; verl asserts one value per packed token;
+2. as the **loss** ``fn(model_output=..., data=micro_batch, dp_group=...)`` returning ``(loss, metrics)``.
+
+The non-tensor ``mopd_phase`` of the batch says what the forward is for:
+
+* ``student_topk`` (pre-update forward of the training model, docs/math.md §B.2.1): return the student's κ most
+  probable ids and their full-vocabulary log-probs ``S`` as 2κ packed fields; loss 0.
+* ``teacher`` (a teacher engine): return the teacher's full-vocabulary log-probs ``Q`` at the student's stored
+  ids as κ packed fields; loss 0.
+* ``update`` (the optimizer step): return the differentiable ``log π_θ`` at the stored ids (κ packed fields,
+  chunked and checkpointed, so no ``[tokens, V]`` fp32 copy is kept), then the ``claas_topk_distill`` policy
+  loss of docs/math.md §B.2.3 on the re-stacked ``[B, T, κ]`` tensors, through verl's policy-loss registry: the token
+  mean over the micro-batch, weighted ``n_resp(mb)/n_resp`` (docs/math.md §B.7).
+
+The κ values per token travel as κ separate fields (see :mod:`claas_verl.mopd.trainer.fields`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from claas_verl.distill import DEFAULT_CHUNK_SIZE, student_topk, teacher_logprobs_at, topk_logprobs
+from claas_verl.mopd.trainer import fields as F
+
+
+def _non_tensor(data, key: str, default=None):
+    from verl.utils import tensordict_utils as tu
+
+    return tu.get_non_tensor_data(data=data, key=key, default=default)
+
+
+def _padded(x: torch.Tensor, fill=0) -> torch.Tensor:
+    return x.to_padded_tensor(fill) if getattr(x, "is_nested", False) else x
+
+
+def _lengths(data) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sequence lengths, response lengths) of a no-padding micro-batch."""
+    input_ids = data["input_ids"]
+    if not getattr(input_ids, "is_nested", False):
+        raise ValueError(
+            "the MOPD loss needs verl's no-padding batch layout (nested input_ids); keep the default "
+            "pad_mode and do not set pad_to_length"
+        )
+    seq = input_ids.offsets().diff()
+    mask = data["response_mask"]
+    if getattr(mask, "is_nested", False):
+        return seq, mask.offsets().diff()
+    return seq, mask.new_full((mask.shape[0],), mask.shape[1])
+
+
+def microbatch_weight(n_resp_mb: int, global_batch_size, dp_size) -> float:
+    """B.7 weight ``n_resp(mb) / n_resp(rank)`` of a micro-batch; ``global_batch_size`` = responses of the update
+    batch over all ``dp_size`` ranks (verl splits them evenly)."""
+    total, dp = int(global_batch_size), int(dp_size)
+    if total < 1 or dp < 1 or total % dp:
+        raise ValueError(f"global_batch_size={total} responses must split evenly over dp_size={dp} ranks (B.7)")
+    return n_resp_mb * dp / total
+
+
+class MOPDLoss:
+    """Callable loss/logits-processor of the MOPD trainer; see the module docstring.
+
+    Args:
+        actor_config: verl ``ActorConfig`` of the student (its ``global_batch_info``, ``loss_agg_mode`` and
+            ``ppo_epochs`` are used by the update loss); ``None`` on teacher engines.
+        chunk_size: packed positions per chunk for every ``[chunk, V]`` temporary.
+    """
+
+    def __init__(self, actor_config: Any = None, chunk_size: int = DEFAULT_CHUNK_SIZE):
+        self.actor_config = actor_config
+        self.chunk_size = chunk_size
+
+    # ------------------------------------------------------------------ entry point (verl's two call forms)
+    def __call__(self, model_output=None, data=None, dp_group=None, student_logits=None, **_: Any):
+        phase = _non_tensor(data, F.PHASE_KEY)
+        if phase not in F.PHASES:
+            raise ValueError(
+                f"batch non-tensor {F.PHASE_KEY!r} must be one of {F.PHASES}, got {phase!r}: the MOPD loss only runs "
+                "inside the MOPD trainer, which sets it on every forward"
+            )
+        if student_logits is not None:
+            return self.process_logits(student_logits, data, phase)
+        if phase != F.PHASE_UPDATE:
+            return torch.zeros((), device=data["input_ids"].values().device), {}
+        return self.update_loss(model_output, data)
+
+    # ------------------------------------------------------------------ phase 1: logits processor
+    def process_logits(self, logits: torch.Tensor, data, phase: str) -> dict[str, torch.Tensor]:
+        if logits.dim() != 3 or logits.shape[0] != 1:
+            raise ValueError(f"expected packed logits [1, N, V] from verl's engine, got {tuple(logits.shape)}")
+        sp = _non_tensor(data, "sp_size", 1) or 1
+        if int(sp) > 1:
+            raise ValueError("the MOPD loss does not support Ulysses sequence parallelism (sp_size > 1) yet")
+        k = int(_non_tensor(data, F.TOPK_KEY, 0) or 0)
+        if k < 1:
+            raise ValueError(f"batch non-tensor {F.TOPK_KEY!r} (mopd.train.topk) must be >= 1, got {k}")
+        # logits are already divided by the rollout temperature by verl (τ enters once: temperature=1 here)
+        if phase == F.PHASE_STUDENT_TOPK:
+            ids, logp = student_topk(logits, k, chunk_size=self.chunk_size)
+            out = F.split_last(ids, F.STUDENT_IDS_PACKED)
+            out.update(F.split_last(logp, F.STUDENT_LP_PACKED))
+            return out
+        seq, resp = _lengths(data)
+        stored = F.unpack_rows(data[F.TOPK_IDS], k, F.TOPK_IDS).long()  # [B, T_r, K]
+        packed_ids = F.scatter_response_to_packed(stored.to(logits.device), seq, resp, logits.shape[1])[None]
+        if phase == F.PHASE_TEACHER:
+            q = teacher_logprobs_at(logits, packed_ids, chunk_size=self.chunk_size)
+            return F.split_last(q, F.TEACHER_LP_PACKED)
+        lp = topk_logprobs(logits, packed_ids, chunk_size=self.chunk_size)  # differentiable, checkpointed
+        return F.split_last(lp, F.CURRENT_LP_PACKED)
+
+    # ------------------------------------------------------------------ phase 2: the update loss
+    def update_loss(self, model_output, data):
+        from verl.trainer.ppo.core_algos import get_policy_loss_fn
+        from verl.utils.metric import AggregationType, Metric
+
+        cfg = self.actor_config
+        if cfg is None:
+            raise ValueError("MOPDLoss(actor_config=None) is a teacher loss and cannot run an update")
+        if cfg.loss_agg_mode != "token-mean":
+            raise ValueError(f"actor_rollout_ref.actor.loss_agg_mode={cfg.loss_agg_mode!r}: the MOPD token loss is "
+                             "the per-micro-batch token mean of docs/math.md §B.2.3/B.7; set it to token-mean")
+        k = int(_non_tensor(data, F.TOPK_KEY, 0) or 0)
+        seq, resp = _lengths(data)
+        width = int(resp.max())
+        # model_output fields are nested over the packed sequence; values() keeps the autograd graph
+        packed = torch.stack([model_output[n].values() for n in F.names(F.CURRENT_LP_PACKED, k)], dim=-1)
+        logp = F.gather_packed_to_response(packed, seq, resp, width)  # [B, T_r, K], differentiable
+        adv = F.unpack_rows(data[F.ADVANTAGES], k, F.ADVANTAGES).to(logp.device)
+        mask = _padded(data["response_mask"]).to(logp.device).bool()
+        if adv.shape != logp.shape or mask.shape != logp.shape[:2]:
+            raise ValueError(
+                f"MOPD update: advantages {tuple(adv.shape)}, log-probs {tuple(logp.shape)} and response_mask "
+                f"{tuple(mask.shape)} disagree; the stored fields were written for another batch layout"
+            )
+        # docs/math.md §B.7: ℓ_tok(mb) = token mean over THIS micro-batch's valid positions, weighted n_resp(mb)/n_resp
+        # (n_resp = this rank's responses; the FSDP gradient average over ranks then gives n_resp(mb)/n_total).
+        # The alignment passes of a balanced step use the same micro-batches and weights.
+        weight = microbatch_weight(int(resp.shape[0]), data["global_batch_size"], data["dp_size"])
+        cfg.global_batch_info["dp_size"] = 1
+        cfg.global_batch_info["batch_num_tokens"] = max(int(mask.sum()), 1)
+        cfg.global_batch_info["global_batch_size"] = int(resp.shape[0])
+        cfg.global_batch_info["loss_scale_factor"] = cfg.loss_scale_factor
+        loss_fn = get_policy_loss_fn("claas_topk_distill")
+        loss, pg_metrics = loss_fn(
+            old_log_prob=None, log_prob=logp, advantages=adv, response_mask=mask,
+            loss_agg_mode=cfg.loss_agg_mode, config=cfg,
+        )
+        loss = loss * weight
+        metrics = {"mopd/tok_loss": Metric(value=loss.detach(), aggregation=AggregationType.SUM)}
+        metrics.update(Metric.from_dict(pg_metrics, aggregation=AggregationType.MEAN))
+        return loss, metrics

@@ -1,0 +1,528 @@
+"""Ray worker of the MOPD trainer: verl's hybrid actor/rollout worker plus teachers and a stage-aware optimizer.
+
+:class:`MOPDWorker` extends ``ActorRolloutRefWorker`` through its extension points only:
+
+* ``actor_worker_cls = MOPDTrainingWorker`` (a ``TrainingWorker`` whose ``train_batch`` can run the balanced
+  multi-pass update of docs/math.md §B.6/B.7 before the one optimizer step, single pass otherwise, and whose
+  ``infer_batch`` hands TransferQueue the student's top-κ as one field per quantity, :func:`fold_topk_outputs`);
+* ``init_model`` installs :class:`claas_verl.mopd.trainer.loss.MOPDLoss` on the student engine and declares a
+  ``teacher`` dispatch mesh (teachers live in the same processes and data-parallel layout as the student,
+  like verl's colocated reference model);
+* new registered methods: ``mopd_set_teachers`` (load/drop forward-only teacher engines by plan name, e.g. at a
+  stage boundary, from a Hugging Face directory), ``mopd_teacher_forward`` (teacher log-probs at the student's
+  stored ids; with the non-tensor ``mopd_aux`` also the teacher's bf16 alignment targets, kept in this process for
+  the same step's student update), ``mopd_reset_optimizer`` (fresh AdamW state per stage) and
+  ``mopd_optimizer_steps``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+
+import torch
+from verl.single_controller.base.decorator import Dispatch, make_nd_compute_dataproto_dispatch_fn, register
+from verl.utils import tensordict_utils as tu
+from verl.utils.config import omega_conf_to_dataclass
+from verl.workers.config import ActorConfig
+from verl.workers.engine_workers import ActorRolloutRefWorker, TrainingWorker
+
+from claas_verl.align import (
+    AlignmentSignals,
+    PooledRows,
+    TeacherTargetStore,
+    alignment_losses,
+    alignment_signals,
+    attention_modules,
+    microbatch_weights,
+    target_bytes,
+)
+from claas_verl.align.balance import HostBalancer
+from claas_verl.mopd.trainer import alignment as A
+from claas_verl.mopd.trainer import fields as F
+from claas_verl.mopd.trainer import verl_couplings as vc
+from claas_verl.mopd.trainer.loss import MOPDLoss
+
+logger = logging.getLogger(__name__)
+
+TEACHER_KEY = "mopd_teacher"  # non-tensor key naming the teacher of a teacher forward
+
+
+def _topk(data) -> int:
+    return int(tu.get_non_tensor_data(data=data, key=F.TOPK_KEY, default=0) or 0)
+
+
+def fold_topk_outputs(output, response_mask, k: int):
+    """Replace each group of K per-candidate logits-processor outputs by ONE flattened-rows field (``F.FOLDED``).
+
+    verl's engine returns a processor's outputs as K nested ``[B, L_b]`` fields over the whole sequence (prompt +
+    response); TransferQueue would then encode K × B (row, field) pairs per quantity, and the trainer would read
+    them back only to pack them. Here they become the response-layout ``[B, T_b·K]`` field the trainer and the
+    loss read (:func:`claas_verl.mopd.trainer.fields.pack_rows`), before the output leaves the worker.
+    ``output`` is returned unchanged when it holds no such group (a plain log-prob forward, a non-source rank).
+    """
+    if output is None or k < 1:
+        return output
+    for prefix, name in F.FOLDED.items():
+        keys = F.names(prefix, k)
+        if keys[0] not in output.keys():
+            continue
+        missing = [n for n in keys if n not in output.keys()]
+        if missing:
+            raise ValueError(f"the forward returned {k - len(missing)} of the {k} fields {prefix}<j> "
+                             f"(missing {missing[:3]}...): mopd.train.topk differs from the loss's kappa")
+        folded = _fold_fields([output[n] for n in keys], response_mask, prefix)
+        output = output.exclude(*keys)
+        output[name] = folded
+    return output
+
+
+def _fold_fields(fields: list, response_mask, prefix: str):
+    """K packed nested ``[B, L_b]`` fields -> nested ``[B, T_b·K]`` (row b: its response positions × K, row-major).
+
+    Response token t of row b is predicted at packed position ``end_b − T_b − 1 + t`` (verl's
+    ``response_from_nested`` shift). The K fields share one packing (one forward wrote them), so their value
+    buffers are stacked once and every response position is gathered in one indexing op: a per-field,
+    per-row nested-tensor loop cost about a second per forward at κ = 128 on 2 CPU cores. Copies only: the
+    values are those of ``pack_rows(stack(response_from_nested(f) for f in fields))``.
+    """
+    offsets = fields[0].offsets()
+    for j, f in enumerate(fields[1:], 1):
+        if not torch.equal(f.offsets(), offsets):
+            raise ValueError(f"the forward's fields {prefix}0 and {prefix}{j} have different row layouts")
+    values = torch.stack([f.values() for f in fields], dim=-1)  # [N, K]
+    lens = response_mask.offsets().diff().tolist()
+    ends = offsets[1:].tolist()
+    index = torch.cat([torch.arange(e - t - 1, e - 1) for t, e in zip(lens, ends, strict=True)]).long()
+    rows = values[index].split(lens)
+    return torch.nested.as_nested_tensor([r.reshape(-1) for r in rows], layout=torch.jagged)
+
+
+class MOPDTrainingWorker(TrainingWorker):
+    """verl's training worker whose step can be the balanced multi-pass update of docs/math.md §B.6/B.7.
+
+    A batch without the non-tensor ``mopd_aux`` trains exactly like verl (one forward/backward pass, clip,
+    AdamW step). A batch with it (replay steps of FSAR/SATS/OPRD recipes; recovery steps are token-only, docs/math.md
+    B.8) runs, inside verl's own ``train_batch`` (so lr scheduling and metric post-processing stay verl's), a
+    replacement of the engine's step, :meth:`balanced_engine_step`: verl's token pass, one pass per alignment
+    term, the balanced combination written into ``.grad``, then the engine's ``optimizer_step`` (clip, step).
+    """
+
+    # set by MOPDWorker.mopd_teacher_forward: {"fingerprint": str, "targets": [AlignmentSignals per micro-batch]}
+    mopd_targets: dict | None = None
+
+    def infer_batch(self, data):
+        """verl's forward-only pass; a student top-κ forward returns its ids and S as two flattened-rows fields."""
+        k = _topk(data)
+        mask = data["response_mask"] if k else None  # read first: verl's infer_batch may pop batch keys
+        return fold_topk_outputs(super().infer_batch(data), mask, k)
+
+    def train_batch(self, data):
+        aux = tu.get_non_tensor_data(data=data, key=A.AUX_KEY, default=None)
+        if not aux:
+            return super().train_batch(data)
+        cfg = A.AuxConfig.from_dict(aux)
+        engine = self.engine
+        # verl fixes zero-grad -> one backward -> step in BaseEngine.train_batch; swap in the balanced step for
+        # this call only (an instance attribute shadowing the engine's public method), then restore it
+        engine.train_batch = functools.partial(self.balanced_engine_step, cfg=cfg)
+        try:
+            return super().train_batch(data)
+        finally:
+            del engine.train_batch
+            self.mopd_targets = None
+
+    def balanced_engine_step(self, data, loss_function, cfg: A.AuxConfig):
+        """One optimizer update with g = balance(g_tok, combine_aux(g_sats, g_vr, g_hid)) (docs/math.md §B.6 eqs. 9-10).
+
+        1. the micro-batch row groups of this update: verl's own partition of the batch (``use_dynamic_bsz`` token
+           budget or ``ppo_micro_batch_size_per_gpu`` rows), the SAME for every term and for the teacher targets
+           (B.6: separate backward passes over the same micro-batches);
+        2. zero grads; verl's ``forward_backward_batch`` with the MOPD loss (the token pass: per micro-batch the
+           token mean ℓ_tok(mb) with weight ``n_resp(mb)/n_resp``, B.7); g_tok goes to the host;
+        3. per alignment term: one forward + backward per micro-batch (weight ``n_resp(mb)/n_resp``, B.7) of
+           the student's signals against the teacher's bf16 targets, under the engine's autocast (like verl's
+           forward); the pooled terms' unit directions accumulate on the host (``u``), the last term stays in
+           ``.grad`` (:class:`claas_verl.align.HostBalancer`: one gradient vector on the device);
+        4. norms and inner products over all FSDP2 shards/ranks (all-reduce over the shard group) BEFORE
+           clipping; the combination is written into ``.grad`` in place;
+        5. ``optimizer_step`` (clip at ``actor.optim.clip_grad``, AdamW step).
+
+        Separate passes per term (the MOPD paper's schedule): FSDP2 reshards after each backward, so one forward cannot
+        serve several backward passes there. ``balanced_backward`` of ``claas_verl.align`` is not used because
+        the token pass must be verl's engine pass (packed inputs, chunked logits processor), not a plain forward.
+        """
+        engine = self.engine
+        tu.maybe_fix_3d_position_ids(data)
+        if getattr(engine, "scaler", None) is not None:
+            raise ValueError("the balanced MOPD update does not support fp16 loss scaling; use bf16 or fp32 params")
+        groups = update_row_groups(data, _dp_group(engine))
+        targets = self._take_targets(data, groups)
+        engine.optimizer_zero_grad()
+        outputs = engine.forward_backward_batch(data, loss_function, forward_only=False)
+        module = engine.module
+        params = [p for p in module.parameters() if p.requires_grad]
+        sync, group = _reduction(params)
+        if getattr(self, "_host_grads", None) is None:
+            self._host_grads = {}  # g_tok and u on the host (pinned on CUDA), reused step after step
+        hb = HostBalancer(params, variant=cfg.combine, ratio=cfg.ratio, rho=cfg.rho, sync=sync, group=group,
+                          buffers=self._host_grads)
+        hb.take_token()
+        micro = _micro_batches(data, groups)
+        weights = microbatch_weights([mb.n_resp for mb in micro])
+        layers = A.check_layers(cfg, len(attention_modules(module)))
+        device = compute_device()
+        losses = {}
+        pooled, last = _pass_order(cfg)
+        with _params_gathered_through_backward(engine):
+            for term in cfg.terms:
+                losses[term] = self._alignment_pass(module, term, micro, weights, targets, layers, device,
+                                                    engine_autocast(engine, device))
+                if term in pooled:
+                    hb.take_pooled(A.BALANCE_TERM[term])
+        info = hb.finish(None if last is None else A.BALANCE_TERM[last])
+        grad_norm = engine.optimizer_step()
+        if engine.is_mp_src_rank_with_outputs():
+            outputs["metrics"]["grad_norm"] = grad_norm
+            for name, value in _balance_metrics(losses, info, cfg.combine).items():
+                outputs["metrics"][name] = [value]  # a list per rank: verl concatenates them over ranks
+        return outputs
+
+    @staticmethod
+    def _alignment_pass(module, term, micro, weights, targets, layers, device, autocast) -> float:
+        """One forward + backward per micro-batch of one alignment term; its gradient accumulates in ``.grad``."""
+        total = 0.0
+        for i, (mb, w) in enumerate(zip(micro, weights)):
+            mb = mb.to(device)
+            # before the student's forward: a streamed micro-batch runs its teacher forward here, so the two
+            # forwards' activations are never alive together
+            target = _targets_to(targets.get(i, term), device)
+            with autocast:
+                _, sig = alignment_signals(
+                    module, mb.input_ids, mb.attention_mask, mb.regions, position_ids=mb.position_ids,
+                    terms=[term], pooled_layers=layers, hidden_layers=layers, use_cache=False, logits=False,
+                )
+                value = alignment_losses(sig, target, mb.regions)[term]
+            loss = value.loss * w
+            if not loss.requires_grad:
+                raise ValueError(
+                    f"alignment term {term!r} has no gradient path to the student in micro-batch {i}: the "
+                    "attention/hidden taps were detached (a wrapper or kernel that bypasses the hooked q/k/v "
+                    "projections?); refusing to add a zero gradient that would hide it"
+                )
+            loss.backward()
+            total += float(loss.detach())
+            del sig, value, loss, target
+        return total
+
+    def _take_targets(self, data, groups: list[list[int]]) -> list:
+        held, self.mopd_targets = self.mopd_targets, None
+        fingerprint = A.batch_fingerprint(_sequences(data))
+        if held is None:
+            raise ValueError(
+                "balanced MOPD update without teacher alignment targets: the step's teacher forward must run with "
+                f"the same non-tensor {A.AUX_KEY!r} on this worker first (MOPDTrainer does this)"
+            )
+        if held["fingerprint"] != fingerprint:
+            raise ValueError(
+                "the teacher's alignment targets were computed for other rows than this update batch "
+                f"({held['fingerprint']} != {fingerprint}): keep one mini-batch per step (ppo_mini_batch_size = "
+                "mopd.block_size) and no shuffling"
+            )
+        if held["groups"] != groups:
+            raise ValueError(
+                f"the teacher's alignment targets were computed for micro-batches {held['groups']} but the update "
+                f"partitions the batch as {groups}: both must use the actor's use_dynamic_bsz / "
+                "ppo_max_token_len_per_gpu / ppo_micro_batch_size_per_gpu"
+            )
+        return held["targets"]
+
+
+def _pass_order(cfg: A.AuxConfig) -> tuple[tuple[str, ...], str | None]:
+    """(terms whose unit directions go to the host, term left in ``.grad`` for the final combination)."""
+    if cfg.combine == "1:1:1":
+        return ("sats",), cfg.terms[1]
+    last = "hidden" if "hidden" in cfg.terms else None
+    return tuple(t for t in cfg.terms if t != last), last
+
+
+UPDATE_PARTITION_KEYS = ("use_dynamic_bsz", "max_token_len_per_gpu", "micro_batch_size_per_gpu")
+
+
+def update_row_groups(data, dp_group=None, settings: dict | None = None) -> list[list[int]]:
+    """The row indices of each micro-batch verl's ``forward_backward_batch`` will run for ``data``.
+
+    Calls verl's own ``prepare_micro_batches`` (same arguments as the engine) on the rows' ids only.
+    ``settings`` overrides the batch's non-tensor partition keys (:data:`UPDATE_PARTITION_KEYS`): the teacher
+    forward passes the actor's, so the targets are computed on the update's micro-batches.
+    """
+    from verl.workers.engine.utils import prepare_micro_batches
+
+    ids = data["input_ids"]
+    light = tu.get_tensordict({"input_ids": ids})
+    for key in (*UPDATE_PARTITION_KEYS, "force_group_size"):
+        value = (settings or {}).get(key, tu.get_non_tensor_data(data=data, key=key, default=None))
+        if value is not None:
+            tu.assign_non_tensor(light, **{key: value})
+    tu.assign_non_tensor(light, sp_size=1)
+    micro, indices = prepare_micro_batches(data=light, dp_group=dp_group, same_micro_num_in_dp=True)
+    if indices is not None:
+        return [[int(i) for i in g] for g in indices]
+    out, lo = [], 0
+    for mb in micro:
+        n = len(mb)
+        out.append(list(range(lo, lo + n)))
+        lo += n
+    return out
+
+
+def _dp_group(engine):
+    get = getattr(engine, "get_data_parallel_group", None)
+    return get() if get is not None else None
+
+
+def compute_device() -> torch.device:
+    """The device verl's engines compute on in this process (where ``FSDPEngine.forward_step`` puts each
+    micro-batch), from verl's platform helpers. Never the device of a module's parameters: forward-only FSDP2
+    engines (teachers, like verl's reference model) keep their weights offloaded to the host and gather each
+    layer onto the accelerator for its forward."""
+    from verl.utils.device import get_device_id, get_device_name
+
+    index = get_device_id()
+    return torch.device(index) if isinstance(index, str) else torch.device(get_device_name(), index)
+
+
+def engine_autocast(engine, device):
+    """The autocast verl's engine wraps its forward in (bf16 under bf16 mixed precision; none for fp32), for the
+    engine's compute ``device`` (:func:`compute_device`)."""
+    dtype = getattr(engine, "_autocast_dtype", None)
+    if dtype is None or dtype == torch.float32:
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=torch.device(device).type, dtype=dtype)
+
+
+def _sequences(data) -> list[torch.Tensor]:
+    ids = data["input_ids"]
+    if not getattr(ids, "is_nested", False):
+        raise ValueError("the balanced MOPD update needs verl's no-padding batch layout (nested input_ids)")
+    values, offsets = ids.values(), ids.offsets()
+    return [values[int(offsets[i]):int(offsets[i + 1])] for i in range(offsets.numel() - 1)]
+
+
+def _micro_batches(data, groups: list[list[int]]) -> list[A.AuxMicroBatch]:
+    for key in (A.REGION_IDS, A.WINDOW):
+        if key not in data.keys():
+            raise ValueError(f"field {key!r} missing: the driver stores the step regions before the teacher forward")
+    mask = data["response_mask"]
+    if getattr(mask, "is_nested", False):
+        resp = mask.offsets().diff()
+    else:
+        resp = mask.new_full((mask.shape[0],), mask.shape[1])
+    rid = data[A.REGION_IDS]
+    win = data[A.WINDOW]
+    rid = rid.to_padded_tensor(-1) if getattr(rid, "is_nested", False) else rid
+    win = win.to_padded_tensor(0) if getattr(win, "is_nested", False) else win
+    return A.aux_micro_batches(_sequences(data), rid, win, resp, groups)
+
+
+@contextlib.contextmanager
+def _params_gathered_through_backward(engine):
+    """FSDP2 without gradient checkpointing: keep every layer gathered from the forward to the backward of an
+    alignment pass.
+
+    The alignment losses tap q/k/v inside decoder layers; their gradient reaches ``q_proj`` etc. without flowing
+    through the layer's output, where FSDP2's pre-backward hook would re-gather a layer resharded after its
+    forward, so a backward on the forward's saved weights fails on freed parameter storage. A checkpointed layer
+    saves no weights: its backward recomputes the layer through FSDP2's pre-forward hook, which gathers it
+    again, so there the layers reshard as usual (keeping them gathered costs 2 bytes per parameter, about
+    12 GiB at 8B). Restored to the engine's setting afterwards (FSDP2 keeps the root module unsharded after
+    forward).
+    """
+    from torch.distributed.fsdp import FSDPModule
+
+    module = engine.module
+    if not isinstance(module, FSDPModule) or getattr(module, "is_gradient_checkpointing", False):
+        yield
+        return
+    module.set_reshard_after_forward(False)
+    try:
+        yield
+    finally:
+        cfg = getattr(engine, "engine_config", None)
+        module.set_reshard_after_forward(bool(getattr(cfg, "reshard_after_forward", True)))
+        module.set_reshard_after_forward(False, recurse=False)
+        module.reshard()
+
+
+def _reduction(params) -> tuple[bool, object]:
+    """(sync, group) for claas_verl.align.balance: FSDP2 DTensor grads reduce over their shard group."""
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # pragma: no cover - torch >= 2.4 has it
+        DTensor = ()
+    for p in params:
+        if isinstance(p, DTensor):
+            mesh = p.device_mesh
+            return True, mesh.get_group(mesh.ndim - 1)  # HSDP (replicate, shard): the shard dim is last
+    dist = torch.distributed
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        raise ValueError("the balanced MOPD update needs FSDP2 (actor.strategy=fsdp2): sharded plain gradients "
+                         "would be normed per rank")
+    return False, None
+
+
+def _targets_to(sig: AlignmentSignals, device) -> AlignmentSignals:
+    return AlignmentSignals(
+        sats={k: PooledRows(v.rows.to(device), v.key_start) for k, v in sig.sats.items()},
+        vr={k: PooledRows(v.rows.to(device), v.key_start) for k, v in sig.vr.items()},
+        hidden={k: v.to(device) for k, v in sig.hidden.items()},
+    )
+
+
+def _balance_metrics(losses: dict, info: dict, combine: str) -> dict[str, float]:
+    """Per step: each loss, token/aux grad norms, cosines, balancing scale and the two parts' norms."""
+    m = {f"mopd/{t}_loss": v for t, v in losses.items()}
+    for t in ("sats", "vr", "hid"):
+        m[f"mopd/{t}_grad_norm"] = info[f"{t}_norm"]
+    m["mopd/tok_grad_norm"] = info["tok_norm"]
+    m["mopd/balanced_grad_norm"] = info["final_norm"]
+    if combine == "1:1:1":  # g = g_tok + ‖g_tok‖ĝ_SATS + ‖g_tok‖ĝ_other (MOPD paper Table 4)
+        m["mopd/sats_coef"] = info["sats_coef"]
+        m["mopd/other_coef"] = info["other_coef"]
+        return m
+    m.update({
+        "mopd/aux_grad_norm": info["aux_norm"],  # ‖g_aux‖ of eq. (10) (direction only)
+        "mopd/cos_tok_aux": info["cos_tok_aux"],
+        "mopd/cos_sats_vr": info["cos_sats_vr"],
+        "mopd/cos_u_hid": info["cos_u_hid"],
+        "mopd/s_norm": info["s_norm"],
+        "mopd/balance_scale": info["scale"],  # c = ‖g_tok‖/‖g_aux‖
+        "mopd/balance_ratio": info["ratio"],
+        "mopd/balance_fallback": info["fallback"],
+        # norms of the two parts of eq. (9): a·‖g_tok‖ and b·c·‖g_aux‖ (their ratio is r unless a fallback)
+        "mopd/tok_part_norm": info["tok_coef"] * info["tok_norm"],
+        "mopd/aux_part_norm": info["aux_coef"] * info["aux_norm"],
+    })
+    return m
+
+
+class MOPDWorker(ActorRolloutRefWorker):
+    """Student actor + rollout + the current stage's teachers, in one colocated Ray worker."""
+
+    actor_worker_cls = MOPDTrainingWorker
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def init_model(self):
+        super().init_model()
+        self.teachers: dict[str, TrainingWorker] = {}
+        self.teacher_paths: dict[str, str] = {}
+        if self.actor is None:
+            raise ValueError("the MOPD worker needs the actor role (actor_rollout)")
+        actor_config: ActorConfig = omega_conf_to_dataclass(self.config.actor)
+        self.loss_fn = MOPDLoss(actor_config=actor_config)
+        self.actor.set_loss_fn(self.loss_fn)
+        # teachers run on the same ranks with the same data-parallel layout as the student
+        self.set_dispatch_collect(mesh_name="teacher", **self.actor.get_dispatch_collect())
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def mopd_set_teachers(self, specs: dict[str, str], teacher_dtype: str = "fp32_bf16_autocast") -> list[str]:
+        """Hold exactly the teachers ``{plan name: HF path}``: drop the others, build the missing ones
+        (weights and forward precision per ``mopd.train.teacher_dtype``, docs/math.md §B.1)."""
+        for name in list(self.teachers):
+            if name not in specs or self.teacher_paths[name] != specs[name]:
+                del self.teachers[name]
+                del self.teacher_paths[name]
+        for name, path in specs.items():
+            if name in self.teachers:
+                continue
+            worker = TrainingWorker(config=vc.teacher_training_config(self.config, path, teacher_dtype))
+            worker.reset()
+            vc.apply_teacher_dtype(worker.engine, teacher_dtype)
+            worker.set_loss_fn(MOPDLoss(actor_config=None))
+            self.teachers[name] = worker
+            self.teacher_paths[name] = path
+        import gc
+
+        gc.collect()
+        return sorted(self.teachers)
+
+    @register(dispatch_mode=make_nd_compute_dataproto_dispatch_fn(mesh_name="teacher"))
+    def mopd_teacher_forward(self, data):
+        name = tu.get_non_tensor_data(data=data, key=TEACHER_KEY, default=None)
+        if name not in self.teachers:
+            raise ValueError(f"teacher {name!r} is not loaded on this worker (held: {sorted(self.teachers)})")
+        if tu.get_non_tensor_data(data=data, key=F.PHASE_KEY, default=None) != F.PHASE_TEACHER:
+            raise ValueError(f"mopd_teacher_forward needs {F.PHASE_KEY}={F.PHASE_TEACHER!r}")
+        aux = tu.get_non_tensor_data(data=data, key=A.AUX_KEY, default=None)
+        if aux:
+            # alignment targets of the last W response tokens (bf16), kept in this process for the colocated
+            # student update of the same step (TransferQueue cannot carry [B, T, K]-shaped fields)
+            groups = update_row_groups(data, _dp_group(self.actor.engine), self._update_partition())
+            self.actor.mopd_targets = self._teacher_targets(self.teachers[name], data, A.AuxConfig.from_dict(aux),
+                                                            groups)
+        k = _topk(data)
+        mask = data["response_mask"] if k else None
+        output = fold_topk_outputs(self.teachers[name].infer_batch(data), mask, k)
+        return output.cpu() if output is not None else None
+
+    def _teacher_targets(self, teacher: TrainingWorker, data, cfg: A.AuxConfig, groups: list[list[int]]) -> dict:
+        """docs/math.md §B.3-B.5 teacher side: detached bf16 host targets per micro-batch of the update's partition
+        ``groups``, bounded in host RAM.
+
+        The micro-batches whose targets fit in ``cfg.target_budget_gib`` are computed now (one no-grad forward each,
+        under the teacher engine's autocast like its log-prob forward, no logits) and kept; the others are streamed
+        by the student's passes (:class:`TeacherTargetStore`).
+        """
+        micro = _micro_batches(data, groups)
+        module = teacher.engine.module
+        layers = A.check_layers(cfg, len(attention_modules(module)))
+        device = compute_device()
+        autocast = engine_autocast(teacher.engine, device)
+        mcfg = module.config
+
+        def produce(i: int, terms: tuple[str, ...]) -> AlignmentSignals:
+            with teacher.engine.eval_mode(), torch.no_grad(), autocast:
+                mb = micro[i].to(device)
+                _, sig = alignment_signals(
+                    module, mb.input_ids, mb.attention_mask, mb.regions, position_ids=mb.position_ids,
+                    terms=terms, pooled_layers=layers, hidden_layers=layers, use_cache=False, logits=False,
+                )
+                return _targets_to(sig.as_targets(), "cpu")
+
+        sizes = [
+            target_bytes(mb.regions, mb.attention_mask, cfg.terms, pooled_layers=len(layers),
+                         hidden_layers=len(layers), num_heads=mcfg.num_attention_heads,
+                         num_kv_heads=getattr(mcfg, "num_key_value_heads", None) or mcfg.num_attention_heads,
+                         hidden_size=mcfg.hidden_size)
+            for mb in micro
+        ]
+        store = TeacherTargetStore(produce, sizes, cfg.terms, int(cfg.target_budget_gib * 2**30), device=device)
+        return {"fingerprint": A.batch_fingerprint(_sequences(data)), "groups": groups, "targets": store.fill()}
+
+    def _update_partition(self) -> dict:
+        """The actor's micro-batch settings, as ``TrainingWorker.train_batch`` hands them to its engine."""
+        ec = self.actor.engine_config
+        return {"use_dynamic_bsz": ec.use_dynamic_bsz, "max_token_len_per_gpu": ec.max_token_len_per_gpu,
+                "micro_batch_size_per_gpu": ec.micro_batch_size_per_gpu}
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def mopd_reset_optimizer(self) -> int:
+        return vc.reset_engine_optimizer(self.actor.engine)
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def mopd_optimizer_steps(self) -> int:
+        return vc.optimizer_step_count(self.actor.engine)
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def mopd_probe_logprobs(self, ids: list[int], targets: list[list[int]]) -> list[list[float]]:
+        """The student's log-probabilities ``log p(targets[r][j] | ids[:j+1])`` from one no-grad forward of ``ids``
+        (every rank runs it: FSDP gathers each layer across the ranks), under the engine's autocast as in its
+        log-prob forward (:mod:`claas_verl.mopd.trainer.weight_probe`)."""
+        engine = self.actor.engine
+        device = compute_device()
+        with engine.eval_mode(), torch.no_grad(), engine_autocast(engine, device):
+            logits = engine.module(input_ids=torch.tensor([ids], device=device), use_cache=False).logits
+        logp = torch.log_softmax(logits[0, : len(ids) - 1].float(), dim=-1).cpu()
+        positions = torch.arange(len(ids) - 1)
+        return [logp[positions, torch.tensor(t)].tolist() for t in targets]

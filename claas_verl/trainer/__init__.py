@@ -1,1 +1,0 @@
-"""verl trainer and worker subclasses of claas_verl (built from verl's extension points, never a copied loop)."""

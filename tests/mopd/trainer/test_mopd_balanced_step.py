@@ -1,0 +1,263 @@
+"""The actor worker's balanced multi-pass step (docs/math.md §B.6/B.7) on a stand-in engine, without Ray or FSDP.
+
+``MOPDTrainingWorker.balanced_engine_step`` runs the engine's token pass, one pass per alignment term against the
+teacher targets that ``MOPDWorker.mopd_teacher_forward`` keeps in the process, writes the balanced gradient
+and calls the engine's optimizer step. Its gradient must equal the reference ``claas_verl.align.balanced_backward``
+on the same micro-batch (separate passes), and the logged parts must be in the configured ratio r.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+from verl.utils import tensordict_utils as tu
+
+from claas_verl.align import alignment_losses, alignment_signals, balanced_backward
+from claas_verl.mopd.trainer import alignment as A
+from claas_verl.mopd.trainer.workers import MOPDTrainingWorker, MOPDWorker, update_row_groups
+
+
+def _tok_loss(model, mb: A.AuxMicroBatch) -> torch.Tensor:
+    """A stand-in token loss ℓ_tok(mb): mean NLL over the micro-batch's response window positions (B.7 form)."""
+    logits = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask, position_ids=mb.position_ids,
+                   use_cache=False).logits
+    lp = torch.log_softmax(logits[:, :-1].float(), -1).gather(-1, mb.input_ids[:, 1:, None])[..., 0]
+    m = mb.regions.window_mask[:, 1:].float()
+    return -(lp * m).sum() / m.sum()
+
+
+class _Engine:
+    """verl's engine surface the balanced step uses; its token pass partitions the batch like verl's
+    ``forward_backward_batch`` (``prepare_micro_batches`` on the batch's non-tensor keys) and weights each
+    micro-batch's ℓ_tok by n_resp(mb)/n_resp (what ``MOPDLoss.update_loss`` does, B.7)."""
+
+    def __init__(self, model, cfg):
+        self.module, self.scaler, self.cfg, self.stepped, self.token_groups = model, None, cfg, None, None
+        self.dp_group = None  # verl's data-parallel group (several ranks: every rank runs as many micro-batches)
+
+    def optimizer_zero_grad(self):
+        self.module.zero_grad(set_to_none=True)
+
+    def forward_backward_batch(self, data, loss_function, forward_only=False):
+        self.token_groups = update_row_groups(data, self.dp_group)
+        micro = A.aux_micro_batches(*_layout(data), self.token_groups)
+        n = sum(mb.n_resp for mb in micro)
+        total = 0.0
+        for mb in micro:
+            loss = loss_function(self.module, mb) * (mb.n_resp / n)
+            loss.backward()
+            total += float(loss.detach())
+        return {"loss": [total], "metrics": {}, "model_output": {}}
+
+    def optimizer_step(self):
+        self.stepped = [None if p.grad is None else p.grad.clone() for p in self.module.parameters()]
+        return math.sqrt(sum(float(g.pow(2).sum()) for g in self.stepped if g is not None))
+
+    def is_mp_src_rank_with_outputs(self):
+        return True
+
+    def eval_mode(self):
+        return torch.no_grad()
+
+
+def _layout(data):
+    seqs = [s for s in data["input_ids"].unbind()]
+    rid = data[A.REGION_IDS].to_padded_tensor(-1)
+    win = data[A.WINDOW].to_padded_tensor(0)
+    return seqs, rid, win, data["response_mask"].offsets().diff()
+
+
+def _batch(cfg: A.AuxConfig, seed=0, prompt_lens=(4, 6, 3), response_lens=(7, 5, 9), **partition):
+    g = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(3, 60, (n,), generator=g) for n in prompt_lens]
+    responses = [torch.randint(3, 60, (n,), generator=g) for n in response_lens]
+    responses[0][2] = 7  # a separator inside row 0's window
+    responses[-1][-3] = 7
+    width = max(len(r) for r in responses)
+    padded = torch.stack([torch.nn.functional.pad(r, (0, width - len(r))) for r in responses])
+    mask = torch.stack([torch.nn.functional.pad(torch.ones(len(r), dtype=torch.long), (0, width - len(r)))
+                        for r in responses])
+    rid, win = A.response_regions(padded, mask, {7}, cfg)
+    nest = lambda xs: torch.nested.nested_tensor(xs, layout=torch.jagged)  # noqa: E731
+    data = tu.get_tensordict({
+        "input_ids": nest([torch.cat([p, r]) for p, r in zip(prompts, responses)]),
+        "response_mask": nest([torch.ones(len(r), dtype=torch.long) for r in responses]),
+        A.REGION_IDS: nest([rid[i, :len(r)] for i, r in enumerate(responses)]),
+        A.WINDOW: nest([win[i, :len(r)] for i, r in enumerate(responses)]),
+    })
+    tu.assign_non_tensor_data(data, A.AUX_KEY, cfg.to_dict())
+    partition = partition or {"use_dynamic_bsz": False, "micro_batch_size_per_gpu": len(prompt_lens)}
+    tu.assign_non_tensor(data, **partition)
+    return data
+
+
+def _held(tiny_dir, data, cfg):
+    """What mopd_teacher_forward keeps for the colocated student: targets on the update's partition."""
+    teacher = AutoModelForCausalLM.from_pretrained(tiny_dir / "experts" / "math", dtype=torch.float32)
+    teacher_worker = type("T", (), {"engine": _Engine(teacher, cfg)})()
+    return MOPDWorker._teacher_targets(None, teacher_worker, data, cfg, update_row_groups(data))
+
+
+@pytest.mark.parametrize("ratio", [1.0, 0.5, 3.0])
+def test_balanced_step_equals_reference_and_logs_the_ratio(tiny_dir, ratio):
+    torch.manual_seed(0)
+    cfg = A.aux_config({"sats": True, "vr": True, "hidden": True, "ratio": ratio, "rho": 2.0, "window": 4})
+    student = AutoModelForCausalLM.from_pretrained(tiny_dir / "student", dtype=torch.float32)
+    # verl's dynamic token budget: sequences of 11, 11, 12 tokens, at most 24 per micro-batch -> 2 + 1 rows
+    data = _batch(cfg, use_dynamic_bsz=True, max_token_len_per_gpu=24)
+    held = _held(tiny_dir, data, cfg)
+    assert sorted(len(g) for g in held["groups"]) == [1, 2] and held["targets"][0].hidden[0].dtype == torch.bfloat16
+
+    worker = MOPDTrainingWorker.__new__(MOPDTrainingWorker)
+    worker.engine = _Engine(student, cfg)
+    worker.mopd_targets = held
+    out = worker.balanced_engine_step(data, _tok_loss, cfg)
+    got = worker.engine.stepped
+    m = {k: v[0] for k, v in out["metrics"].items() if k.startswith("mopd/")}
+    assert m["mopd/tok_part_norm"] / m["mopd/aux_part_norm"] == pytest.approx(ratio, rel=1e-6)
+    assert m["mopd/balance_scale"] == pytest.approx(m["mopd/tok_grad_norm"] / m["mopd/aux_grad_norm"], rel=1e-9)
+    assert all(m[f"mopd/{t}_loss"] > 0 for t in ("sats", "vr", "hidden"))
+    assert worker.mopd_targets is None  # targets are used once
+
+    assert worker.engine.token_groups == held["groups"]  # the token pass ran on the same micro-batches
+    # reference: the tested building block on the same micro-batches (B.7 weights 2/3 and 1/3), separate passes
+    micro = A.aux_micro_batches(*_layout(data), held["groups"])
+    tgt_of = {id(mb): t for mb, t in zip(micro, held["targets"])}
+
+    def forward(model, mb):
+        return alignment_signals(model, mb.input_ids, mb.attention_mask, mb.regions, position_ids=mb.position_ids,
+                                 use_cache=False)
+
+    def term(name):
+        return lambda out, mb: alignment_losses(out[1], tgt_of[id(mb)], mb.regions)[name].loss
+
+    ref_model = AutoModelForCausalLM.from_pretrained(tiny_dir / "student", dtype=torch.float32)
+    ref = balanced_backward(
+        ref_model, micro, [len(g) / 3 for g in held["groups"]], forward,
+        {"tok": lambda out, mb: _tok_loss(ref_model, mb), "sats": term("sats"), "vr": term("vr"),
+         "hid": term("hidden")},
+        ratio=ratio, rho=2.0, single_forward=False, sync=False,
+    )
+    assert m["mopd/balance_scale"] == pytest.approx(ref["balance_scale"], rel=1e-5)
+    for g, p in zip(got, ref_model.parameters()):
+        if p.grad is None:
+            assert g is None or float(g.abs().max()) == 0.0
+        else:  # fp32, different summation order (the host direction s is accumulated term by term)
+            torch.testing.assert_close(g, p.grad, rtol=1e-4, atol=1e-6 * float(p.grad.abs().max()))
+
+
+def test_balanced_step_refuses_targets_of_another_batch(tiny_dir):
+    cfg = A.aux_config({"hidden": True, "window": 4})
+    worker = MOPDTrainingWorker.__new__(MOPDTrainingWorker)
+    worker.engine = _Engine(AutoModelForCausalLM.from_pretrained(tiny_dir / "student"), cfg)
+    worker.mopd_targets = {"fingerprint": "3:00000000", "groups": [[0, 1, 2]], "targets": []}
+    with pytest.raises(ValueError, match="other rows than this update batch"):
+        worker.balanced_engine_step(_batch(cfg), _tok_loss, cfg)
+    data = _batch(cfg)
+    fingerprint = A.batch_fingerprint(list(data["input_ids"].unbind()))
+    worker.mopd_targets = {"fingerprint": fingerprint, "groups": [[0], [1], [2]], "targets": []}
+    with pytest.raises(ValueError, match="micro-batches"):
+        worker.balanced_engine_step(data, _tok_loss, cfg)
+    worker.mopd_targets = None
+    with pytest.raises(ValueError, match="without teacher alignment targets"):
+        worker.balanced_engine_step(_batch(cfg), _tok_loss, cfg)
+
+
+def test_balanced_step_under_fsdp2_matches_the_unsharded_step(tiny_dir, tmp_path):
+    """FSDP2 (gloo, one rank, like the CPU recipes): DTensor gradients, all-reduced norms over the shard group, and
+    alignment losses that tap q/k/v inside resharded layers (their backward needs the layer's gathered weights)."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    cfg = A.aux_config({"sats": True, "vr": True, "hidden": True, "ratio": 2.0, "window": 4})
+    data = _batch(cfg, seed=1, use_dynamic_bsz=False, micro_batch_size_per_gpu=1)
+    held = _held(tiny_dir, data, cfg)
+
+    def run(model):
+        worker = MOPDTrainingWorker.__new__(MOPDTrainingWorker)
+        worker.engine = _Engine(model, cfg)
+        worker.mopd_targets = held
+        out = worker.balanced_engine_step(data, _tok_loss, cfg)
+        return worker.engine.stepped, {k: v[0] for k, v in out["metrics"].items() if k.startswith("mopd/")}
+
+    plain, m_plain = run(AutoModelForCausalLM.from_pretrained(tiny_dir / "student", dtype=torch.float32))
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(tiny_dir / "student", dtype=torch.float32)
+        for layer in model.model.layers:
+            fully_shard(layer)
+        fully_shard(model)
+        sharded, m_sharded = run(model)
+    finally:
+        dist.destroy_process_group()
+    assert m_sharded["mopd/tok_part_norm"] / m_sharded["mopd/aux_part_norm"] == pytest.approx(2.0, rel=1e-6)
+    assert m_sharded["mopd/balance_scale"] == pytest.approx(m_plain["mopd/balance_scale"], rel=1e-5)
+    for a, b in zip(plain, sharded):
+        if a is not None:
+            torch.testing.assert_close(b.full_tensor(), a, rtol=1e-4, atol=1e-7)
+
+
+@pytest.mark.parametrize("combine", ["fsar", "1:1:1"])
+def test_combined_gradient_is_the_same_for_different_micro_batch_partitions(tiny_dir, combine):
+    """docs/math.md §B.6/B.7: every term over the same micro-batches, each weighted n_resp(mb)/n_resp. With responses of
+    equal length and windows of W tokens (per-micro-batch token means then equal the batch mean), the combined
+    gradient must not depend on how verl partitions the step: 4 rows of 1, 2 rows of 2, one of 4, and verl's
+    dynamic token budget (Karmarkar-Karp over lengths: a different grouping)."""
+    terms = {"sats": True, "vr": True, "hidden": True} if combine == "fsar" else {"sats": True, "hidden": True}
+    cfg = A.aux_config({**terms, "ratio": 1.0, "window": 4, "combine": combine})
+    partitions = [
+        {"use_dynamic_bsz": False, "micro_batch_size_per_gpu": 1},
+        {"use_dynamic_bsz": False, "micro_batch_size_per_gpu": 2},
+        {"use_dynamic_bsz": False, "micro_batch_size_per_gpu": 4},
+        {"use_dynamic_bsz": True, "max_token_len_per_gpu": 30},
+    ]
+    grads, seen = [], []
+    for part in partitions:
+        data = _batch(cfg, seed=2, prompt_lens=(4, 6, 3, 5), response_lens=(8, 8, 8, 8), **part)
+        held = _held(tiny_dir, data, cfg)
+        worker = MOPDTrainingWorker.__new__(MOPDTrainingWorker)
+        worker.engine = _Engine(AutoModelForCausalLM.from_pretrained(tiny_dir / "student", dtype=torch.float32), cfg)
+        worker.mopd_targets = held
+        worker.balanced_engine_step(data, _tok_loss, cfg)
+        grads.append(worker.engine.stepped)
+        seen.append(held["groups"])
+    assert len({str(g) for g in seen}) == 4, seen  # four different partitions
+    flat = [torch.cat([g.flatten() for g in gs if g is not None]) for gs in grads]
+    for other in flat[1:]:  # equal up to float32 reduction order (and the bf16 rounding of the targets)
+        assert float((other - flat[0]).norm() / flat[0].norm()) < 1e-5
+
+
+def test_an_alignment_loss_without_a_gradient_path_raises(tiny_dir):
+    cfg = A.aux_config({"hidden": True, "window": 4})
+    data = _batch(cfg)
+    held = _held(tiny_dir, data, cfg)
+    model = AutoModelForCausalLM.from_pretrained(tiny_dir / "student", dtype=torch.float32)
+    micro = A.aux_micro_batches(*_layout(data), held["groups"])
+    with pytest.raises(ValueError, match="no gradient path"):  # a detached forward stands in for broken taps
+        MOPDTrainingWorker._alignment_pass(model, "hidden", micro, [1.0], held["targets"], [0, 1, 2, 3],
+                                           torch.device("cpu"), torch.no_grad())
+
+
+def test_streamed_targets_are_produced_before_the_student_forward(tiny_dir):
+    """A streamed micro-batch's teacher forward runs before the student's forward of that micro-batch, so the two
+    forwards' activations are never alive together (it ran while the student's graph was held)."""
+    cfg = A.aux_config({"sats": True, "window": 4})
+    data = _batch(cfg, use_dynamic_bsz=False, micro_batch_size_per_gpu=1)
+    held = _held(tiny_dir, data, cfg)
+    model = AutoModelForCausalLM.from_pretrained(tiny_dir / "student", dtype=torch.float32)
+    forwards = []
+    model.register_forward_pre_hook(lambda mod, args: forwards.append(1))
+    seen = []
+
+    class Streamed:  # a TeacherTargetStore whose every micro-batch is streamed
+        def get(self, i, term):
+            seen.append((i, len(forwards)))
+            return held["targets"][i]
+
+    micro = A.aux_micro_batches(*_layout(data), held["groups"])
+    MOPDTrainingWorker._alignment_pass(model, "sats", micro, [1 / 3] * 3, Streamed(), [0, 1, 2, 3],
+                                       torch.device("cpu"), torch.enable_grad())
+    assert seen == [(0, 0), (1, 1), (2, 2)]  # micro-batch i's targets before the student's (i+1)-th forward

@@ -1,0 +1,27 @@
+"""The weight-sync probe's parts: the fixed probe under the tiny student's tokenizer, and its two metrics."""
+
+from __future__ import annotations
+
+import pytest
+
+from claas_verl.mopd.trainer.weight_probe import CHANGE_KEY, DIFF_KEY, probe_ids, probe_metrics
+
+
+def test_probe_is_fixed_and_as_long_as_asked(tiny_dir):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_dir / "student")
+    ids = probe_ids(tok, 8)
+    assert len(ids) == 9 and ids == probe_ids(tok, 8)
+    with pytest.raises(ValueError, match="weight_sync_probe_tokens=0"):
+        probe_ids(tok, 0)
+
+
+def test_metrics_compare_served_with_trained_and_with_the_previous_sync():
+    served = [([3, 4], [-1.0, -2.0]), ([3, 5], [-1.0, -2.5])]  # two replicas
+    trained = [[-1.0, -2.00002], [-1.00001, -2.5]]
+    m = probe_metrics(served, trained, None)
+    assert m == pytest.approx({DIFF_KEY: 2e-5}) and CHANGE_KEY not in m  # no previous sync yet
+    m = probe_metrics(served, trained, [[-1.0, -2.0], [-1.0, -2.0]])
+    assert m[CHANGE_KEY] == pytest.approx(0.5)  # replica 2, position 2
+    assert probe_metrics(served, trained, [[-1.0, -2.0], [-1.0, -2.5]])[CHANGE_KEY] == 0.0  # weights did not arrive
