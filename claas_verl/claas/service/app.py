@@ -50,7 +50,6 @@ from claas_verl.claas.service.guard import (
     template_kwargs,
     validate_reward,
 )
-from claas_verl.claas.service.http_app import build_app
 from claas_verl.claas.service.recorder import COUNTERS, behaviour_logprob
 from claas_verl.claas.service.sampling import SamplingParams
 from claas_verl.claas.service.streaming import StreamStart, TokenDelta
@@ -58,7 +57,7 @@ from claas_verl.claas.service.templating import normalize_messages
 from claas_verl.claas.service.turns import TurnLedger
 
 # what callers import from here; each is defined in the module whose job it is
-__all__ = ["REWARD_MODES", "AuthError", "ChatService", "LimitError", "ServiceConfig", "Unavailable", "build_app",
+__all__ = ["REWARD_MODES", "AuthError", "ChatService", "LimitError", "ServiceConfig", "Unavailable",
            "check_exposure", "scenario_key_to_id", "validate_reward"]
 
 _FALSE = {"0", "false", "no", "off"}

@@ -13,15 +13,12 @@ import contextlib
 import json
 import logging
 import time
-from typing import TYPE_CHECKING
 
+from claas_verl.claas.service.app import ChatService
 from claas_verl.claas.service.backend import BackendError
 from claas_verl.claas.service.errors import AuthError, LimitError, Unavailable
 from claas_verl.claas.service.guard import check_json_tree, keyless_origin_error
 from claas_verl.claas.service.lora_reload import LoRAReloadError
-
-if TYPE_CHECKING:  # the service is handed in; this module never needs its class at run time
-    from claas_verl.claas.service.app import ChatService
 
 audit_log = logging.getLogger("claas_verl.claas.service.audit")
 
