@@ -10,7 +10,7 @@ from omegaconf import open_dict
 
 from claas_verl.claas.trainer import ClaasConfig
 
-RECIPES = os.path.join(os.path.dirname(__file__), "..", "..", "recipes")
+RECIPES = os.path.join(os.path.dirname(__file__), "..", "..", "..", "recipes")
 ALL_RECIPES = ["reinforce_pp", "ppo", "sdpo", "icl", "tiny_reinforce_pp", "tiny_ppo", "tiny_sdpo", "tiny_icl",
                "tiny_no_update"]
 
