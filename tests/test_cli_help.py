@@ -13,9 +13,9 @@ REPO = Path(__file__).resolve().parents[1]
 
 # command -> words its --help must show (subcommands; for the Hydra entry points, recipes of their system)
 EXPECTED = {
-    "data": ["mopd"],
-    "eval": ["report", "--model"],
-    "merges": ["ties", "average"],
+    "mopd.data": ["mopd"],
+    "mopd.eval": ["report", "--model"],
+    "mopd.merges": ["ties", "average"],
     "tiny": ["make", "info", "gym"],
     "plan": ["tiny_seq", "replay_kl"],
     "main_mopd": ["tiny_seq", "replay_kl"],
@@ -27,7 +27,7 @@ def _entry_points() -> set[str]:
     """``claas_verl.<cmd>`` modules meant for ``python -m``: a package ``__main__`` or a top-level module that
     calls ``main()`` under ``if __name__ == "__main__"``."""
     pkg = REPO / "claas_verl"
-    found = {p.parent.name for p in pkg.glob("*/__main__.py")}
+    found = {".".join(p.parent.relative_to(pkg).parts) for p in pkg.rglob("__main__.py")}
     found |= {p.stem for p in pkg.glob("*.py") if 'if __name__ == "__main__"' in p.read_text()}
     return found
 

@@ -15,7 +15,7 @@ import os
 
 from omegaconf import DictConfig
 
-REWARDS = os.path.join("claas_verl", "data", "rewards.py")
+REWARDS = os.path.join("claas_verl", "mopd", "data", "rewards.py")
 INSTALL = "pip install 'claas_verl[eval]'  (from a checkout: pip install -e '.[eval]', or make install-eval)"
 
 

@@ -15,7 +15,7 @@ import pytest
 from omegaconf import DictConfig, ListConfig
 
 REPO = Path(__file__).resolve().parents[3]
-CODE = [*(REPO / "claas_verl" / "schedule").rglob("*.py"), *(REPO / "claas_verl" / "trainer" / "mopd").rglob("*.py"),
+CODE = [*(REPO / "claas_verl" / "schedule").rglob("*.py"), *(REPO / "claas_verl" / "mopd").rglob("*.py"),
         REPO / "claas_verl" / "main_mopd.py", REPO / "claas_verl" / "plan.py"]
 RECIPES = sorted(p.stem for p in (REPO / "recipes" / "mopd").glob("*.yaml"))
 # per-domain maps: their children are read through the domain name (mopd.domains[d].<key>)
