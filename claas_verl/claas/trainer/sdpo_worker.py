@@ -43,6 +43,7 @@ from claas_verl.claas.trainer.tq_fields import HAS_FEEDBACK_FIELD, TEACHER_PROMP
 from claas_verl.distill import topk_logprobs
 from claas_verl.losses.sdpo import EmaTeacher, sdpo_loss
 from claas_verl.losses.seq_is import seq_is_clipped_loss
+from claas_verl.verl_ext.packed_batch import packed_lengths, padded, response_positions
 
 logger = logging.getLogger(__name__)
 
@@ -64,37 +65,8 @@ def _names(prefix: str, k: int) -> list[str]:
     return [f"{prefix}{j}" for j in range(k)]
 
 
-def _padded(x: torch.Tensor, fill=0) -> torch.Tensor:
-    return x.to_padded_tensor(fill) if getattr(x, "is_nested", False) else x
-
-
 def _rows(x: torch.Tensor) -> list[torch.Tensor]:
     return list(x.unbind()) if getattr(x, "is_nested", False) else list(x)
-
-
-def _lengths(data) -> tuple[torch.Tensor, torch.Tensor]:
-    """(prompt+response lengths, response lengths) of a no-padding batch."""
-    ids = data["input_ids"]
-    if not getattr(ids, "is_nested", False):
-        raise ValueError("the CLaaS SDPO update needs verl's no-padding batch layout (nested input_ids)")
-    mask = data["response_mask"]
-    resp = mask.offsets().diff() if getattr(mask, "is_nested", False) else mask.new_full((mask.shape[0],),
-                                                                                          mask.shape[1])
-    return ids.offsets().diff().cpu(), resp.cpu()
-
-
-def response_positions(seq_lens: torch.Tensor, resp_lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor,
-                                                                                   torch.Tensor]:
-    """Packed positions predicting each response token (logits at i predict token i+1), and their (row, col)."""
-    ends = seq_lens.long().cumsum(0)
-    idx, rows, cols = [], [], []
-    for b in range(seq_lens.shape[0]):
-        r = int(resp_lens[b])
-        start = int(ends[b]) - r - 1
-        idx.append(torch.arange(start, start + r))
-        rows.append(torch.full((r,), b, dtype=torch.long))
-        cols.append(torch.arange(r))
-    return torch.cat(idx), torch.cat(rows), torch.cat(cols)
 
 
 def _as_response_field(values: list[torch.Tensor], like: torch.Tensor) -> torch.Tensor:
@@ -170,8 +142,8 @@ class ClaasSdpoLoss:
         if int(tu.get_non_tensor_data(data=data, key="sp_size", default=1) or 1) > 1:
             raise ValueError("the CLaaS SDPO loss does not support Ulysses sequence parallelism; set "
                              "actor_rollout_ref.actor.ulysses_sequence_parallel_size=1")
-        seq, resp = _lengths(data)
-        stored = torch.stack([_padded(data[n]) for n in _names(IDS, self.k)], dim=-1).long()  # [B, T_r, K]
+        seq, resp = packed_lengths(data, "the CLaaS SDPO update")
+        stored = torch.stack([padded(data[n]) for n in _names(IDS, self.k)], dim=-1).long()  # [B, T_r, K]
         idx, rows, cols = response_positions(seq, resp)
         tokens = data["input_ids"].values().to(logits.device)
         packed = torch.zeros((logits.shape[1], self.k + 1), dtype=torch.long, device=logits.device)
@@ -191,17 +163,17 @@ class ClaasSdpoLoss:
         from verl.utils.metric import AggregationType, Metric
 
         c = self.cfg
-        seq, resp = _lengths(data)
+        seq, resp = packed_lengths(data, "the CLaaS SDPO update")
         s_k = self._to_response(torch.stack([model_output[n].values() for n in _names(CURRENT_LP, self.k)], -1),
                                 seq, resp)  # [B, T_r, K] with grad
         log_prob = self._to_response(model_output[CURRENT_LP_Y].values(), seq, resp)  # [B, T_r] with grad
         dev = s_k.device
-        t_k = torch.stack([_padded(data[n]) for n in _names(TEACHER_LP, self.k)], dim=-1).to(dev)
-        mask = _padded(data["response_mask"]).to(dev).bool()
+        t_k = torch.stack([padded(data[n]) for n in _names(TEACHER_LP, self.k)], dim=-1).to(dev)
+        mask = padded(data["response_mask"]).to(dev).bool()
         width = mask.shape[1]
         s_k, log_prob = s_k[:, :width], log_prob[:, :width]
         sd = data[HAS_FEEDBACK_FIELD].to(dev).view(-1).bool()
-        behaviour = _padded(data["old_log_probs"] if "old_log_probs" in data.keys() else data["rollout_log_probs"])
+        behaviour = padded(data["old_log_probs"] if "old_log_probs" in data.keys() else data["rollout_log_probs"])
         is_ref = data[IS_REF].to(dev).float().view(-1) if c["is_reference"] == "ema_teacher" else behaviour.to(dev)
         dp_size = int(data["dp_size"]) if "dp_size" in data.keys() else 1
         # s_k/t_k hold the FULL-vocabulary log-probs at the student's K ids: sdpo_loss's top-K over these K columns
@@ -214,7 +186,7 @@ class ClaasSdpoLoss:
         if c["mode"] == "pg+jsd":
             # Same formula as sdpo_loss(mode="pg+jsd"): A_j = sg(ℓT(y_j) − ℓS(y_j)); the teacher's log-prob of y_j
             # is carried as its own field because y_j need not be among the student's top-K ids.
-            t_y = _padded(data[TEACHER_LP_Y]).to(dev).float()[:, :width]
+            t_y = padded(data[TEACHER_LP_Y]).to(dev).float()[:, :width]
             adv = (t_y - log_prob.detach().float()) * mask.float()
             pg, pg_metrics = seq_is_clipped_loss(
                 log_prob, behaviour.to(dev), adv, mask, ratio_mode=c["ratio_mode"],
@@ -264,7 +236,7 @@ class ClaasSdpoTrainingWorker(TrainingWorker):
     def _add_teacher_fields(self, data) -> tuple[float, float]:
         c, k = self.sdpo, 1
         module = vc.engine_module(self.engine)
-        seq, resp = _lengths(data)
+        seq, resp = packed_lengths(data, "the CLaaS SDPO update")
         full = _rows(data["input_ids"])
         teacher_prompts = _rows(data[TEACHER_PROMPT_FIELD])
         has_fb = data[HAS_FEEDBACK_FIELD].view(-1).cpu()

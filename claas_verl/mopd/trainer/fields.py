@@ -27,6 +27,8 @@ from __future__ import annotations
 
 import torch
 
+from claas_verl.verl_ext.packed_batch import response_positions  # noqa: F401  (re-exported for the loss)
+
 # Logits-processor outputs: one field per candidate j, f"{prefix}{j}", packed layout.
 STUDENT_IDS_PACKED = "mopd_sid_packed_"  # student top-k ids, packed layout (pre-update forward output)
 STUDENT_LP_PACKED = "mopd_slp_packed_"  # student top-k log-probs S, packed layout
@@ -98,35 +100,6 @@ def unpack_rows(x: torch.Tensor, k: int, name: str = "field") -> torch.Tensor:
     return out
 
 
-def response_positions(seq_lens: torch.Tensor, resp_lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Packed positions predicting each response token, and their (row, t) in the response layout.
-
-    Args:
-        seq_lens: ``[B]`` prompt + response length of each sequence (packed, no padding).
-        resp_lens: ``[B]`` response length of each sequence.
-
-    Returns:
-        ``packed_idx [M]`` and ``(row [M], col [M])`` with ``M = Σ resp_lens``: response token ``col`` of
-        sequence ``row`` is predicted by the logits at packed position ``packed_idx``.
-    """
-    seq_lens = seq_lens.long().cpu()
-    resp_lens = resp_lens.long().cpu()
-    if seq_lens.shape != resp_lens.shape or seq_lens.dim() != 1:
-        raise ValueError(f"seq_lens and resp_lens must be equal-length 1-D; got {seq_lens.shape}, {resp_lens.shape}")
-    if bool((resp_lens >= seq_lens).any()):
-        raise ValueError("every sequence needs a non-empty prompt (response length < sequence length)")
-    ends = seq_lens.cumsum(0)
-    rows, cols, idx = [], [], []
-    for b in range(seq_lens.shape[0]):
-        r = int(resp_lens[b])
-        start = int(ends[b]) - r - 1
-        rows.append(torch.full((r,), b, dtype=torch.long))
-        cols.append(torch.arange(r, dtype=torch.long))
-        idx.append(torch.arange(start, start + r, dtype=torch.long))
-    cat = (lambda xs: torch.cat(xs) if xs else torch.zeros(0, dtype=torch.long))
-    return cat(idx), (cat(rows), cat(cols))
-
-
 def response_ids(input_ids: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
     """The response token ids themselves, ``[B, R_b]`` nested: the last ``R_b`` tokens of each packed row.
 
@@ -155,7 +128,7 @@ def response_ids(input_ids: torch.Tensor, response_mask: torch.Tensor) -> torch.
 
 def scatter_response_to_packed(values: torch.Tensor, seq_lens, resp_lens, total: int, fill=0) -> torch.Tensor:
     """Response-layout ``[B, T_r, ...]`` (right padded) -> packed ``[total, ...]`` (``fill`` off the response)."""
-    idx, (rows, cols) = response_positions(seq_lens, resp_lens)
+    idx, rows, cols = response_positions(seq_lens, resp_lens)
     out = torch.full((total, *values.shape[2:]), fill, dtype=values.dtype, device=values.device)
     out[idx.to(values.device)] = values[rows.to(values.device), cols.to(values.device)]
     return out
@@ -163,7 +136,7 @@ def scatter_response_to_packed(values: torch.Tensor, seq_lens, resp_lens, total:
 
 def gather_packed_to_response(packed: torch.Tensor, seq_lens, resp_lens, width: int | None = None) -> torch.Tensor:
     """Packed ``[total, ...]`` -> response layout ``[B, T_r, ...]``, zero padded (differentiable)."""
-    idx, (rows, cols) = response_positions(seq_lens, resp_lens)
+    idx, rows, cols = response_positions(seq_lens, resp_lens)
     B = int(torch.as_tensor(seq_lens).shape[0])
     T = int(torch.as_tensor(resp_lens).max()) if width is None and B else (width or 0)
     dev = packed.device

@@ -30,31 +30,13 @@ import torch
 
 from claas_verl.distill import DEFAULT_CHUNK_SIZE, student_topk, teacher_logprobs_at, topk_logprobs
 from claas_verl.mopd.trainer import fields as F
+from claas_verl.verl_ext.packed_batch import packed_lengths, padded
 
 
 def _non_tensor(data, key: str, default=None):
     from verl.utils import tensordict_utils as tu
 
     return tu.get_non_tensor_data(data=data, key=key, default=default)
-
-
-def _padded(x: torch.Tensor, fill=0) -> torch.Tensor:
-    return x.to_padded_tensor(fill) if getattr(x, "is_nested", False) else x
-
-
-def _lengths(data) -> tuple[torch.Tensor, torch.Tensor]:
-    """(sequence lengths, response lengths) of a no-padding micro-batch."""
-    input_ids = data["input_ids"]
-    if not getattr(input_ids, "is_nested", False):
-        raise ValueError(
-            "the MOPD loss needs verl's no-padding batch layout (nested input_ids); keep the default "
-            "pad_mode and do not set pad_to_length"
-        )
-    seq = input_ids.offsets().diff()
-    mask = data["response_mask"]
-    if getattr(mask, "is_nested", False):
-        return seq, mask.offsets().diff()
-    return seq, mask.new_full((mask.shape[0],), mask.shape[1])
 
 
 def microbatch_weight(n_resp_mb: int, global_batch_size, dp_size) -> float:
@@ -109,7 +91,7 @@ class MOPDLoss:
             out = F.split_last(ids, F.STUDENT_IDS_PACKED)
             out.update(F.split_last(logp, F.STUDENT_LP_PACKED))
             return out
-        seq, resp = _lengths(data)
+        seq, resp = packed_lengths(data, "the MOPD loss")
         stored = F.unpack_rows(data[F.TOPK_IDS], k, F.TOPK_IDS).long()  # [B, T_r, K]
         packed_ids = F.scatter_response_to_packed(stored.to(logits.device), seq, resp, logits.shape[1])[None]
         if phase == F.PHASE_TEACHER:
@@ -130,13 +112,13 @@ class MOPDLoss:
             raise ValueError(f"actor_rollout_ref.actor.loss_agg_mode={cfg.loss_agg_mode!r}: the MOPD token loss is "
                              "the per-micro-batch token mean of docs/math.md §B.2.3/B.7; set it to token-mean")
         k = int(_non_tensor(data, F.TOPK_KEY, 0) or 0)
-        seq, resp = _lengths(data)
+        seq, resp = packed_lengths(data, "the MOPD loss")
         width = int(resp.max())
         # model_output fields are nested over the packed sequence; values() keeps the autograd graph
         packed = torch.stack([model_output[n].values() for n in F.names(F.CURRENT_LP_PACKED, k)], dim=-1)
         logp = F.gather_packed_to_response(packed, seq, resp, width)  # [B, T_r, K], differentiable
         adv = F.unpack_rows(data[F.ADVANTAGES], k, F.ADVANTAGES).to(logp.device)
-        mask = _padded(data["response_mask"]).to(logp.device).bool()
+        mask = padded(data["response_mask"]).to(logp.device).bool()
         if adv.shape != logp.shape or mask.shape != logp.shape[:2]:
             raise ValueError(
                 f"MOPD update: advantages {tuple(adv.shape)}, log-probs {tuple(logp.shape)} and response_mask "

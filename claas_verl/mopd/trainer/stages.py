@@ -31,6 +31,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from claas_verl.utils.files import atomic_write_text
+
 STEPS_FILE = "steps.jsonl"
 DISCARDED_FILE = "steps.discarded.jsonl"
 STATE_FILE = "mopd_state.json"
@@ -206,10 +208,7 @@ def truncate_steps(run_dir: str, keep_upto_global_step: int) -> int:
 def write_state(step_dir: str, state: dict) -> str:
     os.makedirs(step_dir, exist_ok=True)
     path = os.path.join(step_dir, STATE_FILE)
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(state, f, indent=1, sort_keys=True)
-    os.replace(tmp, path)  # atomic: a kill during the write leaves the previous file
+    atomic_write_text(path, json.dumps(state, indent=1, sort_keys=True))  # a kill mid-write keeps the previous file
     return path
 
 
@@ -278,12 +277,9 @@ def append_forgetting(run_dir: str, rows: list[dict]) -> None:
     os.makedirs(run_dir, exist_ok=True)  # the first stage-start rows come before verl's first checkpoint
     new_keys = {_forgetting_key(r) for r in rows}
     kept = [r for r in read_forgetting(run_dir) if _forgetting_key(r) not in new_keys]
-    tmp = os.path.join(run_dir, FORGETTING_JSONL + ".tmp")
-    with open(tmp, "w") as f:
-        for r in [*kept, *rows]:
-            f.write(json.dumps({k: _jsonable(v) if k not in ("domain", "label", "at") else v for k, v in r.items()})
-                    + "\n")
-    os.replace(tmp, os.path.join(run_dir, FORGETTING_JSONL))
+    lines = [json.dumps({k: _jsonable(v) if k not in ("domain", "label", "at") else v for k, v in r.items()}) + "\n"
+             for r in [*kept, *rows]]
+    atomic_write_text(os.path.join(run_dir, FORGETTING_JSONL), "".join(lines))
 
 
 def read_forgetting(run_dir: str) -> list[dict]:

@@ -56,14 +56,26 @@ from claas_verl.mopd.trainer.alignment import AUX_KEY, aux_config, region_fields
 from claas_verl.mopd.trainer.verl_couplings import MOPDTrainerCouplings
 from claas_verl.mopd.trainer.workers import TEACHER_KEY, MOPDWorker
 from claas_verl.schedule import plan_from_config
+from claas_verl.verl_ext.packed_batch import padded
 from claas_verl.verl_ext.trainer_base import swap_actor_worker
 
 logger = logging.getLogger(__name__)
 logger.setLevel(os.getenv("VERL_LOGGING_LEVEL", "INFO"))
 
 
-def _padded(x, fill=0):
-    return x.to_padded_tensor(fill) if getattr(x, "is_nested", False) else x
+def recipe_key(mopd, dotted: str):
+    """``mopd.<dotted>`` as the recipe sets it. Every MOPD recipe composes ``recipes/mopd/common/base.yaml``, which
+    holds the one default of each key, so the code carries none that could disagree with it."""
+    from omegaconf import OmegaConf
+
+    value = OmegaConf.select(mopd, dotted, default=_UNSET)
+    if value is _UNSET:
+        raise ValueError(f"mopd.{dotted} is not set: compose recipes/mopd/common/base.yaml (every MOPD recipe's "
+                         f"first default) or set mopd.{dotted} on the command line")
+    return value
+
+
+_UNSET = object()
 
 
 @register_trainer("mopd")
@@ -85,9 +97,8 @@ class MOPDTrainer(MOPDTrainerCouplings, PPOTrainerSync):
             run_dir=self.run_dir,
         )
         self.domain_index = {d: i for i, d in enumerate(self.plan.order)}
-        ev = mopd.get("eval") or {}
-        self.eval_enabled = bool(ev.get("enabled", True))
-        self.eval_prompts = int(ev.get("prompts", 4))
+        self.eval_enabled = bool(recipe_key(mopd, "eval.enabled"))
+        self.eval_prompts = int(recipe_key(mopd, "eval.prompts"))
         if self.config.data.train_batch_size != self.block_size:
             raise ValueError(
                 f"data.train_batch_size={self.config.data.train_batch_size} must equal mopd.block_size="
@@ -107,7 +118,7 @@ class MOPDTrainer(MOPDTrainerCouplings, PPOTrainerSync):
         self._saved_at = -1
         self._pending_end_eval: tuple[int, int] | None = None  # (stage, its last global step) to evaluate on resume
         # after every weight sync the rollout scores a fixed probe (weight_probe); 0 turns the check off
-        self.probe_tokens = int(mopd.get("weight_sync_probe_tokens", 0) or 0)
+        self.probe_tokens = int(recipe_key(mopd, "weight_sync_probe_tokens") or 0)
         if self.probe_tokens < 0:
             raise ValueError(f"mopd.weight_sync_probe_tokens={self.probe_tokens}: give the probe's length in tokens "
                              "(0 turns the weight-sync check off)")
@@ -126,10 +137,10 @@ class MOPDTrainer(MOPDTrainerCouplings, PPOTrainerSync):
     def mopd_tune_sampler(self, sampler):
         """verl's sync sampler sleeps ``poll_interval`` (2 s, not configurable in verl) between looks at the
         step's finished rollouts; it becomes ``mopd.sampler_poll_s``. The samples do not depend on it."""
-        poll = self.config.mopd.get("sampler_poll_s", 2.0)
+        poll = recipe_key(self.config.mopd, "sampler_poll_s")
         if isinstance(poll, bool) or not isinstance(poll, int | float) or not 0 < poll <= 60:
             raise ValueError(f"mopd.sampler_poll_s={poll!r}: give the sampler's polling interval in seconds, "
-                             "0 < s <= 60 (default 0.05)")
+                             "0 < s <= 60 (recipes/mopd/common/base.yaml sets 0.05)")
         sampler.poll_interval = float(poll)
         return sampler
 
@@ -294,7 +305,7 @@ class MOPDTrainer(MOPDTrainerCouplings, PPOTrainerSync):
         mask_nested = data["response_mask"]
         Q = F.unpack_rows(data[F.TEACHER_LP], self.topk, F.TEACHER_LP).float()
         Sx = F.unpack_rows(data[F.STUDENT_LP], self.topk, F.STUDENT_LP).float()
-        mask = _padded(mask_nested).float()
+        mask = padded(mask_nested).float()
         return Sx, Q, mask, mask_nested
 
     def mopd_teacher_advantages(self, batch, metrics: dict):
@@ -527,7 +538,7 @@ class MOPDTrainer(MOPDTrainerCouplings, PPOTrainerSync):
             kl = float(topk_weighted_kl(Sx[sel], Q[sel], mask[sel]))
             kl_binned = float(topk_binned_kl(Sx[sel], Q[sel], mask[sel]))
             scores = tq.kv_batch_get(keys=meta.keys, partition_id=meta.partition_id, select_fields=["rm_scores"])
-            score = float(_padded(scores["rm_scores"]).sum(-1)[sel].mean())
+            score = float(padded(scores["rm_scores"]).sum(-1)[sel].mean())
         finally:
             tq.kv_clear(keys=meta.keys, partition_id=meta.partition_id)
             self.checkpoint_manager.update_weights(version)

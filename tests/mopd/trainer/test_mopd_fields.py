@@ -11,7 +11,7 @@ from claas_verl.mopd.trainer import fields as F
 def test_response_positions_left_shift_by_one():
     # seq 0: prompt 3 + response 2 -> packed [0..4], response tokens at packed 3,4 are predicted at 2,3
     # seq 1: prompt 2 + response 3 -> packed [5..9], response tokens at 7,8,9 are predicted at 6,7,8
-    idx, (rows, cols) = F.response_positions(torch.tensor([5, 5]), torch.tensor([2, 3]))
+    idx, rows, cols = F.response_positions(torch.tensor([5, 5]), torch.tensor([2, 3]))
     assert idx.tolist() == [2, 3, 6, 7, 8]
     assert rows.tolist() == [0, 0, 1, 1, 1]
     assert cols.tolist() == [0, 1, 0, 1, 2]

@@ -43,7 +43,7 @@ def _ids_fields(ids_resp):
 
 
 def _packed_idx():
-    idx, _ = F.response_positions(torch.tensor(SEQ), torch.tensor(RESPONSES))
+    idx, _, _ = F.response_positions(torch.tensor(SEQ), torch.tensor(RESPONSES))
     return idx  # packed positions predicting response tokens: [2, 3, 6, 7, 8]
 
 

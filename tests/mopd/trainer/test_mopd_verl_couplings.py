@@ -183,3 +183,6 @@ def test_sampler_poll_interval_comes_from_the_recipe_and_bad_values_name_the_key
         with pytest.raises(ValueError, match="mopd.sampler_poll_s"):
             MOPDTrainer.mopd_tune_sampler(trainer, sampler)
     assert sampler.poll_interval == 0.05  # a refused value changes nothing
+    # no code default that could disagree with the recipes' one (base.yaml: 0.05): an unset key is named
+    with pytest.raises(ValueError, match=r"mopd.sampler_poll_s is not set: compose recipes/mopd/common/base.yaml"):
+        MOPDTrainer.mopd_tune_sampler(SimpleNamespace(config=OmegaConf.create({"mopd": {}})), sampler)
