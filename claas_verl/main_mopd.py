@@ -5,7 +5,7 @@ runtime group (``recipes/mopd/verl/{cpu,gpu}.yaml``: verl's ``ppo_trainer``, the
 ``mopd.train`` values mapped onto verl keys), chosen where the workers run unless the command line names one
 (``+verl@_global_=cpu``): by the GPUs Ray detected on the running cluster's nodes, else (a local cluster) by this
 machine's CUDA (:mod:`claas_verl.preflight.runtime`). Before Ray starts, the optional packages the reward needs
-for the prompt files' data sources (:mod:`claas_verl.preflight.extras`) and every model of the plan are checked
+for the prompt files' data sources (:mod:`claas_verl.mopd.data.extras`) and every model of the plan are checked
 (:mod:`claas_verl.preflight.models`), and the checkpoint disk the run needs is printed. Then it joins a running Ray
 cluster if one is there (``RAY_ADDRESS``, as inside ``ray job submit``, or an earlier ``ray start`` on this node;
 see :mod:`claas_verl.verl_ext.ray_connect`), and verl's own ``run_ppo`` starts a local one otherwise and its v1
@@ -33,9 +33,9 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig, open_dict
 
+from claas_verl.mopd.data.extras import check_reward_extras
 from claas_verl.paths import recipes_dir
 from claas_verl.preflight.disk import checkpoint_disk, human, parameter_count
-from claas_verl.preflight.extras import check_reward_extras
 from claas_verl.preflight.models import check_plan_models
 from claas_verl.preflight.runtime import choose_runtime
 from claas_verl.schedule import plan_from_config

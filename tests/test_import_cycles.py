@@ -14,7 +14,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "claas_verl"
 # node)
 PURE = ("claas_verl.losses", "claas_verl.distill", "claas_verl.align", "claas_verl.schedule", "claas_verl.metrics")
 # shared layers below both systems
-SHARED = ("claas_verl.utils", "claas_verl.verl_ext", "claas_verl.sandbox", *PURE)
+SHARED = ("claas_verl.utils", "claas_verl.verl_ext", "claas_verl.sandbox", "claas_verl.preflight", *PURE)
 SYSTEMS = ("claas_verl.claas", "claas_verl.mopd")
 
 

@@ -28,7 +28,7 @@ import re
 _FENCE = re.compile(r"```[^\n]*\n.*?```", re.S)
 
 # Optional modules (the ``eval`` extra) each data source's score imports, by data-source prefix: checked before
-# Ray starts (claas_verl.preflight.extras), since inside the reward worker a missing one fails minutes into a run.
+# Ray starts (claas_verl.mopd.data.extras), since inside the reward worker a missing one fails minutes into a run.
 EXTRA_MODULES = {
     "reasoning_gym/": ("reasoning_gym",),
     "ultradata/if": ("lm_eval", "langdetect", "immutabledict"),

@@ -1,9 +1,9 @@
 """The optional packages a MOPD run's reward needs, checked before Ray starts.
 
 verl scores every rollout with ``reward.custom_reward_function`` inside a Ray worker; the repository's reward
-(``claas_verl/mopd/data/rewards.py``) imports a package of the ``eval`` extra for some data sources (``reasoning_gym``
-for
-the gym and logic domains, lm-eval's IFEval verifiers for ``ultradata/if``). Without the extra the run dies with a
+(``claas_verl/mopd/data/rewards.py``) imports a package of the ``eval`` extra for some data sources
+(``reasoning_gym`` for the gym and logic domains, lm-eval's IFEval verifiers for ``ultradata/if``). Without the extra
+the run dies with a
 ``ModuleNotFoundError`` deep in a worker, minutes after start. Here the ``data_source`` column of every prompt file
 of the plan is read and each module its score imports is looked up (``importlib.util.find_spec``, nothing imported).
 """
