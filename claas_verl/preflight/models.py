@@ -12,6 +12,8 @@ import os
 
 from omegaconf import DictConfig, OmegaConf
 
+from claas_verl.mopd.recipe_keys import recipe_key
+
 UNSET = "???"
 
 
@@ -20,7 +22,7 @@ def plan_model_keys(cfg: DictConfig, plan) -> list[str]:
     forgetting evaluation (``mopd.eval.enabled``) compares against. The snapshots M_j are written by the run."""
     keys = ["mopd.student"]
     experts = [t.split(":", 1)[1] for t in dict.fromkeys(s.teacher for s in plan.steps) if t.startswith("expert:")]
-    if bool((cfg.mopd.get("eval") or {}).get("enabled", True)):
+    if bool(recipe_key(cfg.mopd, "eval.enabled")):
         experts += list(plan.order)
     keys += [f"mopd.domains.{d}.expert" for d in dict.fromkeys(experts)]
     return keys

@@ -71,44 +71,52 @@ class ServiceConfig:
     default_max_tokens: int | None = None
 
     def __post_init__(self):
-        if self.default_scenario_id is not None:
-            bounded_int(self.default_scenario_id, "default_scenario_id")
         if not self.api_keys and not self.allow_keyless:
             raise ValueError("no API keys: set api_keys (claas.service.api_keys or CLAAS_API_KEY), or opt in to a "
                              "keyless loopback service with allow_keyless=True")
-        if self.rate_limit_per_s is not None and not self.rate_limit_per_s > 0:
-            raise ValueError(f"rate_limit_per_s must be None or > 0, got {self.rate_limit_per_s}")
-        share = self.max_buffer_share
-        if isinstance(share, bool) or not isinstance(share, (int, float)) or not 0 < share <= 1:
-            raise ValueError(f"max_buffer_share (claas.service.max_buffer_share) must be a number in (0, 1]: the "
-                             f"fraction of the replay buffer one API key may hold, 1 for no limit; got {share!r}")
-        for name in ("max_pending_bytes", "max_grading", "rate_limit_burst"):
-            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
-                raise ValueError(f"{name} must be an int >= 1, got {getattr(self, name)!r}")
-        for name in ("ack_timeout_s", "body_timeout_s"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
-        object.__setattr__(self, "template_kwargs", tuple(self.template_kwargs or ()))
-        if not self.sweep_interval_s > 0:
-            raise ValueError(f"sweep_interval_s must be > 0, got {self.sweep_interval_s}")
-        if self.reward not in REWARD_MODES:
-            raise ValueError(f"reward must be one of {REWARD_MODES}, got {self.reward!r}")
-        keys = tuple(self.api_keys or ())
-        if any(not isinstance(k, str) or not k for k in keys):
-            raise ValueError("api_keys must be non-empty strings")
-        object.__setattr__(self, "api_keys", keys)
-        if self.admin_key is not None and (not isinstance(self.admin_key, str) or not self.admin_key):
-            raise ValueError("admin_key must be a non-empty string or None")
-        for name in ("max_body_bytes", "max_messages", "max_message_chars"):
-            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
-                raise ValueError(f"{name} must be an int >= 1, got {getattr(self, name)!r}")
-        for name in ("max_tokens", "default_max_tokens"):
-            value = getattr(self, name)
-            if value is not None and (not isinstance(value, int) or value < 1):
-                raise ValueError(f"{name} must be None or an int >= 1, got {value!r}")
-        if self.max_tokens is not None and self.default_max_tokens is not None \
-                and self.default_max_tokens > self.max_tokens:
-            raise ValueError(f"default_max_tokens={self.default_max_tokens} exceeds max_tokens={self.max_tokens}")
+        check_service_fields(self)
+
+
+def check_service_fields(cfg: ServiceConfig, where: str = "") -> None:
+    """Validate (and normalize to tuples) every :class:`ServiceConfig` field of ``cfg`` but the API-key requirement,
+    which a job checks only once its keys are resolved. Errors name ``<where><field>`` (``where``: the YAML path of
+    the section, e.g. ``"claas.service."``)."""
+    def name(field_name: str) -> str:
+        return f"{where}{field_name}"
+
+    if cfg.default_scenario_id is not None:
+        bounded_int(cfg.default_scenario_id, name("default_scenario_id"))
+    if cfg.rate_limit_per_s is not None and not cfg.rate_limit_per_s > 0:
+        raise ValueError(f"{name('rate_limit_per_s')} must be None or > 0, got {cfg.rate_limit_per_s}")
+    share = cfg.max_buffer_share
+    if isinstance(share, bool) or not isinstance(share, (int, float)) or not 0 < share <= 1:
+        raise ValueError(f"{name('max_buffer_share')} must be a number in (0, 1]: the fraction of the replay buffer "
+                         f"one API key may hold, 1 for no limit; got {share!r}")
+    for field_name in ("max_pending_bytes", "max_grading", "rate_limit_burst",
+                       "max_body_bytes", "max_messages", "max_message_chars"):
+        value = getattr(cfg, field_name)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name(field_name)} must be an int >= 1, got {value!r}")
+    for field_name in ("ack_timeout_s", "body_timeout_s", "sweep_interval_s"):
+        if not getattr(cfg, field_name) > 0:
+            raise ValueError(f"{name(field_name)} must be > 0, got {getattr(cfg, field_name)}")
+    if cfg.reward not in REWARD_MODES:
+        raise ValueError(f"{name('reward')} must be one of {REWARD_MODES}, got {cfg.reward!r}")
+    keys = tuple(cfg.api_keys or ())
+    if any(not isinstance(k, str) or not k for k in keys):
+        raise ValueError(f"{name('api_keys')} must be non-empty strings")
+    if cfg.admin_key is not None and (not isinstance(cfg.admin_key, str) or not cfg.admin_key):
+        raise ValueError(f"{name('admin_key')} must be a non-empty string or None")
+    for field_name in ("max_tokens", "default_max_tokens"):
+        value = getattr(cfg, field_name)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise ValueError(f"{name(field_name)} must be None or an int >= 1, got {value!r}")
+    if cfg.max_tokens is not None and cfg.default_max_tokens is not None and cfg.default_max_tokens > cfg.max_tokens:
+        raise ValueError(f"{name('default_max_tokens')}={cfg.default_max_tokens} exceeds "
+                         f"{name('max_tokens')}={cfg.max_tokens}")
+    # frozen dataclasses: normalize in place (YAML gives lists)
+    object.__setattr__(cfg, "template_kwargs", tuple(cfg.template_kwargs or ()))
+    object.__setattr__(cfg, "api_keys", keys)
 
 
 def check_exposure(host: str, config: ServiceConfig) -> None:

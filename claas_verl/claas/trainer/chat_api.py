@@ -40,7 +40,7 @@ class ChatApiWiring:
               policy_version: int, on_accepted: Callable[[list, int], None],
               extra_stats: Callable[[], dict]) -> None:
         """Start the chat API on this process, in front of the job's rollout replicas."""
-        from claas_verl.claas.service import ChatService, ServiceConfig, build_app
+        from claas_verl.claas.service import ChatService, build_app
         from claas_verl.claas.service.config import check_exposure
         from claas_verl.claas.service.rollout_backend import RolloutBackend
         from claas_verl.claas.service.server import ServiceThread
@@ -50,15 +50,7 @@ class ChatApiWiring:
         keys = tuple(s.api_keys) or tuple(k for k in os.environ.get("CLAAS_API_KEY", "").split(",") if k)
         cap = s.max_tokens or self.claas.producer.max_new_tokens
         admin = s.admin_key or os.environ.get("CLAAS_ADMIN_KEY") or self._mint_admin_key()
-        cfg = ServiceConfig(
-            record=True, default_scenario_id=0, max_pending=s.max_pending, pending_ttl_s=s.pending_ttl_s,
-            api_keys=keys, admin_key=admin, adapter_root=None,
-            reward=s.reward, max_body_bytes=s.max_body_bytes, max_messages=s.max_messages,
-            max_message_chars=s.max_message_chars, max_tokens=cap, default_max_tokens=cap,
-            allow_keyless=s.allow_keyless, max_pending_per_key=s.max_pending_per_key,
-            max_pending_bytes=s.max_pending_bytes, rate_limit_per_s=s.rate_limit_per_s,
-            rate_limit_burst=s.rate_limit_burst, body_timeout_s=s.body_timeout_s, max_buffer_share=s.max_buffer_share,
-        )
+        cfg = s.service_config(api_keys=keys, admin_key=admin, max_tokens=cap, default_max_tokens=cap)
         check_exposure(s.host, cfg)
         backend = RolloutBackend(generate, tokenizer, model_name=s.model_name, default_max_tokens=cap,
                                  max_model_len=max_model_len, eos_token_ids=eos_ids(model_path, tokenizer),

@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from claas_verl.claas.service.config import ServiceConfig, check_service_fields
+
 ALGORITHMS = ("reinforce_pp", "ppo", "sdpo", "icl", "no_update")
 
 
@@ -91,22 +93,23 @@ class ProducerConfig:
             raise ValueError(f"claas.producer.max_new_tokens must be >= 1, got {self.max_new_tokens}")
 
 
-@dataclass
-class ServiceSection:
-    """The chat API of the job (``claas_verl.claas.service``) in front of the job's own rollout servers.
+JOB_SET_SERVICE_FIELDS = ("record", "default_scenario_id", "adapter_root", "default_max_tokens")
+"""The :class:`ServiceConfig` fields a job fixes itself: it records every turn under scenario 0, loads no adapter over
+HTTP (its own trainer publishes the versions), and answers requests without ``max_tokens`` with ``max_tokens``."""
+
+
+@dataclass(frozen=True)
+class ServiceSection(ServiceConfig):
+    """``claas.service``: the chat API of the job (``claas_verl.claas.service``) in front of the job's own rollout
+    servers. Every :class:`ServiceConfig` field is a key here (see its docstring; the fields in
+    :data:`JOB_SET_SERVICE_FIELDS` must stay at their defaults), plus the keys of the job's HTTP server below.
 
     ``enabled``: serve ``/v1/chat/completions`` on ``host:port`` (port 0: a free port; the URL is written to
-    ``<default_local_dir>/service.json``). ``api_keys`` (or ``$CLAAS_API_KEY``, comma separated) guard every endpoint
-    but ``/health``; ``admin_key`` (or ``$CLAAS_ADMIN_KEY``) guards ``/v1/claas/shutdown``. ``reward``: ``binary``
-    ({0, 1}) or ``unit`` ([0, 1]). ``max_tokens``: the largest response a request may ask for (default
-    ``claas.producer.max_new_tokens``, also the default budget). Limits: ``max_body_bytes`` (413),
-    ``max_messages`` / ``max_message_chars`` (400); ``max_pending`` turns await feedback at most
-    ``pending_ttl_s`` seconds (expiry and overflow are counted in ``/v1/claas/stats``), at most
-    ``max_pending_per_key`` per key and ``max_pending_bytes`` in all; ``rate_limit_per_s`` / ``rate_limit_burst``:
-    per-key request rate (429); ``max_buffer_share``: the fraction of the replay buffer one key may hold when its
-    next entry would push another key's out (feedback beyond it: 429, the turn stays pending; 1.0: no limit).
-    ``allow_keyless``: serve without keys (127.0.0.1 only). Connections:
-    ``limit_concurrency`` (503 beyond), ``header_timeout_s``, ``body_timeout_s`` (408); behind a TLS reverse proxy
+    ``<default_local_dir>/service.json``) under ``model_name``. ``api_keys`` (or ``$CLAAS_API_KEY``, comma separated)
+    guard every endpoint but ``/health``; ``admin_key`` (or ``$CLAAS_ADMIN_KEY``; else a key minted for the run)
+    guards ``/v1/claas/shutdown``. ``max_tokens``: the largest response a request may ask for (default
+    ``claas.producer.max_new_tokens``, also the default budget). ``allow_keyless``: serve without keys (127.0.0.1
+    only). Connections: ``limit_concurrency`` (503 beyond), ``header_timeout_s``; behind a TLS reverse proxy
     ``proxy_headers`` trusts ``X-Forwarded-*`` from ``forwarded_allow_ips``.
     """
 
@@ -114,38 +117,32 @@ class ServiceSection:
     host: str = "127.0.0.1"
     port: int = 8000
     model_name: str = "claas"
-    api_keys: list = field(default_factory=list)
-    admin_key: str | None = None
-    reward: str = "binary"
-    max_tokens: int | None = None
-    max_pending: int = 4096
-    pending_ttl_s: float = 600.0
-    max_body_bytes: int = 1 << 20
-    max_messages: int = 256
-    max_message_chars: int = 32_768
-    allow_keyless: bool = False
-    max_pending_per_key: int | None = 1024
-    max_pending_bytes: int = 256 << 20
-    rate_limit_per_s: float | None = None
-    rate_limit_burst: int = 20
-    max_buffer_share: float = 1.0
     limit_concurrency: int = 512
     header_timeout_s: float = 10.0
-    body_timeout_s: float = 30.0
     proxy_headers: bool = False
     forwarded_allow_ips: str = "127.0.0.1"
 
     def __post_init__(self):
-        if not isinstance(self.port, int) or not 0 <= self.port < 65536:
+        # no API-key requirement here: the keys may come from $CLAAS_API_KEY when the job starts (check_exposure)
+        if isinstance(self.port, bool) or not isinstance(self.port, int) or not 0 <= self.port < 65536:
             raise ValueError(f"claas.service.port must be an int in [0, 65535], got {self.port!r}")
-        if self.reward not in ("binary", "unit"):
-            raise ValueError(f"claas.service.reward must be 'binary' or 'unit', got {self.reward!r}")
-        if self.max_tokens is not None and self.max_tokens < 1:
-            raise ValueError(f"claas.service.max_tokens must be null or >= 1, got {self.max_tokens}")
-        share = self.max_buffer_share
-        if isinstance(share, bool) or not isinstance(share, (int, float)) or not 0 < share <= 1:
-            raise ValueError(f"claas.service.max_buffer_share must be a number in (0, 1] (the fraction of the replay "
-                             f"buffer one API key may hold; 1 for no limit), got {share!r}")
+        if isinstance(self.limit_concurrency, bool) or not isinstance(self.limit_concurrency, int) \
+                or self.limit_concurrency < 1:
+            raise ValueError(f"claas.service.limit_concurrency must be an int >= 1, got {self.limit_concurrency!r}")
+        if not self.header_timeout_s > 0:
+            raise ValueError(f"claas.service.header_timeout_s must be > 0, got {self.header_timeout_s}")
+        defaults = {f.name: f.default for f in fields(ServiceConfig)}
+        for name in JOB_SET_SERVICE_FIELDS:
+            if getattr(self, name) != defaults[name]:
+                raise ValueError(f"claas.service.{name} is set by the job itself (see JOB_SET_SERVICE_FIELDS); "
+                                 f"remove it from the recipe")
+        check_service_fields(self, "claas.service.")
+
+    def service_config(self, **job: Any) -> ServiceConfig:
+        """The standalone :class:`ServiceConfig` of this section, with the values the job resolves at start
+        (``job``: e.g. the API keys from the environment, the admin key, the token budget) replacing its own."""
+        own = {f.name: getattr(self, f.name) for f in fields(ServiceConfig)}
+        return ServiceConfig(**{**own, **job})
 
 
 @dataclass

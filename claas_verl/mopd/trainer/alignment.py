@@ -87,19 +87,20 @@ class AuxConfig:
 def aux_config(signal: Mapping | None) -> AuxConfig:
     """Parse ``mopd.signal``; a bad value raises ValueError naming the key."""
     signal = dict(signal or {})
+    schema = AuxConfig()  # an unset key takes the dataclass default: recipes/mopd/signal/kl.yaml repeats them
     terms = tuple(t for t in SIGNAL_TERMS if signal.get(t))
     if "vr" in terms and "sats" not in terms:
         raise ValueError("mopd.signal.vr=true needs mopd.signal.sats=true "
                          "(docs/math.md §B.5: VR is used only with SATS)")
-    ratio, rho = float(signal.get("ratio", 1.0)), float(signal.get("rho", 2.0))
+    ratio, rho = float(signal.get("ratio", schema.ratio)), float(signal.get("rho", schema.rho))
     if not (math.isfinite(ratio) and ratio > 0):
         raise ValueError(f"mopd.signal.ratio must be a finite number > 0 (eq. 9), got {ratio}")
     if not (math.isfinite(rho) and rho >= 0):
         raise ValueError(f"mopd.signal.rho must be a finite number >= 0 (eq. 10), got {rho}")
-    window = int(signal.get("window", 2000))
+    window = int(signal.get("window", schema.window))
     if window < 1:
         raise ValueError(f"mopd.signal.window must be >= 1 (docs/math.md §B.3 W), got {window}")
-    layers = signal.get("layers", "all")
+    layers = signal.get("layers", schema.layers)
     if layers in (None, "all"):
         layers = None
     else:
@@ -109,22 +110,22 @@ def aux_config(signal: Mapping | None) -> AuxConfig:
             raise ValueError(f"mopd.signal.layers must be 'all' or a list of 0-based ids, got {layers!r}") from None
         if not layers or layers[0] < 0:
             raise ValueError(f"mopd.signal.layers must be 'all' or non-negative layer ids, got {list(layers)}")
-    kinds = tuple(signal.get("aux_kinds", ("replay",)))
+    kinds = tuple(signal.get("aux_kinds", schema.kinds))
     bad = [k for k in kinds if k not in AUX_STEP_KINDS]
     if bad or not kinds:
         raise ValueError(f"mopd.signal.aux_kinds must be a non-empty subset of {list(AUX_STEP_KINDS)} (plan step kinds "
                          f"that run the alignment terms; docs/math.md §B.6/B.8: replay only), got {list(kinds)}")
-    combine = str(signal.get("combine", "fsar"))
+    combine = str(signal.get("combine", schema.combine))
     if combine not in COMBINE_VARIANTS:
         raise ValueError(f"mopd.signal.combine must be one of {list(COMBINE_VARIANTS)}, got {combine!r}")
     if combine == "1:1:1" and (terms[:1] != ("sats",) or len(terms) != 2):
         raise ValueError("mopd.signal.combine='1:1:1' (MOPD paper Table 4) needs sats=true "
                          "and exactly one of vr / hidden; "
                          f"got terms {list(terms)}")
-    budget = float(signal.get("target_budget_gib", AuxConfig.target_budget_gib))
+    budget = float(signal.get("target_budget_gib", schema.target_budget_gib))
     if not (math.isfinite(budget) and budget >= 0):
         raise ValueError(f"mopd.signal.target_budget_gib must be a finite number >= 0 (GiB per rank), got {budget}")
-    return AuxConfig(terms, ratio, rho, window, layers, bool(signal.get("drop_trailing", False)), kinds,
+    return AuxConfig(terms, ratio, rho, window, layers, bool(signal.get("drop_trailing", schema.drop_trailing)), kinds,
                      combine, budget)
 
 

@@ -49,6 +49,7 @@ from claas_verl.distill import (
     topk_rewards,
     topk_weighted_kl,
 )
+from claas_verl.mopd.recipe_keys import TRAIN_YAML, recipe_key
 from claas_verl.mopd.trainer import fields as F
 from claas_verl.mopd.trainer import stages as S
 from claas_verl.mopd.trainer import weight_probe as WP
@@ -61,21 +62,6 @@ from claas_verl.verl_ext.trainer_base import swap_actor_worker
 
 logger = logging.getLogger(__name__)
 logger.setLevel(os.getenv("VERL_LOGGING_LEVEL", "INFO"))
-
-
-def recipe_key(mopd, dotted: str):
-    """``mopd.<dotted>`` as the recipe sets it. Every MOPD recipe composes ``recipes/mopd/common/base.yaml``, which
-    holds the one default of each key, so the code carries none that could disagree with it."""
-    from omegaconf import OmegaConf
-
-    value = OmegaConf.select(mopd, dotted, default=_UNSET)
-    if value is _UNSET:
-        raise ValueError(f"mopd.{dotted} is not set: compose recipes/mopd/common/base.yaml (every MOPD recipe's "
-                         f"first default) or set mopd.{dotted} on the command line")
-    return value
-
-
-_UNSET = object()
 
 
 @register_trainer("mopd")
@@ -106,7 +92,7 @@ class MOPDTrainer(MOPDTrainerCouplings, PPOTrainerSync):
             )
         actor = config.actor_rollout_ref.actor
         S.check_one_update_per_step(self.block_size, actor.get("ppo_mini_batch_size"), actor.get("ppo_epochs"))
-        self.teacher_dtype = S.check_teacher_dtype(mopd.train.get("teacher_dtype", S.TEACHER_DTYPES[0]))
+        self.teacher_dtype = S.check_teacher_dtype(recipe_key(mopd, "train.teacher_dtype", TRAIN_YAML))
         # replay steps of FSAR/SATS/OPRD recipes: alignment terms + balanced update (docs/math.md §B.3-B.7)
         self.aux = aux_config(mopd.get("signal") or {})
         if self.aux.enabled and actor.get("strategy") not in ("fsdp2",):
@@ -211,7 +197,7 @@ class MOPDTrainer(MOPDTrainerCouplings, PPOTrainerSync):
                 raise ValueError(f"teacher {name} of stage {stage}: no Hugging Face model at {path}")
         loaded = self.actor_rollout_wg.mopd_set_teachers(specs, self.teacher_dtype)[0]
         dropped = 0
-        if fresh_optimizer and self.config.mopd.train.get("fresh_optimizer_per_stage", True):
+        if fresh_optimizer and bool(recipe_key(self.config.mopd, "train.fresh_optimizer_per_stage", TRAIN_YAML)):
             dropped = self.actor_rollout_wg.mopd_reset_optimizer()[0]
         logger.info(f"MOPD stage {stage}: teachers {loaded}; fresh optimizer={fresh_optimizer} (dropped {dropped})")
         print(f"[mopd] stage {stage} begins at global step {self.global_steps}: teachers {loaded}"

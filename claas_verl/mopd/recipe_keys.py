@@ -1,0 +1,24 @@
+"""``mopd.*`` keys read as the recipe sets them, with no default in the code that could disagree with the YAML.
+
+Every MOPD recipe composes ``recipes/mopd/common/base.yaml`` (its first default) and one ``recipes/mopd/train``
+group (each composes ``paper.yaml``); those files hold the one default of each key.
+"""
+
+from __future__ import annotations
+
+BASE_YAML = "recipes/mopd/common/base.yaml"
+TRAIN_YAML = "recipes/mopd/train/paper.yaml"
+
+_UNSET = object()
+
+
+def recipe_key(mopd, dotted: str, home: str = BASE_YAML):
+    """``mopd.<dotted>`` of the OmegaConf node ``mopd``; an unset key raises naming it and the file (``home``) that
+    holds its default."""
+    from omegaconf import OmegaConf
+
+    value = OmegaConf.select(mopd, dotted, default=_UNSET)
+    if value is _UNSET:
+        raise ValueError(f"mopd.{dotted} is not set: compose {home} (every MOPD recipe composes it) or set "
+                         f"mopd.{dotted} on the command line")
+    return value
