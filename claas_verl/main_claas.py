@@ -44,9 +44,11 @@ def main(config) -> None:
     from verl.utils.device import auto_set_device
 
     from claas_verl.verl_ext.ray_connect import connect_if_cluster_running
+    from claas_verl.verl_ext.transfer_queue_env import cap_transfer_queue_threads
 
     auto_set_device(config)
     validate_config(config=config, use_reference_policy=need_reference_policy(config), use_critic=need_critic(config))
+    cap_transfer_queue_threads()  # before Ray starts: its processes inherit it
     connect_if_cluster_running(config)  # inside `ray job submit` or after `ray start`; else run_ppo starts Ray
     if not OmegaConf.select(config, "claas.service.enabled"):
         run_ppo(config, task_runner_class=claas_task_runner_class())

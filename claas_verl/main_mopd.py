@@ -135,6 +135,7 @@ def _run(cfg: DictConfig) -> None:
 
     from claas_verl.mopd.trainer.verl_couplings import mopd_task_runner_class
     from claas_verl.verl_ext.ray_connect import connect_if_cluster_running
+    from claas_verl.verl_ext.transfer_queue_env import cap_transfer_queue_threads
 
     try:
         cfg = finalize_config(cfg)
@@ -142,6 +143,7 @@ def _run(cfg: DictConfig) -> None:
         print(f"claas_verl.main_mopd: error: {e}", file=sys.stderr)
         sys.exit(2)
     validate_config(config=cfg, use_reference_policy=False, use_critic=False)
+    cap_transfer_queue_threads()  # before Ray starts: its processes inherit it
     connect_if_cluster_running(cfg)  # inside `ray job submit` or after `ray start`; else run_ppo starts Ray
     run_ppo(cfg, task_runner_class=mopd_task_runner_class())
 

@@ -44,11 +44,12 @@ def _interval(every_s: float | None) -> float | None:
 
 
 class Progress:
-    """Counts ``total`` units of one task and prints a throttled line with the rate-based ETA."""
+    """Counts ``total`` units of one task and prints a throttled line with the rate-based ETA (``total=None``: an
+    open-ended count, e.g. updates of a stream-driven run, shown without percentage or ETA)."""
 
-    def __init__(self, label: str, total: int, unit: str = "steps", every_s: float | None = None,
+    def __init__(self, label: str, total: int | None, unit: str = "steps", every_s: float | None = None,
                  stream: TextIO | None = None, clock_fn=time.monotonic):
-        self.label, self.total, self.unit = label, int(total), unit
+        self.label, self.total, self.unit = label, None if total is None else int(total), unit
         self.every_s = _interval(every_s)
         self.stream = stream
         self._now = clock_fn
@@ -62,19 +63,26 @@ class Progress:
         if self.every_s is None:
             return
         now = self._now()
-        due = self._last_print is None or now - self._last_print >= self.every_s or self.done >= self.total
+        finished = self.total is not None and self.done >= self.total
+        due = self._last_print is None or now - self._last_print >= self.every_s or finished
         if due:
             self._last_print = now
             print(self.line(now, info), file=self.stream or sys.stderr, flush=True)
 
     def line(self, now: float, info: dict | None = None) -> str:
         elapsed = now - self.start
+        if self.total is None:
+            return self._with_info(f"{self.label}: {self.done} {self.unit}, {clock(elapsed)} elapsed", info)
         text = f"{self.label}: {self.done}/{self.total} {self.unit}"
         if self.total > 0:
             text += f" ({100 * self.done / self.total:.0f}%)"
         text += f", {clock(elapsed)} elapsed"
         if 0 < self.done < self.total:
             text += f", ETA {clock(elapsed / self.done * (self.total - self.done))}"
+        return self._with_info(text, info)
+
+    @staticmethod
+    def _with_info(text: str, info: dict | None) -> str:
         if info:
             text += " | " + ", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in info.items())
         return text

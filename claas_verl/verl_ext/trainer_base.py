@@ -15,11 +15,17 @@ verl, listed in :mod:`claas_verl.verl_ext.trainer_couplings` (whose tests fail b
   worker class (after ``_init_resource_pool_mgr`` built ``role_worker_mapping``).
 * No prompt dataset: :func:`drop_prompt_dataloader` replaces what ``_init_dataloader`` would build.
 * Registering a trainer in verl's ``TaskRunner`` process: :func:`task_runner_class`.
+* verl's progress bar: ``fit`` builds a ``tqdm`` over ``total_training_steps`` before ``on_train_begin``; a trainer
+  whose step count is not known in advance (a stream-driven run) hides it with :func:`hidden_verl_progress_bar`
+  (around ``fit``: verl's module-level ``tqdm`` name, its only use) and reports its own progress.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import importlib
+from collections.abc import Iterator
 from typing import Any
 
 from omegaconf import OmegaConf, open_dict
@@ -116,6 +122,19 @@ def drop_prompt_dataloader(trainer: Any, total_steps: int) -> None:
             config.actor_rollout_ref.actor.optim.total_training_steps = total_steps
         if OmegaConf.select(config, "critic.optim"):
             config.critic.optim.total_training_steps = total_steps
+
+
+@contextlib.contextmanager
+def hidden_verl_progress_bar() -> Iterator[None]:
+    """Bars built by verl's trainer module inside the block are disabled (others, e.g. the rollout's, are not)."""
+    from verl.trainer.ppo.v1 import trainer_base
+
+    bar = trainer_base.tqdm
+    trainer_base.tqdm = functools.partial(bar, disable=True)
+    try:
+        yield
+    finally:
+        trainer_base.tqdm = bar
 
 
 def task_runner_class(trainer_module: str, agent_loop: bool = True):

@@ -110,6 +110,8 @@ SOURCE_MARKERS: tuple[SourceMarker, ...] = (
     SourceMarker(TRAINER, "PPOTrainer", "_load_checkpoint", "find_latest_ckpt_path", ("claas",)),
     # stop_after_this_step: the loop condition is re-read every step
     SourceMarker(TRAINER, "PPOTrainer", "fit", "self.global_steps <= self.total_training_steps", ("base",)),
+    # hidden_verl_progress_bar: the bar is built through the module's own ``tqdm`` name, before on_train_begin
+    SourceMarker(TRAINER, "PPOTrainer", "fit", "progress_bar = tqdm(total=self.total_training_steps", ("claas",)),
     # trainer_mode is read as the sync/async switch (VerlSeams keeps it "sync")
     SourceMarker(TRAINER, "PPOTrainer", "_init_dataloader", 'self.trainer_mode != "sync"', ("base",)),
     SourceMarker(TRAINER, "PPOTrainer", "_consume_sync_metrics", "self._pending_sync_metrics", ("claas", "mopd")),

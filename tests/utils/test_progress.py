@@ -95,3 +95,16 @@ def test_data_preparation_reports_accepted_prompts(monkeypatch, capsys):
     assert [c.source_id for c in got] == ["0", "2", "4"]
     assert [ln.split(" (")[0] for ln in capsys.readouterr().err.splitlines()] == [
         "[data] math: 1/3 prompts", "[data] math: 2/3 prompts", "[data] math: 3/3 prompts"]
+
+
+def test_an_open_ended_count_has_no_total_and_no_eta(monkeypatch):
+    """A stream-driven CLaaS run does not know its number of updates: the line counts them, without a made-up
+    total (verl's bar showed ``6/1000000000`` with an ETA of 25 years)."""
+    monkeypatch.delenv("CLAAS_PROGRESS_S", raising=False)
+    out, now = io.StringIO(), FakeClock()
+    p = Progress("[claas] training", None, "updates", every_s=0.0, stream=out, clock_fn=now)
+    for _ in range(2):
+        now.t += 3.0
+        p.update(split="1/2", buffer=5)
+    assert out.getvalue().splitlines() == ["[claas] training: 1 updates, 0:03 elapsed | split 1/2, buffer 5",
+                                           "[claas] training: 2 updates, 0:06 elapsed | split 1/2, buffer 5"]

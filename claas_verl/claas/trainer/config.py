@@ -231,8 +231,10 @@ class ClaasConfig:
     with the scenario reward ``min_t r_t``; REINFORCE++ / PPO, producer-driven).
     ``max_updates``: optional cap on optimizer steps (None: run
     the whole split protocol). ``trace``: write ``claas_trace.jsonl`` (one line per update) next to
-    the checkpoints. ``probe_served_policy``: after each weight push, read back a fingerprint of the
-    weights the rollout server serves (CPU ``hf`` rollout only; used by tests).
+    the checkpoints. ``probe_served_policy``: a verification switch, off in every recipe: after each
+    weight push, every replica's served weights are copied to the trainer and fingerprinted (and the vLLM
+    adapter-version state read), into the trace; this costs a full weight transfer per update, so only the
+    end-to-end tests turn it on, to check that each push changed what is served.
     """
 
     algorithm: str = "reinforce_pp"

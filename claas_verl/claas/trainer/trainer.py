@@ -69,7 +69,13 @@ from claas_verl.claas.trainer.records import RunCounters, RunRecords, probe_serv
 from claas_verl.claas.trainer.rollout_side import RolloutSide
 from claas_verl.claas.trainer.sampler import ClaasReplaySampler
 from claas_verl.claas.trainer.splits import SplitProtocol
-from claas_verl.verl_ext.trainer_base import VerlSeams, drop_prompt_dataloader, swap_actor_worker
+from claas_verl.utils.progress import Progress
+from claas_verl.verl_ext.trainer_base import (
+    VerlSeams,
+    drop_prompt_dataloader,
+    hidden_verl_progress_bar,
+    swap_actor_worker,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -97,6 +103,9 @@ class ClaasTrainer(VerlSeams, PPOTrainer):
         self.ckpt = ClaasCheckpoints(config, self.claas, self.records, self.counters)
         self.side: RolloutSide | None = None  # built in on_init_end, once the replicas serve version 0
         self.splits: SplitProtocol | None = None
+        # The stream, not a step count, ends the run: verl's bar would count to the 10**9 placeholder, so it is
+        # hidden and this line reports updates (with an ETA only when claas.max_updates caps them).
+        self.progress: Progress | None = None
 
     @property
     def sampler(self) -> ClaasReplaySampler:
@@ -171,6 +180,9 @@ class ClaasTrainer(VerlSeams, PPOTrainer):
         return out
 
     def on_train_begin(self):
+        cap = self.claas.max_updates
+        self.progress = Progress("[claas] training", None if cap is None else cap - self.counters.updates,
+                                 unit="updates" if self.counters.updates == 0 else "updates since resume")
         self.splits.begin(self.ckpt.resume.position if self.ckpt.resume is not None else None)
         if not self.splits.advance_until_ready():
             self.stop_before_first_step()  # nothing to train on (e.g. ICL)
@@ -194,6 +206,8 @@ class ClaasTrainer(VerlSeams, PPOTrainer):
         self.records.trace({"event": "update", "update": c.updates, "global_steps": self.global_steps,
                             "split": self.splits.idx + 1, "buffer_size_at_update": size_before,
                             "evicted_age": evicted, "sampled": self.sampler.last_sample, **probe})
+        # the split this update trained in (the wait below may start the next one)
+        where = {"split": f"{self.splits.idx + 1}/{self.side.stream.num_splits}"} if self.claas.producer.enabled else {}
         stop = self.claas.max_updates is not None and c.updates >= self.claas.max_updates
         if self.ckpt.due:  # trainer.save_freq: the checkpoint point (k = N, update N pushed)
             with marked_timer("save_checkpoint", self.timing_raw, color="green"):
@@ -203,13 +217,15 @@ class ClaasTrainer(VerlSeams, PPOTrainer):
         if not more:
             self.stop_after_this_step()
             self.ckpt.at_shutdown()
+        self.progress.update(**where, buffer=size_before)
         # verl merges these into this step's metrics (_consume_sync_metrics)
         self._pending_sync_metrics = {"claas/evicted_age": evicted, "claas/buffer_size": size_before}
 
     def fit(self, agent_loop_manager=None):
         """verl's loop (unchanged), then the run's records; producers are stopped whatever happens."""
         try:
-            super().fit(agent_loop_manager)
+            with hidden_verl_progress_bar():
+                super().fit(agent_loop_manager)
             if self.claas.producer.enabled:
                 self._write_continual_metrics()
             else:

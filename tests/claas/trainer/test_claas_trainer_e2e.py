@@ -11,7 +11,10 @@ the run's own records (``claas_trace.jsonl``, ``continual_metrics.json``, split 
   weights' fingerprint changes, and the push carried only LoRA adapter tensors (``lora.merge=false``);
 - a checkpoint per split and the M[j, k] metrics (JSON, CSV, PNG) were written;
 - the crashing grader produced reward None steps, which were dropped, and the run finished;
-- with ``trainer.logger=[console,wandb,tensorboard]`` the step metrics reach wandb (offline) and tensorboard.
+- with ``trainer.logger=[console,wandb,tensorboard]`` the step metrics, verl's per-phase timings and throughput
+  included, reach wandb (offline) and tensorboard;
+- the output reports updates as ``[claas] training`` lines, not verl's bar over the 10**9 placeholder step count,
+  and carries no TransferQueue thread-count warning.
 """
 
 from __future__ import annotations
@@ -63,13 +66,17 @@ def test_tiny_reinforce_pp_stream_end_to_end(tiny_model_dir, tmp_path, tracking_
     cmd = [
         sys.executable, "-m", "claas_verl.main_claas", "--config-name", "claas/tiny_reinforce_pp",
         "claas.env.name=ih_challenge", "~claas.env.kwargs", f"+claas.env.kwargs={{path:{stream},max_turns:2}}",
-        f"claas.a_max={A_MAX}", f"claas.b_min={B_MIN}", f"claas.m={M}", *tracking_logs.overrides,
+        f"claas.a_max={A_MAX}", f"claas.b_min={B_MIN}", f"claas.m={M}", "claas.probe_served_policy=true",
+        *tracking_logs.overrides,
     ]
     start = time.time()
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=1500)
     log = proc.stdout + proc.stderr
     assert proc.returncode == 0, log[-6000:]
     print(f"claas e2e wall time {time.time() - start:.1f}s")
+    assert "/1000000000" not in log and "Training Progress" not in log, "verl's bar over the placeholder step count"
+    assert "[claas] training: 1 updates" in log  # the first update is always reported
+    assert "should not exceed total physical CPU cores" not in log  # $TQ_NUM_THREADS capped before Ray starts
 
     run_dir = out / "claas_tiny_reinforce_pp"
     trace = [json.loads(line) for line in (run_dir / "claas_trace.jsonl").read_text().splitlines()]
@@ -120,6 +127,7 @@ def test_tiny_reinforce_pp_stream_end_to_end(tiny_model_dir, tmp_path, tracking_
         assert not (run_dir / f"claas_split_{j}" / "replay_buffer.pkl").exists()  # the buffer lives in the checkpoint
 
     # trainer.logger=[console,wandb,tensorboard]: the step metrics reach wandb (offline) and tensorboard
-    logged = {"claas/split", "claas/wait_buffer_s", "claas/buffer_size"}
+    logged = {"claas/split", "claas/wait_buffer_s", "claas/buffer_size", "timing_s/gen", "timing_s/update_actor",
+              "timing_s/update_weights", "perf/throughput"}
     for keys in (tracking_logs.wandb_keys(), tracking_logs.tensorboard_keys()):
         assert logged <= keys and any(k.startswith("actor/") for k in keys), sorted(keys)
