@@ -12,7 +12,7 @@ import os
 
 from omegaconf import DictConfig, OmegaConf
 
-from claas_verl.mopd.recipe_keys import recipe_key
+from claas_verl.preflight.recipe_keys import recipe_key
 
 UNSET = "???"
 

@@ -49,13 +49,13 @@ from claas_verl.distill import (
     topk_rewards,
     topk_weighted_kl,
 )
-from claas_verl.mopd.recipe_keys import TRAIN_YAML, recipe_key
 from claas_verl.mopd.trainer import fields as F
 from claas_verl.mopd.trainer import stages as S
 from claas_verl.mopd.trainer import weight_probe as WP
 from claas_verl.mopd.trainer.alignment import AUX_KEY, aux_config, region_fields
 from claas_verl.mopd.trainer.verl_couplings import MOPDTrainerCouplings
 from claas_verl.mopd.trainer.workers import TEACHER_KEY, MOPDWorker
+from claas_verl.preflight.recipe_keys import TRAIN_YAML, recipe_key
 from claas_verl.schedule import plan_from_config
 from claas_verl.verl_ext.packed_batch import padded
 from claas_verl.verl_ext.trainer_base import swap_actor_worker

@@ -10,8 +10,8 @@ from types import SimpleNamespace
 import pytest
 from omegaconf import OmegaConf
 
-from claas_verl.mopd.recipe_keys import TRAIN_YAML, recipe_key
 from claas_verl.preflight.models import plan_model_keys
+from claas_verl.preflight.recipe_keys import TRAIN_YAML, recipe_key
 
 PACKAGE = Path(__file__).resolve().parents[3] / "claas_verl"
 
@@ -31,7 +31,7 @@ def _defaulted_mopd_reads(path: Path) -> list[str]:
 
 def test_no_mopd_key_is_read_with_a_code_default():
     found = [hit for path in sorted(PACKAGE.rglob("*.py")) for hit in _defaulted_mopd_reads(path)]
-    assert not found, "read these keys with claas_verl.mopd.recipe_keys.recipe_key (default in the YAML):\n" + \
+    assert not found, "read these keys with claas_verl.preflight.recipe_keys.recipe_key (default in the YAML):\n" + \
         "\n".join(found)
 
 
