@@ -1,4 +1,4 @@
-"""Stage bookkeeping of the MOPD trainer (claas_verl.mopd.trainer.stages): pure python, hand-checked cases."""
+"""Run records of the MOPD trainer (claas_verl.mopd.trainer.records): pure python, hand-checked cases."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from claas_verl.mopd.trainer import stages as S
+from claas_verl.mopd.trainer import records as S
 from claas_verl.schedule import ScheduleConfig, build_plan
 
 
