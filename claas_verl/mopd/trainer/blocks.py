@@ -9,6 +9,7 @@ from __future__ import annotations
 import uuid
 
 import numpy as np
+import transfer_queue as tq
 from verl.utils import tensordict_utils as tu
 from verl.utils.dataset.rl_dataset import collate_fn
 
@@ -49,3 +50,27 @@ def block_batch(datasets: dict, step: dict, block_size: int, global_steps: int):
     """The plan step's block of its domain's prompts."""
     rows = range(step["block"] * block_size, (step["block"] + 1) * block_size)
     return prompt_batch(datasets[step["domain"]], rows, global_steps)
+
+
+def canonical_row_order(batch, wg):
+    """Sort the step's rows by their token ids inside each data-parallel rank's share of worker group ``wg`` (in
+    place).
+
+    verl's async rollout returns the responses in completion order, and the docs/math.md §B.7 loss (per-micro-batch
+    means) depends on which responses share a micro-batch; a content order makes the update a function of
+    the samples alone (same seeds -> same step; an exact resume). Each rank keeps the rows verl's
+    ``_balance_batch`` gave it (contiguous equal shares), so its token balance is unchanged.
+    """
+    data = tq.kv_batch_get(keys=batch.keys, partition_id=batch.partition_id, select_fields=["input_ids"])
+    rows = [r.cpu().long().numpy().tobytes() for r in data["input_ids"].unbind()]
+    ranks = wg._dispatch_info.get("actor") if hasattr(wg, "_dispatch_info") else None
+    dp = max(ranks) + 1 if ranks else 1
+    n = len(rows)
+    if n % dp:
+        raise ValueError(f"{n} rows do not split evenly over {dp} data-parallel ranks")
+    share = n // dp
+    order = []
+    for c in range(dp):
+        order += sorted(range(c * share, (c + 1) * share), key=lambda i: (len(rows[i]), rows[i]))
+    batch.reorder(order)
+    return batch

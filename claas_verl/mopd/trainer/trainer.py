@@ -55,7 +55,7 @@ from claas_verl.distill import (
 from claas_verl.mopd.trainer import fields as F
 from claas_verl.mopd.trainer import records as S
 from claas_verl.mopd.trainer.alignment import AUX_KEY, aux_config, region_fields
-from claas_verl.mopd.trainer.blocks import block_batch, load_domains
+from claas_verl.mopd.trainer.blocks import block_batch, canonical_row_order, load_domains
 from claas_verl.mopd.trainer.forgetting import ForgettingEval
 from claas_verl.mopd.trainer.snapshots import StageSnapshots
 from claas_verl.mopd.trainer.teachers import StageTeachers
@@ -216,36 +216,13 @@ class MOPDTrainer(MOPDTrainerCouplings, PPOTrainerSync):
             F.TOPK_KEY: self.topk,
         }
 
-    def canonical_row_order(self, batch):
-        """Sort the step's rows by their token ids inside each data-parallel rank's share (in place).
-
-        verl's async rollout returns the responses in completion order, and the docs/math.md §B.7 loss (per-micro-batch
-        means) depends on which responses share a micro-batch; a content order makes the update a function of
-        the samples alone (same seeds -> same step; an exact resume). Each rank keeps the rows verl's
-        ``_balance_batch`` gave it (contiguous equal shares), so its token balance is unchanged.
-        """
-        data = tq.kv_batch_get(keys=batch.keys, partition_id=batch.partition_id, select_fields=["input_ids"])
-        rows = [r.cpu().long().numpy().tobytes() for r in data["input_ids"].unbind()]
-        wg = self.actor_rollout_wg
-        ranks = wg._dispatch_info.get("actor") if hasattr(wg, "_dispatch_info") else None
-        dp = max(ranks) + 1 if ranks else 1
-        n = len(rows)
-        if n % dp:
-            raise ValueError(f"{n} rows do not split evenly over {dp} data-parallel ranks")
-        share = n // dp
-        order = []
-        for c in range(dp):
-            order += sorted(range(c * share, (c + 1) * share), key=lambda i: (len(rows[i]), rows[i]))
-        batch.reorder(order)
-        return batch
-
     def mopd_student_topk(self, batch, metrics: dict):
         """Pre-update forward of the training model: store the student's top-κ ids and log-probs S (B.2.1).
 
         The worker writes them as two flattened-rows fields, ``F.TOPK_IDS`` and ``F.STUDENT_LP``
         (:func:`claas_verl.mopd.trainer.workers.fold_topk_outputs`).
         """
-        self.canonical_row_order(batch)
+        canonical_row_order(batch, self.actor_rollout_wg)
         batch.extra_info.update(self._distill_flags(F.PHASE_STUDENT_TOPK))
         self.actor_rollout_wg.compute_log_prob(batch)
         return batch
