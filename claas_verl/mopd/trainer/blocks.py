@@ -1,4 +1,4 @@
-"""The prompts of a continual MOPD run: one dataset per domain, a plan step's block of rows as verl's batch.
+"""The prompts of a continual MOPD run: one dataset per domain, a plan step's block as verl's batch, its row order.
 
 Block ``b`` of domain ``d`` is rows ``b·size .. (b+1)·size-1`` of ``mopd.domains.<d>.prompts`` (docs/math.md §B.1);
 the held-out ``test_prompts`` feed the forgetting evaluation (:mod:`claas_verl.mopd.trainer.forgetting`).
