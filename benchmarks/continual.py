@@ -188,7 +188,7 @@ def mopd_run(recipe: str, seed: int, out: Path, quick: bool, extra: list[str], b
 
 def _score_run(recipe: str, seed: int, out: Path, quick: bool, extra: list[str], seconds: float,
                bundle: str) -> dict:
-    from claas_verl.mopd.trainer import stages as S
+    from claas_verl.mopd.trainer import records as S
 
     name = run_name(recipe, seed)
     runs = out / "runs"
@@ -217,7 +217,7 @@ def recipe_stages(recipe: str, overrides: list[str]) -> dict:
     sampling of the training rollouts (reply length, temperature)."""
     from hydra import compose, initialize_config_dir
 
-    from claas_verl.mopd.trainer import stages as S
+    from claas_verl.mopd.trainer import records as S
     from claas_verl.paths import recipes_dir
     from claas_verl.schedule import plan_from_config
 

@@ -26,7 +26,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from claas_verl.mopd.trainer import stages as S  # noqa: E402  (pure python; no verl import)
+from claas_verl.mopd.trainer import records as S  # noqa: E402  (pure python; no verl import)
 
 RUNS = (("seq", "mopd/tiny_seq"), ("replay_kl", "mopd/tiny_replay_kl"))
 DEMO_OVERRIDES = ["mopd.eval.prompts=8", "trainer.save_freq=-1", "trainer.resume_mode=disable"]

@@ -176,11 +176,10 @@ def test_the_console_shows_each_stage_of_a_job():
     turned off: it waited for the evaluation's lines only)."""
     import inspect
 
-    from claas_verl.mopd.trainer.trainer import MOPDTrainer
+    from claas_verl.mopd.trainer import snapshots, teachers
 
-    src = inspect.getsource(MOPDTrainer)
-    assert '"[mopd] stage {stage} begins at global step {self.global_steps}: ' in src
-    assert '"[mopd] stage {stage} ends: snapshot M_{stage} -> {dst}"' in src
+    assert '"[mopd] stage {stage} begins at global step {global_steps}: ' in inspect.getsource(teachers)
+    assert '"[mopd] stage {stage} ends: snapshot M_{stage} -> {dst}"' in inspect.getsource(snapshots)
     prefix = "\x1b[36m(MOPDTaskRunner pid=4566)\x1b[0m "
     assert C._echo(prefix + "[mopd] stage 2 begins at global step 13: teachers {'reverse': '/x'}\n") == \
         "stage 2 begins at global step 13"
@@ -188,5 +187,6 @@ def test_the_console_shows_each_stage_of_a_job():
         "stage 2 ends: snapshot M_2 -> /runs/s/snapshots/student_2"
     assert C._echo(prefix + "[mopd] stage 1 end: KL(student || E[spell]) = 4.6 (binned 4.1), score 0.310") == \
         "stage 1 end: KL(student || E[spell]) = 4.6 (binned 4.1), score 0.310"
-    assert C._echo(prefix + "[mopd] step 3/36 stage=1 kind=new domain=spell") is None
+    assert C._echo(prefix + "[mopd] step 3/36 stage 1/3: 3/12 steps (25%), 0:09 elapsed, "
+                   "ETA 0:27 | new spell block 2 teacher expert:spell, kl_topk 0.1, sigma 1") is None
     assert C._echo("step:1 - global_seqlen/min:4928.0") is None

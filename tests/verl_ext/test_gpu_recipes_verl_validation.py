@@ -88,7 +88,7 @@ def build_worker_configs(cfg, teacher_path: str | None = None) -> dict:
 def test_mopd_gpu_recipe_passes_verl_validation(recipe, tiny_root):
     from verl.utils.config import validate_config
 
-    from claas_verl.mopd.trainer import stages as S
+    from claas_verl.mopd.trainer import records as S
 
     cfg = compose_mopd(recipe, tiny_root)
     assert cfg.trainer.device == "cuda" and cfg.actor_rollout_ref.rollout.name == "vllm"

@@ -2,7 +2,7 @@
 
 Importing :mod:`claas_verl.mopd.trainer.trainer` registers :class:`MOPDTrainer` with verl's v1 trainer
 registry (``claas_verl.mopd.trainer.MOPDTrainer`` does it lazily, so the pure helpers ``fields`` and
-``stages`` import without verl). Entry point: ``python -m claas_verl.main_mopd --config-name mopd/<recipe>``.
+``records`` import without verl). Entry point: ``python -m claas_verl.main_mopd --config-name mopd/<recipe>``.
 Every coupling to private verl names lives in :mod:`claas_verl.mopd.trainer.verl_couplings`.
 """
 

@@ -20,23 +20,26 @@ claas_verl.main_mopd`` does it). verl's own ``fit`` loop runs unchanged; per glo
 6. verl saves checkpoints every ``trainer.save_freq`` steps; this trainer also saves at every stage end, copies
    the Hugging Face export to ``snapshots/student_<stage>`` (M_stage), writes ``mopd_state.json`` beside
    verl's files, and measures forgetting (student → expert KL on held-out prompts of every learned domain).
-7. ``steps.jsonl`` gets the executed step with its metrics.
+7. ``steps.jsonl`` gets the executed step with its metrics; the console a line with the stage's ETA.
+
+This module holds verl's hooks and the step's math; the rest is one component per job, each holding its state:
+:mod:`~claas_verl.mopd.trainer.blocks` (per-domain prompts, a step's block), :mod:`~claas_verl.mopd.trainer.teachers`
+(the teachers the workers hold), :mod:`~claas_verl.mopd.trainer.snapshots` (M_j, resume state and its
+reconciliation), :mod:`~claas_verl.mopd.trainer.forgetting` (the held-out evaluation),
+:mod:`~claas_verl.mopd.trainer.weight_probe` (did the weight sync arrive) and
+:mod:`~claas_verl.mopd.trainer.records` (the run's files: audit trail, resume state, forgetting table).
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import shutil
-import uuid
 
-import numpy as np
 import torch
 import transfer_queue as tq
 from verl.trainer.ppo.v1.trainer_base import register_trainer
 from verl.trainer.ppo.v1.trainer_sync import PPOTrainerSync
 from verl.utils import tensordict_utils as tu
-from verl.utils.dataset.rl_dataset import collate_fn
 from verl.utils.metric import reduce_metrics
 from verl.utils.py_functional import rename_dict
 from verl.workers.utils.padding import response_to_nested
@@ -50,10 +53,14 @@ from claas_verl.distill import (
     topk_weighted_kl,
 )
 from claas_verl.mopd.trainer import fields as F
-from claas_verl.mopd.trainer import stages as S
-from claas_verl.mopd.trainer import weight_probe as WP
+from claas_verl.mopd.trainer import records as S
 from claas_verl.mopd.trainer.alignment import AUX_KEY, aux_config, region_fields
+from claas_verl.mopd.trainer.blocks import block_batch, canonical_row_order, load_domains
+from claas_verl.mopd.trainer.forgetting import ForgettingEval
+from claas_verl.mopd.trainer.snapshots import StageSnapshots
+from claas_verl.mopd.trainer.teachers import StageTeachers
 from claas_verl.mopd.trainer.verl_couplings import MOPDTrainerCouplings
+from claas_verl.mopd.trainer.weight_probe import WeightSyncProbe
 from claas_verl.mopd.trainer.workers import TEACHER_KEY, MOPDWorker
 from claas_verl.preflight.recipe_keys import TRAIN_YAML, recipe_key
 from claas_verl.schedule import plan_from_config
@@ -77,14 +84,12 @@ class MOPDTrainer(MOPDTrainerCouplings, PPOTrainerSync):
         self.topk = int(mopd.train.topk)
         self.block_size = int(mopd.block_size)
         self.run_dir = str(config.trainer.default_local_dir)
-        self.paths = S.ModelPaths(
+        paths = S.ModelPaths(
             student0=str(mopd.student),
             experts={d: str(mopd.domains[d].get("expert")) for d in self.plan.order},
             run_dir=self.run_dir,
         )
         self.domain_index = {d: i for i, d in enumerate(self.plan.order)}
-        self.eval_enabled = bool(recipe_key(mopd, "eval.enabled"))
-        self.eval_prompts = int(recipe_key(mopd, "eval.prompts"))
         if self.config.data.train_batch_size != self.block_size:
             raise ValueError(
                 f"data.train_batch_size={self.config.data.train_batch_size} must equal mopd.block_size="
@@ -92,23 +97,23 @@ class MOPDTrainer(MOPDTrainerCouplings, PPOTrainerSync):
             )
         actor = config.actor_rollout_ref.actor
         S.check_one_update_per_step(self.block_size, actor.get("ppo_mini_batch_size"), actor.get("ppo_epochs"))
-        self.teacher_dtype = S.check_teacher_dtype(recipe_key(mopd, "train.teacher_dtype", TRAIN_YAML))
+        teacher_dtype = S.check_teacher_dtype(recipe_key(mopd, "train.teacher_dtype", TRAIN_YAML))
         # replay steps of FSAR/SATS/OPRD recipes: alignment terms + balanced update (docs/math.md §B.3-B.7)
         self.aux = aux_config(mopd.get("signal") or {})
         if self.aux.enabled and actor.get("strategy") not in ("fsdp2",):
             raise ValueError(f"mopd.signal enables {list(self.aux.terms)}: the balanced update needs "
                              f"actor_rollout_ref.actor.strategy=fsdp2, got {actor.get('strategy')!r}")
         self._separators = None
-        self._stage: int | None = None  # stage whose teachers are loaded (None: none yet)
-        self._resumed_mid_stage = False
         self._saved_at = -1
-        self._pending_end_eval: tuple[int, int] | None = None  # (stage, its last global step) to evaluate on resume
+        self.domain_datasets: dict = {}
+        fresh = bool(recipe_key(mopd, "train.fresh_optimizer_per_stage", TRAIN_YAML))
+        self.teachers = StageTeachers(self.plan, self.plan_steps, paths, teacher_dtype, fresh_optimizer=fresh)
+        self.snapshots = StageSnapshots(paths, self.plan_steps, self.bounds)
+        self.forgetting = ForgettingEval(self, enabled=bool(recipe_key(mopd, "eval.enabled")),
+                                         prompts=int(recipe_key(mopd, "eval.prompts")))
+        self.progress = S.StageProgress(self.plan_steps, self.bounds)
         # after every weight sync the rollout scores a fixed probe (weight_probe); 0 turns the check off
-        self.probe_tokens = int(recipe_key(mopd, "weight_sync_probe_tokens") or 0)
-        if self.probe_tokens < 0:
-            raise ValueError(f"mopd.weight_sync_probe_tokens={self.probe_tokens}: give the probe's length in tokens "
-                             "(0 turns the weight-sync check off)")
-        self._probe_served: list[list[float]] | None = None  # the previous sync's served log-probs
+        self.probe = WeightSyncProbe(int(recipe_key(mopd, "weight_sync_probe_tokens") or 0))
 
     # ================================================================= verl wiring
     def mopd_use_worker_class(self):
@@ -131,24 +136,8 @@ class MOPDTrainer(MOPDTrainerCouplings, PPOTrainerSync):
         return sampler
 
     def mopd_init_datasets(self):
-        from verl.trainer.ppo.utils import create_rl_dataset
-
-        self.domain_datasets, self.eval_datasets = {}, {}
-        for d in self.plan.order:
-            spec = self.config.mopd.domains[d]
-            ds = create_rl_dataset(spec.prompts, self.config.data, self.tokenizer, self.processor, is_train=True)
-            need = self.plan.num_blocks[d] * self.block_size
-            if len(ds) < need:
-                raise ValueError(
-                    f"mopd.domains.{d}.prompts: {len(ds)} usable prompts but the plan needs {need} "
-                    f"({self.plan.num_blocks[d]} blocks of {self.block_size}); were prompts dropped by "
-                    "data.filter_overlong_prompts / data.max_prompt_length?"
-                )
-            self.domain_datasets[d] = ds
-            test = spec.get("test_prompts")
-            if test:
-                self.eval_datasets[d] = create_rl_dataset(test, self.config.data, self.tokenizer, self.processor,
-                                                          is_train=False)
+        self.domain_datasets, self.forgetting.datasets = load_domains(self.config, self.plan, self.tokenizer,
+                                                                      self.processor)
         if self.total_training_steps > len(self.plan_steps):
             raise ValueError(
                 f"trainer.total_training_steps={self.total_training_steps} exceeds the plan's {len(self.plan_steps)} "
@@ -162,47 +151,20 @@ class MOPDTrainer(MOPDTrainerCouplings, PPOTrainerSync):
     def mopd_block_batch(self, num_prompts: int | None = None):
         if num_prompts not in (None, self.block_size):
             raise ValueError(f"the MOPD trainer submits whole blocks of {self.block_size} prompts, not {num_prompts}")
-        step = self.current_step()
-        ds = self.domain_datasets[step["domain"]]
-        rows = range(step["block"] * self.block_size, (step["block"] + 1) * self.block_size)
-        batch_dict = collate_fn([ds[i] for i in rows])
-        batch_dict["uid"] = np.array([str(uuid.uuid4()) for _ in rows], dtype=object)
-        batch = tu.get_tensordict(batch_dict)
-        tu.assign_non_tensor_data(batch, "global_steps", self.global_steps)
-        return batch
+        return block_batch(self.domain_datasets, self.current_step(), self.block_size, self.global_steps)
 
     # ================================================================= stage boundaries
     def on_step_begin(self):
         super().on_step_begin()
-        if self._pending_end_eval is not None:  # the stage-end evaluation a crash lost (the weights are M_stage)
-            stage, gs = self._pending_end_eval
-            self._pending_end_eval = None
-            print(f"[mopd] resumed after stage {stage} ended: re-running its lost stage-end forgetting evaluation")
-            self._evaluate(stage, "end", S.learned_domains(self.plan_steps, gs - 1), gs)
-            self._stage = None
+        self.forgetting.run_pending()  # the stage-end evaluation a crash lost (the weights are M_stage)
         step = self.current_step()
-        if self._stage == step["stage"]:
+        if self.teachers.stage == step["stage"]:
             return
         first_step_of_stage = S.step_index(self.global_steps, len(self.plan_steps)) == self.bounds[step["stage"]][0]
-        if first_step_of_stage and self.eval_enabled:
-            self.evaluate_stage_start(step["stage"])
-        self._begin_stage(step["stage"], fresh_optimizer=first_step_of_stage)
-
-    def _begin_stage(self, stage: int, fresh_optimizer: bool):
-        teachers = S.stage_teachers(self.plan_steps, stage)
-        S.check_held(teachers, self.plan.held_by_stage[stage], stage, self.plan.setting)
-        specs = {t: self.paths.path(t) for t in teachers}
-        for name, path in specs.items():
-            if not os.path.exists(os.path.join(path, "config.json")):
-                raise ValueError(f"teacher {name} of stage {stage}: no Hugging Face model at {path}")
-        loaded = self.actor_rollout_wg.mopd_set_teachers(specs, self.teacher_dtype)[0]
-        dropped = 0
-        if fresh_optimizer and bool(recipe_key(self.config.mopd, "train.fresh_optimizer_per_stage", TRAIN_YAML)):
-            dropped = self.actor_rollout_wg.mopd_reset_optimizer()[0]
-        logger.info(f"MOPD stage {stage}: teachers {loaded}; fresh optimizer={fresh_optimizer} (dropped {dropped})")
-        print(f"[mopd] stage {stage} begins at global step {self.global_steps}: teachers {loaded}"
-              + (", fresh AdamW state" if fresh_optimizer else ", optimizer state kept (resumed mid-stage)"))
-        self._stage = stage
+        if first_step_of_stage:
+            self.forgetting.stage_start(step["stage"], self.global_steps)
+        self.teachers.begin_stage(self.actor_rollout_wg, step["stage"], first_step_of_stage, self.global_steps)
+        self.progress.begin(step["stage"])
 
     def is_stage_end(self, global_step: int) -> bool:
         step = self.current_step(global_step)
@@ -210,30 +172,23 @@ class MOPDTrainer(MOPDTrainerCouplings, PPOTrainerSync):
 
     def on_init_end(self):
         super().on_init_end()  # pushes the initial (or resumed) weights to the rollout replicas
-        if self.probe_tokens:
-            self.probe_weight_sync()  # the baseline the first step's change is measured against
+        if self.probe.tokens:
+            self._probe_weight_sync()  # the baseline the first step's change is measured against
 
     def on_step_end(self):
         super().on_step_end()  # pushes the updated weights to the rollout replicas
-        if self.probe_tokens:
+        if self.probe.tokens:
             self._pending_sync_metrics = {**(getattr(self, "_pending_sync_metrics", None) or {}),
-                                          **self.probe_weight_sync()}
+                                          **self._probe_weight_sync()}
         self._optim_steps = int(self.actor_rollout_wg.mopd_optimizer_steps()[0])
         if not self.is_stage_end(self.global_steps):
             return
         if self._saved_at != self.global_steps:
             self._save_checkpoint()
-        if self.eval_enabled:
-            self.evaluate_forgetting()
+        self.forgetting.stage_end(self.current_step()["stage"], self.global_steps)
 
-    def probe_weight_sync(self) -> dict[str, float]:
-        """Score the fixed probe on every rollout replica and in the trainer's student (:mod:`.weight_probe`)."""
-        ids = WP.probe_ids(self.tokenizer, self.probe_tokens)
-        served = WP.served_logprobs(self.checkpoint_manager.replicas, ids)
-        trained = self.actor_rollout_wg.mopd_probe_logprobs(ids, [tokens for tokens, _ in served])[0]
-        metrics = WP.probe_metrics(served, trained, self._probe_served)
-        self._probe_served = [logps for _, logps in served]
-        return metrics
+    def _probe_weight_sync(self) -> dict[str, float]:
+        return self.probe.measure(self.tokenizer, self.checkpoint_manager.replicas, self.actor_rollout_wg)
 
     # ================================================================= the step's math
     def _distill_flags(self, phase: str) -> dict:
@@ -247,41 +202,19 @@ class MOPDTrainer(MOPDTrainerCouplings, PPOTrainerSync):
             F.TOPK_KEY: self.topk,
         }
 
-    def canonical_row_order(self, batch):
-        """Sort the step's rows by their token ids inside each data-parallel rank's share (in place).
-
-        verl's async rollout returns the responses in completion order, and the docs/math.md §B.7 loss (per-micro-batch
-        means) depends on which responses share a micro-batch; a content order makes the update a function of
-        the samples alone (same seeds -> same step; an exact resume). Each rank keeps the rows verl's
-        ``_balance_batch`` gave it (contiguous equal shares), so its token balance is unchanged.
-        """
-        data = tq.kv_batch_get(keys=batch.keys, partition_id=batch.partition_id, select_fields=["input_ids"])
-        rows = [r.cpu().long().numpy().tobytes() for r in data["input_ids"].unbind()]
-        wg = self.actor_rollout_wg
-        ranks = wg._dispatch_info.get("actor") if hasattr(wg, "_dispatch_info") else None
-        dp = max(ranks) + 1 if ranks else 1
-        n = len(rows)
-        if n % dp:
-            raise ValueError(f"{n} rows do not split evenly over {dp} data-parallel ranks")
-        share = n // dp
-        order = []
-        for c in range(dp):
-            order += sorted(range(c * share, (c + 1) * share), key=lambda i: (len(rows[i]), rows[i]))
-        batch.reorder(order)
-        return batch
-
     def mopd_student_topk(self, batch, metrics: dict):
         """Pre-update forward of the training model: store the student's top-κ ids and log-probs S (B.2.1).
 
         The worker writes them as two flattened-rows fields, ``F.TOPK_IDS`` and ``F.STUDENT_LP``
         (:func:`claas_verl.mopd.trainer.workers.fold_topk_outputs`).
         """
-        self.canonical_row_order(batch)
+        canonical_row_order(batch, self.actor_rollout_wg)
         batch.extra_info.update(self._distill_flags(F.PHASE_STUDENT_TOPK))
         self.actor_rollout_wg.compute_log_prob(batch)
         return batch
 
-    def _teacher_q(self, batch, teacher: str):
+    def teacher_q(self, batch, teacher: str):
+        """Teacher ``teacher``'s top-k log-probs Q at the student's ids, with the student's S and the response mask."""
         batch.extra_info.update(self._distill_flags(F.PHASE_TEACHER))
         batch.extra_info[TEACHER_KEY] = teacher
         self.actor_rollout_wg.mopd_teacher_forward(batch)
@@ -302,7 +235,7 @@ class MOPDTrainer(MOPDTrainerCouplings, PPOTrainerSync):
             self._store_regions(batch, metrics)
             batch.extra_info[AUX_KEY] = self.aux.to_dict()  # the teacher also returns its alignment targets
         try:
-            Sx, Q, mask, mask_nested = self._teacher_q(batch, step["teacher"])
+            Sx, Q, mask, mask_nested = self.teacher_q(batch, step["teacher"])
         finally:
             batch.extra_info.pop(AUX_KEY, None)
         r = topk_rewards(Sx, Q, mask)
@@ -376,159 +309,21 @@ class MOPDTrainer(MOPDTrainerCouplings, PPOTrainerSync):
                                                                     "critic/score/mean", "timing_s/step",
                                                                     "rollout/weight_sync_"))}
         S.append_step(self.run_dir, global_step, step, keep)
-        print(f"[mopd] step {global_step}/{len(self.plan_steps)} stage={step['stage']} kind={step['kind']} "
-              f"domain={step['domain']} block={step['block']} teacher={step['teacher']} "
-              f"kl_topk={metrics.get('mopd/kl_topk', float('nan')):.4f} "
-              f"sigma={metrics.get('mopd/adv_sigma', float('nan')):.4g}")
+        print(self.progress.line(global_step, metrics), flush=True)
 
     # ================================================================= checkpoints
-    def _step_dir(self, gs: int) -> str:
-        return os.path.join(self.run_dir, f"global_step_{gs}")
-
     def mopd_after_save(self):
         gs = self.global_steps
         self._saved_at = gs
-        step = self.current_step(gs)
-        if self.is_stage_end(gs):
-            self._snapshot(step["stage"], gs)
-        state = {
-            "global_step": gs,
-            "plan_index": gs - 1,
-            "stage": step["stage"],
-            "stage_complete": self.is_stage_end(gs),
-            "snapshots": S.existing_snapshots(self.paths, max(self.bounds)),
-            "plan_fingerprint": S.plan_fingerprint(self.plan_steps),
-            "plan_length": len(self.plan_steps),
-        }
-        S.write_state(self._step_dir(gs), state)
-
-    def _snapshot(self, stage: int, gs: int):
-        """M_stage in Hugging Face format, copied out of verl's checkpoint (which may be rotated away later)."""
-        src = os.path.join(self._step_dir(gs), "actor", "huggingface")
-        if not os.path.exists(os.path.join(src, "config.json")):
-            raise ValueError(
-                f"no Hugging Face export in {src}: add 'hf_model' to "
-                "actor_rollout_ref.actor.checkpoint.save_contents (the MOPD recipes do)"
-            )
-        dst = self.paths.snapshot(stage)
-        tmp = dst + ".tmp"
-        shutil.rmtree(tmp, ignore_errors=True)
-        shutil.copytree(src, tmp)
-        shutil.rmtree(dst, ignore_errors=True)
-        os.replace(tmp, dst)
-        print(f"[mopd] stage {stage} ends: snapshot M_{stage} -> {dst}")
+        self.snapshots.after_save(gs, self.current_step(gs)["stage"], self.is_stage_end(gs))
 
     def mopd_after_load(self):
         gs = self.global_steps
         if gs == 0:
             return
-        state = S.read_state(self._step_dir(gs))
-        if state is None:
-            raise ValueError(f"{self._step_dir(gs)} has no {S.STATE_FILE}: not a MOPD checkpoint")
-        if state["plan_fingerprint"] != S.plan_fingerprint(self.plan_steps):
-            raise ValueError(
-                f"the checkpoint {self._step_dir(gs)} was written for a different plan; resume with the same recipe "
-                "or set trainer.resume_mode=disable"
-            )
-        existing = S.existing_snapshots(self.paths, max(self.bounds))
-        missing, recopy, stale = S.reconcile_snapshots(state.get("snapshots", []), existing, state["stage"],
-                                                       state["stage_complete"])
-        if missing:
-            raise ValueError(
-                f"the checkpoint {self._step_dir(gs)} recorded stage snapshots {state.get('snapshots')} but "
-                f"{missing} are gone from {os.path.dirname(self.paths.snapshot(1))}: restore them or resume from an "
-                "earlier checkpoint (trainer.resume_from_path)"
-            )
-        for j in recopy:
-            self._snapshot(j, gs)  # killed between the save and the copy
-        for j in stale:  # written by work after this checkpoint: this run makes its own M_j again
-            src = self.paths.snapshot(j)
-            dst = os.path.join(os.path.dirname(src), "discarded", f"student_{j}.after_step_{gs}")
-            shutil.rmtree(dst, ignore_errors=True)
-            os.makedirs(os.path.dirname(dst), exist_ok=True)
-            os.replace(src, dst)
-            print(f"[mopd] snapshot M_{j} was not recorded by checkpoint {gs} (later, discarded work): moved to {dst}")
-        dropped = S.truncate_steps(self.run_dir, gs)
-        print(f"[mopd] resumed at global step {gs} (stage {state['stage']}); {dropped} later audit lines discarded")
-        if (state["stage_complete"] and self.eval_enabled and gs < len(self.plan_steps)
-                and not S.stage_end_measured(S.read_forgetting(self.run_dir), state["stage"])):
-            self._pending_end_eval = (state["stage"], gs)  # a crash lost it: measured before the next step
+        self.forgetting.note_resume(self.snapshots.resume(gs), gs)
         # the next step's on_step_begin loads the teachers; a stage that is not finished keeps its optimizer
-        self._stage = None
-
-    # ================================================================= forgetting
-    def evaluate_stage_start(self, stage: int):
-        """Before a stage's first update: KL from the student to the expert of every domain the stage teaches.
-
-        With the stage-end rows this shows what the stage learned (the KL should fall from here to the stage end)
-        next to what later stages forget. Measured again when a run resumes from the checkpoint before it.
-        """
-        # the current step has not updated yet: the replicas serve the weights of global step - 1
-        self._evaluate(stage, "start", S.taught_domains(self.plan_steps, stage), self.global_steps - 1)
-
-    def evaluate_forgetting(self):
-        """At a stage end: KL from the stage-final student to the expert of every domain learned so far."""
-        gs = self.global_steps
-        self._evaluate(self.current_step(gs)["stage"], "end", S.learned_domains(self.plan_steps, gs - 1), gs)
-        # the next stage (if any) loads its own teachers
-        self._stage = None
-
-    def _evaluate(self, stage: int, at: str, domains: list[str], version: int):
-        """Measure ``domains`` (those with held-out prompts) at weight ``version``; append the rows, rewrite the
-        tables."""
-        rows = []
-        for d in domains:
-            if d not in self.eval_datasets:
-                continue
-            measured = self._eval_domain(d, version)
-            rows.append({"stage": stage, "at": at, "global_step": version, "domain": d, **measured})
-            print(f"[mopd] stage {stage} {at}: KL(student || E[{d}]) = {measured['kl']:.4f} "
-                  f"(binned {measured['kl_binned']:.4f}), score {measured['score']:.3f}")
-        self._write_forgetting(rows)
-
-    def _write_forgetting(self, rows: list[dict]):
-        if not rows:
-            return
-        S.append_forgetting(self.run_dir, rows)
-        table = S.forgetting_table(S.read_forgetting(self.run_dir), title=self.config.trainer.experiment_name)
-        with open(os.path.join(self.run_dir, S.FORGETTING_MD), "w") as f:
-            f.write(table + "\n")
-
-    def _eval_domain(self, domain: str, version: int) -> dict[str, float]:
-        """Sample the student on ``domain``'s held-out prompts; return ``kl`` (the student-weighted top-k KL to the
-        domain's expert, as the MOPD paper logs it), ``kl_binned`` (the (k+1)-bin KL, a non-negative lower bound of the
-        full-vocabulary KL) and ``score`` (mean reward).
-
-        ``version``: the weight version the rollout replicas serve (tags the rollout and the weight re-sync).
-        """
-        ds = self.eval_datasets[domain]
-        rows = range(min(self.eval_prompts, len(ds)))
-        batch_dict = collate_fn([ds[i] for i in rows])
-        batch_dict["uid"] = np.array([str(uuid.uuid4()) for _ in rows], dtype=object)
-        batch = tu.get_tensordict(batch_dict)
-        tu.assign_non_tensor_data(batch, "global_steps", version)
-        tu.assign_non_tensor_data(batch, "validate", True)
-        tags = [{"is_prompt": True, "status": "pending", "global_steps": version} for _ in rows]
-        tq.kv_batch_put(keys=list(batch["uid"]), partition_id="val", tags=tags)
-        self.agent_loop_manager.generate_sequences(batch)
-        meta, _ = self.replay_buffer.sample(global_steps=version, partition_id="val", batch_size=len(rows))
-        self.checkpoint_manager.sleep_replicas()
-        try:
-            meta = self._balance_batch(meta, metrics={})
-            self.actor_rollout_wg.mopd_set_teachers({f"expert:{domain}": self.paths.path(f"expert:{domain}")},
-                                                    self.teacher_dtype)
-            self.mopd_student_topk(meta, {})  # reorders the rows (canonical_row_order): read the tags after it
-            real = np.array([not t.get("is_padding", False) for t in meta.tags])
-            Sx, Q, mask, _ = self._teacher_q(meta, f"expert:{domain}")
-            sel = torch.as_tensor(real)
-            kl = float(topk_weighted_kl(Sx[sel], Q[sel], mask[sel]))
-            kl_binned = float(topk_binned_kl(Sx[sel], Q[sel], mask[sel]))
-            scores = tq.kv_batch_get(keys=meta.keys, partition_id=meta.partition_id, select_fields=["rm_scores"])
-            score = float(padded(scores["rm_scores"]).sum(-1)[sel].mean())
-        finally:
-            tq.kv_clear(keys=meta.keys, partition_id=meta.partition_id)
-            self.checkpoint_manager.update_weights(version)
-        return {"kl": kl, "kl_binned": kl_binned, "score": score}
+        self.teachers.stage = None
 
 
 __all__ = ["MOPDTrainer"]

@@ -57,3 +57,24 @@ def probe_metrics(served: list[tuple[list[int], list[float]]], trained: list[lis
         metrics[CHANGE_KEY] = max(abs(s - p) for (_, logps), prev in zip(served, previous)
                                   for s, p in zip(logps, prev))
     return metrics
+
+
+class WeightSyncProbe:
+    """``mopd.weight_sync_probe_tokens`` long probe scored after every weight sync (0 turns it off); keeps the
+    previous sync's served log-probs for the change metric."""
+
+    def __init__(self, tokens: int):
+        if tokens < 0:
+            raise ValueError(f"mopd.weight_sync_probe_tokens={tokens}: give the probe's length in tokens "
+                             "(0 turns the weight-sync check off)")
+        self.tokens = tokens
+        self.previous: list[list[float]] | None = None
+
+    def measure(self, tokenizer, replicas, wg) -> dict[str, float]:
+        """Score the probe on every rollout replica and in the trainer's student (worker group ``wg``)."""
+        ids = probe_ids(tokenizer, self.tokens)
+        served = served_logprobs(replicas, ids)
+        trained = wg.mopd_probe_logprobs(ids, [tokens for tokens, _ in served])[0]
+        metrics = probe_metrics(served, trained, self.previous)
+        self.previous = [logps for _, logps in served]
+        return metrics

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 
 import torch
 
@@ -41,6 +42,10 @@ def test_tiny_seq_runs_the_plan_end_to_end(tiny_dir, mopd_run, mopd_plan, fast, 
     counts = [s["metrics"]["mopd/optimizer_steps_in_stage"] for s in steps]
     assert counts == [1, 2, 3, 4, 1, 2, 3, 1, 2, 3]
     assert log.count("fresh AdamW state") == 3
+    # a console line per step with the stage's position and ETA
+    assert re.search(r"\[mopd\] step 2/10 stage 1/3: 2/4 steps \(50%\), \d+:\d\d elapsed, ETA \d+:\d\d \| "
+                     r"new logic block 1 teacher expert:logic, kl_topk ", log), log[-3000:]
+    assert "[mopd] step 10/10 stage 3/3: 3/3 steps (100%)" in log and log.count("[mopd] step ") == 10
     # 3. stage snapshots M_1..M_3 in HF format; each stage moved the weights
     from transformers import AutoModelForCausalLM
 

@@ -25,3 +25,12 @@ def test_metrics_compare_served_with_trained_and_with_the_previous_sync():
     m = probe_metrics(served, trained, [[-1.0, -2.0], [-1.0, -2.0]])
     assert m[CHANGE_KEY] == pytest.approx(0.5)  # replica 2, position 2
     assert probe_metrics(served, trained, [[-1.0, -2.0], [-1.0, -2.5]])[CHANGE_KEY] == 0.0  # weights did not arrive
+
+
+def test_a_negative_probe_length_names_the_key_and_zero_turns_the_probe_off():
+    from claas_verl.mopd.trainer.weight_probe import WeightSyncProbe
+
+    with pytest.raises(ValueError, match=r"mopd.weight_sync_probe_tokens=-1: .*0 turns the weight-sync check off"):
+        WeightSyncProbe(-1)
+    off = WeightSyncProbe(0)
+    assert off.tokens == 0 and off.previous is None

@@ -1,4 +1,4 @@
-"""Stage bookkeeping of the MOPD trainer (claas_verl.mopd.trainer.stages): pure python, hand-checked cases."""
+"""Run records of the MOPD trainer (claas_verl.mopd.trainer.records): pure python, hand-checked cases."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from claas_verl.mopd.trainer import stages as S
+from claas_verl.mopd.trainer import records as S
 from claas_verl.schedule import ScheduleConfig, build_plan
 
 
@@ -179,3 +179,26 @@ def test_non_finite_grad_norm_marks_a_skipped_update_and_lost_stage_end_evaluati
     assert rec["metrics"] == {"actor/grad_norm": None, "mopd/update_skipped": 1}
     rows = [{"stage": 1, "at": "end", "domain": "logic"}, {"stage": 2, "at": "start", "domain": "math"}]
     assert S.stage_end_measured(rows, 1) and not S.stage_end_measured(rows, 2)
+
+
+def test_the_step_line_gives_the_stage_position_and_an_eta_from_this_process_steps():
+    # stages of 4 steps (shared budget above); a clock that advances 10 s per step
+    _, steps = _plan("shared")
+    now = [0.0]
+    progress = S.StageProgress(steps, S.stage_bounds(steps), clock_fn=lambda: now[0])
+    progress.begin(2)
+    lines = []
+    for gs in (5, 6, 7, 8):
+        now[0] += 10
+        lines.append(progress.line(gs, {"mopd/kl_topk": 0.25, "mopd/adv_sigma": 1.5}))
+    s = steps[4]
+    assert lines[0] == (f"[mopd] step 5/12 stage 2/3: 1/4 steps (25%), 0:10 elapsed, ETA 0:30 | {s['kind']} "
+                        f"{s['domain']} block {s['block']} teacher {s['teacher']}, kl_topk 0.2500, sigma 1.5")
+    assert ", 0:20 elapsed, ETA 0:20 |" in lines[1] and "4/4 steps (100%), 0:40 elapsed |" in lines[3]
+    # the benchmark times steps by the line's opening "[mopd] step N/L"
+    assert [int(x.split("[mopd] step ", 1)[1].split("/", 1)[0]) for x in lines] == [5, 6, 7, 8]
+    # resumed mid-stage at global step 7: the rate is this process's (1 step in 30 s), the position the plan's
+    resumed = S.StageProgress(steps, S.stage_bounds(steps), clock_fn=lambda: now[0])
+    resumed.begin(2)
+    now[0] += 30
+    assert "stage 2/3: 3/4 steps (75%), 0:30 elapsed, ETA 0:30 |" in resumed.line(7, {})
