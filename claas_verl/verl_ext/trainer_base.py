@@ -10,7 +10,9 @@ verl, listed in :mod:`claas_verl.verl_ext.trainer_couplings` (whose tests fail b
   ``checkpoint_now`` (may defer verl's save), ``after_checkpoint_saved``, ``before_checkpoint_load`` and
   ``after_checkpoint_loaded``, so the state lands in verl's own ``global_step_N`` folder.
 * Stopping verl's loop: ``fit`` runs while ``global_steps <= total_training_steps``, re-read every step;
-  :meth:`VerlSeams.stop_after_this_step` / :meth:`VerlSeams.stop_before_first_step` end it there.
+  :meth:`VerlSeams.stop_after_this_step` / :meth:`VerlSeams.stop_before_first_step` end it there. verl decides
+  ``is_last_step`` before the step runs, so a step ended from ``on_step_end`` is not saved by verl's last-step save:
+  a trainer that stops itself takes its own final checkpoint.
 * The worker swap: :func:`swap_actor_worker` gives every role verl maps to ``ActorRolloutRefWorker`` another
   worker class (after ``_init_resource_pool_mgr`` built ``role_worker_mapping``).
 * No prompt dataset: :func:`drop_prompt_dataloader` replaces what ``_init_dataloader`` would build.
@@ -118,9 +120,9 @@ def drop_prompt_dataloader(trainer: Any, total_steps: int) -> None:
     config = trainer.config
     with open_dict(config):
         config.trainer.total_epochs = 1
-        if OmegaConf.select(config, "actor_rollout_ref.actor.optim"):
+        if OmegaConf.select(config, "actor_rollout_ref.actor.optim") is not None:
             config.actor_rollout_ref.actor.optim.total_training_steps = total_steps
-        if OmegaConf.select(config, "critic.optim"):
+        if OmegaConf.select(config, "critic.optim") is not None:
             config.critic.optim.total_training_steps = total_steps
 
 

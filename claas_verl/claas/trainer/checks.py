@@ -63,10 +63,38 @@ def check_claas_config(config: Any, claas: ClaasConfig) -> None:
     loss_mode = select(config, "actor_rollout_ref.actor.policy_loss.loss_mode", "vanilla")
     need(str(loss_mode).startswith("claas_seq_is"), "actor_rollout_ref.actor.policy_loss.loss_mode",
          "only a per-sequence behaviour log-prob is stored, so a per-token ratio is meaningless; use claas_seq_is")
+    if claas.max_updates is None:
+        check_schedule_without_step_count(config)
     if claas.algorithm == "sdpo":
         need(int(select(config, "actor_rollout_ref.model.lora_rank", 0)) > 0, "actor_rollout_ref.model.lora_rank",
              "the SDPO EMA teacher is kept over the LoRA adapter (docs/math.md §A.3.3); set a LoRA rank > 0")
         need(not bool(select(config, "critic.enable", False)), "critic.enable", "SDPO trains no critic; set it false")
+
+
+def check_schedule_without_step_count(config: Any) -> None:
+    """A stream-driven run (``claas.max_updates`` null) has no step count for an LR schedule to span.
+
+    verl sizes its schedules from ``optim.total_training_steps``, which such a run sets to a placeholder far beyond
+    any real run: a cosine decay would then never decay and a warm-up given as a ratio would never end. Both are
+    refused, naming the key; a constant schedule with its warm-up in steps does not depend on the count.
+    """
+    for role in ("actor_rollout_ref.actor", "critic"):
+        if role == "critic" and not bool(select(config, "critic.enable", False)):
+            continue
+        optim = f"{role}.optim"
+        kind = select(config, f"{optim}.lr_scheduler_type", None) or select(config, f"{optim}.warmup_style", "constant")
+        if str(kind) != "constant":
+            raise ValueError(
+                f"{optim}.lr_scheduler_type={kind!r} with claas.max_updates=null: a stream-driven run has no step "
+                "count for the schedule to span, so it would never decay; set claas.max_updates=N (the schedule then "
+                "spans N updates) or use lr_scheduler_type=constant")
+        ratio = float(select(config, f"{optim}.lr_warmup_steps_ratio", 0.0))
+        steps = int(select(config, f"{optim}.lr_warmup_steps", -1))
+        if ratio > 0 and steps <= 0:
+            raise ValueError(
+                f"{optim}.lr_warmup_steps_ratio={ratio} with claas.max_updates=null: a ratio of an unknown step "
+                f"count never ends the warm-up; give it in updates ({optim}.lr_warmup_steps=N) or set "
+                "claas.max_updates")
 
 
 def serves_lora_adapter(config: Any) -> bool:

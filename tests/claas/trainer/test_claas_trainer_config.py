@@ -132,3 +132,33 @@ def test_trainer_rejects_settings_that_break_the_contract():
 def test_sdpo_block_rejects_bad_values_naming_the_key(key, value):
     with pytest.raises(ValueError, match=f"claas.sdpo.{key}"):
         ClaasConfig.from_config({"algorithm": "sdpo", "m": 4, "b_min": 4, "b_max": 64, "sdpo": {key: value}})
+
+
+@pytest.mark.parametrize("name", ALL_RECIPES)
+def test_every_recipe_schedule_does_not_depend_on_an_unknown_step_count(name):
+    from claas_verl.claas.trainer.checks import check_schedule_without_step_count
+
+    # a stream-driven recipe whose schedule spans the placeholder step count would fail here
+    check_schedule_without_step_count(compose_recipe(name))
+
+
+@pytest.mark.parametrize("overrides, key", [
+    (["actor_rollout_ref.actor.optim.lr_scheduler_type=cosine"], "actor_rollout_ref.actor.optim.lr_scheduler_type"),
+    (["actor_rollout_ref.actor.optim.lr_warmup_steps_ratio=0.1"],
+     "actor_rollout_ref.actor.optim.lr_warmup_steps_ratio"),
+    (["critic.optim.lr_scheduler_type=cosine"], "critic.optim.lr_scheduler_type"),
+])
+def test_a_run_without_max_updates_refuses_a_schedule_sized_by_the_step_count(overrides, key):
+    from claas_verl.claas.trainer.checks import check_claas_config
+
+    cfg = compose_recipe("tiny_ppo", overrides)
+    claas = ClaasConfig.from_config(cfg.claas)
+    assert claas.max_updates is None
+    with pytest.raises(ValueError, match=key.replace(".", r"\.") + ".*claas.max_updates"):
+        check_claas_config(cfg, claas)
+    # a cap gives the schedule its length; a warm-up in updates does not need one
+    capped = compose_recipe("tiny_ppo", [*overrides, "claas.max_updates=20"])
+    check_claas_config(capped, ClaasConfig.from_config(capped.claas))
+    if "ratio" in key:
+        steps = compose_recipe("tiny_ppo", [*overrides, "actor_rollout_ref.actor.optim.lr_warmup_steps=5"])
+        check_claas_config(steps, ClaasConfig.from_config(steps.claas))
