@@ -39,7 +39,7 @@ def test_claas_on_verls_vllm_rollout_switches_adapters_without_a_base_window(tin
     cmd = [sys.executable, "-m", "claas_verl.main_claas", "--config-name", "claas/tiny_reinforce_pp",
            "actor_rollout_ref.rollout.name=vllm",
            "+actor_rollout_ref.rollout.engine_kwargs.vllm.max_cpu_loras=4", f"claas.max_updates={UPDATES}",
-           "claas.eval.enabled=false", "claas.probe_served_policy=true"]
+           "claas.eval.enabled=false", "claas.trace_served_weights=true"]
     log = tmp_path / "job.log"
     with open(log, "w") as f:
         rc = subprocess.run(cmd, cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT, timeout=1500).returncode

@@ -229,12 +229,13 @@ class ClaasConfig:
     ``"step"`` (docs/math.md §A.1.5 default) or ``"scenario"`` (one entry per scenario, trained as one multi-turn
     sequence
     with the scenario reward ``min_t r_t``; REINFORCE++ / PPO, producer-driven).
-    ``max_updates``: optional cap on optimizer steps (None: run
-    the whole split protocol). ``trace``: write ``claas_trace.jsonl`` (one line per update) next to
-    the checkpoints. ``probe_served_policy``: a verification switch, off in every recipe: after each
-    weight push, every replica's served weights are copied to the trainer and fingerprinted (and the vLLM
-    adapter-version state read), into the trace; this costs a full weight transfer per update, so only the
-    end-to-end tests turn it on, to check that each push changed what is served.
+    ``max_updates``: optional cap on optimizer steps (None: the whole split protocol; then the LR schedule may not
+    depend on the step count, see :func:`~claas_verl.claas.trainer.checks.check_schedule_without_step_count`).
+    ``trace``: write ``claas_trace.jsonl`` (one line per update) next to the checkpoints.
+    ``trace_served_weights``: a diagnostic for checking a cluster's weight sync, off in every recipe: after each
+    weight push, every replica's served weights are copied to the trainer and fingerprinted (with its policy version
+    and, on vLLM, its adapter-version state) into the trace, so each push can be seen to change what is served. It
+    costs a full weight transfer per update.
     """
 
     algorithm: str = "reinforce_pp"
@@ -246,7 +247,7 @@ class ClaasConfig:
     seed: int = 0
     max_updates: int | None = None
     trace: bool = True
-    probe_served_policy: bool = False
+    trace_served_weights: bool = False
     env: EnvConfig = field(default_factory=EnvConfig)
     stream: StreamConfig = field(default_factory=StreamConfig)
     producer: ProducerConfig = field(default_factory=ProducerConfig)

@@ -65,7 +65,7 @@ from claas_verl.claas.trainer.checks import (
     serves_lora_adapter,
 )
 from claas_verl.claas.trainer.config import ClaasConfig
-from claas_verl.claas.trainer.records import RunCounters, RunRecords, probe_served_policy
+from claas_verl.claas.trainer.records import RunCounters, RunRecords, trace_served_weights
 from claas_verl.claas.trainer.rollout_side import RolloutSide
 from claas_verl.claas.trainer.sampler import ClaasReplaySampler
 from claas_verl.claas.trainer.splits import SplitProtocol
@@ -200,7 +200,7 @@ class ClaasTrainer(VerlSeams, PPOTrainer):
             self.checkpoint_manager.update_weights(self.global_steps)
         # update_weights returned: version k is on every replica the API routes to; only now announce it
         self.chat.publish(self.global_steps)
-        probe = probe_served_policy(self.llm_server_manager) if self.claas.probe_served_policy else {}
+        probe = trace_served_weights(self.llm_server_manager) if self.claas.trace_served_weights else {}
         if self.sdpo:
             probe["sdpo"] = vc.actor_worker_group(self).claas_sdpo_probe()[0]  # rank 0's EMA bookkeeping
         self.records.trace({"event": "update", "update": c.updates, "global_steps": self.global_steps,

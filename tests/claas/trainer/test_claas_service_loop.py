@@ -40,7 +40,7 @@ def test_service_loop_trains_on_chats_and_serves_the_new_adapter(tmp_path):
     env.setdefault("RAY_raylet_start_wait_time_s", "180")
     log = open(tmp_path / "job.log", "w")
     proc = subprocess.Popen([sys.executable, "-m", "claas_verl.main_claas", "--config-name", "claas/tiny_service",
-                             "claas.service.port=0", "claas.probe_served_policy=true"],
+                             "claas.service.port=0", "claas.trace_served_weights=true"],
                             cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
                             start_new_session=True)
     run_dir = out / "claas_tiny_service"

@@ -66,7 +66,7 @@ def test_tiny_reinforce_pp_stream_end_to_end(tiny_model_dir, tmp_path, tracking_
     cmd = [
         sys.executable, "-m", "claas_verl.main_claas", "--config-name", "claas/tiny_reinforce_pp",
         "claas.env.name=ih_challenge", "~claas.env.kwargs", f"+claas.env.kwargs={{path:{stream},max_turns:2}}",
-        f"claas.a_max={A_MAX}", f"claas.b_min={B_MIN}", f"claas.m={M}", "claas.probe_served_policy=true",
+        f"claas.a_max={A_MAX}", f"claas.b_min={B_MIN}", f"claas.m={M}", "claas.trace_served_weights=true",
         *tracking_logs.overrides,
     ]
     start = time.time()

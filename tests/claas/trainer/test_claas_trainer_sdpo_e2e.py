@@ -34,7 +34,7 @@ def test_tiny_sdpo_end_to_end(tmp_path):
     env = dict(os.environ, CLAAS_TINY_DIR=str(tiny), CLAAS_OUT_DIR=str(out), PYTHONUNBUFFERED="1")
     env.setdefault("RAY_raylet_start_wait_time_s", "180")
     cmd = [sys.executable, "-m", "claas_verl.main_claas", "--config-name", "claas/tiny_sdpo",
-           f"claas.max_updates={UPDATES}", "claas.probe_served_policy=true"]
+           f"claas.max_updates={UPDATES}", "claas.trace_served_weights=true"]
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=1500)
     log = proc.stdout + proc.stderr
     assert proc.returncode == 0, log[-6000:]
