@@ -46,7 +46,7 @@ from claas_verl.distill import topk_logprobs
 from claas_verl.losses.sdpo import EmaTeacher, sdpo_loss
 from claas_verl.losses.seq_is import seq_is_clipped_loss
 from claas_verl.verl_ext.logits_loss import LogitsProcessorLoss
-from claas_verl.verl_ext.packed_batch import packed_lengths, padded
+from claas_verl.verl_ext.packed_batch import padded
 from claas_verl.verl_ext.topk_fields import names, pack_row_list, unpack_rows
 
 logger = logging.getLogger(__name__)
@@ -241,7 +241,7 @@ class ClaasSdpoTrainingWorker(TrainingWorker):
     def _add_teacher_fields(self, data) -> tuple[float, float]:
         c, k = self.sdpo, 1
         module = vc.engine_module(self.engine)
-        seq, resp = packed_lengths(data, "the CLaaS SDPO update")
+        _, resp = self.loss_fn_sdpo.lengths(data)
         full = _rows(data["input_ids"])
         teacher_prompts = _rows(data[TEACHER_PROMPT_FIELD])
         has_fb = data[HAS_FEEDBACK_FIELD].view(-1).cpu()
