@@ -3,6 +3,14 @@
 With ``use_remove_padding`` verl hands a loss its micro-batch as nested (jagged) tensors: ``input_ids`` is one packed
 row of prompt + response tokens per sequence, ``response_mask`` one row per response, and the model's per-token
 outputs are packed like ``input_ids``. Logits at packed position ``i`` predict token ``i + 1``. Torch only.
+
+Two layouts appear:
+
+* **packed** (what verl's engine hands a logits processor): all tokens of all sequences of a micro-batch,
+  prompt + response, concatenated: ``[N]`` with ``N = Σ_b len(prompt_b) + len(response_b)``. Response token ``t``
+  of sequence b is predicted at packed position ``end_b − R_b − 1 + t`` (``end_b`` = exclusive end of b, ``R_b`` =
+  its response length): the left shift verl's ``no_padding_2_padding`` / ``response_from_nested`` apply.
+* **response** (what the trainers and the losses use): ``[B, T_r, ...]`` padded on the right, or nested per row.
 """
 
 from __future__ import annotations
@@ -60,3 +68,47 @@ def response_positions(seq_lens: torch.Tensor, resp_lens: torch.Tensor) -> tuple
         return torch.cat(xs) if xs else torch.zeros(0, dtype=torch.long)
 
     return cat(idx), cat(rows), cat(cols)
+
+
+def scatter_response_to_packed(values: torch.Tensor, seq_lens, resp_lens, total: int, fill=0) -> torch.Tensor:
+    """Response-layout ``[B, T_r, ...]`` (right padded) -> packed ``[total, ...]`` (``fill`` off the response)."""
+    idx, rows, cols = response_positions(seq_lens, resp_lens)
+    out = torch.full((total, *values.shape[2:]), fill, dtype=values.dtype, device=values.device)
+    out[idx.to(values.device)] = values[rows.to(values.device), cols.to(values.device)]
+    return out
+
+
+def gather_packed_to_response(packed: torch.Tensor, seq_lens, resp_lens, width: int | None = None) -> torch.Tensor:
+    """Packed ``[total, ...]`` -> response layout ``[B, T_r, ...]``, zero padded (differentiable)."""
+    idx, rows, cols = response_positions(seq_lens, resp_lens)
+    B = int(torch.as_tensor(seq_lens).shape[0])
+    T = int(torch.as_tensor(resp_lens).max()) if width is None and B else (width or 0)
+    dev = packed.device
+    out = packed.new_zeros((B, T, *packed.shape[1:]))
+    return out.index_put((rows.to(dev), cols.to(dev)), packed[idx.to(dev)])
+
+
+def response_ids(input_ids: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
+    """The response token ids themselves, ``[B, R_b]`` nested: the last ``R_b`` tokens of each packed row.
+
+    Not :func:`verl.workers.utils.padding.response_from_nested`, which shifts left by one (right for the log-probs
+    a model OUTPUTS at the positions predicting the response, wrong for the ids): on ids it would give
+    ``[last prompt token, y_0 .. y_{R-2}]``.
+
+    Args:
+        input_ids: nested (jagged) ``[B, L_b]`` prompt + response ids (verl's no-padding layout).
+        response_mask: nested ``[B, R_b]`` (only its lengths are used).
+    """
+    if not (getattr(input_ids, "is_nested", False) and getattr(response_mask, "is_nested", False)):
+        raise ValueError("response_ids needs verl's no-padding layout: nested input_ids and response_mask")
+    values, ends = input_ids.values(), input_ids.offsets()[1:]
+    lens = response_mask.offsets().diff()
+    if lens.shape != ends.shape:
+        raise ValueError(f"{ends.numel()} input_ids rows but {lens.numel()} response_mask rows")
+    starts = input_ids.offsets()[:-1]
+    rows = []
+    for b, (r, e) in enumerate(zip(lens.tolist(), ends.tolist())):
+        if not 0 < r < e - int(starts[b]):
+            raise ValueError(f"row {b}: response length {r} must be in (0, sequence length {e - int(starts[b])})")
+        rows.append(values[e - r:e])
+    return torch.nested.as_nested_tensor(rows, layout=torch.jagged)

@@ -86,8 +86,8 @@ COUPLINGS: tuple[Coupling, ...] = (
     Coupling(ENGINE, "BaseEngine", "is_mp_src_rank_with_outputs", ("mopd",), "which rank returns outputs"),
     Coupling(ENGINE, "BaseEngine", "eval_mode", ("claas", "mopd"), "no-grad teacher / pre-update forwards"),
     Coupling(FSDP, "FSDPEngine", "_build_lr_scheduler", ("mopd",), "fresh LR schedule per stage"),
-    Coupling(FSDP, "FSDPEngineWithLMHead", "prepare_model_outputs", ("claas",),
-             "the installed loss runs as a logits processor (distillation_use_topk)"),
+    Coupling(FSDP, "FSDPEngineWithLMHead", "prepare_model_outputs", ("claas", "mopd"),
+             "the installed loss runs as a logits processor (distillation_use_topk; verl_ext.logits_loss)"),
     # ---- Ray (private): verl exposes its task runner only as a Ray actor class
     Coupling("verl.trainer.main_ppo", "TaskRunnerV1", "__ray_metadata__", ("base",),
              "__ray_metadata__.modified_class.__ray_actor_class__ is the plain runner class (base.task_runner_class)"),
@@ -98,10 +98,13 @@ COUPLINGS: tuple[Coupling, ...] = (
 )
 
 SOURCE_MARKERS: tuple[SourceMarker, ...] = (
-    SourceMarker(FSDP, "FSDPEngineWithLMHead", "prepare_model_outputs", "distillation_use_topk", ("claas",)),
+    SourceMarker(FSDP, "FSDPEngineWithLMHead", "prepare_model_outputs", "distillation_use_topk", ("claas", "mopd")),
     SourceMarker(FSDP, "FSDPEngineWithLMHead", "prepare_model_outputs", "logits_processor_func(student_logits=",
-                 ("claas",)),
-    SourceMarker(FSDP, "FSDPEngineWithLMHead", "prepare_model_outputs", "if not distillation_only:", ("claas",)),
+                 ("claas", "mopd")),
+    SourceMarker(FSDP, "FSDPEngineWithLMHead", "prepare_model_outputs", "if not distillation_only:", ("claas", "mopd")),
+    # the micro-batch's non-tensor sp_size, read by verl_ext.logits_loss to refuse Ulysses sequence parallelism
+    SourceMarker(FSDP, "FSDPEngine", "forward_backward_batch", "sp_size=self.ulysses_sequence_parallel_size",
+                 ("claas", "mopd")),
     SourceMarker(TRAINER, "PPOTrainer", "_init_resource_pool_mgr", "self.role_worker_mapping", ("base",)),
     # the placement check (claas_verl.preflight.placement) reads the manager verl builds there
     SourceMarker(TRAINER, "PPOTrainer", "_init_resource_pool_mgr", "self.resource_pool_manager =", ("base",)),

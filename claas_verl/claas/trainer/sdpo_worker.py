@@ -9,12 +9,14 @@ a model's full logits only to a loss function's logits-processor form, so one up
 2. **teacher pass** (EMA LoRA swapped into the same module, :meth:`EmaTeacher.swapped_into`): the teacher's
    full-vocabulary log-probs at those ids on (x', y), its log-prob of y_j (``pg+jsd``) and, with
    ``is_reference=ema_teacher``, its sequence log-prob of y on the student context x;
-   both are added to the batch as K separate per-token fields (a ``[B, T, K]`` field does not survive verl's
-   nested-tensor utilities), then
-3. verl's own ``train_mini_batch`` runs the update with :class:`ClaasSdpoLoss`: its logits processor returns the
-   differentiable student log-probs at the stored ids (K packed fields) and at the sampled tokens (one more
-   field), its loss calls :func:`claas_verl.losses.sdpo.sdpo_loss`. verl computes no log-probs of its own in this
-   forward (:data:`UPDATE_FLAGS`);
+   both are added to the batch, the K values per token as ONE flattened-rows field per quantity
+   (:data:`IDS`, :data:`TEACHER_LP`; :func:`claas_verl.verl_ext.topk_fields.pack_rows`: a ``[B, T, K]`` field does
+   not survive verl's nested-tensor utilities, and verl's mini/micro-batch split keeps each row's values), then
+3. verl's own ``train_mini_batch`` runs the update with :class:`ClaasSdpoLoss`, a
+   :class:`claas_verl.verl_ext.logits_loss.LogitsProcessorLoss`: its logits processor returns the differentiable
+   student log-probs at the stored ids (K packed fields) and at the sampled tokens (one more field), its loss
+   calls :func:`claas_verl.losses.sdpo.sdpo_loss`. verl computes no log-probs of its own in this forward
+   (:data:`UPDATE_FLAGS`);
 4. after an APPLIED optimizer step with a finite gradient norm: ``θ_T ← (1−τ)θ_T + τθ`` over the LoRA tensors.
    A step whose minibatch has no self-distillation token (``gjs`` mode) is skipped (docs/math.md §A.2.4).
 
@@ -43,15 +45,17 @@ from claas_verl.claas.trainer.tq_fields import HAS_FEEDBACK_FIELD, TEACHER_PROMP
 from claas_verl.distill import topk_logprobs
 from claas_verl.losses.sdpo import EmaTeacher, sdpo_loss
 from claas_verl.losses.seq_is import seq_is_clipped_loss
-from claas_verl.verl_ext.packed_batch import packed_lengths, padded, response_positions
+from claas_verl.verl_ext.logits_loss import LogitsProcessorLoss
+from claas_verl.verl_ext.packed_batch import padded
+from claas_verl.verl_ext.topk_fields import names, pack_row_list, unpack_rows
 
 logger = logging.getLogger(__name__)
 
-IDS = "sdpo_ids_"  # student top-K ids, response layout, one field per j
-TEACHER_LP = "sdpo_tlp_"  # EMA-teacher log-probs at those ids on x', response layout
+IDS = "sdpo_ids"  # student top-K ids, response layout, flattened rows [B, T_b*K]
+TEACHER_LP = "sdpo_tlp"  # EMA-teacher log-probs at those ids on x', response layout, flattened rows [B, T_b*K]
 TEACHER_LP_Y = "sdpo_tlp_y"  # EMA-teacher log-prob of the sampled token on x' (pg+jsd)
 IS_REF = "sdpo_is_ref"  # [B] EMA-teacher sequence log-prob of y on x (is_reference=ema_teacher)
-CURRENT_LP = "sdpo_clp_"  # differentiable student log-probs at the stored ids, packed layout
+CURRENT_LP = "sdpo_clp_"  # differentiable student log-probs at the stored ids, packed layout, one field per j
 CURRENT_LP_Y = "sdpo_clp_y"  # differentiable student log-prob of the sampled token, packed layout
 # Non-tensor keys of the update forward. distillation_use_topk: verl's engine calls the loss's logits-processor
 # form. distillation_only: verl then computes no sampled-token log-probs of its own; the processor returns them
@@ -59,10 +63,7 @@ CURRENT_LP_Y = "sdpo_clp_y"  # differentiable student log-prob of the sampled to
 # inplace_backward=True, whose backward overwrites the logits tensor with its gradient; the processor's
 # backward (claas_verl.distill.topk_logprobs) reads those logits again (pg+jsd backpropagates through both).
 UPDATE_FLAGS = {"distillation_use_topk": True, "distillation_only": True}
-
-
-def _names(prefix: str, k: int) -> list[str]:
-    return [f"{prefix}{j}" for j in range(k)]
+TOPK_SETTING = "claas.sdpo.topk"
 
 
 def _rows(x: torch.Tensor) -> list[torch.Tensor]:
@@ -76,6 +77,20 @@ def _as_response_field(values: list[torch.Tensor], like: torch.Tensor) -> torch.
     out = torch.zeros((len(values), like.shape[1]), dtype=values[0].dtype)
     for b, v in enumerate(values):
         out[b, : v.shape[0]] = v
+    return out
+
+
+def teacher_fields(ids: list[torch.Tensor], t_lp: list[torch.Tensor], t_y: list[torch.Tensor],
+                   is_ref: list[torch.Tensor], response_mask: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The batch fields of the pre/teacher passes, from per-row ``[R_b, K]`` ids / teacher log-probs, ``[R_b]``
+    teacher log-probs of y and (``is_reference=ema_teacher``) scalar sequence log-probs.
+
+    The K-wide quantities become ONE flattened-rows field each whatever K is (:data:`IDS`, :data:`TEACHER_LP`);
+    the teacher log-prob of y follows ``response_mask``'s layout (nested, or right-padded ``[B, T]``)."""
+    out = {IDS: pack_row_list([i.long() for i in ids]), TEACHER_LP: pack_row_list([t.float() for t in t_lp]),
+           TEACHER_LP_Y: _as_response_field([t.float() for t in t_y], response_mask)}
+    if is_ref:
+        out[IS_REF] = torch.stack(is_ref).float()
     return out
 
 
@@ -121,8 +136,10 @@ def response_logprob_stats(module, sequences: list[torch.Tensor], resp_lens: lis
     return out
 
 
-class ClaasSdpoLoss:
+class ClaasSdpoLoss(LogitsProcessorLoss):
     """verl loss callable of the SDPO update (both call forms of verl's engine; see the module docstring)."""
+
+    needed_by = "the CLaaS SDPO update"
 
     def __init__(self, sdpo: dict, actor_config: Any):
         self.cfg = dict(sdpo)
@@ -131,47 +148,35 @@ class ClaasSdpoLoss:
         self.global_sd_tokens: float = 0.0  # Σ m·sd_mask over the global minibatch, set before each update
         self.global_tokens: float = 0.0
 
-    def __call__(self, model_output=None, data=None, dp_group=None, student_logits=None, **_: Any):
-        if student_logits is not None:
-            return self.process_logits(student_logits, data)
+    def compute_loss(self, model_output, data, dp_group=None):
         return self.update_loss(model_output, data)
 
     def process_logits(self, logits: torch.Tensor, data) -> dict[str, torch.Tensor]:
         """Packed ``[1, N, V]`` logits -> K + 1 packed fields: differentiable log π_θ at the stored top-K ids and
         at the token each position predicts (verl's ``input_ids_rmpad_rolled``), from ONE chunked node."""
-        if int(tu.get_non_tensor_data(data=data, key="sp_size", default=1) or 1) > 1:
-            raise ValueError("the CLaaS SDPO loss does not support Ulysses sequence parallelism; set "
-                             "actor_rollout_ref.actor.ulysses_sequence_parallel_size=1")
-        seq, resp = packed_lengths(data, "the CLaaS SDPO update")
-        stored = torch.stack([padded(data[n]) for n in _names(IDS, self.k)], dim=-1).long()  # [B, T_r, K]
-        idx, rows, cols = response_positions(seq, resp)
+        ids = self.stored_packed_ids(data, IDS, self.k, logits.shape[1], logits.device, TOPK_SETTING)  # [1, N, K]
         tokens = data["input_ids"].values().to(logits.device)
-        packed = torch.zeros((logits.shape[1], self.k + 1), dtype=torch.long, device=logits.device)
-        packed[idx.to(logits.device), : self.k] = stored[rows, cols].to(logits.device)
-        packed[: tokens.shape[0], self.k] = torch.roll(tokens, -1)  # position i predicts token i + 1
-        lp = topk_logprobs(logits, packed[None])  # [1, N, K + 1] fp32, full-vocabulary normalised, with grad
-        out = {name: lp[..., j] for j, name in enumerate(_names(CURRENT_LP, self.k))}
+        sampled = torch.zeros((1, logits.shape[1], 1), dtype=torch.long, device=logits.device)
+        sampled[0, : tokens.shape[0], 0] = torch.roll(tokens, -1)  # position i predicts token i + 1
+        lp = topk_logprobs(logits, torch.cat([ids, sampled], -1))  # [1, N, K + 1] fp32, full-vocabulary, with grad
+        out = {name: lp[..., j] for j, name in enumerate(names(CURRENT_LP, self.k, TOPK_SETTING))}
         out[CURRENT_LP_Y] = lp[..., self.k]
         return out
-
-    def _to_response(self, packed: torch.Tensor, seq, resp) -> torch.Tensor:
-        idx, rows, cols = response_positions(seq, resp)
-        out = packed.new_zeros((seq.shape[0], int(resp.max()), *packed.shape[1:]))
-        return out.index_put((rows.to(out.device), cols.to(out.device)), packed[idx.to(packed.device)])
 
     def update_loss(self, model_output, data):
         from verl.utils.metric import AggregationType, Metric
 
         c = self.cfg
-        seq, resp = packed_lengths(data, "the CLaaS SDPO update")
-        s_k = self._to_response(torch.stack([model_output[n].values() for n in _names(CURRENT_LP, self.k)], -1),
-                                seq, resp)  # [B, T_r, K] with grad
-        log_prob = self._to_response(model_output[CURRENT_LP_Y].values(), seq, resp)  # [B, T_r] with grad
+        lp = self.response_stack(model_output, [*names(CURRENT_LP, self.k, TOPK_SETTING), CURRENT_LP_Y], data)
+        s_k, log_prob = lp[..., : self.k], lp[..., self.k]  # [B, T_r, K], [B, T_r], with grad
         dev = s_k.device
-        t_k = torch.stack([padded(data[n]) for n in _names(TEACHER_LP, self.k)], dim=-1).to(dev)
+        t_k = unpack_rows(data[TEACHER_LP], self.k, TEACHER_LP, TOPK_SETTING).to(dev)
         mask = padded(data["response_mask"]).to(dev).bool()
         width = mask.shape[1]
-        s_k, log_prob = s_k[:, :width], log_prob[:, :width]
+        if t_k.shape != s_k.shape or mask.shape != s_k.shape[:2]:
+            raise ValueError(f"CLaaS SDPO update: teacher log-probs {tuple(t_k.shape)}, student log-probs "
+                             f"{tuple(s_k.shape)} and response_mask {tuple(mask.shape)} disagree; the stored fields "
+                             "were written for another batch layout")
         sd = data[HAS_FEEDBACK_FIELD].to(dev).view(-1).bool()
         behaviour = padded(data["old_log_probs"] if "old_log_probs" in data.keys() else data["rollout_log_probs"])
         is_ref = data[IS_REF].to(dev).float().view(-1) if c["is_reference"] == "ema_teacher" else behaviour.to(dev)
@@ -236,7 +241,7 @@ class ClaasSdpoTrainingWorker(TrainingWorker):
     def _add_teacher_fields(self, data) -> tuple[float, float]:
         c, k = self.sdpo, 1
         module = vc.engine_module(self.engine)
-        seq, resp = packed_lengths(data, "the CLaaS SDPO update")
+        _, resp = self.loss_fn_sdpo.lengths(data)
         full = _rows(data["input_ids"])
         teacher_prompts = _rows(data[TEACHER_PROMPT_FIELD])
         has_fb = data[HAS_FEEDBACK_FIELD].view(-1).cpu()
@@ -264,13 +269,8 @@ class ClaasSdpoTrainingWorker(TrainingWorker):
                         own = response_logprob_stats(module, [x.cpu() for x in full[sl]], resp_l[sl], device,
                                                      at_tokens=True)
                         is_ref += [x["at_tokens"].double().sum() for x in own]
-        like = data["response_mask"]
-        for j in range(k):
-            data[f"{IDS}{j}"] = _as_response_field([i[:, j] for i in ids], like)
-            data[f"{TEACHER_LP}{j}"] = _as_response_field([t[:, j].float() for t in t_lp], like)
-        data[TEACHER_LP_Y] = _as_response_field([t.float() for t in t_y], like)
-        if is_ref:
-            data[IS_REF] = torch.stack(is_ref).float()
+        for name, value in teacher_fields(ids, t_lp, t_y, is_ref, data["response_mask"]).items():
+            data[name] = value
         self.loss_fn_sdpo.k = k
         counts = torch.tensor([float((resp * (has_fb > 0)).sum()), float(resp.sum())], dtype=torch.float64)
         return vc.all_reduce_sum(counts)

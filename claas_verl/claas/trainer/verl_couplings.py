@@ -27,7 +27,9 @@ Private names (each listed in :data:`COUPLINGS`; ``tests/claas/trainer/test_claa
 * the non-tensor batch key ``distillation_use_topk``: makes verl's FSDP engine call the installed loss as a
   logits processor ``fn(student_logits=[1, N, V], data=micro_batch)`` (``prepare_model_outputs``); with
   ``distillation_only`` it computes no sampled-token log-probs of its own (no in-place flash-attn
-  cross-entropy on the logits the processor keeps).
+  cross-entropy on the logits the processor keeps). The two call forms, and the refusal of the non-tensor
+  ``sp_size > 1`` verl's ``FSDPEngine.forward_backward_batch`` sets, live in the seam MOPD's loss shares,
+  :class:`claas_verl.verl_ext.logits_loss.LogitsProcessorLoss`.
 * ``PPOTrainer._save_checkpoint`` / ``_load_checkpoint`` (every algorithm; resume.py): extended so the CLaaS state
   sits in verl's ``global_step_N`` folder. The resume invariant relies on verl's ``fit`` calling
   ``_save_checkpoint`` (deferred by the override to ``on_step_end``), on ``_save_checkpoint`` writing

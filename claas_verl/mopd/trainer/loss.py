@@ -1,12 +1,8 @@
 """The loss function installed on the MOPD student and teacher engines (one callable, three phases).
 
-verl's FSDP engine calls an installed loss function twice per micro-batch when the batch carries
-``distillation_use_topk=True``:
-
-1. as a **logits processor** ``fn(student_logits=[1, N, V], data=micro_batch)`` on the packed, temperature
-   scaled logits (the only place in verl's engine where a model's full logits are visible), which must return
-   per-token tensors ``[1, N]``; verl asserts one value per packed token;
-2. as the **loss** ``fn(model_output=..., data=micro_batch, dp_group=...)`` returning ``(loss, metrics)``.
+A :class:`claas_verl.verl_ext.logits_loss.LogitsProcessorLoss`: with ``distillation_use_topk=True`` verl's FSDP
+engine calls it first as a logits processor on the packed logits ``[1, N, V]`` (per-token ``[1, N]`` fields
+out), then as the loss ``(loss, metrics)``.
 
 The non-tensor ``mopd_phase`` of the batch says what the forward is for:
 
@@ -19,7 +15,8 @@ The non-tensor ``mopd_phase`` of the batch says what the forward is for:
   loss of docs/math.md §B.2.3 on the re-stacked ``[B, T, κ]`` tensors, through verl's policy-loss registry: the token
   mean over the micro-batch, weighted ``n_resp(mb)/n_resp`` (docs/math.md §B.7).
 
-The κ values per token travel as κ separate fields (see :mod:`claas_verl.mopd.trainer.fields`).
+The processor's κ values per token are κ packed fields; the stored ids and advantages are one flattened-rows
+field each (:mod:`claas_verl.verl_ext.topk_fields`, names in :mod:`claas_verl.mopd.trainer.fields`).
 """
 
 from __future__ import annotations
@@ -30,13 +27,8 @@ import torch
 
 from claas_verl.distill import DEFAULT_CHUNK_SIZE, student_topk, teacher_logprobs_at, topk_logprobs
 from claas_verl.mopd.trainer import fields as F
-from claas_verl.verl_ext.packed_batch import packed_lengths, padded
-
-
-def _non_tensor(data, key: str, default=None):
-    from verl.utils import tensordict_utils as tu
-
-    return tu.get_non_tensor_data(data=data, key=key, default=default)
+from claas_verl.verl_ext.logits_loss import LogitsProcessorLoss, non_tensor
+from claas_verl.verl_ext.packed_batch import padded
 
 
 def microbatch_weight(n_resp_mb: int, global_batch_size, dp_size) -> float:
@@ -48,7 +40,14 @@ def microbatch_weight(n_resp_mb: int, global_batch_size, dp_size) -> float:
     return n_resp_mb * dp / total
 
 
-class MOPDLoss:
+def _topk(data) -> int:
+    k = int(non_tensor(data, F.TOPK_KEY, 0) or 0)
+    if k < 1:
+        raise ValueError(f"batch non-tensor {F.TOPK_KEY!r} ({F.TOPK_SETTING}) must be >= 1, got {k}")
+    return k
+
+
+class MOPDLoss(LogitsProcessorLoss):
     """Callable loss/logits-processor of the MOPD trainer; see the module docstring.
 
     Args:
@@ -57,43 +56,36 @@ class MOPDLoss:
         chunk_size: packed positions per chunk for every ``[chunk, V]`` temporary.
     """
 
+    needed_by = "the MOPD loss"
+
     def __init__(self, actor_config: Any = None, chunk_size: int = DEFAULT_CHUNK_SIZE):
         self.actor_config = actor_config
         self.chunk_size = chunk_size
 
-    # ------------------------------------------------------------------ entry point (verl's two call forms)
-    def __call__(self, model_output=None, data=None, dp_group=None, student_logits=None, **_: Any):
-        phase = _non_tensor(data, F.PHASE_KEY)
+    def check_batch(self, data) -> None:
+        phase = non_tensor(data, F.PHASE_KEY)
         if phase not in F.PHASES:
             raise ValueError(
                 f"batch non-tensor {F.PHASE_KEY!r} must be one of {F.PHASES}, got {phase!r}: the MOPD loss only runs "
                 "inside the MOPD trainer, which sets it on every forward"
             )
-        if student_logits is not None:
-            return self.process_logits(student_logits, data, phase)
-        if phase != F.PHASE_UPDATE:
+
+    def compute_loss(self, model_output, data, dp_group=None):
+        if non_tensor(data, F.PHASE_KEY) != F.PHASE_UPDATE:
             return torch.zeros((), device=data["input_ids"].values().device), {}
         return self.update_loss(model_output, data)
 
     # ------------------------------------------------------------------ phase 1: logits processor
-    def process_logits(self, logits: torch.Tensor, data, phase: str) -> dict[str, torch.Tensor]:
-        if logits.dim() != 3 or logits.shape[0] != 1:
-            raise ValueError(f"expected packed logits [1, N, V] from verl's engine, got {tuple(logits.shape)}")
-        sp = _non_tensor(data, "sp_size", 1) or 1
-        if int(sp) > 1:
-            raise ValueError("the MOPD loss does not support Ulysses sequence parallelism (sp_size > 1) yet")
-        k = int(_non_tensor(data, F.TOPK_KEY, 0) or 0)
-        if k < 1:
-            raise ValueError(f"batch non-tensor {F.TOPK_KEY!r} (mopd.train.topk) must be >= 1, got {k}")
+    def process_logits(self, logits: torch.Tensor, data) -> dict[str, torch.Tensor]:
+        phase = non_tensor(data, F.PHASE_KEY)
+        k = _topk(data)
         # logits are already divided by the rollout temperature by verl (τ enters once: temperature=1 here)
         if phase == F.PHASE_STUDENT_TOPK:
             ids, logp = student_topk(logits, k, chunk_size=self.chunk_size)
             out = F.split_last(ids, F.STUDENT_IDS_PACKED)
             out.update(F.split_last(logp, F.STUDENT_LP_PACKED))
             return out
-        seq, resp = packed_lengths(data, "the MOPD loss")
-        stored = F.unpack_rows(data[F.TOPK_IDS], k, F.TOPK_IDS).long()  # [B, T_r, K]
-        packed_ids = F.scatter_response_to_packed(stored.to(logits.device), seq, resp, logits.shape[1])[None]
+        packed_ids = self.stored_packed_ids(data, F.TOPK_IDS, k, logits.shape[1], logits.device, F.TOPK_SETTING)
         if phase == F.PHASE_TEACHER:
             q = teacher_logprobs_at(logits, packed_ids, chunk_size=self.chunk_size)
             return F.split_last(q, F.TEACHER_LP_PACKED)
@@ -111,12 +103,9 @@ class MOPDLoss:
         if cfg.loss_agg_mode != "token-mean":
             raise ValueError(f"actor_rollout_ref.actor.loss_agg_mode={cfg.loss_agg_mode!r}: the MOPD token loss is "
                              "the per-micro-batch token mean of docs/math.md §B.2.3/B.7; set it to token-mean")
-        k = int(_non_tensor(data, F.TOPK_KEY, 0) or 0)
-        seq, resp = packed_lengths(data, "the MOPD loss")
-        width = int(resp.max())
-        # model_output fields are nested over the packed sequence; values() keeps the autograd graph
-        packed = torch.stack([model_output[n].values() for n in F.names(F.CURRENT_LP_PACKED, k)], dim=-1)
-        logp = F.gather_packed_to_response(packed, seq, resp, width)  # [B, T_r, K], differentiable
+        k = _topk(data)
+        _, resp = self.lengths(data)
+        logp = self.response_stack(model_output, F.names(F.CURRENT_LP_PACKED, k), data)  # [B, T_r, K], with grad
         adv = F.unpack_rows(data[F.ADVANTAGES], k, F.ADVANTAGES).to(logp.device)
         mask = padded(data["response_mask"]).to(logp.device).bool()
         if adv.shape != logp.shape or mask.shape != logp.shape[:2]:

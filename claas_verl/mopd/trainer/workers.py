@@ -95,8 +95,7 @@ def _fold_fields(fields: list, response_mask, prefix: str):
     lens = response_mask.offsets().diff().tolist()
     ends = offsets[1:].tolist()
     index = torch.cat([torch.arange(e - t - 1, e - 1) for t, e in zip(lens, ends, strict=True)]).long()
-    rows = values[index].split(lens)
-    return torch.nested.as_nested_tensor([r.reshape(-1) for r in rows], layout=torch.jagged)
+    return F.pack_row_list(list(values[index].split(lens)))
 
 
 class MOPDTrainingWorker(TrainingWorker):

@@ -22,6 +22,7 @@ from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
 
 from claas_verl.claas.trainer import sdpo_worker as W
 from claas_verl.losses.sdpo import sdpo_loss
+from claas_verl.verl_ext.packed_batch import response_positions
 
 
 class _InplaceBackwardCrossEntropy(torch.autograd.Function):
@@ -54,7 +55,7 @@ def test_pg_jsd_gradient_is_exact_with_verls_inplace_flash_cross_entropy(monkeyp
     monkeypatch.setattr(verl_F, "cross_entropy_loss", _flash_cross_entropy, raising=False)
     monkeypatch.delenv("VERL_DISABLE_FLASH_ATTN_CE", raising=False)
     seq, input_rows, leaf, teacher_full, behaviour, data = _setup(seed=3)
-    idx, rows, cols = W.response_positions(torch.tensor(seq), torch.tensor(RESPS))
+    idx, rows, cols = response_positions(torch.tensor(seq), torch.tensor(RESPS))
     labels = torch.roll(torch.cat(input_rows), -1)  # verl's input_ids_rmpad_rolled
     y = torch.zeros(2, max(RESPS), dtype=torch.long).index_put((rows, cols), labels[idx])
     data[W.TEACHER_LP_Y] = torch.nested.nested_tensor([teacher_full.gather(-1, y[..., None])[b, :r, 0]

@@ -1,6 +1,7 @@
 """The SDPO update loss on verl's packed layout equals ``sdpo_loss`` on full-vocabulary [B, T, V] tensors.
 
-The worker stores only the student's top-K ids and the teacher's log-probs at those ids (K per-token fields);
+The worker stores only the student's top-K ids and the teacher's log-probs at those ids (one flattened-rows field
+each);
 the logits processor returns the student's full-vocabulary log-probs at the same ids. Since the K ids ARE the
 student's top-K, sdpo_loss over those K columns (+ tail) must equal sdpo_loss over the whole vocabulary.
 """
@@ -13,6 +14,8 @@ import torch
 from claas_verl.claas.trainer import sdpo_worker as W
 from claas_verl.claas.trainer.tq_fields import HAS_FEEDBACK_FIELD
 from claas_verl.losses.sdpo import sdpo_loss
+from claas_verl.verl_ext.packed_batch import response_positions
+from claas_verl.verl_ext.topk_fields import pack_rows
 
 PROMPTS, RESPS, V, K = [3, 2], [2, 3], 7, 3
 
@@ -29,7 +32,7 @@ def _setup(seed=0):
     logits = torch.randn(1, N, V, generator=g, requires_grad=True)
     teacher_full = torch.log_softmax(torch.randn(2, max(RESPS), V, generator=g), -1)
     behaviour = [torch.tensor([-3.0, 0.0]), torch.tensor([-4.5, 0.0, 0.0])]  # ℓb on the first position
-    idx, rows, cols = W.response_positions(torch.tensor(seq), torch.tensor(RESPS))
+    idx, rows, cols = response_positions(torch.tensor(seq), torch.tensor(RESPS))
     s_full = torch.zeros(2, max(RESPS), V)
     s_full[rows, cols] = torch.log_softmax(logits[0, idx].detach(), -1)
     ids = s_full.topk(K, dim=-1).indices
@@ -40,9 +43,9 @@ def _setup(seed=0):
         "old_log_probs": _jag(behaviour),
         HAS_FEEDBACK_FIELD: torch.tensor([1, 1]),
     }
-    for j in range(K):
-        data[f"{W.IDS}{j}"] = _jag([ids[b, :r, j] for b, r in enumerate(RESPS)])
-        data[f"{W.TEACHER_LP}{j}"] = _jag([t_at[b, :r, j] for b, r in enumerate(RESPS)])
+    # what the worker's pre/teacher passes store: one flattened-rows field per quantity
+    data[W.IDS] = pack_rows(ids, torch.tensor(RESPS))
+    data[W.TEACHER_LP] = pack_rows(t_at, torch.tensor(RESPS))
     return seq, input_rows, logits, teacher_full, behaviour, data
 
 
@@ -62,7 +65,7 @@ def test_packed_topk_loss_equals_full_vocabulary_sdpo_loss():
     loss, metrics = loss_fn(model_output=_model_output(loss_fn, logits, data, input_rows, seq), data=data)
     (g_ours,) = torch.autograd.grad(loss, logits)
 
-    idx, rows, cols = W.response_positions(torch.tensor(seq), torch.tensor(RESPS))
+    idx, rows, cols = response_positions(torch.tensor(seq), torch.tensor(RESPS))
     s_full = torch.zeros(2, max(RESPS), V).index_put((rows, cols), torch.log_softmax(logits[0, idx], -1))
     labels = torch.roll(torch.cat(input_rows), -1)
     log_prob = torch.zeros(2, max(RESPS)).index_put((rows, cols), s_full[rows, cols].gather(
@@ -102,7 +105,7 @@ def test_pg_jsd_and_teacher_is_reference_match_sdpo_loss(mode, is_reference):
     from types import SimpleNamespace
 
     seq, input_rows, logits, teacher_full, behaviour, data = _setup(seed=2)
-    idx, rows, cols = W.response_positions(torch.tensor(seq), torch.tensor(RESPS))
+    idx, rows, cols = response_positions(torch.tensor(seq), torch.tensor(RESPS))
     labels = torch.roll(torch.cat(input_rows), -1)
     y = torch.zeros(2, max(RESPS), dtype=torch.long).index_put((rows, cols), labels[idx])
     t_y = teacher_full.gather(-1, y[..., None]).squeeze(-1)
