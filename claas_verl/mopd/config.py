@@ -120,13 +120,22 @@ class MopdConfig:
                 enabled=_bool(recipe_key(mopd, "eval.enabled"), "eval.enabled", "run the forgetting evaluation"),
                 prompts=_int(recipe_key(mopd, "eval.prompts"), "eval.prompts", 1, "held-out prompts per domain"),
             ),
-            signal=aux_config({k: recipe_key(mopd, f"signal.{k}", SIGNAL_YAML) for k in SIGNAL_KEYS}),
+            signal=_signal(mopd),
             schedule=ScheduleConfig.from_omegaconf(mopd),
         )
 
     @property
     def order(self) -> tuple[str, ...]:
         return self.schedule.order
+
+
+def _signal(mopd) -> AuxConfig:
+    signal = {k: recipe_key(mopd, f"signal.{k}", SIGNAL_YAML) for k in SIGNAL_KEYS}
+    for k in ("sats", "vr", "hidden", "drop_trailing"):
+        why = "drop a final region without a separator (docs/math.md §B.4)" if k == "drop_trailing" else \
+            "turns this alignment term on (docs/math.md §B.3-B.5)"
+        _bool(signal[k], f"signal.{k}", why)
+    return aux_config(signal)
 
 
 def _train(mopd) -> TrainConfig:

@@ -73,6 +73,7 @@ def test_every_mopd_recipe_builds_the_schema(composed):
     ("eval__enabled", 1, r"mopd.eval.enabled=1: run the forgetting evaluation \(true or false\)"),
     ("eval__prompts", 0, r"mopd.eval.prompts=0"),
     ("signal__window", 0, r"mopd.signal.window must be >= 1"),
+    ("signal__hidden", "yes", r"mopd.signal.hidden='yes': .*\(true or false\)"),
     ("signal__aux_kinds", ["new"], r"mopd.signal.aux_kinds must be a non-empty subset"),
     ("student", "", r"mopd.student='': set it to the student's local Hugging Face model directory"),
 ])
