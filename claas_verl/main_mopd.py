@@ -38,7 +38,7 @@ from claas_verl.paths import recipes_dir
 from claas_verl.preflight.disk import checkpoint_disk, human, parameter_count
 from claas_verl.preflight.models import check_plan_models
 from claas_verl.preflight.runtime import choose_runtime
-from claas_verl.schedule import plan_from_config
+from claas_verl.schedule import build_plan
 
 RUNTIME_GROUP = "verl@_global_"  # relative to the recipe folder: recipes/mopd/verl/
 REPO = Path(__file__).resolve().parents[1]
@@ -85,12 +85,14 @@ def runtime_args(argv: list[str], group: str | None = None) -> list[str]:
 
 def finalize_config(cfg: DictConfig) -> DictConfig:
     """Fill the derived verl keys and check the recipe before Ray starts (clear errors, no half-started jobs)."""
-    plan = plan_from_config(cfg)  # ValueError naming the bad mopd.* key
-    mopd = cfg.mopd
+    from claas_verl.mopd.config import MopdConfig  # imports torch: not on the --help path
+
+    mopd = MopdConfig.from_config(cfg)  # ValueError naming the bad mopd.* key
+    plan = build_plan(mopd.schedule)
     with open_dict(cfg):
         files = []
         for d in plan.order:
-            p = mopd.domains[d].get("prompts")
+            p = mopd.domains[d].prompts
             if p in (None, "???") or not os.path.exists(str(p)):
                 raise ValueError(f"mopd.domains.{d}.prompts: prompt file {p!r} does not exist")
             files.append(str(p))
@@ -104,19 +106,19 @@ def finalize_config(cfg: DictConfig) -> DictConfig:
             raise ValueError(f"trainer.total_training_steps={steps} must be in [1, {len(plan)}] (the plan length)")
         rollout = cfg.actor_rollout_ref.rollout
         if rollout.get("max_model_len") is None:
-            rollout.max_model_len = int(mopd.train.max_prompt_length) + int(mopd.train.max_response_length)
+            rollout.max_model_len = mopd.train.max_prompt_length + mopd.train.max_response_length
         reward = cfg.reward.custom_reward_function
         if reward.get("path") and not os.path.isabs(reward.path) and (REPO / reward.path).exists():
             reward.path = str(REPO / reward.path)
     check_reward_extras(cfg, plan)
     check_plan_models(cfg, plan)
-    report_disk(cfg, plan)
+    report_disk(cfg, plan, mopd.student)
     return cfg
 
 
-def report_disk(cfg: DictConfig, plan) -> None:
+def report_disk(cfg: DictConfig, plan, student: str) -> None:
     """Print the checkpoint disk the run needs; warn when the output folder's file system has less free."""
-    need = checkpoint_disk(cfg, plan, parameter_count(str(cfg.mopd.student)),
+    need = checkpoint_disk(cfg, plan, parameter_count(student),
                            steps=int(cfg.trainer.total_training_steps))
     print(f"claas_verl.main_mopd: {need.summary()}", file=sys.stderr)
     folder = os.path.abspath(str(cfg.trainer.default_local_dir))

@@ -13,6 +13,8 @@ import transfer_queue as tq
 from verl.utils import tensordict_utils as tu
 from verl.utils.dataset.rl_dataset import collate_fn
 
+from claas_verl.mopd.config import MopdConfig
+
 
 def prompt_batch(dataset, rows, global_steps: int):
     """verl's prompt batch (a TensorDict) of ``dataset``'s ``rows``, one fresh uid per row, tagged with the step."""
@@ -23,15 +25,15 @@ def prompt_batch(dataset, rows, global_steps: int):
     return batch
 
 
-def load_domains(config, plan, tokenizer, processor) -> tuple[dict, dict]:
+def load_domains(config, mopd: MopdConfig, plan, tokenizer, processor) -> tuple[dict, dict]:
     """``(train, held_out)``: each domain's prompt dataset (checked to hold the plan's blocks) and, where the recipe
-    names ``test_prompts``, its held-out one."""
+    names ``test_prompts``, its held-out one; ``config.data`` holds verl's dataset settings."""
     from verl.trainer.ppo.utils import create_rl_dataset
 
-    block_size = int(config.mopd.block_size)
+    block_size = mopd.block_size
     train, held_out = {}, {}
     for d in plan.order:
-        spec = config.mopd.domains[d]
+        spec = mopd.domains[d]
         ds = create_rl_dataset(spec.prompts, config.data, tokenizer, processor, is_train=True)
         need = plan.num_blocks[d] * block_size
         if len(ds) < need:
@@ -41,7 +43,7 @@ def load_domains(config, plan, tokenizer, processor) -> tuple[dict, dict]:
                 "data.filter_overlong_prompts / data.max_prompt_length?"
             )
         train[d] = ds
-        if spec.get("test_prompts"):
+        if spec.test_prompts:
             held_out[d] = create_rl_dataset(spec.test_prompts, config.data, tokenizer, processor, is_train=False)
     return train, held_out
 

@@ -20,6 +20,7 @@ import transfer_queue as tq
 from verl.utils import tensordict_utils as tu
 
 from claas_verl.distill import topk_binned_kl, topk_weighted_kl
+from claas_verl.mopd.config import EvalConfig
 from claas_verl.mopd.trainer import records as S
 from claas_verl.mopd.trainer.blocks import prompt_batch
 from claas_verl.verl_ext.packed_batch import padded
@@ -28,9 +29,9 @@ from claas_verl.verl_ext.packed_batch import padded
 class ForgettingEval:
     """Stage-start and stage-end KL to the experts on held-out prompts; ``datasets`` maps domain -> held-out set."""
 
-    def __init__(self, trainer, enabled: bool, prompts: int):
+    def __init__(self, trainer, settings: EvalConfig):
         self.trainer = trainer  # the MOPD trainer: its workers, rollout, sampler and step math
-        self.enabled, self.prompts = enabled, prompts
+        self.enabled, self.prompts = settings.enabled, settings.prompts
         self.datasets: dict = {}
         self.pending_end: tuple[int, int] | None = None  # (stage, its last global step) a crash left unmeasured
 
@@ -103,7 +104,7 @@ class ForgettingEval:
             expert = t.teachers.load_expert(t.actor_rollout_wg, domain)
             t.mopd_student_topk(meta, {})  # reorders the rows (canonical_row_order): read the tags after it
             real = np.array([not tag.get("is_padding", False) for tag in meta.tags])
-            Sx, Q, mask, _ = t.teacher_q(meta, expert)
+            Sx, Q, mask, _ = t.distill.teacher_q(meta, t.actor_rollout_wg, expert)
             sel = torch.as_tensor(real)
             kl = float(topk_weighted_kl(Sx[sel], Q[sel], mask[sel]))
             kl_binned = float(topk_binned_kl(Sx[sel], Q[sel], mask[sel]))

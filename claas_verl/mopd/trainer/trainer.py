@@ -22,12 +22,14 @@ claas_verl.main_mopd`` does it). verl's own ``fit`` loop runs unchanged; per glo
    verl's files, and measures forgetting (student → expert KL on held-out prompts of every learned domain).
 7. ``steps.jsonl`` gets the executed step with its metrics; the console a line with the stage's ETA.
 
-This module holds verl's hooks and the step's math; the rest is one component per job, each holding its state:
-:mod:`~claas_verl.mopd.trainer.blocks` (per-domain prompts, a step's block), :mod:`~claas_verl.mopd.trainer.teachers`
-(the teachers the workers hold), :mod:`~claas_verl.mopd.trainer.snapshots` (M_j, resume state and its
-reconciliation), :mod:`~claas_verl.mopd.trainer.forgetting` (the held-out evaluation),
-:mod:`~claas_verl.mopd.trainer.weight_probe` (did the weight sync arrive) and
-:mod:`~claas_verl.mopd.trainer.records` (the run's files: audit trail, resume state, forgetting table).
+This module holds verl's hooks only; ``mopd.*`` is read once into :class:`claas_verl.mopd.config.MopdConfig`, and the
+rest is one component per job, each holding its state: :mod:`~claas_verl.mopd.trainer.distill_step` (the step's math:
+student and teacher forwards, rewards, advantages, the update's batch), :mod:`~claas_verl.mopd.trainer.blocks`
+(per-domain prompts, a step's block), :mod:`~claas_verl.mopd.trainer.teachers` (the teachers the workers hold),
+:mod:`~claas_verl.mopd.trainer.snapshots` (M_j, resume state and its reconciliation),
+:mod:`~claas_verl.mopd.trainer.forgetting` (the held-out evaluation), :mod:`~claas_verl.mopd.trainer.weight_probe`
+(did the weight sync arrive) and :mod:`~claas_verl.mopd.trainer.records` (the run's files: audit trail, resume
+state, forgetting table).
 """
 
 from __future__ import annotations
@@ -35,36 +37,20 @@ from __future__ import annotations
 import logging
 import os
 
-import torch
-import transfer_queue as tq
 from verl.trainer.ppo.v1.trainer_base import register_trainer
 from verl.trainer.ppo.v1.trainer_sync import PPOTrainerSync
-from verl.utils import tensordict_utils as tu
-from verl.utils.metric import reduce_metrics
-from verl.utils.py_functional import rename_dict
-from verl.workers.utils.padding import response_to_nested
 
-from claas_verl.align import separator_token_ids
-from claas_verl.distill import (
-    domain_normalized_advantages,
-    domain_stds,
-    topk_binned_kl,
-    topk_rewards,
-    topk_weighted_kl,
-)
-from claas_verl.mopd.trainer import fields as F
+from claas_verl.mopd.config import MopdConfig
 from claas_verl.mopd.trainer import records as S
-from claas_verl.mopd.trainer.alignment import AUX_KEY, aux_config, region_fields
-from claas_verl.mopd.trainer.blocks import block_batch, canonical_row_order, load_domains
+from claas_verl.mopd.trainer.blocks import block_batch, load_domains
+from claas_verl.mopd.trainer.distill_step import DistillStep
 from claas_verl.mopd.trainer.forgetting import ForgettingEval
 from claas_verl.mopd.trainer.snapshots import StageSnapshots
 from claas_verl.mopd.trainer.teachers import StageTeachers
 from claas_verl.mopd.trainer.verl_couplings import MOPDTrainerCouplings
 from claas_verl.mopd.trainer.weight_probe import WeightSyncProbe
-from claas_verl.mopd.trainer.workers import TEACHER_KEY, MOPDWorker
-from claas_verl.preflight.recipe_keys import TRAIN_YAML, recipe_key
-from claas_verl.schedule import plan_from_config
-from claas_verl.verl_ext.packed_batch import padded
+from claas_verl.mopd.trainer.workers import MOPDWorker
+from claas_verl.schedule import build_plan
 from claas_verl.verl_ext.trainer_base import swap_actor_worker
 
 logger = logging.getLogger(__name__)
@@ -76,44 +62,26 @@ class MOPDTrainer(MOPDTrainerCouplings, PPOTrainerSync):
     """Continual multi-teacher on-policy distillation over a ``claas_verl.schedule`` plan (see module doc)."""
 
     def __init__(self, config):
+        self.mopd = MopdConfig.from_config(config)  # before verl's __init__, whose sampler reads it
         super().__init__(config)
-        self.plan = plan_from_config(config)
+        mopd = self.mopd
+        self.plan = build_plan(mopd.schedule)
         self.plan_steps = [s.to_dict() for s in self.plan.steps]
         self.bounds = S.stage_bounds(self.plan_steps)
-        mopd = config.mopd
-        self.topk = int(mopd.train.topk)
-        self.block_size = int(mopd.block_size)
+        self.block_size = mopd.block_size
         self.run_dir = str(config.trainer.default_local_dir)
-        paths = S.ModelPaths(
-            student0=str(mopd.student),
-            experts={d: str(mopd.domains[d].get("expert")) for d in self.plan.order},
-            run_dir=self.run_dir,
-        )
-        self.domain_index = {d: i for i, d in enumerate(self.plan.order)}
-        if self.config.data.train_batch_size != self.block_size:
-            raise ValueError(
-                f"data.train_batch_size={self.config.data.train_batch_size} must equal mopd.block_size="
-                f"{self.block_size}: every step trains exactly one block"
-            )
-        actor = config.actor_rollout_ref.actor
-        S.check_one_update_per_step(self.block_size, actor.get("ppo_mini_batch_size"), actor.get("ppo_epochs"))
-        teacher_dtype = S.check_teacher_dtype(recipe_key(mopd, "train.teacher_dtype", TRAIN_YAML))
-        # replay steps of FSAR/SATS/OPRD recipes: alignment terms + balanced update (docs/math.md §B.3-B.7)
-        self.aux = aux_config(mopd.get("signal") or {})
-        if self.aux.enabled and actor.get("strategy") not in ("fsdp2",):
-            raise ValueError(f"mopd.signal enables {list(self.aux.terms)}: the balanced update needs "
-                             f"actor_rollout_ref.actor.strategy=fsdp2, got {actor.get('strategy')!r}")
-        self._separators = None
+        paths = S.ModelPaths(student0=mopd.student, experts={d: str(mopd.domains[d].expert) for d in self.plan.order},
+                             run_dir=self.run_dir)
+        self.distill = DistillStep(mopd, config, {d: i for i, d in enumerate(self.plan.order)})
         self._saved_at = -1
         self.domain_datasets: dict = {}
-        fresh = bool(recipe_key(mopd, "train.fresh_optimizer_per_stage", TRAIN_YAML))
-        self.teachers = StageTeachers(self.plan, self.plan_steps, paths, teacher_dtype, fresh_optimizer=fresh)
+        self.teachers = StageTeachers(self.plan, self.plan_steps, paths, mopd.train.teacher_dtype,
+                                      fresh_optimizer=mopd.train.fresh_optimizer_per_stage)
         self.snapshots = StageSnapshots(paths, self.plan_steps, self.bounds)
-        self.forgetting = ForgettingEval(self, enabled=bool(recipe_key(mopd, "eval.enabled")),
-                                         prompts=int(recipe_key(mopd, "eval.prompts")))
+        self.forgetting = ForgettingEval(self, mopd.eval)
         self.progress = S.StageProgress(self.plan_steps, self.bounds)
         # after every weight sync the rollout scores a fixed probe (weight_probe); 0 turns the check off
-        self.probe = WeightSyncProbe(int(recipe_key(mopd, "weight_sync_probe_tokens") or 0))
+        self.probe = WeightSyncProbe(mopd.weight_sync_probe_tokens)
 
     # ================================================================= verl wiring
     def mopd_use_worker_class(self):
@@ -128,16 +96,12 @@ class MOPDTrainer(MOPDTrainerCouplings, PPOTrainerSync):
     def mopd_tune_sampler(self, sampler):
         """verl's sync sampler sleeps ``poll_interval`` (2 s, not configurable in verl) between looks at the
         step's finished rollouts; it becomes ``mopd.sampler_poll_s``. The samples do not depend on it."""
-        poll = recipe_key(self.config.mopd, "sampler_poll_s")
-        if isinstance(poll, bool) or not isinstance(poll, int | float) or not 0 < poll <= 60:
-            raise ValueError(f"mopd.sampler_poll_s={poll!r}: give the sampler's polling interval in seconds, "
-                             "0 < s <= 60 (recipes/mopd/common/base.yaml sets 0.05)")
-        sampler.poll_interval = float(poll)
+        sampler.poll_interval = self.mopd.sampler_poll_s
         return sampler
 
     def mopd_init_datasets(self):
-        self.domain_datasets, self.forgetting.datasets = load_domains(self.config, self.plan, self.tokenizer,
-                                                                      self.processor)
+        self.domain_datasets, self.forgetting.datasets = load_domains(self.config, self.mopd, self.plan,
+                                                                      self.tokenizer, self.processor)
         if self.total_training_steps > len(self.plan_steps):
             raise ValueError(
                 f"trainer.total_training_steps={self.total_training_steps} exceeds the plan's {len(self.plan_steps)} "
@@ -190,112 +154,16 @@ class MOPDTrainer(MOPDTrainerCouplings, PPOTrainerSync):
     def _probe_weight_sync(self) -> dict[str, float]:
         return self.probe.measure(self.tokenizer, self.checkpoint_manager.replicas, self.actor_rollout_wg)
 
-    # ================================================================= the step's math
-    def _distill_flags(self, phase: str) -> dict:
-        return {
-            "calculate_entropy": False,
-            "compute_loss": True,  # the logits processor IS the loss function; verl only calls it then
-            "distillation_use_topk": True,
-            "distillation_only": True,  # no sampled-token log-probs needed
-            "temperature": self.config.actor_rollout_ref.rollout.temperature,
-            F.PHASE_KEY: phase,
-            F.TOPK_KEY: self.topk,
-        }
-
+    # ================================================================= the step's math (distill_step)
     def mopd_student_topk(self, batch, metrics: dict):
-        """Pre-update forward of the training model: store the student's top-κ ids and log-probs S (B.2.1).
-
-        The worker writes them as two flattened-rows fields, ``F.TOPK_IDS`` and ``F.STUDENT_LP``
-        (:func:`claas_verl.mopd.trainer.workers.fold_topk_outputs`).
-        """
-        canonical_row_order(batch, self.actor_rollout_wg)
-        batch.extra_info.update(self._distill_flags(F.PHASE_STUDENT_TOPK))
-        self.actor_rollout_wg.compute_log_prob(batch)
-        return batch
-
-    def teacher_q(self, batch, teacher: str):
-        """Teacher ``teacher``'s top-k log-probs Q at the student's ids, with the student's S and the response mask."""
-        batch.extra_info.update(self._distill_flags(F.PHASE_TEACHER))
-        batch.extra_info[TEACHER_KEY] = teacher
-        self.actor_rollout_wg.mopd_teacher_forward(batch)
-        batch.extra_info.pop(TEACHER_KEY, None)
-        data = tq.kv_batch_get(keys=batch.keys, partition_id=batch.partition_id,
-                               select_fields=[F.TEACHER_LP, F.STUDENT_LP, "response_mask"])
-        mask_nested = data["response_mask"]
-        Q = F.unpack_rows(data[F.TEACHER_LP], self.topk, F.TEACHER_LP).float()
-        Sx = F.unpack_rows(data[F.STUDENT_LP], self.topk, F.STUDENT_LP).float()
-        mask = padded(mask_nested).float()
-        return Sx, Q, mask, mask_nested
+        return self.distill.student_topk(batch, self.actor_rollout_wg)
 
     def mopd_teacher_advantages(self, batch, metrics: dict):
-        """Teacher Q at the student's ids, rewards r (eq. 4), per-domain advantages A (B.2.2), logged KL."""
-        step = self.current_step()
-        aux = self.aux.applies_to(step["kind"])
-        if aux:
-            self._store_regions(batch, metrics)
-            batch.extra_info[AUX_KEY] = self.aux.to_dict()  # the teacher also returns its alignment targets
-        try:
-            Sx, Q, mask, mask_nested = self.teacher_q(batch, step["teacher"])
-        finally:
-            batch.extra_info.pop(AUX_KEY, None)
-        r = topk_rewards(Sx, Q, mask)
-        # one domain per step (B.2.2): every response of the block belongs to the step's domain
-        dom = torch.full((r.shape[0],), self.domain_index[step["domain"]], dtype=torch.long)
-        A = domain_normalized_advantages(r, mask, dom, sync=False)
-        stats = domain_stds(r, mask, dom, sync=False)[self.domain_index[step["domain"]]]
-        out = {F.ADVANTAGES: F.pack_rows(A, mask_nested)}
-        # verl's metrics read 2-D advantages/returns: Σ_v A[t, v] per token
-        per_token = A.sum(-1)
-        out["advantages"] = response_to_nested(per_token, mask_nested)
-        out["returns"] = response_to_nested(per_token, mask_nested)
-        tq.kv_batch_put(keys=batch.keys, partition_id=batch.partition_id, fields=tu.get_tensordict(out))
-        metrics.update({
-            "mopd/kl_topk": float(topk_weighted_kl(Sx, Q, mask)),
-            "mopd/kl_binned": float(topk_binned_kl(Sx, Q, mask)),
-            "mopd/adv_sigma": stats["scale"],
-            "mopd/reward_count": stats["count"],
-            "mopd/stage": step["stage"],
-            "mopd/block": step["block"],
-        })
-        return batch
-
-    def _store_regions(self, batch, metrics: dict):
-        """Step regions computed ONCE here from the response ids, shared by teacher and student (docs/math.md §B.4)."""
-        if self._separators is None:
-            self._separators = separator_token_ids(self.tokenizer)
-        data = tq.kv_batch_get(keys=batch.keys, partition_id=batch.partition_id,
-                               select_fields=["input_ids", "response_mask"])
-        # regions from the response ids themselves (not response_from_nested, which shifts ids by one)
-        out, rid, win = region_fields(data["input_ids"], data["response_mask"], self._separators, self.aux)
-        tq.kv_batch_put(keys=batch.keys, partition_id=batch.partition_id, fields=tu.get_tensordict(out))
-        metrics["mopd/regions_per_response"] = float((rid.amax(-1) + 1).clamp(min=0).float().mean())
-        metrics["mopd/window_tokens"] = float(win.sum())
+        return self.distill.teacher_advantages(batch, self.actor_rollout_wg, self.current_step(), self.tokenizer,
+                                               metrics)
 
     def mopd_update_actor(self, batch, metrics: dict):
-        """One optimizer update (one epoch, one mini-batch: the whole step batch) with the MOPD loss."""
-        n = self.config.actor_rollout_ref.rollout.n
-        mini = self.config.actor_rollout_ref.actor.ppo_mini_batch_size * n
-        info = self._distill_flags(F.PHASE_UPDATE)
-        info.pop("compute_loss")
-        info.update({
-            "global_batch_size": mini,
-            "mini_batch_size": mini,
-            "epochs": 1,
-            "seed": self.config.actor_rollout_ref.actor.data_loader_seed,
-            "dataloader_kwargs": {"shuffle": False},
-        })
-        if self.aux.applies_to(self.current_step()["kind"]):
-            info[AUX_KEY] = self.aux.to_dict()  # balanced multi-pass update in the actor worker (docs/math.md §B.6/B.7)
-        batch.extra_info.update(info)
-        try:
-            output = self.actor_rollout_wg.update_actor(batch)
-        finally:
-            batch.extra_info.pop(AUX_KEY, None)
-        out = rename_dict(output["metrics"], "actor/")
-        if "actor/mfu" in out:
-            out["perf/mfu/actor"] = out.pop("actor/mfu")
-        metrics.update(reduce_metrics(out))
-        return batch
+        return self.distill.update_actor(batch, self.actor_rollout_wg, self.current_step()["kind"], metrics)
 
     # ================================================================= audit trail
     def mopd_record_step(self, metrics: dict, global_step: int):

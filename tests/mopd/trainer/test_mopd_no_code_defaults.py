@@ -53,11 +53,3 @@ def test_preflight_does_not_guess_whether_the_forgetting_evaluation_runs():
     with pytest.raises(ValueError, match="mopd.eval.enabled is not set: compose recipes/mopd/common/base.yaml"):
         plan_model_keys(OmegaConf.create({"mopd": {"student": "s"}}), plan)
 
-
-def test_the_signal_groups_base_agrees_with_the_alignment_schema():
-    """``mopd.signal`` is an optional group: its keys fall back to :class:`AuxConfig`'s defaults, which the group's
-    base (``signal/kl.yaml``, composed by every other signal group) repeats for the reader; they must not drift."""
-    from claas_verl.mopd.trainer.alignment import AuxConfig, aux_config
-
-    kl = OmegaConf.load(PACKAGE.parent / "recipes" / "mopd" / "signal" / "kl.yaml").mopd.signal
-    assert aux_config(kl) == AuxConfig() == aux_config({})

@@ -1,0 +1,135 @@
+"""``MopdConfig``: every MOPD recipe builds it; a bad value names its key, an unset one the YAML that sets it; it is
+frozen; and the code defaults that plain-mapping callers see agree with the recipes'."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+from omegaconf import OmegaConf
+
+from claas_verl.mopd.config import SIGNAL_KEYS, MopdConfig
+
+REPO = Path(__file__).resolve().parents[2]
+RECIPES = sorted(p.stem for p in (REPO / "recipes" / "mopd").glob("*.yaml"))
+
+
+@pytest.fixture(scope="module")
+def composed(tmp_path_factory) -> dict:
+    """Every recipe under recipes/mopd, composed as ``python -m claas_verl.plan`` composes it (no runtime group)."""
+    from hydra import compose, initialize_config_dir
+
+    from claas_verl.paths import recipes_dir
+
+    tiny = tmp_path_factory.mktemp("tiny")  # paths only: the domains give num_blocks, nothing is read
+    with initialize_config_dir(config_dir=str(recipes_dir()), version_base=None):
+        return {r: compose(config_name=f"mopd/{r}", overrides=[f"claas.tiny_dir={tiny}"]) for r in RECIPES}
+
+
+def _with(cfg, **changes):
+    """A copy of ``cfg`` with ``mopd.<dotted>`` set (value) or deleted (``...``)."""
+    out = OmegaConf.create(OmegaConf.to_container(cfg, resolve=True))
+    for dotted, value in changes.items():
+        parent, leaf = f"mopd.{dotted.replace('__', '.')}".rsplit(".", 1)
+        node = OmegaConf.select(out, parent)
+        if value is ...:
+            del node[leaf]
+        else:
+            node[leaf] = value
+    return out
+
+
+def test_every_mopd_recipe_builds_the_schema(composed):
+    assert len(composed) == len(RECIPES) > 30
+    for recipe, cfg in composed.items():
+        mopd = MopdConfig.from_config(cfg)
+        assert mopd.block_size == cfg.mopd.block_size and mopd.train.topk == cfg.mopd.train.topk, recipe
+        assert set(mopd.order) <= set(mopd.domains), recipe
+        assert mopd.signal.enabled == any(cfg.mopd.signal[t] for t in ("sats", "vr", "hidden")), recipe
+    fsar = MopdConfig.from_config(composed["tiny_fsar_shared"])
+    assert fsar.signal.terms == ("sats", "vr", "hidden") and fsar.signal.kinds == ("replay",)
+    tiny = MopdConfig.from_config(composed["tiny_seq"])
+    assert tiny.domains["logic"].test_prompts.endswith("data/logic/test.parquet")
+    assert (tiny.sampler_poll_s, tiny.weight_sync_probe_tokens, tiny.eval.enabled) == (0.05, 8, True)
+    # a path the recipe leaves required (`???`) stays unset here; preflight names it before Ray starts
+    assert MopdConfig.from_config(composed["seq"]).domains["code"].expert is None
+
+
+@pytest.mark.parametrize("key, value, message", [
+    ("sampler_poll_s", 0, r"mopd.sampler_poll_s=0: give the sampler's polling interval in seconds, 0 < s <= 60 "
+                          r"\(recipes/mopd/common/base.yaml sets 0.05\)"),
+    ("sampler_poll_s", -1, r"mopd.sampler_poll_s=-1"),
+    ("sampler_poll_s", 120, r"mopd.sampler_poll_s=120"),
+    ("sampler_poll_s", "fast", r"mopd.sampler_poll_s='fast'"),
+    ("sampler_poll_s", True, r"mopd.sampler_poll_s=True"),
+    ("block_size", 0, r"mopd.block_size=0: prompts per block \(an integer >= 1\)"),
+    ("weight_sync_probe_tokens", -1, r"mopd.weight_sync_probe_tokens=-1: .*0 to turn it off"),
+    ("weight_sync_probe_tokens", None, r"mopd.weight_sync_probe_tokens=None"),
+    ("train__topk", 0, r"mopd.train.topk=0"),
+    ("train__teacher_dtype", "fp16", r"mopd.train.teacher_dtype must be one of"),
+    ("train__fresh_optimizer_per_stage", "yes", r"mopd.train.fresh_optimizer_per_stage='yes'.*true or false"),
+    ("train__max_response_length", 0, r"mopd.train.max_response_length=0"),
+    ("eval__enabled", 1, r"mopd.eval.enabled=1: run the forgetting evaluation \(true or false\)"),
+    ("eval__prompts", 0, r"mopd.eval.prompts=0"),
+    ("signal__window", 0, r"mopd.signal.window must be >= 1"),
+    ("signal__hidden", "yes", r"mopd.signal.hidden='yes': .*\(true or false\)"),
+    ("signal__aux_kinds", ["new"], r"mopd.signal.aux_kinds must be a non-empty subset"),
+    ("student", "", r"mopd.student='': set it to the student's local Hugging Face model directory"),
+])
+def test_a_bad_value_names_its_key(composed, key, value, message):
+    with pytest.raises(ValueError, match=message):
+        MopdConfig.from_config(_with(composed["tiny_seq"], **{key: value}))
+
+
+@pytest.mark.parametrize("key, home", [
+    ("sampler_poll_s", "recipes/mopd/common/base.yaml"),
+    ("weight_sync_probe_tokens", "recipes/mopd/common/base.yaml"),
+    ("eval__prompts", "recipes/mopd/common/base.yaml"),
+    ("train__teacher_dtype", "recipes/mopd/train/paper.yaml"),
+    ("train__fresh_optimizer_per_stage", "recipes/mopd/train/paper.yaml"),
+    ("signal__target_budget_gib", "recipes/mopd/signal/kl.yaml"),
+    ("signal__drop_trailing", "recipes/mopd/signal/kl.yaml"),
+    ("student", "recipes/mopd/model/<group>.yaml"),
+])
+def test_an_unset_key_names_the_yaml_that_sets_it(composed, key, home):
+    dotted = key.replace("__", ".")
+    with pytest.raises(ValueError, match=rf"mopd.{dotted} is not set: compose {home}"):
+        MopdConfig.from_config(_with(composed["tiny_seq"], **{key: ...}))
+
+
+def test_a_config_without_a_mopd_section_is_named():
+    with pytest.raises(ValueError, match="no `mopd` section"):
+        MopdConfig.from_config(OmegaConf.create({"trainer": {}}))
+
+
+def test_the_schema_is_frozen(composed):
+    mopd = MopdConfig.from_config(composed["tiny_fsar_shared"])
+    for obj, field in ((mopd, "block_size"), (mopd.train, "topk"), (mopd.eval, "prompts"), (mopd.signal, "window"),
+                       (mopd.domains["logic"], "expert")):
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            setattr(obj, field, 1)
+    with pytest.raises(TypeError):
+        mopd.domains["logic"] = mopd.domains["math"]  # a read-only mapping
+
+
+def test_the_signal_base_sets_every_key_and_agrees_with_the_alignment_defaults():
+    """``mopd.signal`` keys are required of the recipe (every signal group composes ``signal/kl.yaml``);
+    :class:`AuxConfig`'s defaults serve plain-mapping callers (tests, the worker round trip) and must equal it."""
+    from claas_verl.mopd.trainer.alignment import AuxConfig, aux_config
+
+    kl = OmegaConf.load(REPO / "recipes" / "mopd" / "signal" / "kl.yaml").mopd.signal
+    assert set(kl.keys()) == set(SIGNAL_KEYS)
+    assert aux_config(kl) == AuxConfig() == aux_config({})
+    # every AuxConfig field is fed by one of SIGNAL_KEYS (the three terms, aux_kinds -> kinds)
+    fed = {"terms", "kinds"} | set(SIGNAL_KEYS)
+    assert {f.name for f in dataclasses.fields(AuxConfig)} <= fed
+
+
+def test_the_schedule_defaults_agree_with_the_base_recipe():
+    """The planner's dataclass defaults (plain-mapping callers) equal ``recipes/mopd/common/base.yaml``."""
+    from claas_verl.schedule import ScheduleConfig
+
+    domains = {"order": ["a", "b"], "domains": {"a": {"num_blocks": 2}, "b": {"num_blocks": 3}}}
+    base = OmegaConf.to_container(OmegaConf.load(REPO / "recipes" / "mopd" / "common" / "base.yaml").mopd)
+    assert ScheduleConfig.from_dict({**base, **domains}) == ScheduleConfig.from_dict(domains)

@@ -1,0 +1,90 @@
+"""The step's math component of the MOPD trainer: verl's keys it depends on, the batch info of each phase, and the
+teacher step (rewards, per-domain advantages, logged KL) on a stand-in TransferQueue and worker group."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from claas_verl.distill import domain_normalized_advantages, topk_rewards, topk_weighted_kl
+from claas_verl.mopd.trainer import distill_step as D
+from claas_verl.mopd.trainer import fields as F
+from claas_verl.mopd.trainer.alignment import AUX_KEY, aux_config
+from claas_verl.mopd.trainer.workers import TEACHER_KEY
+
+
+def _mopd(signal=None, block_size=4, topk=2):
+    return SimpleNamespace(block_size=block_size, train=SimpleNamespace(topk=topk), signal=aux_config(signal or {}))
+
+
+def _config(train_batch_size=4, **actor):
+    actor = {"ppo_mini_batch_size": 4, "ppo_epochs": 1, "strategy": "fsdp2", "data_loader_seed": 7, **actor}
+    return OmegaConf.create({"data": {"train_batch_size": train_batch_size},
+                             "actor_rollout_ref": {"rollout": {"temperature": 0.7, "n": 3}, "actor": actor}})
+
+
+def test_verl_keys_the_step_depends_on_are_checked_with_the_keys_named():
+    D.DistillStep(_mopd({"hidden": True}), _config(), {"logic": 0})
+    with pytest.raises(ValueError, match=r"data.train_batch_size=8 must equal mopd.block_size=4"):
+        D.DistillStep(_mopd(), _config(train_batch_size=8), {})
+    with pytest.raises(ValueError, match=r"ppo_mini_batch_size=2 must equal mopd.block_size=4"):
+        D.DistillStep(_mopd(), _config(ppo_mini_batch_size=2), {})
+    with pytest.raises(ValueError, match=r"mopd.signal enables \['hidden'\].*strategy=fsdp2, got 'fsdp'"):
+        D.DistillStep(_mopd({"hidden": True}), _config(strategy="fsdp"), {})
+    D.DistillStep(_mopd(), _config(strategy="fsdp"), {})  # token loss only: any engine
+
+
+def test_the_update_is_one_mini_batch_of_the_whole_step_and_aligned_only_on_replay_steps():
+    step = D.DistillStep(_mopd({"hidden": True}), _config(), {"logic": 0})
+    info = step.update_info("replay")
+    assert "compute_loss" not in info and info[F.PHASE_KEY] == F.PHASE_UPDATE and info[F.TOPK_KEY] == 2
+    assert (info["global_batch_size"], info["mini_batch_size"], info["epochs"], info["seed"]) == (12, 12, 1, 7)
+    assert info["dataloader_kwargs"] == {"shuffle": False} and info["temperature"] == 0.7
+    assert info[AUX_KEY] == step.aux.to_dict()
+    assert AUX_KEY not in step.update_info("new") and AUX_KEY not in step.update_info("recovery")
+    flags = step.flags(F.PHASE_TEACHER)
+    assert flags["compute_loss"] and flags["distillation_only"] and not flags["calculate_entropy"]
+
+
+class _Queue:
+    """TransferQueue's ``kv_batch_get`` / ``kv_batch_put`` on one dict of fields."""
+
+    def __init__(self, fields):
+        self.fields, self.put = fields, {}
+
+    def kv_batch_get(self, keys, partition_id, select_fields):
+        return {k: self.fields[k] for k in select_fields}
+
+    def kv_batch_put(self, keys, partition_id, fields):
+        self.put.update(dict(fields.items()))
+
+
+def test_the_teacher_step_computes_rewards_advantages_and_the_logged_kl(monkeypatch):
+    torch.manual_seed(0)
+    lens, k = [3, 2], 2
+    S = torch.randn(2, 3, k).log_softmax(-1)
+    Q = torch.randn(2, 3, k).log_softmax(-1)
+    mask_nested = torch.nested.as_nested_tensor([torch.ones(n, dtype=torch.long) for n in lens], layout=torch.jagged)
+    queue = _Queue({F.STUDENT_LP: F.pack_rows(S, mask_nested), F.TEACHER_LP: F.pack_rows(Q, mask_nested),
+                    "response_mask": mask_nested})
+    monkeypatch.setattr(D, "tq", queue)
+    seen = {}
+    wg = SimpleNamespace(mopd_teacher_forward=lambda b: seen.update(b.extra_info))
+    batch = SimpleNamespace(keys=["a", "b"], partition_id="train", extra_info={})
+    step = D.DistillStep(_mopd(), _config(), {"logic": 0, "math": 1})
+    metrics = {}
+    plan_step = {"kind": "new", "teacher": "expert:math", "domain": "math", "stage": 2, "block": 0}
+    step.teacher_advantages(batch, wg, plan_step, tokenizer=None, metrics=metrics)
+
+    assert seen[TEACHER_KEY] == "expert:math" and seen[F.PHASE_KEY] == F.PHASE_TEACHER and AUX_KEY not in seen
+    assert TEACHER_KEY not in batch.extra_info  # the teacher's name does not travel into the update
+    mask = torch.tensor([[1.0, 1, 1], [1, 1, 0]])
+    S, Q = S * mask[..., None], Q * mask[..., None]  # what unpack_rows gives back: zero past each row's end
+    A = domain_normalized_advantages(topk_rewards(S, Q, mask), mask, torch.ones(2, dtype=torch.long), sync=False)
+    assert torch.allclose(F.unpack_rows(queue.put[F.ADVANTAGES], k), A)
+    assert torch.allclose(queue.put["advantages"].to_padded_tensor(0), A.sum(-1) * mask)
+    assert metrics["mopd/kl_topk"] == pytest.approx(float(topk_weighted_kl(S, Q, mask)))
+    assert (metrics["mopd/stage"], metrics["mopd/block"], metrics["mopd/reward_count"]) == (2, 0, 10)
