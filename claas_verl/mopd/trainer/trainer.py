@@ -173,8 +173,9 @@ class MOPDTrainer(MOPDTrainerCouplings, PPOTrainerSync):
         metrics["mopd/update_skipped"] = int(S.skipped_update(metrics))
         if metrics["mopd/update_skipped"]:
             logger.warning(f"MOPD step {global_step}: non-finite gradient norm, optimizer update skipped")
+        # the audit trail keeps verl's per-phase timings and throughput too: where a slow step's time went
         keep = {k: v for k, v in metrics.items() if k.startswith(("mopd/", "actor/", "response_length/mean",
-                                                                    "critic/score/mean", "timing_s/step",
+                                                                    "critic/score/mean", "timing_s/", "perf/",
                                                                     "rollout/weight_sync_"))}
         S.append_step(self.run_dir, global_step, step, keep)
         print(self.progress.line(global_step, metrics), flush=True)

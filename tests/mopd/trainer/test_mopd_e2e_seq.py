@@ -34,6 +34,9 @@ def test_tiny_seq_runs_the_plan_end_to_end(tiny_dir, mopd_run, mopd_plan, fast, 
         m = s["metrics"]
         assert math.isfinite(m["mopd/kl_topk"])
         assert m["mopd/adv_sigma"] > 0 and math.isfinite(m["actor/loss"]) and m["actor/grad_norm"] > 0
+        # verl's per-phase timings and throughput stay in the audit trail
+        phases = ("gen", "old_log_prob", "adv", "update_actor", "update_weights", "step")
+        assert all(m[f"timing_s/{p}"] >= 0 for p in phases) and m["perf/throughput"] > 0, sorted(m)
     # the weight-sync probe after every update: the rollout serves exactly the updated student (HF rollout vs the
     # FSDP trainer's forward, both float32) and no longer the previous step's weights
     assert all(s["metrics"][DIFF_KEY] < 1e-4 for s in steps), [s["metrics"][DIFF_KEY] for s in steps]
