@@ -342,6 +342,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="the reduced comparison (< 15 min on 2 cores)")
     ap.add_argument("--jobs", type=int, default=1,
                     help="trainer jobs at once (default 1; each job wants about 2 cores and 3 GB)")
+    ap.add_argument("--report-only", action="store_true",
+                    help="recompute the saved runs' metrics from their stored scores and rewrite the report and "
+                         "plots in --out; nothing is trained or scored")
     args, extra = ap.parse_known_args(argv)
     bad = [a for a in extra if "=" not in a or a.startswith("-")]
     if bad:
@@ -390,6 +393,8 @@ def main(argv: list[str] | None = None) -> int:
             results = _load(out)  # read under the lock; refused now, not after the bundles are built
         except ValueError as err:
             ap.error(f"--out: {err}")
+        if args.report_only:
+            return report_only(results, out)
         return _run(results, args.quick, args.jobs, extra, recipes, seeds, out)
     finally:
         lock.release()
@@ -439,17 +444,7 @@ def _run(results: dict, quick: bool, jobs: int, extra: list[str], recipes: list[
     failed = [(rs, f.exception()) for f, rs in futures.items() if f.exception() is not None]
     for (recipe, seed), err in failed:
         print(f"=== {recipe} seed {seed} FAILED: {err}", file=sys.stderr, flush=True)
-    results["summary"] = summarize(results["runs"])
-    mopd = [r for r in results["runs"] if r.get("kind") != "claas"]
-    if any(r["recipe"] == PAIRED_BASELINE for r in mopd):
-        results["paired"] = {"baseline": PAIRED_BASELINE,
-                             "differences": B.paired_differences(mopd, PAIRED_BASELINE)}
-    claas = [r for r in results["runs"] if r.get("kind") == "claas"]
-    if claas:
-        from continual_claas import BASELINE, claas_paired
-
-        if any(r["recipe"] == BASELINE for r in claas):
-            results["claas_paired"] = {"baseline": BASELINE, "differences": claas_paired(claas)}
+    aggregate(results)
     if manifest is not None:
         results["bundle"] = {"fingerprint": bundles["mopd"],
                              **{k: manifest[k] for k in ("domains", "accuracy", "accuracy_protocol", "sizes")}}
@@ -465,6 +460,50 @@ def _run(results: dict, quick: bool, jobs: int, extra: list[str], recipes: list[
               f"{out / 'runs'}); run the same command again to retry them", file=sys.stderr)
         return 1
     return 0
+
+
+def aggregate(results: dict) -> None:
+    """The seed summaries and the paired differences of ``results["runs"]``, into ``results``."""
+    results["summary"] = summarize(results["runs"])
+    mopd = [r for r in results["runs"] if r.get("kind") != "claas"]
+    if any(r["recipe"] == PAIRED_BASELINE for r in mopd):
+        results["paired"] = {"baseline": PAIRED_BASELINE,
+                             "differences": B.paired_differences(mopd, PAIRED_BASELINE)}
+    claas = [r for r in results["runs"] if r.get("kind") == "claas"]
+    if claas:
+        from continual_claas import BASELINE, claas_paired
+
+        if any(r["recipe"] == BASELINE for r in claas):
+            results["claas_paired"] = {"baseline": BASELINE, "differences": claas_paired(claas)}
+
+
+def report_only(results: dict, out: Path) -> int:
+    """``--report-only``: every saved MOPD run's metrics recomputed from its stored stage scores and the stored
+    π0/expert scores of its seed, then the summaries, report and plots rewritten. Nothing is trained or scored."""
+    if not results["runs"]:
+        print(f"--report-only: {out / 'results.json'} holds no runs", file=sys.stderr)
+        return 1
+    for r in results["runs"]:
+        if r.get("kind") == "claas":
+            continue
+        refs = stored_references(results, r)
+        r.update(B.run_metrics(r["stage_scores"], r["order"], staged=len(r["stage_scores"]) > 1,
+                               base=refs["student"], experts={k: v for k, v in refs.items()
+                                                              if k.startswith("expert:")}))
+    aggregate(results)
+    _save(out, results)
+    print("\n" + write_report(results, out))
+    return 0
+
+
+def stored_references(results: dict, run: dict) -> dict:
+    """π0's and the experts' scores saved for ``run``'s seed under its evaluation protocol."""
+    for key, table in (results.get("references") or {}).items():
+        seed, proto = key.split(":", 1)
+        if int(seed) == int(run["seed"]) and json.loads(proto) == run.get("eval"):
+            return table
+    raise ValueError(f"no stored π0/expert scores for {run['recipe']} seed {run['seed']} under {run.get('eval')}: "
+                     "rerun the benchmark without --report-only to score them")
 
 
 def summarize(runs: list[dict]) -> dict:
@@ -501,10 +540,10 @@ def write_report(results: dict, out: Path) -> str:
         curves = {LABELS.get(k, k): B.mean_stage_scores(v) for k, v in by.items()}
         plot_stage_accuracy(curves, order, out / "mopd_stage_accuracy.png")
         summ = results["summary"]
-        plot_final_bars({LABELS.get(k, k): summ[k] for k in by}, ("final_avg", "forgetting"),
+        plot_final_bars({LABELS.get(k, k): summ[k] for k in by}, ("min_stage_gain", "final_avg", "forgetting"),
                         out / "mopd_final_forgetting.png")
         lines += ["", "Plots: `mopd_stage_accuracy.png` (per-domain accuracy after every stage, mean ± 95% "
-                  "interval), `mopd_final_forgetting.png` (final accuracy and forgetting)."]
+                  "interval), `mopd_final_forgetting.png` (the smallest stage gain, final accuracy and forgetting)."]
     claas = [r for r in results["runs"] if r.get("kind") == "claas"]
     if claas:
         from continual_claas import claas_plots, claas_report
@@ -556,6 +595,7 @@ def mopd_report(runs: list[dict], results: dict) -> list[str]:
             lines.append(f"| {name} | " + " | ".join(
                 f"{sum(t[name][d] for t in refs) / len(refs):.3f}" for d in order) + " |")
         lines.append("")
+    lines += learning_table(runs, results, order, refs)
     lines += ["| method | seeds | final avg | forgetting | BWT | Norm |", "|---|---|---|---|---|---|"]
     for recipe in _by_recipe(runs):
         s = summ[recipe]
@@ -581,6 +621,33 @@ def mopd_report(runs: list[dict], results: dict) -> list[str]:
                 "" if d not in row else f"{_cell(row[d])} ({kl[st][d]:.3f})" for d in order) + " |")
         lines.append("")
     return lines
+
+
+def learning_table(runs: list[dict], results: dict, order: list[str], refs: list[dict]) -> list[str]:
+    """Each domain's gain in its own stage (after the stage − π0) beside the forgetting, π0 and the best expert as
+    reference rows: a method that forgets nothing because it learned nothing shows it here."""
+    gains = B.gain_summary(runs)
+    if not gains:
+        return []
+    summ = results["summary"]
+    lines = ["What each stage taught and what later stages took away (gain = the domain's accuracy right after the "
+             "stage that trains it − π0's; mean ± 95% interval over seeds):", "",
+             "| method | " + " | ".join(f"gain on {d}" for d in order) + " | smallest gain | forgetting |",
+             "|---|" + "---|" * (len(order) + 2)]
+    for recipe, row in gains.items():
+        lines.append(f"| {LABELS.get(recipe, recipe)} | " + " | ".join(_cell(row.get(d, (None, None))) for d in order)
+                     + f" | {_cell(summ[recipe]['min_stage_gain'])} | {_cell(summ[recipe]['forgetting'])} |")
+    for name in ("student", None):
+        if not refs:
+            break
+        if name == "student":
+            label, vals = "π0 (accuracy)", [sum(t["student"][d] for t in refs) / len(refs) for d in order]
+        else:
+            experts = [k for k in refs[0] if k.startswith("expert:")]
+            label = "best expert (accuracy)"
+            vals = [max(sum(t[e][d] for t in refs) / len(refs) for e in experts) for d in order]
+        lines.append(f"| {label} | " + " | ".join(f"{v:.3f}" for v in vals) + " | | |")
+    return lines + [""]
 
 
 def _mean_kl(runs: list[dict]) -> dict[int, dict[str, float]]:

@@ -12,6 +12,7 @@ evaluated stage (the recovery stage when a run has one: docs/math.md §B.9 takes
     BWT         = 1/(K−1) · Σ_{d ≠ last} ( s_d(F) − s_d(j(d)) )                  docs/math.md §B.9 (GEM aggregate)
     forgetting  = 1/(K−1) · Σ_{d ≠ last} ( max_{j(d) ≤ k < F} s_d(k) − s_d(F) )^+  (Chaudhry et al. 2018; ≥ 0)
     Norm        = Σ_d (s_d(F) − s_d(π0)) / Σ_d (max_e s_d(E_e) − s_d(π0))        docs/math.md §B.9 (Latent-MOPD eq. 5)
+    gain_d      = s_d(j(d)) − s_d(π0)                what domain d's own stage taught (joint: s_d(F) − s_d(π0))
 
 A run without stages (joint MOPD: one stage that teaches every domain) has no j(d): its BWT and forgetting are
 ``None``. Over seeds, every metric is reported as ``[mean, half_width]`` with the half-width of the 95% interval
@@ -88,11 +89,37 @@ def run_metrics(stage_scores: StageScores, order: Sequence[str], staged: bool = 
             forget.append(max(best - fin[d], 0.0))
         out["bwt"] = math.fsum(bwt) / len(earlier)
         out["forgetting"] = math.fsum(forget) / len(earlier)
+    if base is not None:
+        gains = stage_gains(ss, order, base, staged=staged)
+        out["stage_gain"] = gains
+        out["min_stage_gain"] = min(gains.values())
     if base is not None and experts is not None:
         num = math.fsum(fin[d] - float(base[d]) for d in order)
         den = math.fsum(max(float(e[d]) for e in experts.values()) - float(base[d]) for d in order)
         out["norm"] = num / den if den != 0 else None
     return out
+
+
+def stage_gains(stage_scores: StageScores, order: Sequence[str], base: Mapping[str, float],
+                staged: bool = True) -> dict[str, float]:
+    """What each domain's own stage taught: ``gain_d = s_d(j(d)) − s_d(π0)``, its score right after the stage that
+    trains it minus π0's (joint MOPD, no stages: ``s_d(F) − s_d(π0)``). Forgetting says what later stages took
+    away; this says whether there was anything to take."""
+    ss = _norm_keys(stage_scores)
+    last = _stages(ss)[-1]
+    missing = [d for d in order if d not in base or base[d] is None]
+    if missing:
+        raise ValueError(f"π0's score is missing for {missing}: the gains are measured from π0")
+    return {d: _score(ss, j if staged else last, d) - float(base[d]) for j, d in enumerate(order, start=1)}
+
+
+def gain_summary(runs: Sequence[Mapping]) -> dict[str, dict[str, list[float | None]]]:
+    """{recipe: {domain: [mean, half_width]}} of the runs' ``stage_gain`` over seeds (runs without it are skipped)."""
+    acc: dict[str, dict[str, list[float]]] = {}
+    for r in runs:
+        for d, v in (r.get("stage_gain") or {}).items():
+            acc.setdefault(str(r["recipe"]), {}).setdefault(d, []).append(float(v))
+    return {recipe: {d: mean_half_width(vs) for d, vs in row.items()} for recipe, row in acc.items()}
 
 
 def mean_half_width(values: Sequence[float | None], level: float = 0.95) -> list[float | None]:
@@ -111,7 +138,8 @@ def mean_half_width(values: Sequence[float | None], level: float = 0.95) -> list
     return [m, student_t_ppf(0.5 * (1.0 + level), n - 1) * s / math.sqrt(n)]
 
 
-def summarize(runs: Sequence[Mapping], keys: Sequence[str] = ("final_avg", "forgetting", "bwt", "norm")) -> dict:
+def summarize(runs: Sequence[Mapping],
+              keys: Sequence[str] = ("final_avg", "forgetting", "bwt", "norm", "min_stage_gain")) -> dict:
     """{recipe: {key: [mean, half_width], "seeds": [...]}} over the runs of each recipe (in first-seen order)."""
     by: dict[str, list[Mapping]] = {}
     for r in runs:

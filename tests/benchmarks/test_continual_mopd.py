@@ -168,6 +168,10 @@ def test_report_names_the_domains_the_runs_learned():
     assert "## MOPD: two reasoning-gym domains, spell → reverse" in text
     assert "| model | spell | reverse |" in text and "expert:arith" not in text
     assert "| 2 | 0.200 (5.000) | 0.000 (3.000) |" in text
+    # what each stage taught, beside the forgetting, with π0 and the best expert as reference rows
+    assert "| method | gain on spell | gain on reverse | smallest gain | forgetting |" in text
+    assert "| Seq | 0.050 | 0.000 | 0.000 | 0.100 |" in text
+    assert "| π0 (accuracy) | 0.250 | 0.000 | | |" in text and "| best expert (accuracy) | 0.990 | 0.650 | | |" in text
     assert metrics["forgetting"] == pytest.approx(0.1)
 
 
@@ -190,3 +194,30 @@ def test_the_console_shows_each_stage_of_a_job():
     assert C._echo(prefix + "[mopd] step 3/36 stage 1/3: 3/12 steps (25%), 0:09 elapsed, "
                    "ETA 0:27 | new spell block 2 teacher expert:spell, kl_topk 0.1, sigma 1") is None
     assert C._echo("step:1 - global_seqlen/min:4928.0") is None
+
+
+def test_report_only_recomputes_metrics_from_stored_scores_and_runs_nothing(tmp_path):
+    """``--report-only`` on a copy of the committed results: the same metrics, the stage gains added, the report
+    rewritten; no bundle is built and no job starts (a missing reference is refused naming the run)."""
+    import json
+    import shutil
+
+    committed = C.Path(C.__file__).resolve().parent / "results" / "continual_mopd"
+    out = tmp_path / "copy"
+    shutil.copytree(committed, out)
+    before = json.loads((out / "results.json").read_text())
+    for r in before["runs"]:
+        r.pop("stage_gain", None), r.pop("min_stage_gain", None)
+    (out / "results.json").write_text(json.dumps(before))
+    assert C.main(["--report-only", "--out", str(out)]) == 0
+    after = json.loads((out / "results.json").read_text())
+    for a, b in zip(before["runs"], after["runs"]):
+        assert {k: b[k] for k in a} == a
+        assert set(b["stage_gain"]) == set(b["order"]) and b["min_stage_gain"] == min(b["stage_gain"].values())
+    assert "| method | gain on spell | gain on reverse | gain on arith | smallest gain | forgetting |" in \
+        (out / "report.md").read_text()
+    assert not (out / "runs").exists()
+    after["references"] = {}
+    (out / "results.json").write_text(json.dumps(after))
+    with pytest.raises(ValueError, match="no stored π0/expert scores for mopd/gym_seq seed 1"):
+        C.main(["--report-only", "--out", str(out)])

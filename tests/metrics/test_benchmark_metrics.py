@@ -112,3 +112,26 @@ def test_paired_differences_pair_by_seed_and_skip_the_baseline():
     (ms, hs), (mr, hr) = (B.summarize(runs)[k]["final_avg"] for k in ("seq", "replay"))
     assert mr - hr < ms + hs  # ... while the two methods' own intervals overlap
     assert d["replay"]["forgetting"] == [None, None]  # no difference where one side has no value
+
+
+def test_stage_gain_is_the_score_right_after_the_domains_own_stage_minus_pi0():
+    base = {"a": 0.5, "b": 0.1, "c": 0.3}
+    m = B.run_metrics(RUN, ORDER, base=base)
+    # a after stage 1: 0.9 - 0.5; b after stage 2: 0.8 - 0.1; c after stage 3: 0.7 - 0.3 (later stages do not count)
+    assert m["stage_gain"] == pytest.approx({"a": 0.4, "b": 0.7, "c": 0.4})
+    assert m["min_stage_gain"] == pytest.approx(0.4)
+    # joint MOPD has one stage that trains every domain: the gain is read at the end
+    joint = B.run_metrics({1: {"a": 0.6, "b": 0.1, "c": 0.2}}, ORDER, staged=False, base=base)
+    assert joint["stage_gain"] == pytest.approx({"a": 0.1, "b": 0.0, "c": -0.1})
+    assert "stage_gain" not in B.run_metrics(RUN, ORDER)  # no π0 score, no gain
+    with pytest.raises(ValueError, match=r"π0's score is missing for \['c'\]"):
+        B.stage_gains(RUN, ORDER, {"a": 0.5, "b": 0.1})
+
+
+def test_gain_summary_over_seeds_skips_runs_without_gains():
+    runs = [{"recipe": "seq", "seed": s, "stage_gain": {"a": g, "b": 2 * g}} for s, g in ((1, 0.1), (2, 0.3))]
+    runs.append({"recipe": "old", "seed": 1})
+    out = B.gain_summary(runs)
+    assert list(out) == ["seq"]
+    assert out["seq"]["a"][0] == pytest.approx(0.2) and out["seq"]["b"][0] == pytest.approx(0.4)
+    assert out["seq"]["a"][1] == pytest.approx(12.706205 * math.sqrt(0.02) / math.sqrt(2), rel=1e-6)
