@@ -2,6 +2,7 @@
 
     python benchmarks/mopd_stage_proxy.py                                  # the bundle's Seq: spell -> reverse -> arith
     python benchmarks/mopd_stage_proxy.py --order reverse --steps 36       # one longer stage
+    python benchmarks/mopd_stage_proxy.py --steps 36 --eval-every 12       # longer stages, scored every 12 steps
     python benchmarks/mopd_stage_proxy.py --student DIR --experts DIR      # a candidate student / experts
     python benchmarks/mopd_stage_proxy.py --build-generalist 1200 --variant-dir DIR   # the rejected design below
 
@@ -14,7 +15,9 @@ at them, eq. (4) rewards, per-domain σ normalisation, the eq. (5) loss and one 
 decay 0.01, gradient clip 1000: the recipe's optimiser, fresh every stage). Before and after every stage the student
 is scored on every domain with the benchmark's own evaluator (``claas_verl/mopd/eval/gym_snapshots.py``:
 ``--eval-replies`` replies per held-out prompt, τ = 1, reasoning-gym's scorer, and the exact KL to each domain's
-expert).
+expert). ``--eval-every N`` also scores the stage's own domain after every N updates (a learning curve in one run;
+every step seeds its own samples, so the stage trains exactly as without it); each stage's line gives its training
+seconds per step (scoring excluded).
 
 It is a proxy, not the trainer: one process, Hugging Face ``generate`` for the rollouts, no Ray, FSDP or verl
 batching. Checked against the trainer on the committed bundle (seed 0 here, the benchmark's seeds there): both
