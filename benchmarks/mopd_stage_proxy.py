@@ -2,6 +2,7 @@
 
     python benchmarks/mopd_stage_proxy.py                                  # the bundle's Seq: spell -> reverse -> arith
     python benchmarks/mopd_stage_proxy.py --order reverse --steps 36       # one longer stage
+    python benchmarks/mopd_stage_proxy.py --steps 36 --eval-every 12       # longer stages, scored every 12 steps
     python benchmarks/mopd_stage_proxy.py --student DIR --experts DIR      # a candidate student / experts
     python benchmarks/mopd_stage_proxy.py --build-generalist 1200 --variant-dir DIR   # the rejected design below
 
@@ -14,7 +15,9 @@ at them, eq. (4) rewards, per-domain σ normalisation, the eq. (5) loss and one 
 decay 0.01, gradient clip 1000: the recipe's optimiser, fresh every stage). Before and after every stage the student
 is scored on every domain with the benchmark's own evaluator (``claas_verl/mopd/eval/gym_snapshots.py``:
 ``--eval-replies`` replies per held-out prompt, τ = 1, reasoning-gym's scorer, and the exact KL to each domain's
-expert).
+expert). ``--eval-every N`` also scores the stage's own domain after every N updates (a learning curve in one run;
+every step seeds its own samples, so the stage trains exactly as without it); each stage's line gives its training
+seconds per step (scoring excluded).
 
 It is a proxy, not the trainer: one process, Hugging Face ``generate`` for the rollouts, no Ray, FSDP or verl
 batching. Checked against the trainer on the committed bundle (seed 0 here, the benchmark's seeds there): both
@@ -58,14 +61,16 @@ def read_rows(root: Path, domain: str, split: str) -> list[dict]:
 
 
 def stage(student, expert, tok, rows: list[dict], *, steps: int, prompts: int, replies: int, topk: int, lr: float,
-          seed: int, blocks: list[list[dict]] | None = None, timings: list[dict] | None = None) -> list[float]:
+          seed: int, blocks: list[list[dict]] | None = None, timings: list[dict] | None = None,
+          after_step=None) -> list[float]:
     """``steps`` MOPD updates of ``student`` (in place) toward ``expert`` on ``rows``; the per-step top-κ weighted
     KL (Σ_v −r on the student's samples, token mean) before each update.
 
     ``blocks``: step ``i`` uses exactly the prompts ``blocks[i]`` (the trainer's plan blocks) instead of ``prompts``
     rows drawn from ``rows``. ``timings``: one dict per step is appended, the seconds of its phases (``gen``,
     ``old_log_prob`` (student top-κ), ``teacher`` (expert log-probs, rewards, advantages), ``update_actor``) and
-    ``step``, with the number of reply tokens (``response_tokens``)."""
+    ``step``, with the number of reply tokens (``response_tokens``). ``after_step(i)``: called after update ``i``
+    (1-based) with the student in eval mode, e.g. to score it mid-stage; the stage resumes in the same state."""
     if blocks is not None and len(blocks) < steps:
         raise ValueError(f"stage: {steps} steps but only {len(blocks)} blocks")
     from claas_verl.utils.generation import eos_token_ids
@@ -121,6 +126,9 @@ def stage(student, expert, tok, rows: list[dict], *, steps: int, prompts: int, r
         clock.lap("update_actor")
         if timings is not None:
             timings.append({**clock.phases, "step": clock.total(), "response_tokens": int(m_all.sum())})
+        if after_step is not None:
+            student.eval()
+            after_step(step + 1)  # every step seeds its own samples: scoring here changes none of the stage's
     student.eval()
     return kls
 
@@ -187,6 +195,8 @@ def main() -> None:
     ap.add_argument("--topk", type=int, default=128, help="κ (the gym recipes: 128)")
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--eval-replies", type=int, default=4, help="replies per held-out prompt when scoring")
+    ap.add_argument("--eval-every", type=int, default=0, metavar="N",
+                    help="also score the stage's own domain after every N updates (0: only at stage ends)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--build-generalist", type=int, default=None, metavar="N",
                     help="first build a variant whose π0 had N joint SFT steps (and its experts) in --variant-dir")
@@ -195,6 +205,8 @@ def main() -> None:
     for name in ("steps", "prompts", "replies", "topk", "eval_replies"):
         if getattr(args, name) < 1:
             raise SystemExit(f"--{name.replace('_', '-')} must be at least 1; got {getattr(args, name)}")
+    if args.eval_every < 0:
+        raise SystemExit(f"--eval-every must be 0 or positive; got {args.eval_every}")
     if args.lr <= 0:
         raise SystemExit(f"--lr must be positive; got {args.lr}")
     if args.build_generalist is not None and (args.student or args.experts):
@@ -237,13 +249,26 @@ def main() -> None:
         rows = read_rows(root, d, "train")
         if args.prompts > len(rows):
             raise SystemExit(f"--prompts {args.prompts}: {d} has only {len(rows)} train prompts")
+        curve, scoring = [], [0.0]
+
+        def mid_stage(i, d=d, curve=curve, scoring=scoring):
+            if args.eval_every and i % args.eval_every == 0 and i < args.steps:
+                t = time.time()
+                curve.append((i, score_all(student, str(student_dir), experts, root, [d], args.eval_replies)[d][0]))
+                scoring[0] += time.time() - t
+
+        t_stage = time.time()
         kls = stage(student, experts[d], tok, rows, steps=args.steps, prompts=args.prompts,
-                    replies=args.replies, topk=args.topk, lr=args.lr, seed=args.seed * 1000 + k)
+                    replies=args.replies, topk=args.topk, lr=args.lr, seed=args.seed * 1000 + k,
+                    after_step=mid_stage)
+        train_s = time.time() - t_stage - scoring[0]
         row = {"after": f"{k}:{d}", **score_all(student, str(student_dir), experts, root, domains,
                                                  args.eval_replies)}
         table.append(row)
-        print(f"stage {k} ({d}, {args.steps} steps, top-κ KL {kls[0]:.2f} -> {kls[-1]:.2f}): "
-              + json.dumps(row) + f"  [{time.time() - t0:.0f} s]", flush=True)
+        mid = "".join(f" {d} after {i}: {a:.3f};" for i, a in curve)
+        print(f"stage {k} ({d}, {args.steps} steps in {train_s:.0f} s, {train_s / args.steps:.1f} s/step, top-κ KL "
+              f"{kls[0]:.2f} -> {kls[-1]:.2f}):{mid} " + json.dumps(row) + f"  [{time.time() - t0:.0f} s]",
+              flush=True)
     print("\n| after | " + " | ".join(f"{d} (acc, KL to E_{d})" for d in domains) + " |")
     print("|---|" + "---|" * len(domains))
     for row in table:

@@ -82,3 +82,26 @@ def test_a_stage_on_given_blocks_times_its_phases(tok):
         assert 1 <= t["response_tokens"] <= 2 * 2 * 40  # 2 prompts x 2 replies of at most 40 tokens
     with pytest.raises(ValueError, match="only 2 blocks"):
         stage(student, student, tok, ROWS, steps=3, prompts=2, replies=2, topk=16, lr=1e-3, seed=0, blocks=blocks)
+
+
+def test_scoring_mid_stage_changes_nothing_in_the_stage(tok):
+    # --eval-every scores the student between updates (sampling consumes torch's generator); the stage's own
+    # samples, KLs and weights must be those of a stage scored only at its end
+    def run(after_step):
+        student, expert = _model(tok, 0), _model(tok, 1)
+        kls = stage(student, expert, tok, ROWS, steps=3, prompts=2, replies=2, topk=16, lr=1e-2, seed=0,
+                    after_step=after_step)
+        return kls, [p.detach().clone() for p in student.parameters()]
+
+    calls = []
+
+    def score(i):
+        calls.append(i)
+        torch.rand(1000)  # what sampling held-out replies would draw
+
+    plain_kls, plain_w = run(None)
+    kls, w = run(score)
+    assert calls == [1, 2, 3]
+    assert kls == plain_kls
+    for a, b in zip(w, plain_w):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
