@@ -10,27 +10,15 @@ not survive them. Two layouts are used instead:
   batch into mini- and micro-batches row by row, so each row keeps its values. One field per quantity keeps the
   cost of a batch independent of K: TransferQueue encodes every (row, field) pair separately (measured on 2 CPU
   cores, 64 responses: κ = 32 about 3 s, κ = 261 about 30 s as K separate fields).
-* **K fields** ``<prefix><j>`` (j = 0..K-1, :func:`names` / :func:`split_last`): what a logits processor returns,
-  since verl's engine requires every processor output to have exactly one value per packed token
-  (``FSDPEngineWithLMHead.prepare_model_outputs``). They are re-stacked (or folded into flattened rows) right
-  after the engine hands them back.
+* **packed** ``[1, N, K]`` (N packed tokens of a micro-batch): what a logits processor computes. verl's engine
+  carries a processor's outputs only as fields of one value per packed token
+  (``FSDPEngineWithLMHead.prepare_model_outputs``), so the processor hands them to the loss and the worker past
+  verl (:mod:`claas_verl.verl_ext.logits_loss`) instead of as K fields.
 """
 
 from __future__ import annotations
 
 import torch
-
-
-def names(prefix: str, k: int, setting: str = "k") -> list[str]:
-    """The K field names ``[prefix0, ..., prefix{k-1}]``; ``setting`` (the config key of K) names a bad ``k``."""
-    if k < 1:
-        raise ValueError(f"k ({setting}) must be >= 1, got {k}")
-    return [f"{prefix}{j}" for j in range(k)]
-
-
-def split_last(x: torch.Tensor, prefix: str) -> dict[str, torch.Tensor]:
-    """``[..., K]`` -> ``{prefix_j: x[..., j]}`` (contiguous copies, safe to send through TransferQueue)."""
-    return {f"{prefix}{j}": x[..., j].contiguous() for j in range(x.shape[-1])}
 
 
 def pack_row_list(rows: list[torch.Tensor]) -> torch.Tensor:

@@ -77,7 +77,8 @@ COUPLINGS: tuple[Coupling, ...] = (
              "class-attribute hook selecting the training worker class"),
     Coupling(WORKERS, "TrainingWorker", "train_mini_batch", ("claas",), "SDPO: teacher pass before, EMA after"),
     Coupling(WORKERS, "TrainingWorker", "train_batch", ("mopd",), "balanced multi-pass update on replay steps"),
-    Coupling(WORKERS, "TrainingWorker", "infer_batch", ("mopd",), "folds the K top-k outputs into one field each"),
+    Coupling(WORKERS, "TrainingWorker", "infer_batch", ("mopd",),
+             "wrapped: collects the processor's top-k outputs and writes one field per quantity"),
     Coupling(ENGINE, "BaseEngine", "train_batch", ("mopd",), "shadowed for one call by the balanced step"),
     Coupling(ENGINE, "BaseEngine", "forward_backward_batch", ("mopd",), "re-sequenced by the balanced step"),
     Coupling(ENGINE, "BaseEngine", "optimizer_zero_grad", ("claas", "mopd"), "skipped SDPO steps; balanced step"),
@@ -88,6 +89,9 @@ COUPLINGS: tuple[Coupling, ...] = (
     Coupling(FSDP, "FSDPEngine", "_build_lr_scheduler", ("mopd",), "fresh LR schedule per stage"),
     Coupling(FSDP, "FSDPEngineWithLMHead", "prepare_model_outputs", ("claas", "mopd"),
              "the installed loss runs as a logits processor (distillation_use_topk; verl_ext.logits_loss)"),
+    Coupling(FSDP, "FSDPEngineWithLMHead", "forward_step", ("claas", "mopd"),
+             "per micro-batch: the processor (inside prepare_model_outputs), then the loss, on the same micro-batch "
+             "object; verl_ext.logits_loss hands the processor's [1, N, K] outputs to that loss call past verl"),
     # ---- Ray (private): verl exposes its task runner only as a Ray actor class
     Coupling("verl.trainer.main_ppo", "TaskRunnerV1", "__ray_metadata__", ("base",),
              "__ray_metadata__.modified_class.__ray_actor_class__ is the plain runner class (base.task_runner_class)"),
@@ -102,6 +106,23 @@ SOURCE_MARKERS: tuple[SourceMarker, ...] = (
     SourceMarker(FSDP, "FSDPEngineWithLMHead", "prepare_model_outputs", "logits_processor_func(student_logits=",
                  ("claas", "mopd")),
     SourceMarker(FSDP, "FSDPEngineWithLMHead", "prepare_model_outputs", "if not distillation_only:", ("claas", "mopd")),
+    # the processor's one slot field: verl accepts exactly one value per packed token (logits rows), nested per row
+    SourceMarker(FSDP, "FSDPEngineWithLMHead", "prepare_model_outputs",
+                 "assert v.shape == (logits_rmpad.shape[0],)", ("claas", "mopd")),
+    # the hand-off: the loss call right after the processor, on the same micro-batch object
+    SourceMarker(FSDP, "FSDPEngineWithLMHead", "forward_step", "logits_processor_func=loss_function",
+                 ("claas", "mopd")),
+    SourceMarker(FSDP, "FSDPEngineWithLMHead", "forward_step", "model_output=model_output, data=micro_batch",
+                 ("claas", "mopd")),
+    # forward (processor + loss) then backward, micro-batch by micro-batch (gradient accumulation), one output list
+    SourceMarker(FSDP, "FSDPEngine", "forward_backward_batch",
+                 "self.forward_step(micro_batch, loss_function=loss_function", ("claas", "mopd")),
+    SourceMarker(FSDP, "FSDPEngine", "forward_backward_batch",
+                 "postprocess_batch_func(output_lst=output_lst, indices=indices, data=data)", ("mopd",)),
+    # postprocess_batch_func concatenates the micro-batches' processor fields and undoes the dynamic-batch reorder:
+    # the one slot field of verl_ext.logits_loss rides it, so the worker reads the kept outputs in the batch's order
+    SourceMarker("verl.workers.engine.utils", "", "postprocess_batch_func",
+                 "restore_dynamic_batch(model_output[key], indices)", ("mopd",)),
     # the micro-batch's non-tensor sp_size, read by verl_ext.logits_loss to refuse Ulysses sequence parallelism
     SourceMarker(FSDP, "FSDPEngine", "forward_backward_batch", "sp_size=self.ulysses_sequence_parallel_size",
                  ("claas", "mopd")),

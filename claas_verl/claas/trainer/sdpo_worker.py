@@ -14,8 +14,9 @@ a model's full logits only to a loss function's logits-processor form, so one up
    not survive verl's nested-tensor utilities, and verl's mini/micro-batch split keeps each row's values), then
 3. verl's own ``train_mini_batch`` runs the update with :class:`ClaasSdpoLoss`, a
    :class:`claas_verl.verl_ext.logits_loss.LogitsProcessorLoss`: its logits processor returns the differentiable
-   student log-probs at the stored ids (K packed fields) and at the sampled tokens (one more field), its loss
-   calls :func:`claas_verl.losses.sdpo.sdpo_loss`. verl computes no log-probs of its own in this forward
+   student log-probs at the stored ids and at the sampled tokens (one packed ``[1, N, K + 1]`` tensor, handed to
+   the loss of the same micro-batch past verl's per-field output handling), its loss calls
+   :func:`claas_verl.losses.sdpo.sdpo_loss`. verl computes no log-probs of its own in this forward
    (:data:`UPDATE_FLAGS`);
 4. after an APPLIED optimizer step with a finite gradient norm: ``θ_T ← (1−τ)θ_T + τθ`` over the LoRA tensors.
    A step whose minibatch has no self-distillation token (``gjs`` mode) is skipped (docs/math.md §A.2.4).
@@ -47,7 +48,7 @@ from claas_verl.losses.sdpo import EmaTeacher, sdpo_loss
 from claas_verl.losses.seq_is import seq_is_clipped_loss
 from claas_verl.verl_ext.logits_loss import LogitsProcessorLoss
 from claas_verl.verl_ext.packed_batch import padded
-from claas_verl.verl_ext.topk_fields import names, pack_row_list, unpack_rows
+from claas_verl.verl_ext.topk_fields import pack_row_list, unpack_rows
 
 logger = logging.getLogger(__name__)
 
@@ -55,11 +56,11 @@ IDS = "sdpo_ids"  # student top-K ids, response layout, flattened rows [B, T_b*K
 TEACHER_LP = "sdpo_tlp"  # EMA-teacher log-probs at those ids on x', response layout, flattened rows [B, T_b*K]
 TEACHER_LP_Y = "sdpo_tlp_y"  # EMA-teacher log-prob of the sampled token on x' (pg+jsd)
 IS_REF = "sdpo_is_ref"  # [B] EMA-teacher sequence log-prob of y on x (is_reference=ema_teacher)
-CURRENT_LP = "sdpo_clp_"  # differentiable student log-probs at the stored ids, packed layout, one field per j
-CURRENT_LP_Y = "sdpo_clp_y"  # differentiable student log-prob of the sampled token, packed layout
+# the update processor's packed [1, N, K + 1] output (with grad): log-probs at the stored ids, then at the sampled token
+CURRENT_LP = "sdpo_clp"
 # Non-tensor keys of the update forward. distillation_use_topk: verl's engine calls the loss's logits-processor
 # form. distillation_only: verl then computes no sampled-token log-probs of its own; the processor returns them
-# (CURRENT_LP_Y). With flash-attn installed verl would take them from flash-attn's cross-entropy with
+# (CURRENT_LP's last column). With flash-attn installed verl would take them from flash-attn's cross-entropy with
 # inplace_backward=True, whose backward overwrites the logits tensor with its gradient; the processor's
 # backward (claas_verl.distill.topk_logprobs) reads those logits again (pg+jsd backpropagates through both).
 UPDATE_FLAGS = {"distillation_use_topk": True, "distillation_only": True}
@@ -148,26 +149,24 @@ class ClaasSdpoLoss(LogitsProcessorLoss):
         self.global_sd_tokens: float = 0.0  # Σ m·sd_mask over the global minibatch, set before each update
         self.global_tokens: float = 0.0
 
-    def compute_loss(self, model_output, data, dp_group=None):
-        return self.update_loss(model_output, data)
+    def compute_loss(self, model_output, data, dp_group=None, packed: dict | None = None):
+        return self.update_loss(packed, data)
 
     def process_logits(self, logits: torch.Tensor, data) -> dict[str, torch.Tensor]:
-        """Packed ``[1, N, V]`` logits -> K + 1 packed fields: differentiable log π_θ at the stored top-K ids and
+        """Packed ``[1, N, V]`` logits -> ``[1, N, K + 1]``: differentiable log π_θ at the stored top-K ids and
         at the token each position predicts (verl's ``input_ids_rmpad_rolled``), from ONE chunked node."""
         ids = self.stored_packed_ids(data, IDS, self.k, logits.shape[1], logits.device, TOPK_SETTING)  # [1, N, K]
         tokens = data["input_ids"].values().to(logits.device)
         sampled = torch.zeros((1, logits.shape[1], 1), dtype=torch.long, device=logits.device)
         sampled[0, : tokens.shape[0], 0] = torch.roll(tokens, -1)  # position i predicts token i + 1
         lp = topk_logprobs(logits, torch.cat([ids, sampled], -1))  # [1, N, K + 1] fp32, full-vocabulary, with grad
-        out = {name: lp[..., j] for j, name in enumerate(names(CURRENT_LP, self.k, TOPK_SETTING))}
-        out[CURRENT_LP_Y] = lp[..., self.k]
-        return out
+        return {CURRENT_LP: lp}
 
-    def update_loss(self, model_output, data):
+    def update_loss(self, packed: dict, data):
         from verl.utils.metric import AggregationType, Metric
 
         c = self.cfg
-        lp = self.response_stack(model_output, [*names(CURRENT_LP, self.k, TOPK_SETTING), CURRENT_LP_Y], data)
+        lp = self.response_rows(packed[CURRENT_LP], data)  # [B, T_r, K + 1]
         s_k, log_prob = lp[..., : self.k], lp[..., self.k]  # [B, T_r, K], [B, T_r], with grad
         dev = s_k.device
         t_k = unpack_rows(data[TEACHER_LP], self.k, TEACHER_LP, TOPK_SETTING).to(dev)

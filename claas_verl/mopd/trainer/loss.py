@@ -1,22 +1,24 @@
 """The loss function installed on the MOPD student and teacher engines (one callable, three phases).
 
 A :class:`claas_verl.verl_ext.logits_loss.LogitsProcessorLoss`: with ``distillation_use_topk=True`` verl's FSDP
-engine calls it first as a logits processor on the packed logits ``[1, N, V]`` (per-token ``[1, N]`` fields
-out), then as the loss ``(loss, metrics)``.
+engine calls it first as a logits processor on the packed logits ``[1, N, V]`` (packed ``[1, N, κ]`` outputs,
+handed to the loss of the same micro-batch past verl's per-field output handling), then as the loss
+``(loss, metrics)``.
 
 The non-tensor ``mopd_phase`` of the batch says what the forward is for:
 
 * ``student_topk`` (pre-update forward of the training model, docs/math.md §B.2.1): return the student's κ most
-  probable ids and their full-vocabulary log-probs ``S`` as 2κ packed fields; loss 0.
+  probable ids and their full-vocabulary log-probs ``S`` (``F.TOPK_IDS``, ``F.STUDENT_LP``); loss 0.
 * ``teacher`` (a teacher engine): return the teacher's full-vocabulary log-probs ``Q`` at the student's stored
-  ids as κ packed fields; loss 0.
-* ``update`` (the optimizer step): return the differentiable ``log π_θ`` at the stored ids (κ packed fields,
+  ids (``F.TEACHER_LP``); loss 0.
+* ``update`` (the optimizer step): return the differentiable ``log π_θ`` at the stored ids (``F.CURRENT_LP``,
   chunked and checkpointed, so no ``[tokens, V]`` fp32 copy is kept), then the ``claas_topk_distill`` policy
-  loss of docs/math.md §B.2.3 on the re-stacked ``[B, T, κ]`` tensors, through verl's policy-loss registry: the token
-  mean over the micro-batch, weighted ``n_resp(mb)/n_resp`` (docs/math.md §B.7).
+  loss of docs/math.md §B.2.3 on its response-layout ``[B, T, κ]`` rows, through verl's policy-loss registry: the
+  token mean over the micro-batch, weighted ``n_resp(mb)/n_resp`` (docs/math.md §B.7).
 
-The processor's κ values per token are κ packed fields; the stored ids and advantages are one flattened-rows
-field each (:mod:`claas_verl.verl_ext.topk_fields`, names in :mod:`claas_verl.mopd.trainer.fields`).
+The forward-only outputs reach the worker through :meth:`LogitsProcessorLoss.collecting`; the stored ids and
+advantages are one flattened-rows field each (:mod:`claas_verl.verl_ext.topk_fields`, names in
+:mod:`claas_verl.mopd.trainer.fields`).
 """
 
 from __future__ import annotations
@@ -70,10 +72,10 @@ class MOPDLoss(LogitsProcessorLoss):
                 "inside the MOPD trainer, which sets it on every forward"
             )
 
-    def compute_loss(self, model_output, data, dp_group=None):
+    def compute_loss(self, model_output, data, dp_group=None, packed: dict | None = None):
         if non_tensor(data, F.PHASE_KEY) != F.PHASE_UPDATE:
             return torch.zeros((), device=data["input_ids"].values().device), {}
-        return self.update_loss(model_output, data)
+        return self.update_loss(packed, data)
 
     # ------------------------------------------------------------------ phase 1: logits processor
     def process_logits(self, logits: torch.Tensor, data) -> dict[str, torch.Tensor]:
@@ -82,18 +84,16 @@ class MOPDLoss(LogitsProcessorLoss):
         # logits are already divided by the rollout temperature by verl (τ enters once: temperature=1 here)
         if phase == F.PHASE_STUDENT_TOPK:
             ids, logp = student_topk(logits, k, chunk_size=self.chunk_size)
-            out = F.split_last(ids, F.STUDENT_IDS_PACKED)
-            out.update(F.split_last(logp, F.STUDENT_LP_PACKED))
-            return out
+            return {F.TOPK_IDS: ids, F.STUDENT_LP: logp}
         packed_ids = self.stored_packed_ids(data, F.TOPK_IDS, k, logits.shape[1], logits.device, F.TOPK_SETTING)
         if phase == F.PHASE_TEACHER:
             q = teacher_logprobs_at(logits, packed_ids, chunk_size=self.chunk_size)
-            return F.split_last(q, F.TEACHER_LP_PACKED)
+            return {F.TEACHER_LP: q}
         lp = topk_logprobs(logits, packed_ids, chunk_size=self.chunk_size)  # differentiable, checkpointed
-        return F.split_last(lp, F.CURRENT_LP_PACKED)
+        return {F.CURRENT_LP: lp}
 
     # ------------------------------------------------------------------ phase 2: the update loss
-    def update_loss(self, model_output, data):
+    def update_loss(self, packed: dict, data):
         from verl.trainer.ppo.core_algos import get_policy_loss_fn
         from verl.utils.metric import AggregationType, Metric
 
@@ -105,7 +105,10 @@ class MOPDLoss(LogitsProcessorLoss):
                              "the per-micro-batch token mean of docs/math.md §B.2.3/B.7; set it to token-mean")
         k = _topk(data)
         _, resp = self.lengths(data)
-        logp = self.response_stack(model_output, F.names(F.CURRENT_LP_PACKED, k), data)  # [B, T_r, K], with grad
+        if F.CURRENT_LP not in packed:
+            raise ValueError(f"MOPD update: the micro-batch's processor outputs {sorted(packed)} lack {F.CURRENT_LP} "
+                             f"(was it run with {F.PHASE_KEY}={F.PHASE_UPDATE!r}?)")
+        logp = self.response_rows(packed[F.CURRENT_LP], data)  # [B, T_r, K], with grad
         adv = F.unpack_rows(data[F.ADVANTAGES], k, F.ADVANTAGES).to(logp.device)
         mask = padded(data["response_mask"]).to(logp.device).bool()
         if adv.shape != logp.shape or mask.shape != logp.shape[:2]:

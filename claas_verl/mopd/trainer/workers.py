@@ -43,6 +43,7 @@ from claas_verl.mopd.trainer import alignment as A
 from claas_verl.mopd.trainer import fields as F
 from claas_verl.mopd.trainer import verl_couplings as vc
 from claas_verl.mopd.trainer.loss import MOPDLoss
+from claas_verl.verl_ext.logits_loss import SLOT_FIELD, gather_response_rows
 
 logger = logging.getLogger(__name__)
 
@@ -53,49 +54,29 @@ def _topk(data) -> int:
     return int(tu.get_non_tensor_data(data=data, key=F.TOPK_KEY, default=0) or 0)
 
 
-def fold_topk_outputs(output, response_mask, k: int):
-    """Replace each group of K per-candidate logits-processor outputs by ONE flattened-rows field (``F.FOLDED``).
+def fold_topk_outputs(output, response_mask, kept: dict, k: int):
+    """Write a forward-only pass's top-κ outputs as ONE flattened-rows field per quantity (``F.FOLDED``).
 
-    verl's engine returns a processor's outputs as K nested ``[B, L_b]`` fields over the whole sequence (prompt +
-    response); TransferQueue would then encode K × B (row, field) pairs per quantity, and the trainer would read
-    them back only to pack them. Here they become the response-layout ``[B, T_b·K]`` field the trainer and the
-    loss read (:func:`claas_verl.mopd.trainer.fields.pack_rows`), before the output leaves the worker.
-    ``output`` is returned unchanged when it holds no such group (a plain log-prob forward, a non-source rank).
+    The loss's logits processor hands its packed ``[1, N, κ]`` outputs past verl's per-field output handling;
+    ``kept`` holds them for the whole forward (:meth:`LogitsProcessorLoss.collecting`, rows of all micro-batches in
+    call order) and ``output`` carries verl's one :data:`SLOT_FIELD` per packed token, already in the batch's row
+    order after verl's micro-batch reorder. Each quantity becomes the response-layout ``[B, T_b·κ]`` field the
+    trainer and the loss read (:func:`claas_verl.mopd.trainer.fields.pack_rows`), on the host, before the output
+    leaves the worker: TransferQueue encodes every (row, field) pair, so κ fields would cost κ × B of them.
+    ``output`` is returned unchanged when it holds no slot field (a plain log-prob forward, a non-source rank).
     """
-    if output is None or k < 1:
+    if output is None or SLOT_FIELD not in output.keys():
         return output
-    for prefix, name in F.FOLDED.items():
-        keys = F.names(prefix, k)
-        if keys[0] not in output.keys():
+    slots = output[SLOT_FIELD]
+    output = output.exclude(SLOT_FIELD)
+    for name in F.FOLDED:
+        if name not in kept:
             continue
-        missing = [n for n in keys if n not in output.keys()]
-        if missing:
-            raise ValueError(f"the forward returned {k - len(missing)} of the {k} fields {prefix}<j> "
-                             f"(missing {missing[:3]}...): mopd.train.topk differs from the loss's kappa")
-        folded = _fold_fields([output[n] for n in keys], response_mask, prefix)
-        output = output.exclude(*keys)
-        output[name] = folded
+        if kept[name].shape[-1] != k:
+            raise ValueError(f"the forward's {name} holds {kept[name].shape[-1]} values per token, the batch asks "
+                             f"for {F.TOPK_SETTING}={k}")
+        output[name] = gather_response_rows(kept[name], slots, response_mask)
     return output
-
-
-def _fold_fields(fields: list, response_mask, prefix: str):
-    """K packed nested ``[B, L_b]`` fields -> nested ``[B, T_b·K]`` (row b: its response positions × K, row-major).
-
-    Response token t of row b is predicted at packed position ``end_b − T_b − 1 + t`` (verl's
-    ``response_from_nested`` shift). The K fields share one packing (one forward wrote them), so their value
-    buffers are stacked once and every response position is gathered in one indexing op: a per-field,
-    per-row nested-tensor loop cost about a second per forward at κ = 128 on 2 CPU cores. Copies only: the
-    values are those of ``pack_rows(stack(response_from_nested(f) for f in fields))``.
-    """
-    offsets = fields[0].offsets()
-    for j, f in enumerate(fields[1:], 1):
-        if not torch.equal(f.offsets(), offsets):
-            raise ValueError(f"the forward's fields {prefix}0 and {prefix}{j} have different row layouts")
-    values = torch.stack([f.values() for f in fields], dim=-1)  # [N, K]
-    lens = response_mask.offsets().diff().tolist()
-    ends = offsets[1:].tolist()
-    index = torch.cat([torch.arange(e - t - 1, e - 1) for t, e in zip(lens, ends, strict=True)]).long()
-    return F.pack_row_list(list(values[index].split(lens)))
 
 
 class MOPDTrainingWorker(TrainingWorker):
@@ -114,8 +95,12 @@ class MOPDTrainingWorker(TrainingWorker):
     def infer_batch(self, data):
         """verl's forward-only pass; a student top-κ forward returns its ids and S as two flattened-rows fields."""
         k = _topk(data)
-        mask = data["response_mask"] if k else None  # read first: verl's infer_batch may pop batch keys
-        return fold_topk_outputs(super().infer_batch(data), mask, k)
+        if not k:
+            return super().infer_batch(data)
+        mask = data["response_mask"]  # read first: verl's infer_batch may pop batch keys
+        with self.loss_fn.collecting() as kept:
+            output = super().infer_batch(data)
+        return fold_topk_outputs(output, mask, kept, k)
 
     def train_batch(self, data):
         aux = tu.get_non_tensor_data(data=data, key=A.AUX_KEY, default=None)
@@ -462,7 +447,10 @@ class MOPDWorker(ActorRolloutRefWorker):
                                                             groups)
         k = _topk(data)
         mask = data["response_mask"] if k else None
-        output = fold_topk_outputs(self.teachers[name].infer_batch(data), mask, k)
+        teacher = self.teachers[name]
+        with teacher.loss_fn.collecting() as kept:
+            output = teacher.infer_batch(data)
+        output = fold_topk_outputs(output, mask, kept, k)
         return output.cpu() if output is not None else None
 
     def _teacher_targets(self, teacher: TrainingWorker, data, cfg: A.AuxConfig, groups: list[list[int]]) -> dict:

@@ -50,10 +50,11 @@ def _setup(seed=0):
 
 
 def _model_output(loss, logits, data, input_rows, seq):
-    """What verl's engine hands the loss under ``UPDATE_FLAGS`` (distillation_only): the processor's fields only."""
+    """verl's engine under ``UPDATE_FLAGS`` (distillation_only): the processor form, then what it hands the loss
+    form of the same micro-batch (the processor's one slot field; its log-probs go past verl, to the loss)."""
     cu = torch.tensor([0] + torch.tensor(seq).cumsum(0).tolist())
     return {k: torch.nested.nested_tensor_from_jagged(v.squeeze(0), cu)
-            for k, v in loss.process_logits(logits, data).items()}
+            for k, v in loss(student_logits=logits, data=data).items()}
 
 
 def test_packed_topk_loss_equals_full_vocabulary_sdpo_loss():

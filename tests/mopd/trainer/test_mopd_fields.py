@@ -38,19 +38,11 @@ def test_gather_is_differentiable():
     assert packed.grad[:2].eq(1).all() and packed.grad[2].eq(0).all()
 
 
-def test_split_last_gives_one_contiguous_field_per_candidate():
-    x = torch.randn(2, 5, 3)
-    parts = F.split_last(x, F.TEACHER_LP_PACKED)
-    assert sorted(parts) == ["mopd_tlp_packed_0", "mopd_tlp_packed_1", "mopd_tlp_packed_2"]
-    assert all(v.shape == (2, 5) and v.is_contiguous() for v in parts.values())
-    assert torch.equal(torch.stack([parts[n] for n in F.names(F.TEACHER_LP_PACKED, 3)], -1), x)
-
-
 def test_bad_lengths_are_rejected():
     with pytest.raises(ValueError, match="non-empty prompt"):
         F.response_positions(torch.tensor([2]), torch.tensor([2]))
     with pytest.raises(ValueError, match=">= 1"):
-        F.names(F.TEACHER_LP_PACKED, 0)
+        F.unpack_rows(F.pack_rows(torch.zeros(1, 2, 3), torch.tensor([2])), 0)
 
 
 def test_pack_rows_round_trip_keeps_each_rows_values_in_order_and_pads_with_zeros():

@@ -14,6 +14,7 @@ from verl.utils import tensordict_utils as tu
 from claas_verl.distill import student_topk, teacher_logprobs_at
 from claas_verl.mopd.trainer import fields as F
 from claas_verl.mopd.trainer.loss import MOPDLoss
+from claas_verl.verl_ext.logits_loss import SLOT_FIELD
 
 K, V = 3, 11
 PROMPTS, RESPONSES = [3, 2], [2, 3]  # sequence lengths 5 and 5 -> 10 packed tokens
@@ -47,22 +48,37 @@ def _packed_idx():
     return idx  # packed positions predicting response tokens: [2, 3, 6, 7, 8]
 
 
+def _forward_only(fn, logits, data) -> dict:
+    """One micro-batch through both call forms inside ``collecting()``: the kept processor outputs [N, K]."""
+    with fn.collecting() as kept:
+        slots = fn(student_logits=logits, data=data)
+        assert sorted(slots) == [SLOT_FIELD] and slots[SLOT_FIELD].shape == (1, sum(SEQ))  # verl: one per token
+        loss, metrics = fn(model_output=slots, data=data)
+        assert float(loss) == 0.0 and metrics == {}
+    return kept
+
+
+def _update_forward(fn, logits, data):
+    """The processor then the loss on one micro-batch, as verl's forward_step calls them."""
+    slots = fn(student_logits=logits, data=data)
+    cu = data["input_ids"].offsets()
+    return fn(model_output={k: torch.nested.nested_tensor_from_jagged(v[0], cu) for k, v in slots.items()}, data=data)
+
+
 def test_student_phase_returns_topk_per_packed_token():
     logits = torch.randn(1, sum(SEQ), V)
-    out = MOPDLoss()(student_logits=logits, data=_batch(F.PHASE_STUDENT_TOPK))
+    out = _forward_only(MOPDLoss(), logits, _batch(F.PHASE_STUDENT_TOPK))
     ids, lp = student_topk(logits, K)
-    assert sorted(out) == sorted(F.names(F.STUDENT_IDS_PACKED, K) + F.names(F.STUDENT_LP_PACKED, K))
-    for j in range(K):
-        assert out[f"{F.STUDENT_IDS_PACKED}{j}"].shape == (1, sum(SEQ))  # verl asserts one value per token
-        assert torch.equal(out[f"{F.STUDENT_IDS_PACKED}{j}"], ids[..., j])
-        assert torch.equal(out[f"{F.STUDENT_LP_PACKED}{j}"], lp[..., j])
+    assert sorted(out) == sorted([F.TOPK_IDS, F.STUDENT_LP])
+    assert torch.equal(out[F.TOPK_IDS], ids[0]) and torch.equal(out[F.STUDENT_LP], lp[0])
 
 
 def test_teacher_phase_gathers_at_the_stored_ids_of_each_response_token():
     logits = torch.randn(1, sum(SEQ), V)
     ids_resp = torch.randint(0, V, (2, max(RESPONSES), K))
-    out = MOPDLoss()(student_logits=logits, data=_batch(F.PHASE_TEACHER, _ids_fields(ids_resp)))
-    q = torch.stack([out[f"{F.TEACHER_LP_PACKED}{j}"][0] for j in range(K)], -1)  # [N, K]
+    out = _forward_only(MOPDLoss(), logits, _batch(F.PHASE_TEACHER, _ids_fields(ids_resp)))
+    assert sorted(out) == [F.TEACHER_LP]
+    q = out[F.TEACHER_LP]  # [N, K]
     # response token (b, t) is predicted at packed position idx: Q there = log_softmax(z_idx)[ids[b, t]]
     rows = [(0, 0), (0, 1), (1, 0), (1, 1), (1, 2)]
     for pos, (b, t) in zip(_packed_idx().tolist(), rows):
@@ -84,10 +100,7 @@ def test_update_loss_equals_eq5_with_the_b7_micro_batch_weight_and_backpropagate
     cfg = types.SimpleNamespace(global_batch_info={}, loss_scale_factor=None, loss_agg_mode="token-mean",
                                 ppo_epochs=1)
     fn = MOPDLoss(actor_config=cfg)
-    packed = fn(student_logits=logits, data=data)
-    cu = data["input_ids"].offsets()
-    model_output = {k: torch.nested.nested_tensor_from_jagged(v[0], cu) for k, v in packed.items()}
-    loss, metrics = fn(model_output=model_output, data=data)
+    loss, metrics = _update_forward(fn, logits, data)
     # eq. (5) by hand: −(1/5) Σ_{5 response tokens} Σ_k A[b,t,k]·log_softmax(z_pos)[ids[b,t,k]], times 2/3 (B.7)
     total = 0.0
     rows = [(0, 0), (0, 1), (1, 0), (1, 1), (1, 2)]
@@ -102,12 +115,26 @@ def test_update_loss_equals_eq5_with_the_b7_micro_batch_weight_and_backpropagate
 
 
 def test_non_update_phases_return_zero_loss_and_bad_phase_is_named():
-    loss, metrics = MOPDLoss()(model_output={}, data=_batch(F.PHASE_TEACHER))
+    fn, data = MOPDLoss(), _batch(F.PHASE_STUDENT_TOPK)
+    fn(student_logits=torch.randn(1, sum(SEQ), V), data=data)
+    loss, metrics = fn(model_output={}, data=data)
     assert float(loss) == 0.0 and metrics == {}
     with pytest.raises(ValueError, match="mopd_phase"):
         MOPDLoss()(model_output={}, data=_batch("grpo"))
+    data = _batch(F.PHASE_UPDATE, _ids_fields(torch.zeros(2, max(RESPONSES), K, dtype=torch.long)))
     with pytest.raises(ValueError, match="teacher loss"):
-        MOPDLoss()(model_output={}, data=_batch(F.PHASE_UPDATE))
+        _update_forward(MOPDLoss(), torch.randn(1, sum(SEQ), V), data)
+
+
+def test_the_update_loss_refuses_a_micro_batch_without_its_own_processor_output():
+    cfg = types.SimpleNamespace(global_batch_info={}, loss_scale_factor=None, loss_agg_mode="token-mean",
+                                ppo_epochs=1)
+    fn = MOPDLoss(actor_config=cfg)
+    first = _batch(F.PHASE_UPDATE, _ids_fields(torch.zeros(2, max(RESPONSES), K, dtype=torch.long)))
+    second = _batch(F.PHASE_UPDATE, _ids_fields(torch.zeros(2, max(RESPONSES), K, dtype=torch.long)))
+    fn(student_logits=torch.randn(1, sum(SEQ), V), data=first)
+    with pytest.raises(ValueError, match="no processor output of its own micro-batch"):
+        fn(model_output={}, data=second)
 
 
 def test_update_loss_refuses_other_aggregations_and_uneven_rank_splits():
@@ -115,11 +142,8 @@ def test_update_loss_refuses_other_aggregations_and_uneven_rank_splits():
     cfg = types.SimpleNamespace(global_batch_info={}, loss_scale_factor=None, loss_agg_mode="seq-mean-token-mean",
                                 ppo_epochs=1)
     fn = MOPDLoss(actor_config=cfg)
-    packed = fn(student_logits=torch.randn(1, sum(SEQ), V), data=data)
-    cu = data["input_ids"].offsets()
-    model_output = {k: torch.nested.nested_tensor_from_jagged(v[0], cu) for k, v in packed.items()}
     with pytest.raises(ValueError, match="loss_agg_mode"):
-        fn(model_output=model_output, data=data)
+        _update_forward(fn, torch.randn(1, sum(SEQ), V), data)
     from claas_verl.mopd.trainer.loss import microbatch_weight
 
     assert microbatch_weight(2, 8, 2) == 0.5
