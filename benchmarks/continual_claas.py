@@ -21,7 +21,9 @@ stream of six rule families (the tiny model's pass or fail was fixed by the rule
 beyond the no-update baseline's noise); both rules mixed in every split (no learning: a 15-update LoRA does not
 learn to read the system prompt; final 0.38 vs 0.36 without updates); ``lowercase`` first (it is learned so
 thoroughly that ``capital_start`` is never sampled again, so the later splits give no reward signal: no forgetting,
-only a collapse of the later rule).
+only a collapse of the later rule). The other stream of :data:`STREAMS`, ``compatible`` (``benchmarks/continual.py
+--claas-stream compatible``), follows ``capital_start`` by ``end_punctuation``, which a reply can pass with it
+(docs/benchmark.md "A stream of compatible rules").
 
 What the seed changes (each a key of the run): the stream shuffle (``claas.stream.seed``: which scenarios form
 which split, the CLaaS paper's "data shuffles"), the replay sampling (``claas.seed``) and the rollout sampling
