@@ -20,14 +20,14 @@ version, seed or ``CLAAS_GYM_DIR`` / ``CLAAS_TINY_DIR``) its run is done again. 
 jobs at once (each its own Ray cluster; scoring stays one at a time, since the scorer seeds torch's global
 generator); a job that fails is reported at the end, after the others finished, and the exit status is 1.
 
-CLaaS methods use the tiny bundle (``claas_verl/tiny/build.py``, built on first use, under a minute). MOPD methods
-use the reasoning-gym bundle (``claas_verl/tiny/gym.py``, built on first use, about 8 CPU-minutes):
-the domains ``spell``, ``reverse`` and ``arith`` in that stage order. Every stage-final snapshot the trainer saves
-(``snapshots/student_<stage>``), π0 and the experts are scored by one evaluator
-(``claas_verl/mopd/eval/gym_snapshots.py``): reasoning-gym's own scorers on the recipe's 48 held-out prompts × 4 samples
-at τ = 1, and the exact full-vocabulary KL to each domain's expert on those samples. The seed sets the rollout
-sampling and the evaluation samples; the bundle (π0, experts, data) is the same for every seed. Each method is
-also compared with Seq seed by seed (``results.json`` ``paired``).
+CLaaS methods use the tiny bundle (``claas_verl/tiny/build.py``, built on first use, under a minute;
+``--claas-stream`` picks their rule stream). MOPD methods use the reasoning-gym bundle (``claas_verl/tiny/gym.py``,
+built on first use, about 8 CPU-minutes): the domains ``spell``, ``reverse`` and ``arith`` in that stage order. Every
+stage-final snapshot the trainer saves (``snapshots/student_<stage>``), π0 and the experts are scored by one evaluator
+(``claas_verl/mopd/eval/gym_snapshots.py``): reasoning-gym's own scorers on the recipe's 48 held-out prompts × 4
+samples at τ = 1, and the exact full-vocabulary KL to each domain's expert on those samples. The seed sets the rollout
+sampling and the evaluation samples; the bundle (π0, experts, data) is the same for every seed. Each method is also
+compared with Seq seed by seed (``results.json`` ``paired``).
 """
 
 from __future__ import annotations
@@ -138,10 +138,10 @@ def run_extra(quick: bool, extra: list[str]) -> list[str]:
 LEGACY_QUICK_OVERRIDES = ["mopd.domains.reverse.num_blocks=8", "mopd.domains.arith.num_blocks=2"]
 
 
-def current_record(r: dict, quick: bool, extra: list[str], bundles: dict[str, str]) -> bool:
+def current_record(r: dict, quick: bool, extra: list[str], bundles: dict, stream: str = "contradictory") -> bool:
     """Whether a saved record is a run of this command: same bundle (``bundles``: fingerprint per kind), same
-    evaluation (MOPD) or stream design (CLaaS), and the same overrides. Others are scored again from their run
-    directories when the job was the same (same command, same bundle), else rerun."""
+    evaluation (MOPD) or stream design and ``--claas-stream`` (CLaaS), and the same overrides. Others are scored
+    again from their run directories when the job was the same (same command, same bundle), else rerun."""
     from continual_claas import DESIGN as CLAAS_DESIGN
 
     kind = r.get("kind", "mopd")
@@ -149,7 +149,7 @@ def current_record(r: dict, quick: bool, extra: list[str], bundles: dict[str, st
         return False  # (records of a kind this command does not run are left as they are)
     if r.get("kind") == "claas":
         return r.get("design") == CLAAS_DESIGN and r.get("overrides", []) == list(extra) \
-            and bool(r.get("quick")) == quick
+            and bool(r.get("quick")) == quick and r.get("stream", "contradictory") == stream
     legacy = LEGACY_QUICK_OVERRIDES if r.get("quick") else []
     return (r.get("eval_version") == EVAL_VERSION and bool(r.get("quick")) == quick
             and r.get("overrides", legacy) == run_extra(quick, extra))
@@ -345,11 +345,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--report-only", action="store_true",
                     help="recompute the saved runs' metrics from their stored scores and rewrite the report and "
                          "plots in --out; nothing is trained or scored")
+    ap.add_argument("--claas-stream", choices=("contradictory", "compatible"), default="contradictory",
+                    help="the CLaaS rule stream: contradictory (default, the committed results) or compatible "
+                         "(rules one reply can pass together; docs/benchmark.md)")
     args, extra = ap.parse_known_args(argv)
     bad = [a for a in extra if "=" not in a or a.startswith("-")]
     if bad:
-        ap.error(f"unrecognised arguments {bad}: options are --recipes/--seeds/--out/--quick/--jobs, the rest "
-                 "key=value")
+        ap.error(f"unrecognised arguments {bad}: options are --recipes/--seeds/--out/--quick/--jobs/--report-only/"
+                 "--claas-stream, the rest key=value")
     if args.jobs < 1:
         ap.error(f"--jobs {args.jobs}: give at least 1")
     recipes = args.recipes.split(",") if args.recipes else list(MOPD_QUICK if args.quick else MOPD_FULL + CLAAS_FULL)
@@ -395,20 +398,19 @@ def main(argv: list[str] | None = None) -> int:
             ap.error(f"--out: {err}")
         if args.report_only:
             return report_only(results, out)
-        return _run(results, args.quick, args.jobs, extra, recipes, seeds, out)
+        return _run(results, args.quick, args.jobs, extra, recipes, seeds, out, args.claas_stream)
     finally:
         lock.release()
 
 
 def _run(results: dict, quick: bool, jobs: int, extra: list[str], recipes: list[str], seeds: dict[str, list[int]],
-         out: Path) -> int:
+         out: Path, stream: str = "contradictory") -> int:
     """The benchmark on a validated command, with ``out`` locked: runs what ``results`` (``out/results.json``) does
     not hold yet, then the report. ``seeds``: the seeds of each kind of recipe (``mopd``, ``claas``)."""
-    # records of another evaluation, stream design, mode or overrides are not this command's: MOPD ones are scored
-    # again from their run directories when the job was the same (mopd_run compares the job's command), the rest
-    # rerun
+    # records of another evaluation, stream (design), mode or overrides are not this command's: MOPD ones are
+    # scored again from their run directories when the job was the same (mopd_run compares its command), others rerun
     bundles = bundle_fingerprints(recipes)
-    results["runs"] = [r for r in results["runs"] if current_record(r, quick, extra, bundles)]
+    results["runs"] = [r for r in results["runs"] if current_record(r, quick, extra, bundles, stream)]
     done = {(r["recipe"], int(r["seed"])) for r in results["runs"]}
     manifest = gym_manifest() if "mopd" in bundles else None
     t0 = time.time()
@@ -428,7 +430,7 @@ def _run(results: dict, quick: bool, jobs: int, extra: list[str], recipes: list[
         else:
             from continual_claas import claas_run
 
-            record = claas_run(recipe, seed, out, quick, extra)
+            record = claas_run(recipe, seed, out, quick, extra, stream)
             record["bundle_fingerprint"] = bundles["claas"]
             record.setdefault("kind", "claas")
         with saving:  # every finished run is on disk at once: a kill loses only the runs in flight

@@ -21,7 +21,9 @@ stream of six rule families (the tiny model's pass or fail was fixed by the rule
 beyond the no-update baseline's noise); both rules mixed in every split (no learning: a 15-update LoRA does not
 learn to read the system prompt; final 0.38 vs 0.36 without updates); ``lowercase`` first (it is learned so
 thoroughly that ``capital_start`` is never sampled again, so the later splits give no reward signal: no forgetting,
-only a collapse of the later rule).
+only a collapse of the later rule). The other stream of :data:`STREAMS`, ``compatible`` (``benchmarks/continual.py
+--claas-stream compatible``), follows ``capital_start`` by ``end_punctuation``, which a reply can pass with it
+(docs/benchmark.md "A stream of compatible rules").
 
 What the seed changes (each a key of the run): the stream shuffle (``claas.stream.seed``: which scenarios form
 which split, the CLaaS paper's "data shuffles"), the replay sampling (``claas.seed``) and the rollout sampling
@@ -62,6 +64,16 @@ K = 5
 DESIGN = 2
 RULE_FAMILIES = ("lowercase", "capital_start")
 SPLIT_GROUPS = ("capital_start", "capital_start", "lowercase", "lowercase", "lowercase")
+# The streams ``--claas-stream`` chooses from: (rule families of the pool, the rule of each split). "contradictory"
+# is the default above; "compatible" (docs/benchmark.md "A stream of compatible rules") replaces ``lowercase`` by
+# ``end_punctuation`` (the reply ends with '.', '!' or '?'), which a reply can pass together with ``capital_start``,
+# so forgetting the first rule is possible but not forced.
+STREAMS = {
+    "contradictory": (RULE_FAMILIES, SPLIT_GROUPS),
+    "compatible": (("capital_start", "end_punctuation"),
+                   ("capital_start", "capital_start", "end_punctuation", "end_punctuation", "end_punctuation")),
+}
+DEFAULT_STREAM = "contradictory"
 POOL_SIZE = 60      # the scenario pool (fixed: claas.env.kwargs.seed=0); each group has more than the splits need
 EVAL_SAMPLES = 4    # replies per graded step in M's evaluation
 METRIC_KEYS = ("final_avg", "forgetting", "forward_transfer")
@@ -84,22 +96,24 @@ def run_name(recipe: str, seed: int) -> str:
     return f"{recipe.replace('/', '_')}_s{seed}"
 
 
-def run_overrides(recipe: str, seed: int, quick: bool) -> list[str]:
+def run_overrides(recipe: str, seed: int, quick: bool, stream: str = DEFAULT_STREAM) -> list[str]:
     """The Hydra overrides of one run (before the user's ``extra``, which win): the K = 5 grouped stream of
-    :data:`SPLIT_GROUPS` over one-rule scenarios of :data:`RULE_FAMILIES`, its sizes and the seed keys."""
+    :data:`STREAMS` ``[stream]`` (default: :data:`SPLIT_GROUPS` over one-rule scenarios of :data:`RULE_FAMILIES`),
+    its sizes and the seed keys."""
+    families, groups = stream_rules(stream)
     size = QUICK if quick else FULL
     s = int(size["split_size"])
     return [
         f"trainer.experiment_name={run_name(recipe, seed)}",
         f"claas.stream.num_splits={K}",
         f"claas.stream.split_size={s}",
-        f"claas.stream.split_groups=[{','.join(SPLIT_GROUPS)}]",
+        f"claas.stream.split_groups=[{','.join(groups)}]",
         f"claas.stream.seed={seed}",
         f"claas.seed={seed}",
         f"actor_rollout_ref.rollout.seed={seed}",
         "claas.env.kwargs.seed=0",
         f"claas.env.kwargs.num_scenarios={POOL_SIZE}",
-        f"++claas.env.kwargs.families=[{','.join(RULE_FAMILIES)}]",
+        f"++claas.env.kwargs.families=[{','.join(families)}]",
         "++claas.env.kwargs.min_rules=1",
         "claas.env.kwargs.max_rules=1",
         f"claas.env.kwargs.num_turns={size['num_turns']}",
@@ -107,6 +121,22 @@ def run_overrides(recipe: str, seed: int, quick: bool) -> list[str]:
         f"claas.producer.max_new_tokens={size['max_new_tokens']}",
         f"claas.eval.max_new_tokens={size['max_new_tokens']}",
     ]
+
+
+def stream_rules(stream: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """``(rule families, rule of each split)`` of the stream named ``stream`` (a key of :data:`STREAMS`)."""
+    if stream not in STREAMS:
+        raise ValueError(f"unknown CLaaS stream {stream!r}; choose from {sorted(STREAMS)}")
+    return STREAMS[stream]
+
+
+def run_groups(runs: Sequence[Mapping]) -> tuple[str, ...]:
+    """The rule of each split of ``runs``' stream (a record without ``stream`` is of :data:`DEFAULT_STREAM`);
+    runs of different streams have no common M and are refused."""
+    names = {str(r.get("stream", DEFAULT_STREAM)) for r in runs} or {DEFAULT_STREAM}
+    if len(names) > 1:
+        raise ValueError(f"runs of different CLaaS streams {sorted(names)} cannot be summarised together")
+    return stream_rules(names.pop())[1]
 
 
 def _echo(line: str) -> str | None:
@@ -156,7 +186,8 @@ def record_from_run_dir(recipe: str, seed: int, run_dir: Path, seconds: float) -
     }
 
 
-def claas_run(recipe: str, seed: int, out_dir: Path, quick: bool, extra: list[str]) -> dict:
+def claas_run(recipe: str, seed: int, out_dir: Path, quick: bool, extra: list[str],
+              stream: str = DEFAULT_STREAM) -> dict:
     """One CLaaS method under one seed: ``python -m claas_verl.main_claas --config-name <recipe>`` over K = 5 splits.
 
     The run writes into ``out_dir/runs/<recipe with / as _>_s<seed>/`` (emptied first: its trace file is appended
@@ -173,10 +204,11 @@ def claas_run(recipe: str, seed: int, out_dir: Path, quick: bool, extra: list[st
     if run_dir.exists():
         shutil.rmtree(run_dir)
     cmd = [sys.executable, "-m", "claas_verl.main_claas", f"--config-name={recipe}",
-           *run_overrides(recipe, seed, quick), *extra]
+           *run_overrides(recipe, seed, quick, stream), *extra]
     seconds = run_job(cmd, job_env(CLAAS_OUT_DIR=str(runs)), runs / f"{name}.log", tagged(name, _echo))
     record = record_from_run_dir(recipe, seed, run_dir, seconds)
     record["quick"] = bool(quick)
+    record["stream"] = stream
     record["overrides"] = list(extra)
     return record
 
@@ -226,12 +258,13 @@ def claas_summary(runs: Sequence[Mapping]) -> dict:
     "M_mean": K x K cell-wise mean, "updates": [mean, hw], "rule_means": {rule: [[mean, hw] after split j, ...]}}}``
     over each recipe's seeds (hw: 95% t half-width; ``rule_means`` from :func:`group_means` of each run's M)."""
     out = summarize(runs, METRIC_KEYS)
+    groups = run_groups(runs)
     for recipe, rs in _by_recipe(runs).items():
         out[recipe]["M_mean"] = mean_matrix(rs)
         out[recipe]["updates"] = mean_half_width([r.get("updates") for r in rs])
-        per_run = [group_means(r["M"]) for r in rs]
+        per_run = [group_means(r["M"], groups) for r in rs]
         out[recipe]["rule_means"] = {g: [mean_half_width([gm[g][j] for gm in per_run]) for j in range(K)]
-                                     for g in dict.fromkeys(SPLIT_GROUPS)}
+                                     for g in dict.fromkeys(groups)}
     return out
 
 
@@ -240,12 +273,13 @@ def claas_paired(runs: Sequence[Mapping], baseline: str = BASELINE) -> dict:
     removes which scenarios landed where): ``{recipe: {"seeds": [...], "final_avg" / "forgetting" /
     "forward_transfer": [mean, hw], "rule_means": {rule: [[mean, hw] after split j, ...]}}}``."""
     out = paired_differences(runs, baseline, METRIC_KEYS)
-    base = {int(r["seed"]): group_means(r["M"]) for r in runs if r["recipe"] == baseline}
+    groups = run_groups(runs)
+    base = {int(r["seed"]): group_means(r["M"], groups) for r in runs if r["recipe"] == baseline}
     for recipe, row in out.items():
-        mine = {int(r["seed"]): group_means(r["M"]) for r in runs if r["recipe"] == recipe}
+        mine = {int(r["seed"]): group_means(r["M"], groups) for r in runs if r["recipe"] == recipe}
         row["rule_means"] = {g: [mean_half_width([_diff(mine[s][g][j], base[s][g][j]) for s in row["seeds"]])
                                  for j in range(K)]
-                             for g in dict.fromkeys(SPLIT_GROUPS)}
+                             for g in dict.fromkeys(groups)}
     return out
 
 
@@ -260,20 +294,23 @@ def _pm(pair, digits: int = 3) -> str:
     return f"{m:.{digits}f}" if hw is None else f"{m:.{digits}f} ± {hw:.{digits}f}"
 
 
-def _split_label(k: int) -> str:
-    return f"{k + 1} ({SPLIT_GROUPS[k]})" if k < len(SPLIT_GROUPS) else str(k + 1)
+def _split_label(k: int, groups: Sequence[str] = SPLIT_GROUPS) -> str:
+    return f"{k + 1} ({groups[k]})" if k < len(groups) else str(k + 1)
 
 
 def claas_report(runs: Sequence[Mapping], summary: Mapping) -> str:
     """Markdown: the per-method table (final, forgetting, FWT with 95% intervals) and each method's mean M."""
     by = _by_recipe(runs)
     n_seeds = sorted({len(rs) for rs in by.values()})
+    groups = run_groups(runs)
+    contradict = set(groups) == {"capital_start", "lowercase"}
     lines = [
         f"## CLaaS: K = {K} splits of the rule-following stream",
         "",
         "Splits by rule (one rule per scenario, `claas.stream.split_groups`): "
-        + ", ".join(f"{k + 1}: `{g}`" for k, g in enumerate(SPLIT_GROUPS))
-        + ". The two rules contradict each other (no reply passes both).",
+        + ", ".join(f"{k + 1}: `{g}`" for k, g in enumerate(groups))
+        + (". The two rules contradict each other (no reply passes both)." if contradict
+           else ". A reply can pass every rule at once."),
         "",
         "Mean over seeds ± half-width of the 95% t-interval of the mean (no interval with one seed). "
         "M[j, k] = defender pass rate of the checkpoint after split j on split k; FWT = mean of the cells above "
@@ -303,16 +340,16 @@ def claas_report(runs: Sequence[Mapping], summary: Mapping) -> str:
     if paired:
         lines += ["", f"### Paired with {label(BASELINE)}, seed by seed (method − baseline; mean ± 95% half-width)",
                   "", "| method | seeds | final | forgetting | FWT | "
-                  + " | ".join(f"`{g}` after {j + 1}" for g in dict.fromkeys(SPLIT_GROUPS) for j in range(K)) + " |",
-                  "|---|---|---|---|---" + "|---" * (K * len(set(SPLIT_GROUPS))) + "|"]
+                  + " | ".join(f"`{g}` after {j + 1}" for g in dict.fromkeys(groups) for j in range(K)) + " |",
+                  "|---|---|---|---|---" + "|---" * (K * len(set(groups))) + "|"]
         for recipe, row in paired.items():
-            cells = [_pm(v, 2) for g in dict.fromkeys(SPLIT_GROUPS) for v in row["rule_means"][g]]
+            cells = [_pm(v, 2) for g in dict.fromkeys(groups) for v in row["rule_means"][g]]
             lines.append(f"| {label(recipe)} | {len(row['seeds'])} | {_pm(row['final_avg'])} | "
                          f"{_pm(row['forgetting'])} | {_pm(row['forward_transfer'])} | " + " | ".join(cells) + " |")
     for recipe, rs in by.items():
         M = summary[recipe].get("M_mean") or mean_matrix(rs)
         lines += ["", f"### {label(recipe)}: mean M[j, k] over {len(rs)} seed(s)", "",
-                  "| checkpoint \\ split | " + " | ".join(_split_label(k) for k in range(len(M))) + " |",
+                  "| checkpoint \\ split | " + " | ".join(_split_label(k, groups) for k in range(len(M))) + " |",
                   "|---" * (len(M) + 1) + "|"]
         for j, row in enumerate(M):
             lines.append(f"| after split {j + 1} | "

@@ -213,6 +213,58 @@ def test_every_method_composes_into_the_grouped_stream(recipe, quick):
     assert len(set(CC.SPLIT_GROUPS)) == 2 and set(CC.SPLIT_GROUPS) == set(CC.RULE_FAMILIES)
 
 
+def test_compatible_stream_overrides_and_default_unchanged():
+    default = CC.run_overrides("claas/tiny_ppo", 3, False)
+    assert default == CC.run_overrides("claas/tiny_ppo", 3, False, "contradictory")
+    assert "claas.stream.split_groups=[capital_start,capital_start,lowercase,lowercase,lowercase]" in default
+    assert "++claas.env.kwargs.families=[lowercase,capital_start]" in default
+    comp = CC.run_overrides("claas/tiny_ppo", 3, False, "compatible")
+    assert ("claas.stream.split_groups=[capital_start,capital_start,end_punctuation,end_punctuation,"
+            "end_punctuation]") in comp
+    assert "++claas.env.kwargs.families=[capital_start,end_punctuation]" in comp
+    # only the rules differ: sizes, seeds and the pool are the default stream's
+    differ = [(a, b) for a, b in zip(default, comp) if a != b]
+    assert len(comp) == len(default) and len(differ) == 2
+    with pytest.raises(ValueError, match="unknown CLaaS stream 'nope'"):
+        CC.run_overrides("claas/tiny_ppo", 3, False, "nope")
+
+
+def test_compatible_stream_composes_and_its_rules_can_pass_together():
+    from hydra import compose, initialize_config_dir
+
+    from claas_verl.claas.envs import make_environment
+    from claas_verl.claas.trainer import ClaasConfig
+
+    recipe = "claas/tiny_reinforce_pp"
+    with initialize_config_dir(config_dir=str(REPO / "recipes"), version_base=None):
+        cfg = compose(config_name=recipe, overrides=CC.run_overrides(recipe, 3, False, "compatible"))
+    c = ClaasConfig.from_config(cfg.claas)
+    env = make_environment(c.env.name, **c.env.kwargs)
+    stream = env.stream(seed=c.stream.seed, num_splits=c.stream.num_splits, split_size=c.stream.split_size,
+                        split_groups=c.stream.split_groups, group_key=c.stream.group_key)
+    families, groups = CC.STREAMS["compatible"]
+    for j, group in enumerate(groups):
+        split = stream.split(j)
+        assert len(split) == CC.FULL["split_size"] and all(s.meta["families"] == [group] for s in split)
+        # the reply "Sure." passes every scenario of the stream: no rule forces another to fail
+        assert all(s.grade("Sure.", t).reward == 1.0 for s in split for t in range(s.num_turns))
+    assert set(groups) == set(families)
+
+
+def test_report_of_the_compatible_stream():
+    runs = [dict(r, stream="compatible") for r in _runs()]
+    summary = CC.claas_summary(runs)
+    assert set(summary["claas/a"]["rule_means"]) == {"capital_start", "end_punctuation"}
+    text = CC.claas_report(runs, summary)
+    assert ("| checkpoint \\ split | 1 (capital_start) | 2 (capital_start) | 3 (end_punctuation) | "
+            "4 (end_punctuation) | 5 (end_punctuation) |") in text
+    assert "A reply can pass every rule at once." in text and "contradict" not in text
+    row_b = next(line for line in text.splitlines() if line.startswith("| claas/b | `end_punctuation` |"))
+    assert row_b.endswith("| 0.00 | 0.00 | 0.33 | 0.33 | 0.33 |")
+    with pytest.raises(ValueError, match="different CLaaS streams"):
+        CC.claas_summary(runs[:1] + _runs()[1:])
+
+
 def test_plots_are_written(tmp_path):
     runs = _runs()
     runs[3]["reward_curve"] = []  # a method without updates: drawn as its mean rollout reward

@@ -35,7 +35,7 @@ def test_parallel_jobs_overlap_and_a_failure_loses_no_other_run(tmp_path, monkey
     both_in_flight = threading.Barrier(2, timeout=60)
     calls = []
 
-    def job(recipe, seed, out, quick, extra):
+    def job(recipe, seed, out, quick, extra, stream):
         calls.append(seed)
         both_in_flight.wait()  # raises BrokenBarrierError unless the two jobs really run at the same time
         if seed == 2:
@@ -128,7 +128,7 @@ def test_a_rebuilt_bundle_reruns_the_saved_runs(tmp_path, monkeypatch):
 
 def test_a_rerun_with_other_overrides_replaces_the_saved_records(tmp_path, monkeypatch):
     calls = []
-    monkeypatch.setattr(CC, "claas_run", lambda recipe, seed, out, quick, extra: calls.append(extra) or
+    monkeypatch.setattr(CC, "claas_run", lambda recipe, seed, out, quick, extra, stream: calls.append(extra) or
                         dict(_record(recipe, seed, 0.2 if extra else 0.1), overrides=list(extra)))
     assert C.main(["--recipes", RECIPE, "--seeds", "1", "--out", str(tmp_path)]) == 0
     assert C.main(["--recipes", RECIPE, "--seeds", "1", "--out", str(tmp_path), "claas.m=8"]) == 0
@@ -235,3 +235,26 @@ def test_default_seeds_per_kind(tmp_path, monkeypatch, args, mopd_seeds, claas_s
     assert C.main(["--recipes", f"mopd/gym_seq,{RECIPE}", *args, "--out", str(tmp_path)]) == 1  # the MOPD runs "failed"
     assert sorted(s for r, s in ran if r == "mopd/gym_seq") == mopd_seeds
     assert sorted(s for r, s in ran if r == RECIPE) == claas_seeds
+
+
+def test_claas_stream_option_reaches_the_runs_and_other_streams_rerun(tmp_path, monkeypatch):
+
+    assert set(CC.STREAMS) == {"contradictory", "compatible"}  # the option's choices
+    (tmp_path / "results.json").write_text(json.dumps({"runs": [_record(RECIPE, 1, 0.9)]}))  # default stream
+    calls = []
+
+    def job(recipe, seed, out, quick, extra, stream):
+        calls.append((seed, stream))
+        return dict(_record(recipe, seed, 0.4), stream=stream)
+
+    monkeypatch.setattr(CC, "claas_run", job)
+    assert C.main(["--recipes", RECIPE, "--seeds", "1", "--out", str(tmp_path), "--claas-stream", "compatible"]) == 0
+    assert calls == [(1, "compatible")]  # the default stream's record is not this command's run
+    saved = json.loads((tmp_path / "results.json").read_text())
+    assert [(r["final_avg"], r["stream"]) for r in saved["runs"]] == [(0.4, "compatible")]
+    assert "3 (end_punctuation)" in (tmp_path / "report.md").read_text()
+    rec = saved["runs"][0]
+    assert C.current_record(rec, quick=False, extra=[], bundles={}, stream="compatible")
+    assert not C.current_record(rec, quick=False, extra=[], bundles={})
+    with pytest.raises(SystemExit):
+        C.main(["--recipes", RECIPE, "--out", str(tmp_path), "--claas-stream", "mixed"])

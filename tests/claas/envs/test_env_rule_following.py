@@ -12,6 +12,8 @@ from claas_verl.claas.envs.rule_following import (
     EXCLUSIVE,
     FAMILIES,
     CapitalStartRule,
+    EndPunctuationRule,
+    FewWordsRule,
     ForbiddenTopicRule,
     JsonRule,
     LowercaseRule,
@@ -140,7 +142,10 @@ def test_capital_start_conflicts_with_lowercase_on_every_reply():
 
 def test_max_compatible_hand_derived():
     assert max_compatible(FAMILIES) == 5                    # all six but one of prefix / json
-    assert max_compatible(ALL_FAMILIES) == 5                # capital_start excludes lowercase, prefix and json
+    # json excludes prefix, capital_start and end_punctuation; capital_start excludes lowercase and prefix too:
+    # the largest set drops json and capital_start
+    assert max_compatible(ALL_FAMILIES) == 7
+    assert max_compatible(("capital_start", "end_punctuation", "few_words")) == 3
     assert max_compatible(("lowercase", "capital_start")) == 1
     assert max_compatible(("capital_start", "secret_word", "max_words")) == 3
     with pytest.raises(ValueError, match="max_rules"):
@@ -169,3 +174,50 @@ def test_capital_start_is_opt_in_and_leaves_default_scenarios_unchanged():
     assert {s.meta["families"][0] for s in mixed.scenarios()} == {"lowercase", "capital_start"}
     cap = next(s for s in mixed.scenarios() if s.meta["families"] == ["capital_start"])
     assert cap.grade("Sure.", 0).reward == 1.0 and cap.grade("sure.", 0).reward == 0.0
+
+
+@pytest.mark.parametrize("text,ok", [
+    ("Sure.", True),
+    ("what now?", True),
+    ("Go!  \n", True),              # trailing whitespace is invisible to the reader
+    ("Hello there", False),
+    ("a list, of, things,", False),
+    ("see :)", False),
+    ("", False),
+])
+def test_end_punctuation_rule(text, ok):
+    why = EndPunctuationRule().violation(text)
+    assert (why is None) == ok
+    if not ok:
+        assert "must end with" in why
+
+
+def test_few_words_rule():
+    assert FewWordsRule(4).violation("one two three four") is None
+    assert FewWordsRule(4).violation("  one\ntwo  ") is None
+    assert "5 words" in FewWordsRule(4).violation("one two three four five")
+
+
+def test_compatible_rules_pass_together_and_fail_apart():
+    # the compatible stream's premise: one reply can satisfy capital_start and end_punctuation at once, and each
+    # rule is graded on its own end of the reply
+    cap, end = CapitalStartRule(), EndPunctuationRule()
+    assert cap.violation("Sure.") is None and end.violation("Sure.") is None
+    assert cap.violation("sure.") is not None and end.violation("sure.") is None
+    assert cap.violation("Sure") is None and end.violation("Sure") is not None
+    both = RuleSetVerifier((cap, end, FewWordsRule(4)))
+    assert both("Yes, I can.", "").passed
+    assert "Rule 2 (end_punctuation)" in both("Yes I can", "").feedback
+
+
+def test_new_families_are_opt_in_and_graded_in_scenarios():
+    assert {"end_punctuation", "few_words"} <= set(ALL_FAMILIES) - set(FAMILIES)
+    assert frozenset({"end_punctuation", "json"}) in EXCLUSIVE
+    env = RuleFollowingEnv(30, seed=0, max_rules=1, families=["capital_start", "end_punctuation", "few_words"])
+    by = {s.meta["families"][0]: s for s in env.scenarios()}
+    assert set(by) == {"capital_start", "end_punctuation", "few_words"}
+    assert "full stop" in by["end_punctuation"].system_prompt
+    assert by["end_punctuation"].grade("no capital but a stop.", 0).reward == 1.0
+    assert by["end_punctuation"].grade("No stop", 1).reward == 0.0
+    assert by["few_words"].grade("Just four words here", 0).reward == 1.0
+    assert by["few_words"].grade("this reply has too many words", 0).reward == 0.0
