@@ -189,16 +189,13 @@ class EndPunctuationRule:
 
 
 @dataclass(frozen=True)
-class FewWordsRule:
-    max_words: int
+class FewWordsRule(MaxWordsRule):
+    """A word limit small enough that a sentence fails it: graded as :class:`MaxWordsRule`, asked for differently."""
+
     family: str = "few_words"
 
     def instruction(self) -> str:
         return f"Answer in at most {self.max_words} words: a few words, never a sentence more."
-
-    def violation(self, visible: str) -> str | None:
-        n = len(visible.split())
-        return None if n <= self.max_words else f"the reply has {n} words, more than the limit of {self.max_words}"
 
 
 Rule = (SecretWordRule | PrefixRule | JsonRule | LowercaseRule | ForbiddenTopicRule | MaxWordsRule | CapitalStartRule
