@@ -312,12 +312,11 @@ class HostBalancer:
     """Eqs. (9)-(10) (or the "1:1:1" variant) over separate backward passes, keeping ONE gradient on the device.
 
     docs/math.md §B.6: "the SATS pass and the VR pass give u (kept on host), then the hidden pass gives ĝ_hid". The
-    token
-    gradient and the pooled direction ``s = ĝ_SATS + ĝ_VR`` live on the host (one fp32 copy each, pinned on CUDA);
-    every norm and inner product is accumulated pass by pass (local partial sums, one ``all_reduce`` per pass,
-    see the module docstring), so the device holds only the gradient of the pass in flight, plus one parameter's
-    host copy at a time. The last pass (the hidden term, or the "other" term of 1:1:1) stays in ``.grad`` and the
-    final ``g`` is written over it in place:
+    token gradient and the pooled direction ``s = ĝ_SATS + ĝ_VR`` live on the host (one fp32 copy each, pinned on CUDA);
+    every norm and inner product is accumulated pass by pass (local partial sums, one ``all_reduce`` per pass, see the
+    module docstring), so the device holds only the gradient of the pass in flight, plus one parameter's host copy at a
+    time. The last pass (the hidden term, or the "other" term of 1:1:1) stays in ``.grad`` and the final ``g`` is
+    written over it in place:
 
         g = α_T·g_tok + α_U·s + α_L·g_last
 

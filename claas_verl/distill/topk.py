@@ -309,8 +309,7 @@ def topk_binned_kl(
     the token channel already has (S and Q, ``[B, T, K]``), and, unlike :func:`topk_weighted_kl` (renormalised
     weights, no tail), it is never negative, which is what a forgetting table wants. This is a claas_verl addition,
     not a quantity of the MOPD paper. Returns the 0-d token-mean over ``mask`` in ``compute_dtype(S, Q)`` (0 for an
-    empty
-    mask).
+    empty mask).
     """
     S, Q, _ = _checked_topk_pair(student_logp_topk, teacher_logp_topk, mask)
     head = (S.exp() * (S - Q)).sum(dim=-1)

@@ -10,9 +10,8 @@ them (all when unset). Per parameter (``recipes/mopd/verl/*.yaml``: fp32 master 
 
 so 14 bytes per parameter and checkpoint. The trainer also copies each stage's export to ``snapshots/student_<j>``
 (M_j, 2 bytes per parameter, kept to the end: later stages use them as teachers). the MOPD paper's FSAR recipe (174
-steps, a
-checkpoint every 5 and at the 5 stage ends) writes 37 checkpoints: with verl's own default (keep all) about 0.94 TB
-for its 1.78B student and 4.3 TB at 8.2B; keeping 2 (``recipes/mopd/verl/common.yaml``), 68 GB and 311 GB.
+steps, a checkpoint every 5 and at the 5 stage ends) writes 37 checkpoints: with verl's own default (keep all) about
+0.94 TB for its 1.78B student and 4.3 TB at 8.2B; keeping 2 (``recipes/mopd/verl/common.yaml``), 68 GB and 311 GB.
 """
 
 from __future__ import annotations

@@ -1,8 +1,7 @@
 """A finite pool of scenarios and its deterministic stream of K splits (docs/math.md §A.1.6).
 
 Above :mod:`claas_verl.claas.envs.base` (the scenario interface) and :mod:`claas_verl.claas.envs.stream` (the splits),
-so
-that both import in one direction only.
+so that both import in one direction only.
 """
 
 from __future__ import annotations

@@ -14,9 +14,8 @@ groups of an async actor that way): the default group serves producers (``add``)
 trainer (``sample``, ``sample_when_ready``, ``wait_ready``, ``on_update`` and the cheap queries), so a sample never
 queues behind inserts. Every access to the buffer holds one ``threading.Lock`` and does no I/O and no ``await`` while
 holding it: that lock is the "one lock shared by the two processes" of docs/math.md §A.1.2, so each call is atomic (an
-entry
-evicted by ``on_update`` or FIFO can never be sampled afterwards, and the ``P`` and ``k`` a sample sees belong to one
-state). ``wait_ready`` parks on a future that ``add`` resolves thread-safely, so waiting costs nothing.
+entry evicted by ``on_update`` or FIFO can never be sampled afterwards, and the ``P`` and ``k`` a sample sees belong to
+one state). ``wait_ready`` parks on a future that ``add`` resolves thread-safely, so waiting costs nothing.
 
 Restarts: build the actor with :func:`make_replay_actor` (or ``ReplayBufferActor.options(max_restarts=...)``). When
 ``snapshot_path`` is given, the constructor loads the snapshot if the file exists, so an actor restarted by Ray

@@ -1,15 +1,15 @@
-"""The CLaaS replay buffer as a plain Python class (docs/math.md §A.1, Algorithm 1 of [S2]). No Ray import.
+"""The CLaaS replay buffer as a plain Python class (docs/math.md §A.1, Algorithm 1 of the CLaaS paper (zh)).
+No Ray import.
 
 State (docs/math.md §A.1.2): the entries in insertion order (``ReplayEntry``, or ``EntryRef`` for entries held by
-reference),
-the update counter ``k`` and, in the Ray actor, one lock that serialises every call (the "one lock shared by the two
-processes").
+reference), the update counter ``k`` and, in the Ray actor, one lock that serialises every call (the "one lock shared by
+the two processes").
 
 Lifetime rules:
 - FIFO: after every ``add``, ``while len > b_max: pop oldest`` (docs/math.md §A.1.3 step 4).
 - Age: ``on_update`` does ``k += 1`` and evicts every entry with ``k - P > a_max`` (strict ``>``, docs/math.md §A.1.6),
-so an
-  entry inserted with ``P = p`` can be sampled at update indices ``p … p + a_max``: in at most ``a_max + 1`` updates.
+  so an entry inserted with ``P = p`` can be sampled at update indices ``p … p + a_max``: in at most ``a_max + 1``
+  updates.
 - Reward ``None``: dropped before insertion, never counted toward ``b_min``/``b_max`` (docs/math.md §A.1.4).
 - Stale on arrival: an entry with ``k - P > a_max`` at insertion is dropped (counted), so every stored entry satisfies
   ``k - P <= a_max`` at all times (the invariant Algorithm 1's filter establishes after each update).

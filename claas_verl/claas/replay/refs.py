@@ -1,13 +1,12 @@
 """Entries held by reference: the replay actor keeps metadata, the token bytes stay in Ray's object store.
 
 A producer puts the token buffer of one :class:`~claas_verl.claas.replay.packed.PackedEntries` batch into the object
-store
-ONCE (``claas_verl.claas.replay.store.put_batch``) and sends the actor a :class:`RefBatch`: the batch's columns without
-their tokens plus a :class:`BatchHandle` that holds the object reference. The buffer stores one :class:`EntryRef` per
-row: everything Algorithm 1 needs (uid, reward, policy version ``P``, ``seq``) and what the trainer needs to rebuild
-the entry (the handle, the row's offset and lengths, ``behaviour_logprob``, feedback, ...). ``sample`` returns
-EntryRefs; the trainer fetches the token buffers straight from the object store (``store.fetch_entries``), so token
-bytes never pass through the actor's process.
+store ONCE (``claas_verl.claas.replay.store.put_batch``) and sends the actor a :class:`RefBatch`: the batch's columns
+without their tokens plus a :class:`BatchHandle` that holds the object reference. The buffer stores one
+:class:`EntryRef` per row: everything Algorithm 1 needs (uid, reward, policy version ``P``, ``seq``) and what the
+trainer needs to rebuild the entry (the handle, the row's offset and lengths, ``behaviour_logprob``, feedback, ...).
+``sample`` returns EntryRefs; the trainer fetches the token buffers straight from the object store
+(``store.fetch_entries``), so token bytes never pass through the actor's process.
 
 Memory: every EntryRef of a batch shares one handle, so the batch's object is freed when the last of its rows is
 evicted (and no sampled copy is still held by a trainer). FIFO and age eviction remove a batch's rows together, so

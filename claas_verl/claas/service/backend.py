@@ -8,8 +8,7 @@ the version it started with.
 
 Backends stream (``stream``): they yield the tokens as they are sampled and end with the same ``Generation`` a
 non-streamed request gets (see :mod:`claas_verl.claas.service.streaming`). A backend that cannot stream inherits the
-default,
-which yields the whole response as one delta once it is complete (``streams_tokens = False``).
+default, which yields the whole response as one delta once it is complete (``streams_tokens = False``).
 
 Implementations: :class:`~claas_verl.claas.service.hf_backend.HFBackend` (in-process transformers model, CPU),
 :class:`~claas_verl.claas.service.openai_backend.OpenAIBackend` (forwards to a vLLM OpenAI-compatible server) and

@@ -50,9 +50,8 @@ def normalize_grade(result: Any) -> tuple[float | None, str | None]:
 
 def verifier_grader(verifier: Verifier, think_opened_in_prompt: bool = False) -> Grader:
     """A grader from an environment verifier (``claas_verl.claas.envs``): strips thinking, grades the visible text
-    against
-    the concatenated user messages (CLaaS paper App.), and maps the verdict with ``grade_response`` (docs/math.md §A.1.4
-    rewards)."""
+    against the concatenated user messages (CLaaS paper App.), and maps the verdict with ``grade_response``
+    (docs/math.md §A.1.4 rewards)."""
 
     def grade(request: GradeRequest) -> Grade:
         return grade_response(verifier, request.response_text, user_context(request.messages), think_opened_in_prompt)

@@ -150,8 +150,7 @@ def keyless_origin_error(headers: Mapping[str, str]) -> str | None:
 
 def validate_reward(value: Any, mode: str) -> float | None:
     """The ``reward`` field of ``POST /v1/feedback`` (docs/math.md §A.1.4): ``None`` (grader error: dropped), else a
-    number in
-    {0, 1} (``mode="binary"``) or [0, 1] (``mode="unit"``); ``ValueError`` naming the field otherwise."""
+    number in {0, 1} (``mode="binary"``) or [0, 1] (``mode="unit"``); ``ValueError`` naming the field otherwise."""
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, (int, float)):

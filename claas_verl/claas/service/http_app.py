@@ -38,8 +38,7 @@ def build_app(service: "ChatService"):
     # No `from __future__ import annotations` in this module: FastAPI reads the `request: Request` annotations of
     # the nested handlers at definition time.
     """The FastAPI app over ``service`` (run it with :class:`~claas_verl.claas.service.server.ServiceThread`, which adds
-    the
-    connection limits and timeouts, or with uvicorn)."""
+    the connection limits and timeouts, or with uvicorn)."""
     from fastapi import FastAPI, Request
     from fastapi.responses import JSONResponse, Response, StreamingResponse
 

@@ -18,9 +18,8 @@ Streaming (:meth:`OpenAIBackend.stream`) sends the same body with ``stream=true`
 ``prompt_token_ids`` on its first chunk and, on every chunk, the delta's sampled ``token_ids`` and their log-probs
 (with ``return_token_ids`` it sends a chunk even for a token with no visible text, such as EOS); the final
 :class:`~claas_verl.claas.service.backend.Generation` is assembled from exactly those ids and log-probs, so it equals
-what the
-non-streamed request returns for the same sampled tokens. Closing the stream closes the HTTP connection, which makes
-vLLM abort the request.
+what the non-streamed request returns for the same sampled tokens. Closing the stream closes the HTTP connection, which
+makes vLLM abort the request.
 """
 
 from __future__ import annotations

@@ -1,11 +1,10 @@
 """Sampling parameters of one chat request and the docs/math.md §0 rule for requests that feed training.
 
 docs/math.md §0 [CHOICE]: an entry's behaviour log-prob must be the log-prob of the distribution that was actually
-sampled,
-and the trainer recomputes log-probs as ``log_softmax(logits / 1)`` over the full vocabulary. So a request whose
-response becomes a replay entry must sample with temperature 1, top-p 1, top-k off and no other logit processing
-(penalties, min-p, logit bias, forced minimum length). Requests with other settings are served normally, but their
-entry is rejected with the reasons from :func:`training_violations`.
+sampled, and the trainer recomputes log-probs as ``log_softmax(logits / 1)`` over the full vocabulary. So a request
+whose response becomes a replay entry must sample with temperature 1, top-p 1, top-k off and no other logit processing
+(penalties, min-p, logit bias, forced minimum length). Requests with other settings are served normally, but their entry
+is rejected with the reasons from :func:`training_violations`.
 
 The defaults here ARE the training settings, and backends always send every value explicitly: vLLM otherwise fills
 omitted fields from the model's ``generation_config`` (Qwen3 ships top_k=20, top_p=0.95), which would silently make

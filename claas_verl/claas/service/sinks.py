@@ -8,8 +8,7 @@ acknowledged reward is in the buffer; the chat response itself never waits for t
 
 The actor sink puts the steps' tokens into Ray's object store once and fires ``handle.add.remote`` with the
 reference (``claas_verl.claas.replay.store.send_format``); Ray resolves the call on its own thread. ``flush`` waits for
-the
-writes in flight (tests, shutdown); ``healthy`` tells whether the buffer answers at all (``/health``).
+the writes in flight (tests, shutdown); ``healthy`` tells whether the buffer answers at all (``/health``).
 """
 
 from __future__ import annotations
@@ -75,8 +74,7 @@ class ActorSink:
     ``on_accepted(entries, n_accepted)`` is called (on Ray's callback thread) after each write the buffer answered,
     with the number it accepted, before the write's future resolves: a training job feeds the REINFORCE++ EMA
     baseline from it, so that only rewards the buffer took count (docs/math.md §A.3.1). The chat service submits one
-    entry
-    per call, so ``n_accepted`` is 0 or 1.
+    entry per call, so ``n_accepted`` is 0 or 1.
     """
 
     def __init__(self, handle, on_accepted: Callable[[list, int], None] | None = None):

@@ -4,8 +4,8 @@ A backend's :meth:`~claas_verl.claas.service.backend.ChatBackend.stream` yields,
 
 1. one :class:`StreamStart` once the request runs (the policy version and model that serve it, fixed from here on);
 2. any number of :class:`TokenDelta` (new visible text and the token ids / log-probs it came from) as tokens are
-   sampled;
-3. one :class:`~claas_verl.claas.service.backend.Generation`: the complete response, exactly what a non-streamed request
+sampled; 3. one :class:`~claas_verl.claas.service.backend.Generation`: the complete response, exactly what a
+non-streamed request
    returns; it (never the deltas) is what the service records.
 
 The concatenation of the deltas' ``text`` equals the final ``Generation.text``.

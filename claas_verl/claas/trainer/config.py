@@ -227,8 +227,7 @@ class ClaasConfig:
     is kept, so every row of M is the initial policy.
     ``m``/``b_min``/``b_max``/``a_max``: docs/math.md §A.1 sizes (counted in entries of ``entry_unit``). ``entry_unit``:
     ``"step"`` (docs/math.md §A.1.5 default) or ``"scenario"`` (one entry per scenario, trained as one multi-turn
-    sequence
-    with the scenario reward ``min_t r_t``; REINFORCE++ / PPO, producer-driven).
+    sequence with the scenario reward ``min_t r_t``; REINFORCE++ / PPO, producer-driven).
     ``max_updates``: optional cap on optimizer steps (None: the whole split protocol; then the LR schedule may not
     depend on the step count, see :func:`~claas_verl.claas.trainer.checks.check_schedule_without_step_count`).
     ``trace``: write ``claas_trace.jsonl`` (one line per update) next to the checkpoints.

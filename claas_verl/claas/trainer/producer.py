@@ -187,8 +187,7 @@ class RolloutProducer:
             this many times; then the scenario is dropped and counted (``dropped_scenarios``).
         entry_unit: ``"step"`` (one entry per step) or ``"scenario"`` (one :class:`ScenarioEntry` per scenario,
             reward ``min`` over the steps, dropped when any step reward is None; docs/math.md §A.1.5). In scenario mode
-            each
-            turn's prompt extends the previous prompt + sampled reply token by token, so the scenario is one
+            each turn's prompt extends the previous prompt + sampled reply token by token, so the scenario is one
             sequence the trainer can replay exactly.
     """
 

@@ -106,7 +106,7 @@ def served_fingerprint(named: dict[str, torch.Tensor]) -> str:
     return h.hexdigest()
 
 
-def trace_served_weights(llm_server_manager: Any) -> dict:
+def served_weights_probe(llm_server_manager: Any) -> dict:
     """What each rollout replica serves (version, weight fingerprint, last push, LoRA state), for the trace."""
     out = {}
     for r, replica in enumerate(llm_server_manager.get_replicas()):

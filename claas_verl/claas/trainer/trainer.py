@@ -4,10 +4,8 @@ Registered as ``trainer.v1.trainer_mode=claas``. Rollout producers (a background
 process, :mod:`claas_verl.claas.trainer.producer`) run the scenario stream on the rollout servers with
 the currently served policy and add graded per-step entries to a ``ReplayBufferActor``; concurrently,
 verl's own loop (``PPOTrainer.fit``, not copied) trains on M entries drawn from that buffer whenever
-it holds ``B_min`` (docs/math.md §A.1, Algorithm 1 of the CLaaS paper (zh)). This module holds verl's hooks only; the
-work
-is done by
-one component per job, each holding its own state:
+it holds ``B_min`` (docs/math.md §A.1, Algorithm 1 of the CLaaS paper (zh)). This module holds verl's hooks only;
+the work is done by one component per job, each holding its own state:
 
 * :mod:`~claas_verl.claas.trainer.checks`: the verl settings the CLaaS contract needs (before Ray starts);
 * :mod:`~claas_verl.claas.trainer.rollout_side`: environment, stream, replay actor, EMA statistics, ICL memory,
@@ -31,9 +29,8 @@ The hooks:
   weights (only the LoRA adapter with ``model.lora.merge=False``) with version k, then waits,
   event-driven, for the next update to be possible and runs the split protocol in between.
 
-SDPO (``claas.algorithm=sdpo``, docs/math.md §A.3.3): the producers also render each failed step's teacher context x'
-(the
-last user turn re-prompted with the verifier feedback), which travels with the entry; the actor roles run
+SDPO (``claas.algorithm=sdpo``, docs/math.md §A.3.3): the producers also render each failed step's teacher context
+x' (the last user turn re-prompted with the verifier feedback), which travels with the entry; the actor roles run
 :class:`~claas_verl.claas.trainer.sdpo_worker.ClaasSdpoWorker` (EMA teacher over the LoRA adapter, teacher top-K
 log-probs on x' before each update, ``sdpo_loss`` in the update, EMA step after an applied finite step).
 
@@ -65,7 +62,7 @@ from claas_verl.claas.trainer.checks import (
     serves_lora_adapter,
 )
 from claas_verl.claas.trainer.config import ClaasConfig
-from claas_verl.claas.trainer.records import RunCounters, RunRecords, trace_served_weights
+from claas_verl.claas.trainer.records import RunCounters, RunRecords, served_weights_probe
 from claas_verl.claas.trainer.rollout_side import RolloutSide
 from claas_verl.claas.trainer.sampler import ClaasReplaySampler
 from claas_verl.claas.trainer.splits import SplitProtocol
@@ -129,8 +126,7 @@ class ClaasTrainer(VerlSeams, PPOTrainer):
 
     def _init_dataloader(self):
         """No prompt dataset: scenarios come from the environment's stream (docs/math.md §A.1.3); the stream, not
-        epochs, ends
-        training (or ``claas.max_updates``)."""
+        epochs, ends training (or ``claas.max_updates``)."""
         drop_prompt_dataloader(self, total_steps=self.claas.max_updates or 10**9)
 
     def on_init_end(self):
@@ -200,7 +196,7 @@ class ClaasTrainer(VerlSeams, PPOTrainer):
             self.checkpoint_manager.update_weights(self.global_steps)
         # update_weights returned: version k is on every replica the API routes to; only now announce it
         self.chat.publish(self.global_steps)
-        probe = trace_served_weights(self.llm_server_manager) if self.claas.trace_served_weights else {}
+        probe = served_weights_probe(self.llm_server_manager) if self.claas.trace_served_weights else {}
         if self.sdpo:
             probe["sdpo"] = vc.actor_worker_group(self).claas_sdpo_probe()[0]  # rank 0's EMA bookkeeping
         self.records.trace({"event": "update", "update": c.updates, "global_steps": self.global_steps,
@@ -266,8 +262,7 @@ class ClaasTrainer(VerlSeams, PPOTrainer):
     # ------------------------------------------------------------------ chat API callbacks
     def _on_chat_accepted(self, entries: list, accepted: int) -> None:
         """docs/math.md §A.3.1: the EMA sees every reward the buffer accepted, at insertion time (as the producers do).
-        The
-        trace's commit line lets a resume count the entries accepted after its checkpoint."""
+        The trace's commit line lets a resume count the entries accepted after its checkpoint."""
         self.records.trace({"event": "commit", "scenario": None, "accepted": accepted})
         if self.side.ema is None:
             return

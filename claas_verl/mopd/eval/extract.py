@@ -65,8 +65,7 @@ def unwrap_latex(ans: str) -> str:
 
 def lenient_answer(response: str) -> str | None:
     """the MOPD paper's alternative reading for BBH/GYM: last boxed answer, else last ``<answer>..</answer>``, else the
-    text
-    after the last ``Answer:`` (any case) on its line."""
+    text after the last ``Answer:`` (any case) on its line."""
     boxed = last_boxed(response)
     if boxed is not None:
         return boxed

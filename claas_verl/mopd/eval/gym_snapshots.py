@@ -6,8 +6,7 @@ evaluator, and π0 and the experts with it too, so every method, seed and refere
 * **accuracy**: ``n`` replies per held-out prompt sampled at temperature τ (no top-k / top-p truncation), at most
   ``max_new_tokens`` tokens, scored by reasoning-gym's own scorer (``claas_verl/mopd/data/rewards.py``);
 * **KL**: on the same replies (the student's own samples, as the MOPD paper logs it), the token-mean over every reply
-token
-of
+token of
   the exact full-vocabulary ``KL(π_s(·|x, y_<t) || π_E(·|x, y_<t)) = Σ_v p_s(v) (log p_s(v) − log p_E(v))`` (the
   trainer's in-run table restricts the sum to the student's top-κ tokens).
 

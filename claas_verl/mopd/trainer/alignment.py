@@ -40,8 +40,8 @@ class AuxConfig:
         layers: 0-based layers of every term, or None for all layers.
         drop_trailing: B.4 [CHOICE] flag: drop a final region that does not end with a separator.
         kinds: plan step kinds that run the balanced update: replay steps (docs/math.md §B.6). Recovery steps use the
-        token
-            loss only (docs/math.md §B.8, MOPD paper §5); ``aux_kinds: [replay, recovery]`` is an explicit deviation.
+            token loss only (docs/math.md §B.8, MOPD paper §5); ``aux_kinds: [replay, recovery]`` is an explicit
+            deviation.
         combine: ``"fsar"`` (eq. 10 then eq. 9) or ``"1:1:1"`` (MOPD paper Table 4: ``g_tok + ‖g_tok‖ĝ_SATS +
             ‖g_tok‖ĝ_other``, with SATS and exactly one of VR / hidden).
         target_budget_gib: host RAM per rank for the teacher's alignment targets of a step
