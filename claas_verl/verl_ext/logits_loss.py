@@ -29,6 +29,7 @@ with grad for the loss (:meth:`~LogitsProcessorLoss.response_rows`).
 
 from __future__ import annotations
 
+import abc
 import contextlib
 from typing import Any, NamedTuple
 
@@ -57,7 +58,7 @@ class _HandOff(NamedTuple):
     packed: dict  # name -> [1, rows, W] tensor (with grad in a training forward)
 
 
-class LogitsProcessorLoss:
+class LogitsProcessorLoss(abc.ABC):
     """Base of a loss installed with ``TrainingWorker.set_loss_fn`` that also runs as verl's logits processor.
 
     Subclasses implement :meth:`process_logits` (form 1: packed ``[1, N, W]`` outputs) and :meth:`compute_loss`
@@ -82,16 +83,16 @@ class LogitsProcessorLoss:
             return self._hand_off(self.process_logits(student_logits, data), data, int(student_logits.shape[1]))
         return self.compute_loss(model_output, data, dp_group, packed=self._take(data))
 
-    def check_batch(self, data) -> None:
+    def check_batch(self, data) -> None:  # noqa: B027 (an optional hook: most losses need no batch check)
         """Validate the batch before either call form (default: nothing)."""
 
+    @abc.abstractmethod
     def process_logits(self, logits: torch.Tensor, data) -> dict[str, torch.Tensor]:
         """Packed ``[1, N, V]`` logits -> ``{name: [1, N, W]}`` per-token outputs (handed to the loss form)."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def compute_loss(self, model_output, data, dp_group=None, packed: dict | None = None):
         """``(loss, metrics)``; ``packed`` holds this micro-batch's :meth:`process_logits` outputs."""
-        raise NotImplementedError
 
     # ------------------------------------------------------------------ the hand-off past verl's output handling
     def _hand_off(self, packed: dict, data, rows: int) -> dict[str, torch.Tensor]:

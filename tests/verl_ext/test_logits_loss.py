@@ -212,3 +212,12 @@ def test_sequence_parallel_batches_are_refused_naming_the_setting():
         with pytest.raises(ValueError, match=f"sequence parallelism.*{SP_SETTING}=1"):
             fn(student_logits=torch.randn(1, sum(SEQ), V), data=_batch(sp_size=2, **extra))
     assert _Recording()(student_logits=torch.randn(1, sum(SEQ), V), data=_batch(sp_size=1))  # sp 1 passes
+
+
+def test_a_loss_without_both_forms_cannot_be_built():
+    class OnlyProcessor(LogitsProcessorLoss):
+        def process_logits(self, logits, data):
+            return {}
+
+    with pytest.raises(TypeError, match="compute_loss"):
+        OnlyProcessor()
