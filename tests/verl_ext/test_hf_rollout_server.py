@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from claas_verl.verl_ext.cpu.hf_rollout import HFRolloutServer, sample_next_token
+from claas_verl.verl_ext.cpu.hf_rollout import HFRolloutServer, hf_max_batch_size, sample_next_token
 
 
 def test_sample_logprob_is_log_softmax_at_temperature():
@@ -31,9 +31,10 @@ def test_greedy_and_top_k():
     assert draws == {1}
 
 
-def _server(model_dir):
+def _server(model_dir, max_batch_size=None):
     cfg = SimpleNamespace(
         max_model_len=128, response_length=6, prompt_length=64, seed=0,
+        engine_kwargs={} if max_batch_size is None else {"hf": {"max_batch_size": max_batch_size}},
         tensor_model_parallel_size=1, data_parallel_size=1, pipeline_model_parallel_size=1,
     )
     model_cfg = SimpleNamespace(local_path=str(model_dir / "student"), trust_remote_code=False, tokenizer=None)
@@ -101,3 +102,61 @@ def test_peft_config_dict_without_type_is_rejected():
 
     with pytest.raises(ValueError, match="peft_type"):
         as_peft_config({"r": 2})
+
+
+def _generate_concurrently(server, prompts, params, max_tokens):
+    async def run():
+        calls = [server.generate(p, {**params, "max_tokens": n}, f"r{i}")
+                 for i, (p, n) in enumerate(zip(prompts, max_tokens))]
+        return await asyncio.gather(*calls)
+
+    return asyncio.run(run())
+
+
+@pytest.mark.parametrize("params", [{"temperature": 1.0, "logprobs": True}, {"temperature": 0.0, "logprobs": True}])
+def test_concurrent_requests_decode_as_one_batch_with_each_alone_samples(tiny_model_dir, params):
+    # prompts of unequal length (left padding), one repeated (two occurrences draw two streams); replies of
+    # unequal length (rows leave the batch, and its KV cache, at their stop token or max_tokens)
+    prompts = [[5, 6, 7, 8, 9, 10, 11], [12, 13], [5, 6, 7, 8, 9, 10, 11], [14, 15, 16, 17]]
+    max_tokens = [6, 2, 5, 3]
+    batched, alone = _server(tiny_model_dir, max_batch_size=64), _server(tiny_model_dir)
+    for server in (batched, alone):
+        asyncio.run(server.set_global_steps(4))
+    got = _generate_concurrently(batched, prompts, params, max_tokens)
+    ref = _generate_concurrently(alone, prompts, params, max_tokens)
+    assert batched.get_batch_sizes() == [4] and alone.get_batch_sizes() == [1, 1, 1, 1]
+    assert [o.token_ids for o in got] == [o.token_ids for o in ref]
+    assert len({len(o.token_ids) for o in ref}) > 1
+    for o, r in zip(got, ref):
+        assert o.log_probs == pytest.approx(r.log_probs, abs=1e-5)
+
+
+def test_a_failing_batch_fails_each_caller_and_the_server_keeps_serving(tiny_model_dir):
+    server = _server(tiny_model_dir, max_batch_size=8)
+    calls = []
+    decode = server._decode_batch
+
+    def fail_once(requests, generators):
+        calls.append(len(requests))
+        if len(calls) == 1:
+            raise RuntimeError("decode failed")
+        return decode(requests, generators)
+
+    server._decode_batch = fail_once
+    outs = asyncio.run(_gather_settled(server, [[5, 6], [7, 8, 9]]))
+    assert all(isinstance(o, RuntimeError) for o in outs)
+    assert len(asyncio.run(server.generate([5, 6], {"temperature": 1.0}, "again")).token_ids) >= 1
+
+
+async def _gather_settled(server, prompts):
+    return await asyncio.gather(
+        *[server.generate(p, {"temperature": 1.0}, f"r{i}") for i, p in enumerate(prompts)], return_exceptions=True
+    )
+
+
+@pytest.mark.parametrize("value", [0, -2, 1.5, "4", True])
+def test_batch_size_setting_is_validated_naming_the_key(value):
+    cfg = SimpleNamespace(engine_kwargs={"hf": {"max_batch_size": value}})
+    with pytest.raises(ValueError, match=r"rollout\.engine_kwargs\.hf\.max_batch_size"):
+        hf_max_batch_size(cfg)
+    assert hf_max_batch_size(SimpleNamespace()) == 1 and hf_max_batch_size(SimpleNamespace(engine_kwargs={})) == 1

@@ -24,6 +24,7 @@ import hashlib
 import logging
 import os
 from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import Any
 
 import ray
@@ -37,9 +38,48 @@ logger = logging.getLogger(__name__)
 
 ROLLOUT_NAME = "hf"
 
+def hf_max_batch_size(config) -> int:
+    """Rows per decoded batch: ``rollout.engine_kwargs.hf.max_batch_size``, 1 (each request alone) when unset.
+
+    1 keeps a run exactly repeatable: a request's logits then never depend on which requests share its batch, and
+    which do depends on arrival timing. A batch is many times faster when replies are long (docs/verl-couplings.md),
+    at the price of rounding-level differences between runs (rarely a different token).
+    """
+    hf = (getattr(config, "engine_kwargs", None) or {}).get("hf") or {}
+    value = hf.get("max_batch_size", 1)
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(
+            f"actor_rollout_ref.rollout.engine_kwargs.hf.max_batch_size must be an integer >= 1, got {value!r}; "
+            "1 decodes each request alone (exactly repeatable), more batches concurrent requests"
+        )
+    return value
+
+
+# Batching: how long the decoder waits for more requests while they keep arriving, and at most.
+_GATHER_S = 0.002
+_GATHER_MAX_S = 0.02
+
 # Weight-sync bucket: tensors are shipped to the server through Ray's object store
 # in groups of about this many bytes, so a large model never needs two full copies in flight.
 _BUCKET_BYTES = 64 << 20
+
+
+@dataclass(frozen=True)
+class _Request:
+    """One generate call, its sampling parameters resolved."""
+
+    prompt_ids: list[int]
+    temperature: float
+    top_k: int
+    top_p: float
+    stop_ids: frozenset[int]
+    max_tokens: int
+
+
+@dataclass
+class _Decoded:
+    tokens: list[int]
+    log_probs: list[float]
 
 
 def sample_next_token(
@@ -115,7 +155,7 @@ class HFRolloutServer:
         check_model_path(path)
         self.model = AutoModelForCausalLM.from_pretrained(
             path,
-            torch_dtype=torch.float32,
+            dtype=torch.float32,
             attn_implementation="sdpa",
             trust_remote_code=self.model_config.trust_remote_code,
         ).eval()
@@ -123,7 +163,11 @@ class HFRolloutServer:
         self.generator = torch.Generator().manual_seed(int(getattr(self.config, "seed", 0)) + replica_rank)
         self.policy_version = 0
         self.global_steps: int | None = None
-        self._lock = asyncio.Lock()  # one forward at a time: updates never interleave with a decode
+        self._lock = asyncio.Lock()  # one decode at a time: updates never interleave with a decode
+        self._queue: list[tuple[_Request, asyncio.Future]] = []
+        self._decoder: asyncio.Task | None = None
+        self._max_batch = hf_max_batch_size(self.config)
+        self.batch_sizes: list[int] = []  # rows of every decoded batch, in order (diagnostics and tests)
         self._pending: dict[str, torch.Tensor] = {}
         self._peft_applied = False
         # Names of the tensors applied by the latest weight update and how it was applied ("full" or
@@ -165,10 +209,7 @@ class HFRolloutServer:
         self._requests_seen[key] = k + 1
         return torch.Generator().manual_seed(_mix_seed(*self._step_key, int.from_bytes(key, "little"), k))
 
-    @torch.no_grad()
-    def _generate_sync(
-        self, prompt_ids: list[int], sampling_params: dict, generator: torch.Generator | None = None
-    ) -> tuple[list[int], list[float], str]:
+    def _request(self, prompt_ids: list[int], sampling_params: dict) -> _Request:
         temperature = float(sampling_params.get("temperature", 1.0))
         top_k = int(sampling_params.get("top_k", -1) or -1)
         top_p = float(sampling_params.get("top_p", 1.0))
@@ -176,22 +217,58 @@ class HFRolloutServer:
         if sampling_params.get("ignore_eos", False):
             stop_ids = set(sampling_params.get("stop_token_ids") or [])
         max_tokens = self._max_tokens(len(prompt_ids), sampling_params)
-        input_ids = torch.tensor([prompt_ids], dtype=torch.long)
+        return _Request(prompt_ids, temperature, top_k, top_p, frozenset(stop_ids), max_tokens)
+
+    @torch.no_grad()
+    def _decode_batch(self, requests: list[_Request], generators: list[torch.Generator]) -> list[_Decoded]:
+        """Decode ``requests`` together: one forward per token position for all unfinished rows.
+
+        Every row samples from its own generator (one draw per token, as a request decoded alone would), so a
+        request's tokens do not depend on which others share its batch; its logits do only to the rounding of
+        a batched matmul. Prompts of unequal length are left-padded: the pads are masked out of attention and
+        the position ids count real tokens only. A row leaves the batch (and its KV cache) when it samples a
+        stop token or reaches its ``max_tokens``.
+        """
+        lengths = torch.tensor([len(r.prompt_ids) for r in requests])
+        width = int(lengths.max())
+        input_ids = torch.zeros((len(requests), width), dtype=torch.long)  # pad id 0: masked, never attended
+        for i, r in enumerate(requests):
+            input_ids[i, width - len(r.prompt_ids):] = torch.tensor(r.prompt_ids, dtype=torch.long)
+        # Equal lengths need no mask: the call is then exactly a lone request's (HF infers the positions).
+        mask = None
+        if int(lengths.min()) != width:
+            mask = (torch.arange(width)[None, :] >= (width - lengths)[:, None]).long()
+            positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        done = [_Decoded([], []) for _ in requests]
+        rows = list(range(len(requests)))  # request index of each batch row
         past = None
-        tokens: list[int] = []
-        logps: list[float] = []
-        for _ in range(max_tokens):
-            out = self.model(input_ids=input_ids, past_key_values=past, use_cache=True)
-            past = out.past_key_values
-            token, logp = sample_next_token(
-                out.logits[:, -1, :], temperature, top_k, top_p, generator if generator is not None else self.generator
-            )
-            tokens.append(int(token))
-            logps.append(float(logp))
-            if int(token) in stop_ids:
+        while rows:
+            extra = {} if mask is None else {"attention_mask": mask, "position_ids": positions}
+            out = self.model(input_ids=input_ids, past_key_values=past, use_cache=True, **extra)
+            past, last = out.past_key_values, out.logits[:, -1, :]
+            keep, next_ids = [], []
+            for b, i in enumerate(rows):
+                r = requests[i]
+                token, logp = sample_next_token(last[b : b + 1], r.temperature, r.top_k, r.top_p, generators[i])
+                t = int(token)
+                done[i].tokens.append(t)
+                done[i].log_probs.append(float(logp))
+                if t not in r.stop_ids and len(done[i].tokens) < r.max_tokens:
+                    keep.append(b)
+                    next_ids.append(t)
+            if not keep:
                 break
-            input_ids = token[:, None]
-        return tokens, logps, "completed"
+            if len(keep) < len(rows):
+                index = torch.tensor(keep)
+                past.batch_select_indices(index)
+                if mask is not None:
+                    mask, positions = mask[index], positions[index]
+            rows = [rows[b] for b in keep]
+            input_ids = torch.tensor(next_ids, dtype=torch.long)[:, None]
+            if mask is not None:
+                mask = torch.cat([mask, torch.ones((len(rows), 1), dtype=torch.long)], dim=-1)
+                positions = positions[:, -1:] + 1
+        return done
 
     async def generate(
         self,
@@ -202,24 +279,61 @@ class HFRolloutServer:
         video_data: list[Any] | None = None,
         **kwargs: Any,
     ):
-        """verl's token-in/token-out call (same signature as vLLM's server ``generate``)."""
+        """verl's token-in/token-out call (same signature as vLLM's server ``generate``).
+
+        With ``rollout.engine_kwargs.hf.max_batch_size`` above 1, requests that arrive while others wait or
+        decode are decoded together (:meth:`_decode_batch`), up to that many rows a batch.
+        """
         from verl.workers.rollout.replica import TokenOutput
 
         if image_data is not None or video_data is not None:
             raise ValueError("the 'hf' CPU rollout is text-only; image_data/video_data are not supported")
-        prompt_ids = [int(t) for t in prompt_ids]
-        async with self._lock:
-            # captured when the request starts: the version that served it from its start (docs/math.md §A.1.1)
-            version, steps = self.policy_version, self.global_steps
-            tokens, logps, stop_reason = await asyncio.to_thread(
-                self._generate_sync, prompt_ids, dict(sampling_params), self._request_generator(prompt_ids)
-            )
+        request = self._request([int(t) for t in prompt_ids], dict(sampling_params))
+        future = asyncio.get_running_loop().create_future()
+        self._queue.append((request, future))
+        if self._decoder is None or self._decoder.done():
+            self._decoder = asyncio.create_task(self._decode_queue())
+        decoded, version, steps = await future
         return TokenOutput(
-            token_ids=tokens,
-            log_probs=logps if sampling_params.get("logprobs") else None,
-            stop_reason=stop_reason,
+            token_ids=decoded.tokens,
+            log_probs=decoded.log_probs if sampling_params.get("logprobs") else None,
+            stop_reason="completed",
             extra_fields={"global_steps": steps, "policy_version": version},
         )
+
+    async def _decode_queue(self) -> None:
+        """Decode queued requests batch by batch until the queue is empty."""
+        while self._queue:
+            await self._gather_arrivals()
+            async with self._lock:
+                batch, self._queue = self._queue[: self._max_batch], self._queue[self._max_batch :]
+                # captured when the batch starts: the version that served it from its start (docs/math.md §A.1.1);
+                # generators are drawn in arrival order, as one request at a time would draw them
+                version, steps = self.policy_version, self.global_steps
+                requests = [r for r, _ in batch]
+                generators = [self._request_generator(r.prompt_ids) for r in requests]
+                try:
+                    decoded = await asyncio.to_thread(self._decode_batch, requests, generators)
+                except Exception as err:  # every waiting caller sees the failure, none hangs
+                    for _, future in batch:
+                        if not future.done():
+                            future.set_exception(err)
+                    continue
+            self.batch_sizes.append(len(batch))
+            for (_, future), result in zip(batch, decoded):
+                if not future.done():
+                    future.set_result((result, version, steps))
+
+    async def _gather_arrivals(self) -> None:
+        """Wait briefly while requests keep arriving (verl's agent loops send a step's requests over a few
+        milliseconds), so that they share one batch instead of the first decoding alone."""
+        waited = 0.0
+        while len(self._queue) < self._max_batch and waited < _GATHER_MAX_S:
+            seen = len(self._queue)
+            await asyncio.sleep(_GATHER_S)
+            waited += _GATHER_S
+            if len(self._queue) == seen:
+                return
 
     # ------------------------------------------------------------------ weight sync
     async def receive_weights(self, named_tensors: list[tuple[str, torch.Tensor]]) -> None:
@@ -273,6 +387,10 @@ class HFRolloutServer:
         if unexpected:
             raise KeyError(f"LoRA sync sent tensors the rollout's peft model does not have: {unexpected[:5]}")
 
+    def get_batch_sizes(self) -> list[int]:
+        """Rows of every batch decoded so far, in order."""
+        return list(self.batch_sizes)
+
     def get_policy_version(self) -> int:
         return self.policy_version
 
@@ -319,7 +437,10 @@ class HFRolloutServer:
         self._reseed(global_steps)
 
     async def wait_for_requests_to_drain(self):
-        async with self._lock:  # acquiring the lock means no generate is running
+        # the decoder runs until its queue is empty: once it is done, every request that came before has its reply
+        while self._decoder is not None and not self._decoder.done():
+            await asyncio.shield(self._decoder)
+        async with self._lock:  # and no decode is running
             return None
 
     async def start_profile(self, **kwargs):

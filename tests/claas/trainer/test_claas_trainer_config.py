@@ -162,3 +162,14 @@ def test_a_run_without_max_updates_refuses_a_schedule_sized_by_the_step_count(ov
     if "ratio" in key:
         steps = compose_recipe("tiny_ppo", [*overrides, "actor_rollout_ref.actor.optim.lr_warmup_steps=5"])
         check_claas_config(steps, ClaasConfig.from_config(steps.claas))
+
+
+@pytest.mark.parametrize("name", [n for n in ALL_RECIPES if n.startswith("tiny_")])
+def test_tiny_recipes_seed_the_random_initialisation_from_claas_seed(name):
+    # verl seeds a worker's RNG (LoRA's A matrices, the critic's value head) only with full_determinism; the
+    # continual benchmark's runs must be a function of their seed keys
+    cfg = compose_recipe(name, ["claas.seed=7"])
+    actor = cfg.actor_rollout_ref.actor.fsdp_config
+    assert actor.full_determinism is True and actor.seed == 7
+    if cfg.critic.get("enable"):
+        assert cfg.critic.fsdp.full_determinism is True and cfg.critic.fsdp.seed == 7
