@@ -11,9 +11,10 @@ here: about 2 CPU-minutes). Each stage step is the trainer's per-step math (``cl
 §B.2):
 ``prompts`` train prompts of the domain × ``replies`` replies sampled from the student at τ = 1 (at most 40 tokens,
 like ``recipes/mopd/train/gym.yaml``), the student's top-κ candidates and log-probs at θ_old, the expert's log-probs
-at them, eq. (4) rewards, per-domain σ normalisation, the eq. (5) loss and one AdamW update (no warm-up, weight
-decay 0.01, gradient clip 1000: the recipe's optimiser, fresh every stage). Before and after every stage the student
-is scored on every domain with the benchmark's own evaluator (``claas_verl/mopd/eval/gym_snapshots.py``:
+at them, eq. (4) rewards, per-domain σ normalisation, the eq. (5) loss and one AdamW update (no warm-up unless
+``--warmup N``, weight decay 0.01, gradient clip 1000: the recipe's optimiser, fresh every stage). Before and after
+every stage the student is scored on every domain with the benchmark's own evaluator
+(``claas_verl/mopd/eval/gym_snapshots.py``:
 ``--eval-replies`` replies per held-out prompt, τ = 1, reasoning-gym's scorer, and the exact KL to each domain's
 expert). ``--eval-every N`` also scores the stage's own domain after every N updates (a learning curve in one run;
 every step seeds its own samples, so the stage trains exactly as without it); each stage's line gives its training
@@ -62,7 +63,7 @@ def read_rows(root: Path, domain: str, split: str) -> list[dict]:
 
 def stage(student, expert, tok, rows: list[dict], *, steps: int, prompts: int, replies: int, topk: int, lr: float,
           seed: int, blocks: list[list[dict]] | None = None, timings: list[dict] | None = None,
-          after_step=None) -> list[float]:
+          after_step=None, warmup: int = 0) -> list[float]:
     """``steps`` MOPD updates of ``student`` (in place) toward ``expert`` on ``rows``; the per-step top-κ weighted
     KL (Σ_v −r on the student's samples, token mean) before each update.
 
@@ -79,6 +80,9 @@ def stage(student, expert, tok, rows: list[dict], *, steps: int, prompts: int, r
     pad = tok.pad_token_id if tok.pad_token_id is not None else eos[0]
     rng = random.Random(seed)
     opt = torch.optim.AdamW(student.parameters(), lr=lr, betas=(0.9, 0.999), weight_decay=0.01)
+    # linear warm-up: update i (0-based) at lr·min(1, (i+1)/warmup); AdamW's first updates move every weight by
+    # about lr whatever its gradient, so a higher peak lr may need them smaller
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: min(1.0, (i + 1) / warmup) if warmup > 0 else 1.0)
     kls = []
     for step in range(steps):
         clock = _PhaseClock()
@@ -123,6 +127,7 @@ def stage(student, expert, tok, rows: list[dict], *, steps: int, prompts: int, r
             row0 += B
         torch.nn.utils.clip_grad_norm_(student.parameters(), 1000.0)
         opt.step()
+        sched.step()
         clock.lap("update_actor")
         if timings is not None:
             timings.append({**clock.phases, "step": clock.total(), "response_tokens": int(m_all.sum())})
@@ -194,6 +199,8 @@ def main() -> None:
     ap.add_argument("--replies", type=int, default=4, help="replies per prompt")
     ap.add_argument("--topk", type=int, default=128, help="κ (the gym recipes: 128)")
     ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--warmup", type=int, default=0, metavar="N",
+                    help="linear lr warm-up over the stage's first N updates (0: none, the recipes')")
     ap.add_argument("--eval-replies", type=int, default=4, help="replies per held-out prompt when scoring")
     ap.add_argument("--eval-every", type=int, default=0, metavar="N",
                     help="also score the stage's own domain after every N updates (0: only at stage ends)")
@@ -207,6 +214,8 @@ def main() -> None:
             raise SystemExit(f"--{name.replace('_', '-')} must be at least 1; got {getattr(args, name)}")
     if args.eval_every < 0:
         raise SystemExit(f"--eval-every must be 0 or positive; got {args.eval_every}")
+    if args.warmup < 0:
+        raise SystemExit(f"--warmup must be 0 or positive; got {args.warmup}")
     if args.lr <= 0:
         raise SystemExit(f"--lr must be positive; got {args.lr}")
     if args.build_generalist is not None and (args.student or args.experts):
@@ -260,7 +269,7 @@ def main() -> None:
         t_stage = time.time()
         kls = stage(student, experts[d], tok, rows, steps=args.steps, prompts=args.prompts,
                     replies=args.replies, topk=args.topk, lr=args.lr, seed=args.seed * 1000 + k,
-                    after_step=mid_stage)
+                    after_step=mid_stage, warmup=args.warmup)
         train_s = time.time() - t_stage - scoring[0]
         row = {"after": f"{k}:{d}", **score_all(student, str(student_dir), experts, root, domains,
                                                  args.eval_replies)}

@@ -59,6 +59,17 @@ def test_a_student_distilled_toward_itself_only_decays(tok):
         torch.testing.assert_close(p.detach(), b * (1 - lr * 0.01) ** steps, rtol=1e-6, atol=0)
 
 
+def test_warm_up_scales_each_update_linearly(tok):
+    # with q = p the update is AdamW's decoupled decay alone, θ·(1 − lr_i·0.01): warm-up over 2 updates gives
+    # lr_0 = lr/2 and lr_1 = lr
+    student = _model(tok, 0)
+    before = [p.detach().clone() for p in student.parameters()]
+    lr = 1e-1
+    stage(student, student, tok, ROWS, steps=2, prompts=2, replies=2, topk=16, lr=lr, seed=0, warmup=2)
+    for b, p in zip(before, student.parameters()):
+        torch.testing.assert_close(p.detach(), b * (1 - lr / 2 * 0.01) * (1 - lr * 0.01), rtol=1e-6, atol=0)
+
+
 def test_the_stage_moves_the_student_toward_a_sharp_teacher(tok):
     # κ = V: the per-step weighted KL is the exact reverse KL on that step's own samples, which eq. (5) lowers
     student, expert = _model(tok, 0), _model(tok, 1)
