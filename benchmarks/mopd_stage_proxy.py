@@ -5,6 +5,7 @@
     python benchmarks/mopd_stage_proxy.py --steps 36 --eval-every 12       # longer stages, scored every 12 steps
     python benchmarks/mopd_stage_proxy.py --student DIR --experts DIR      # a candidate student / experts
     python benchmarks/mopd_stage_proxy.py --build-generalist 1200 --variant-dir DIR   # the rejected design below
+    python benchmarks/mopd_stage_proxy.py --build-arch hidden=256,heads=8,kv_heads=2,intermediate=512 --variant-dir DIR
 
 A whole benchmark run is an hour; choosing a bundle design needs an answer in minutes (the bundle's three stages
 here: about 2 CPU-minutes). Each stage step is the trainer's per-step math (``claas_verl.distill.topk``, docs/math.md
@@ -27,6 +28,10 @@ lift ``spell`` from about 0.26-0.27 to 0.31-0.32 in its 12 steps and leave ``rev
 ``--build-generalist N`` writes into ``--variant-dir`` a bundle variant that shares the bundle's data: π0 trained
 N joint steps instead of ``BASE_SFT["steps"]`` (so it already solves part of every domain) and its own experts,
 each fine-tuned from that π0 with the bundle's recipe (``claas_verl/tiny/gym.py``); then it runs the stages on it.
+``--build-arch SPEC`` does the same with a student of another shape (alone: π0 with the bundle's ``BASE_SFT``
+steps), e.g. ``hidden=256,layers=4,heads=8,kv_heads=2,intermediate=512``; keys not given keep ``TINY_ARCH``'s value.
+The variant is built with ``--seed``; other design seeds run on it with ``--student DIR/student --experts
+DIR/experts``.
 """
 
 from __future__ import annotations
@@ -51,7 +56,11 @@ from claas_verl.distill.topk import (
 from claas_verl.mopd.eval.gym_snapshots import load_model, response_logits, right_padded, sample_replies, score_snapshot
 from claas_verl.tiny import gym
 
-VARIANT_DONE = "variant.json"  # the finished variant's marker: {"base_steps", "seed"}
+VARIANT_DONE = "variant.json"  # the finished variant's marker: {"base_steps", "seed"} (+ "arch" when reshaped)
+# --build-arch keys -> the TINY_ARCH entries they set
+ARCH_KEYS = {"hidden": "hidden_size", "layers": "num_hidden_layers", "heads": "num_attention_heads",
+             "kv_heads": "num_key_value_heads", "intermediate": "intermediate_size"}
+MIN_HEAD_DIM = 32  # vLLM's CPU attention kernels refuse smaller heads (claas_verl/tiny/model.py TINY_ARCH)
 MAX_RESPONSE_TOKENS = 40  # recipes/mopd/train/gym.yaml max_response_length
 
 
@@ -164,8 +173,30 @@ def score_all(student, student_dir: str, experts: dict, root: Path, domains: lis
     return out
 
 
-def build_generalist(root: Path, out: Path, base_steps: int, seed: int = 0) -> None:
-    """π0 with ``base_steps`` joint steps and its experts, trained as ``gym._build_into`` trains the bundle's."""
+def parse_arch(spec: str) -> dict[str, int]:
+    """``"hidden=256,heads=8"`` -> ``{"hidden_size": 256, "num_attention_heads": 8}``, checked against the
+    resulting shape: whole heads of at least ``MIN_HEAD_DIM``, query heads a multiple of the KV heads."""
+    from claas_verl.tiny.model import TINY_ARCH
+
+    shape = {}
+    for item in (i for i in spec.split(",") if i.strip()):
+        key, sep, value = item.partition("=")
+        if not sep or key.strip() not in ARCH_KEYS or not value.strip().isdigit() or int(value) < 1:
+            raise ValueError(f"--build-arch: {item!r} is not KEY=POSITIVE_INT with KEY one of {sorted(ARCH_KEYS)}")
+        shape[ARCH_KEYS[key.strip()]] = int(value)
+    if not shape:
+        raise ValueError("--build-arch: empty spec")
+    full = {**TINY_ARCH, **shape}
+    hidden, heads, kv = full["hidden_size"], full["num_attention_heads"], full["num_key_value_heads"]
+    if hidden % heads or hidden // heads < MIN_HEAD_DIM or heads % kv:
+        raise ValueError(f"--build-arch: hidden {hidden}, heads {heads}, kv_heads {kv}: need hidden = heads × a "
+                         f"head size >= {MIN_HEAD_DIM}, and heads a multiple of kv_heads")
+    return shape
+
+
+def build_generalist(root: Path, out: Path, base_steps: int, seed: int = 0, shape: dict | None = None) -> None:
+    """π0 with ``base_steps`` joint steps and its experts, trained as ``gym._build_into`` trains the bundle's;
+    ``shape``: :func:`claas_verl.tiny.model.student_config`'s overrides of the student's shape."""
     from transformers import AutoTokenizer
 
     from claas_verl.tiny.data import stable_seed
@@ -175,7 +206,7 @@ def build_generalist(root: Path, out: Path, base_steps: int, seed: int = 0) -> N
     eos, pad = gym.stop_and_pad_ids(tok)
     examples = {d: gym.sft_examples(tok, read_rows(root, d, "train")) for d in gym.DOMAIN_NAMES}
     torch.set_num_threads(1)
-    student = build_student(len(tok), eos, pad, seed)
+    student = build_student(len(tok), eos, pad, seed, shape=shape)
     gym.sft(student, gym.joint_mix(examples), **{**gym.BASE_SFT, "steps": base_steps},
             seed=stable_seed("claas_gym.base", seed), pad_token_id=pad)
     save_model(student, tok, gym.GymPaths(out).student)
@@ -185,7 +216,12 @@ def build_generalist(root: Path, out: Path, base_steps: int, seed: int = 0) -> N
                 seed=stable_seed("claas_gym.expert", seed, d), pad_token_id=pad)
         save_model(expert, tok, gym.GymPaths(out).expert(d))
     # written last: a variant killed while building is built again, never used half-made
-    (out / VARIANT_DONE).write_text(json.dumps({"base_steps": base_steps, "seed": seed}) + "\n")
+    (out / VARIANT_DONE).write_text(json.dumps(variant_marker(base_steps, seed, shape)) + "\n")
+
+
+def variant_marker(base_steps: int, seed: int, shape: dict | None) -> dict:
+    marker = {"base_steps": base_steps, "seed": seed}
+    return {**marker, "arch": shape} if shape else marker
 
 
 def main() -> None:
@@ -207,6 +243,9 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--build-generalist", type=int, default=None, metavar="N",
                     help="first build a variant whose π0 had N joint SFT steps (and its experts) in --variant-dir")
+    ap.add_argument("--build-arch", default=None, metavar="SPEC",
+                    help="first build a variant with this student shape in --variant-dir, e.g. "
+                         "hidden=256,layers=4,heads=8,kv_heads=2,intermediate=512 (head size >= 32)")
     ap.add_argument("--variant-dir", default=None)
     args = ap.parse_args()
     for name in ("steps", "prompts", "replies", "topk", "eval_replies"):
@@ -218,26 +257,34 @@ def main() -> None:
         raise SystemExit(f"--warmup must be 0 or positive; got {args.warmup}")
     if args.lr <= 0:
         raise SystemExit(f"--lr must be positive; got {args.lr}")
-    if args.build_generalist is not None and (args.student or args.experts):
-        raise SystemExit("--build-generalist trains its own student and experts: drop --student / --experts")
+    building = args.build_generalist is not None or args.build_arch is not None
+    if building and (args.student or args.experts):
+        raise SystemExit("--build-generalist / --build-arch train their own student and experts: drop --student / "
+                         "--experts")
+    try:
+        shape = parse_arch(args.build_arch) if args.build_arch is not None else None
+    except ValueError as e:
+        raise SystemExit(str(e)) from None
     order = [d for d in args.order.split(",") if d]
     unknown = sorted(set(order) - set(gym.DOMAIN_NAMES))
     if unknown or not order:
         raise SystemExit(f"--order: unknown domain(s) {unknown or order}; choose from {list(gym.DOMAIN_NAMES)}")
     root = gym.ensure_gym(args.gym_dir).root
     t0 = time.time()
-    if args.build_generalist is not None:
+    if building:
         if not args.variant_dir:
-            raise SystemExit("--build-generalist needs --variant-dir (where to write the variant)")
+            raise SystemExit("--build-generalist / --build-arch need --variant-dir (where to write the variant)")
         variant = Path(args.variant_dir)
         done = variant / VARIANT_DONE
-        wanted = {"base_steps": args.build_generalist, "seed": args.seed}
+        base_steps = args.build_generalist if args.build_generalist is not None else gym.BASE_SFT["steps"]
+        wanted = variant_marker(base_steps, args.seed, shape)
         if not done.is_file() or json.loads(done.read_text()) != wanted:
             if variant.exists() and any(variant.iterdir()) and not (variant / "student").is_dir():
                 raise SystemExit(f"--variant-dir {variant} is not empty and not a variant: give an empty or new folder")
             shutil.rmtree(variant, ignore_errors=True)
-            build_generalist(root, variant, args.build_generalist, args.seed)
-            print(f"built the variant (π0: {args.build_generalist} joint steps) in {time.time() - t0:.0f} s")
+            build_generalist(root, variant, base_steps, args.seed, shape)
+            print(f"built the variant (π0: {base_steps} joint steps, shape {shape or 'TINY_ARCH'}) in "
+                  f"{time.time() - t0:.0f} s", flush=True)
         student_dir, experts_dir = variant / "student", variant / "experts"
     else:
         student_dir = Path(args.student) if args.student else gym.GymPaths(root).student
@@ -250,6 +297,7 @@ def main() -> None:
     torch.set_num_threads(1)
     domains = list(gym.DOMAIN_NAMES)
     table = [{"after": "start", **score_all(student, str(student_dir), experts, root, domains, args.eval_replies)}]
+    print(f"student: {sum(p.numel() for p in student.parameters()):,} parameters ({student_dir})")
     print("experts on their own domain: " + ", ".join(
         f"{d} {score_all(experts[d], str(experts_dir / d), experts, root, [d], args.eval_replies)[d][0]}"
         for d in domains))

@@ -12,10 +12,10 @@ import torch
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
-from benchmarks.mopd_stage_proxy import stage  # noqa: E402
+from benchmarks.mopd_stage_proxy import parse_arch, stage, variant_marker  # noqa: E402
 from claas_verl.mopd.eval.gym_snapshots import response_logits, right_padded  # noqa: E402
 from claas_verl.tiny import gym  # noqa: E402
-from claas_verl.tiny.model import build_student  # noqa: E402
+from claas_verl.tiny.model import TINY_ARCH, build_student, student_config  # noqa: E402
 
 ROWS = [{"prompt": [{"role": "user", "content": w}]} for w in ("cat", "dog", "bird", "fish", "ant", "owl")]
 
@@ -116,3 +116,38 @@ def test_scoring_mid_stage_changes_nothing_in_the_stage(tok):
     assert kls == plain_kls
     for a, b in zip(w, plain_w):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_build_arch_gives_the_requested_wider_student(tok):
+    shape = parse_arch("hidden=128, heads=4,kv_heads=2,intermediate=256")
+    assert shape == {"hidden_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2,
+                     "intermediate_size": 256}
+    eos, pad = gym.stop_and_pad_ids(tok)
+    wide, tiny = build_student(len(tok), eos, pad, 0, shape=shape), _model(tok, 0)
+    cfg = wide.config
+    got = (cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.intermediate_size)
+    assert got == (128, 4, 2, 256)
+    assert cfg.num_hidden_layers == TINY_ARCH["num_hidden_layers"] and cfg.initializer_range == 0.1  # the rest kept
+    assert wide.model.layers[0].self_attn.k_proj.out_features == 2 * 32  # head size 32, 2 KV heads
+    assert sum(p.numel() for p in wide.parameters()) > 3 * sum(p.numel() for p in tiny.parameters())
+    assert wide(input_ids=torch.tensor([[5, 6, 7]])).logits.shape == (1, 3, len(tok))
+
+
+@pytest.mark.parametrize("spec", ["", "width=128", "hidden=0", "hidden=128,heads=8", "heads=3",
+                                  "hidden=192,heads=6,kv_heads=4", "layers"])
+def test_build_arch_refuses_a_shape_it_cannot_build(spec):
+    # head size below 32 (vLLM's CPU kernels), heads not dividing hidden or not a multiple of kv_heads, unknown keys
+    with pytest.raises(ValueError, match="--build-arch"):
+        parse_arch(spec)
+
+
+def test_student_config_refuses_an_unknown_shape_entry():
+    with pytest.raises(ValueError, match="hidden_sise"):
+        student_config(32, [1], 0, shape={"hidden_sise": 128})
+
+
+def test_the_variant_marker_records_a_reshaped_student_only():
+    # a generalist variant built before --build-arch existed keeps its marker, so it is not rebuilt
+    assert variant_marker(1200, 0, None) == {"base_steps": 1200, "seed": 0}
+    assert variant_marker(250, 1, {"hidden_size": 128}) == {"base_steps": 250, "seed": 1,
+                                                            "arch": {"hidden_size": 128}}
