@@ -160,7 +160,7 @@ def test_streaming_from_vllm_is_token_by_token_and_records_what_a_plain_turn_rec
     with running_service(backend, buf) as (service, url):
         client = OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=300)
         # A long reply (min_tokens: unrecordable, but served): its content chunks arrive spread over the generation,
-        # the first one right after the prompt, not all of them once vLLM has finished.
+        # not all of them once vLLM has finished.
         client.chat.completions.create(model="tiny", messages=USER, max_tokens=2,  # warm-up: the first request is slow
                                        extra_body={"metadata": {"record": False}})
         t0 = time.perf_counter()
@@ -173,7 +173,9 @@ def test_streaming_from_vllm_is_token_by_token_and_records_what_a_plain_turn_rec
         total = times[-1]
         print(f"\nvLLM CPU stream, 1000 tokens: first content chunk {content[0]:.3f}s, median "
               f"{content[len(content) // 2]:.3f}s, last chunk {total:.3f}s, {len(content)} content chunks")
-        assert len(content) > 100 and content[0] < 0.2 * total, (content[0], total)
+        # spread over the generation: buffered delivery would put every chunk within milliseconds of the last one
+        # (the first chunk's own latency, vLLM's first step with min_tokens, varies with the machine: up to 1.8 s here)
+        assert len(content) > 100 and content[-1] - content[0] > 0.5 * total, (content[0], content[-1], total)
 
         # Same seed streamed and not: the same sampled tokens, hence the same entry.
         # (the first seed whose reply has several content chunks; shorter replies are settled with reward 0)
