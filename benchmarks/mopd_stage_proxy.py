@@ -194,9 +194,9 @@ def parse_arch(spec: str) -> dict[str, int]:
     return shape
 
 
-def build_generalist(root: Path, out: Path, base_steps: int, seed: int = 0, shape: dict | None = None) -> None:
-    """π0 with ``base_steps`` joint steps and its experts, trained as ``gym._build_into`` trains the bundle's;
-    ``shape``: :func:`claas_verl.tiny.model.student_config`'s overrides of the student's shape."""
+def build_variant(root: Path, out: Path, base_steps: int, seed: int = 0, shape: dict | None = None) -> None:
+    """A bundle variant: π0 with ``base_steps`` joint steps and its experts, trained as ``gym._build_into`` trains
+    the bundle's; ``shape``: :func:`claas_verl.tiny.model.student_config`'s overrides of the student's shape."""
     from transformers import AutoTokenizer
 
     from claas_verl.tiny.data import stable_seed
@@ -282,7 +282,7 @@ def main() -> None:
             if variant.exists() and any(variant.iterdir()) and not (variant / "student").is_dir():
                 raise SystemExit(f"--variant-dir {variant} is not empty and not a variant: give an empty or new folder")
             shutil.rmtree(variant, ignore_errors=True)
-            build_generalist(root, variant, base_steps, args.seed, shape)
+            build_variant(root, variant, base_steps, args.seed, shape)
             print(f"built the variant (π0: {base_steps} joint steps, shape {shape or 'TINY_ARCH'}) in "
                   f"{time.time() - t0:.0f} s", flush=True)
         student_dir, experts_dir = variant / "student", variant / "experts"

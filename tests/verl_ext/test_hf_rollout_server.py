@@ -160,3 +160,13 @@ def test_batch_size_setting_is_validated_naming_the_key(value):
     with pytest.raises(ValueError, match=r"rollout\.engine_kwargs\.hf\.max_batch_size"):
         hf_max_batch_size(cfg)
     assert hf_max_batch_size(SimpleNamespace()) == 1 and hf_max_batch_size(SimpleNamespace(engine_kwargs={})) == 1
+
+
+def test_batch_history_is_bounded_on_a_long_lived_server(tiny_model_dir, monkeypatch):
+    from claas_verl.verl_ext.cpu import hf_rollout
+
+    monkeypatch.setattr(hf_rollout, "_BATCH_HISTORY", 2)
+    server = _server(tiny_model_dir)
+    for i in range(3):
+        asyncio.run(server.generate([5, 6, 7], {"temperature": 1.0, "max_tokens": 1}, f"r{i}"))
+    assert server.get_batch_sizes() == [1, 1]

@@ -23,6 +23,7 @@ import asyncio
 import hashlib
 import logging
 import os
+from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -38,26 +39,10 @@ logger = logging.getLogger(__name__)
 
 ROLLOUT_NAME = "hf"
 
-def hf_max_batch_size(config) -> int:
-    """Rows per decoded batch: ``rollout.engine_kwargs.hf.max_batch_size``, 1 (each request alone) when unset.
-
-    1 keeps a run exactly repeatable: a request's logits then never depend on which requests share its batch, and
-    which do depends on arrival timing. A batch is many times faster when replies are long (docs/verl-couplings.md),
-    at the price of rounding-level differences between runs (rarely a different token).
-    """
-    hf = (getattr(config, "engine_kwargs", None) or {}).get("hf") or {}
-    value = hf.get("max_batch_size", 1)
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ValueError(
-            f"actor_rollout_ref.rollout.engine_kwargs.hf.max_batch_size must be an integer >= 1, got {value!r}; "
-            "1 decodes each request alone (exactly repeatable), more batches concurrent requests"
-        )
-    return value
-
-
 # Batching: how long the decoder waits for more requests while they keep arriving, and at most.
 _GATHER_S = 0.002
 _GATHER_MAX_S = 0.02
+_BATCH_HISTORY = 4096
 
 # Weight-sync bucket: tensors are shipped to the server through Ray's object store
 # in groups of about this many bytes, so a large model never needs two full copies in flight.
@@ -80,6 +65,23 @@ class _Request:
 class _Decoded:
     tokens: list[int]
     log_probs: list[float]
+
+
+def hf_max_batch_size(config) -> int:
+    """Rows per decoded batch: ``rollout.engine_kwargs.hf.max_batch_size``, 1 (each request alone) when unset.
+
+    1 keeps a run exactly repeatable: a request's logits then never depend on which requests share its batch, and
+    which do depends on arrival timing. A batch is many times faster when replies are long (docs/verl-couplings.md),
+    at the price of rounding-level differences between runs (rarely a different token).
+    """
+    hf = (getattr(config, "engine_kwargs", None) or {}).get("hf") or {}
+    value = hf.get("max_batch_size", 1)
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(
+            f"actor_rollout_ref.rollout.engine_kwargs.hf.max_batch_size must be an integer >= 1, got {value!r}; "
+            "1 decodes each request alone (exactly repeatable), more batches concurrent requests"
+        )
+    return value
 
 
 def sample_next_token(
@@ -167,7 +169,8 @@ class HFRolloutServer:
         self._queue: list[tuple[_Request, asyncio.Future]] = []
         self._decoder: asyncio.Task | None = None
         self._max_batch = hf_max_batch_size(self.config)
-        self.batch_sizes: list[int] = []  # rows of every decoded batch, in order (diagnostics and tests)
+        # rows of the latest decoded batches, in order (diagnostics and tests); bounded for a long-lived server
+        self.batch_sizes: deque[int] = deque(maxlen=_BATCH_HISTORY)
         self._pending: dict[str, torch.Tensor] = {}
         self._peft_applied = False
         # Names of the tensors applied by the latest weight update and how it was applied ("full" or
@@ -388,7 +391,7 @@ class HFRolloutServer:
             raise KeyError(f"LoRA sync sent tensors the rollout's peft model does not have: {unexpected[:5]}")
 
     def get_batch_sizes(self) -> list[int]:
-        """Rows of every batch decoded so far, in order."""
+        """Rows of the latest (at most ``_BATCH_HISTORY``) decoded batches, in order."""
         return list(self.batch_sizes)
 
     def get_policy_version(self) -> int:
