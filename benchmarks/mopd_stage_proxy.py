@@ -6,6 +6,7 @@
     python benchmarks/mopd_stage_proxy.py --student DIR --experts DIR      # a candidate student / experts
     python benchmarks/mopd_stage_proxy.py --build-generalist 1200 --variant-dir DIR   # the rejected design below
     python benchmarks/mopd_stage_proxy.py --build-arch hidden=256,heads=8,kv_heads=2,intermediate=512 --variant-dir DIR
+    python benchmarks/mopd_stage_proxy.py --build-domains syll,family,spell --variant-dir DIR --order syll
 
 A whole benchmark run is an hour; choosing a bundle design needs an answer in minutes (the bundle's three stages
 here: about 2 CPU-minutes). Each stage step is the trainer's per-step math (``claas_verl.distill.topk``, docs/math.md
@@ -32,6 +33,10 @@ each fine-tuned from that π0 with the bundle's recipe (``claas_verl/tiny/gym.py
 steps), e.g. ``hidden=256,layers=4,heads=8,kv_heads=2,intermediate=512``; keys not given keep ``TINY_ARCH``'s value.
 The variant is built with ``--seed``; other design seeds run on it with ``--student DIR/student --experts
 DIR/experts``.
+
+``--build-domains NAMES`` builds a whole bundle of other domains (``OTHER_DOMAINS``: other reasoning-gym families,
+and the benchmark's own) with the bundle's builder and seed: its own data, a jointly trained π0 and one expert per
+domain (``--expert-steps`` SFT steps each), then runs the stages on it; other seeds run on it with ``--gym-dir DIR``.
 """
 
 from __future__ import annotations
@@ -62,6 +67,15 @@ ARCH_KEYS = {"hidden": "hidden_size", "layers": "num_hidden_layers", "heads": "n
              "kv_heads": "num_key_value_heads", "intermediate": "intermediate_size"}
 MIN_HEAD_DIM = 32  # vLLM's CPU attention kernels refuse smaller heads (claas_verl/tiny/model.py TINY_ARCH)
 MAX_RESPONSE_TOKENS = 40  # recipes/mopd/train/gym.yaml max_response_length
+# Other reasoning-gym families measured as stages (docs/benchmark.md, "Other reasoning-gym families"):
+# --build-domains builds a bundle of any of these and the benchmark's own (spell, reverse, arith).
+OTHER_DOMAINS: tuple[gym.GymDomain, ...] = (
+    gym.GymDomain("syll", "syllogism", {}),
+    gym.GymDomain("gcd", "gcd", {"min_numbers": 2, "max_numbers": 2, "min_value": 1, "max_value": 30}),
+    gym.GymDomain("count", "letter_counting", {"min_words": 2, "max_words": 4}),
+    gym.GymDomain("family", "family_relationships", {}),
+)
+BUILDABLE_DOMAINS = {d.name: d for d in (*gym.GYM_DOMAINS, *OTHER_DOMAINS)}
 
 
 def read_rows(root: Path, domain: str, split: str) -> list[dict]:
@@ -173,6 +187,18 @@ def score_all(student, student_dir: str, experts: dict, root: Path, domains: lis
     return out
 
 
+def majority_answer_score(root: Path, domain: str) -> tuple[str, float]:
+    """The domain's most common train answer and its held-out score when given to every prompt: what a student
+    that collapsed to one answer scores (``syll``: "Yes", 0.688), so that a stage's gain is read against it."""
+    from collections import Counter
+
+    from claas_verl.tiny.gym_score import score_reasoning_gym
+
+    answer, _ = Counter(r["extra_info"]["reference"] for r in read_rows(root, domain, "train")).most_common(1)[0]
+    test = read_rows(root, domain, "test")
+    return answer, round(sum(score_reasoning_gym(answer, r["extra_info"]) for r in test) / len(test), 3)
+
+
 def parse_arch(spec: str) -> dict[str, int]:
     """``"hidden=256,heads=8"`` -> ``{"hidden_size": 256, "num_attention_heads": 8}``, checked against the
     resulting shape: whole heads of at least ``MIN_HEAD_DIM``, query heads a multiple of the KV heads."""
@@ -195,7 +221,7 @@ def parse_arch(spec: str) -> dict[str, int]:
 
 
 def build_variant(root: Path, out: Path, base_steps: int, seed: int = 0, shape: dict | None = None) -> None:
-    """A bundle variant: π0 with ``base_steps`` joint steps and its experts, trained as ``gym._build_into`` trains
+    """A bundle variant: π0 with ``base_steps`` joint steps and its experts, trained as ``gym.build_bundle`` trains
     the bundle's; ``shape``: :func:`claas_verl.tiny.model.student_config`'s overrides of the student's shape."""
     from transformers import AutoTokenizer
 
@@ -219,6 +245,36 @@ def build_variant(root: Path, out: Path, base_steps: int, seed: int = 0, shape: 
     (out / VARIANT_DONE).write_text(json.dumps(variant_marker(base_steps, seed, shape)) + "\n")
 
 
+def parse_domains(spec: str) -> tuple[gym.GymDomain, ...]:
+    """``"syll,gcd,spell"`` -> those ``BUILDABLE_DOMAINS``, in that order (the bundle's default stage order)."""
+    names = [n.strip() for n in spec.split(",") if n.strip()]
+    unknown = sorted(set(names) - set(BUILDABLE_DOMAINS))
+    if not names or unknown or len(set(names)) != len(names):
+        raise ValueError(f"--build-domains: {spec!r} must name distinct domains from {sorted(BUILDABLE_DOMAINS)}"
+                         + (f"; unknown: {unknown}" if unknown else ""))
+    return tuple(BUILDABLE_DOMAINS[n] for n in names)
+
+
+def domains_marker(domains: tuple[gym.GymDomain, ...], expert_steps: int) -> dict:
+    return {"domains": [d.name for d in domains], "expert_steps": expert_steps}
+
+
+def bundle_domains(root: Path) -> list[str]:
+    """The domains of the bundle at ``root`` in stage order: a ``--build-domains`` bundle's own, else the
+    benchmark's."""
+    marker = root / VARIANT_DONE
+    names = json.loads(marker.read_text()).get("domains") if marker.is_file() else None
+    return list(names) if names else list(gym.DOMAIN_NAMES)
+
+
+def build_domains_bundle(out: Path, domains: tuple[gym.GymDomain, ...], expert_steps: int) -> None:
+    """A whole bundle of ``domains`` (its own data, π0 and experts, each expert ``expert_steps`` SFT steps), built
+    by the benchmark bundle's builder with the bundle's seed 0, so that ``--gym-dir out`` uses it as it is."""
+    torch.set_num_threads(1)
+    gym.build_bundle(out, 0, domains, {d.name: expert_steps for d in domains})
+    (out / VARIANT_DONE).write_text(json.dumps(domains_marker(domains, expert_steps)) + "\n")
+
+
 def variant_marker(base_steps: int, seed: int, shape: dict | None) -> dict:
     marker = {"base_steps": base_steps, "seed": seed}
     return {**marker, "arch": shape} if shape else marker
@@ -229,7 +285,7 @@ def main() -> None:
     ap.add_argument("--gym-dir", default=None, help="bundle with the data (default $CLAAS_GYM_DIR, built if missing)")
     ap.add_argument("--student", default=None, help="student to train (default: the bundle's π0)")
     ap.add_argument("--experts", default=None, help="folder with one expert per domain (default: the bundle's)")
-    ap.add_argument("--order", default=",".join(gym.DOMAIN_NAMES), help="stages, comma-separated domains")
+    ap.add_argument("--order", default=None, help="stages, comma-separated domains (default: the bundle's three)")
     ap.add_argument("--steps", type=int, default=12, help="updates per stage (the benchmark: 12)")
     ap.add_argument("--prompts", type=int, default=16, help="prompts per step (the benchmark's block_size)")
     ap.add_argument("--replies", type=int, default=4, help="replies per prompt")
@@ -246,6 +302,11 @@ def main() -> None:
     ap.add_argument("--build-arch", default=None, metavar="SPEC",
                     help="first build a variant with this student shape in --variant-dir, e.g. "
                          "hidden=256,layers=4,heads=8,kv_heads=2,intermediate=512 (head size >= 32)")
+    ap.add_argument("--build-domains", default=None, metavar="NAMES",
+                    help="first build a bundle of these domains (its own data, π0 and experts) in --variant-dir, "
+                         f"e.g. syll,gcd,spell; from {sorted(BUILDABLE_DOMAINS)}")
+    ap.add_argument("--expert-steps", type=int, default=1000,
+                    help="with --build-domains: SFT steps of every expert (default 1000)")
     ap.add_argument("--variant-dir", default=None)
     args = ap.parse_args()
     for name in ("steps", "prompts", "replies", "topk", "eval_replies"):
@@ -258,19 +319,43 @@ def main() -> None:
     if args.lr <= 0:
         raise SystemExit(f"--lr must be positive; got {args.lr}")
     building = args.build_generalist is not None or args.build_arch is not None
-    if building and (args.student or args.experts):
-        raise SystemExit("--build-generalist / --build-arch train their own student and experts: drop --student / "
+    builders = [f for f in ("build_generalist", "build_arch", "build_domains") if getattr(args, f) is not None]
+    if builders and (args.student or args.experts):
+        raise SystemExit(f"--{builders[0].replace('_', '-')} trains its own student and experts: drop --student / "
                          "--experts")
+    if "build_domains" in builders and (building or args.gym_dir):
+        raise SystemExit("--build-domains builds a whole bundle (data included): it takes no --gym-dir, "
+                         "--build-generalist or --build-arch")
+    if args.expert_steps < 1:
+        raise SystemExit(f"--expert-steps must be at least 1; got {args.expert_steps}")
     try:
         shape = parse_arch(args.build_arch) if args.build_arch is not None else None
+        new_domains = parse_domains(args.build_domains) if args.build_domains is not None else None
     except ValueError as e:
         raise SystemExit(str(e)) from None
-    order = [d for d in args.order.split(",") if d]
-    unknown = sorted(set(order) - set(gym.DOMAIN_NAMES))
-    if unknown or not order:
-        raise SystemExit(f"--order: unknown domain(s) {unknown or order}; choose from {list(gym.DOMAIN_NAMES)}")
-    root = gym.ensure_gym(args.gym_dir).root
     t0 = time.time()
+    if new_domains is not None:
+        if not args.variant_dir:
+            raise SystemExit("--build-domains needs --variant-dir (where to write the bundle)")
+        variant = Path(args.variant_dir)
+        done = variant / VARIANT_DONE
+        wanted = domains_marker(new_domains, args.expert_steps)
+        if not done.is_file() or json.loads(done.read_text()) != wanted:
+            if variant.exists() and any(variant.iterdir()) and not (variant / "student").is_dir():
+                raise SystemExit(f"--variant-dir {variant} is not empty and not a variant: give an empty or new folder")
+            shutil.rmtree(variant, ignore_errors=True)
+            build_domains_bundle(variant, new_domains, args.expert_steps)
+            print(f"built the bundle of {wanted['domains']} in {time.time() - t0:.0f} s", flush=True)
+        root = variant
+    else:
+        root = gym.ensure_gym(args.gym_dir).root
+    domains = bundle_domains(root)
+    order = [d for d in (args.order or ",".join(domains)).split(",") if d]
+    unknown = sorted(set(order) - set(domains))
+    if unknown or not order:
+        raise SystemExit(f"--order: unknown domain(s) {unknown or order}; choose from {domains}")
+    if building and domains != list(gym.DOMAIN_NAMES):
+        raise SystemExit(f"--build-generalist / --build-arch vary the benchmark's bundle; {root} holds {domains}")
     if building:
         if not args.variant_dir:
             raise SystemExit("--build-generalist / --build-arch need --variant-dir (where to write the variant)")
@@ -293,14 +378,15 @@ def main() -> None:
 
     tok = AutoTokenizer.from_pretrained(student_dir)
     student = load_model(str(student_dir))
-    experts = {d: load_model(str(experts_dir / d)) for d in gym.DOMAIN_NAMES}
+    experts = {d: load_model(str(experts_dir / d)) for d in domains}
     torch.set_num_threads(1)
-    domains = list(gym.DOMAIN_NAMES)
     table = [{"after": "start", **score_all(student, str(student_dir), experts, root, domains, args.eval_replies)}]
     print(f"student: {sum(p.numel() for p in student.parameters()):,} parameters ({student_dir})")
     print("experts on their own domain: " + ", ".join(
         f"{d} {score_all(experts[d], str(experts_dir / d), experts, root, [d], args.eval_replies)[d][0]}"
         for d in domains))
+    print("one answer to every prompt (the most common train answer): " + ", ".join(
+        f"{d} {a!r} {v}" for d in domains for a, v in [majority_answer_score(root, d)]))
     print("start: " + json.dumps(table[0]), flush=True)
     for k, d in enumerate(order, 1):
         rows = read_rows(root, d, "train")

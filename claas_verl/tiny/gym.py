@@ -171,7 +171,7 @@ def ensure_gym(out_dir: str | os.PathLike | None = None, seed: int = 0) -> GymPa
         tmp = out_dir.with_name(f".{out_dir.name}.build-{os.getpid()}")
         shutil.rmtree(tmp, ignore_errors=True)
         try:
-            _build_into(tmp, seed)
+            build_bundle(tmp, seed)
             if out_dir.exists():
                 shutil.rmtree(out_dir)
             os.replace(tmp, out_dir)
@@ -180,7 +180,11 @@ def ensure_gym(out_dir: str | os.PathLike | None = None, seed: int = 0) -> GymPa
     return GymPaths(out_dir)
 
 
-def _build_into(root: Path, seed: int) -> None:
+def build_bundle(root: Path, seed: int, domains: tuple[GymDomain, ...] = GYM_DOMAINS,
+                expert_steps: dict[str, int] | None = None) -> None:
+    """The bundle of ``domains`` (default: the benchmark's) into the new folder ``root``; ``expert_steps``: SFT
+    steps of each domain's expert (default ``EXPERT_STEPS``). Other domain sets are design variants
+    (``benchmarks/mopd_stage_proxy.py --build-domains``)."""
     import time
 
     import torch
@@ -188,6 +192,10 @@ def _build_into(root: Path, seed: int) -> None:
     from claas_verl.tiny.data import stable_seed, write_parquet
     from claas_verl.tiny.model import build_student, save_model
 
+    expert_steps = EXPERT_STEPS if expert_steps is None else expert_steps
+    missing = [d.name for d in domains if d.name not in expert_steps]
+    if missing:
+        raise ValueError(f"expert_steps has no entry for domain(s) {missing}")
     t0 = time.time()
     paths = GymPaths(root)
     root.mkdir(parents=True)
@@ -196,7 +204,7 @@ def _build_into(root: Path, seed: int) -> None:
 
     print(f"{LOG} building the gym bundle into {root} (seed {seed}; minutes on a few CPU cores)", file=sys.stderr,
           flush=True)
-    splits = {d.name: gym_rows(d, seed) for d in track(GYM_DOMAINS, f"{LOG} reasoning-gym data", unit="domains")}
+    splits = {d.name: gym_rows(d, seed) for d in track(domains, f"{LOG} reasoning-gym data", unit="domains")}
     for name, (train, test) in splits.items():
         write_parquet(train, paths.data(name, "train"))
         write_parquet(test, paths.data(name, "test"))
@@ -208,15 +216,15 @@ def _build_into(root: Path, seed: int) -> None:
     torch.set_num_threads(1)
     try:
         student = build_student(len(tok), eos, pad, seed)
-        sft(student, joint_mix(examples), **BASE_SFT, seed=stable_seed("claas_gym.base", seed), pad_token_id=pad,
-            label=f"{LOG} base SFT")
+        sft(student, joint_mix(examples, tuple(splits)), **BASE_SFT, seed=stable_seed("claas_gym.base", seed),
+            pad_token_id=pad, label=f"{LOG} base SFT")
         save_model(student, tok, paths.student)
         accuracy = {"student": evaluate(student, tok, splits, seed, label=f"{LOG} student accuracy")}
-        for name in DOMAIN_NAMES:
+        for name in splits:
             import copy
 
             expert = copy.deepcopy(student)
-            sft(expert, examples[name], steps=EXPERT_STEPS[name], **EXPERT_SFT,
+            sft(expert, examples[name], steps=expert_steps[name], **EXPERT_SFT,
                 seed=stable_seed("claas_gym.expert", seed, name), pad_token_id=pad, label=f"{LOG} expert {name} SFT")
             save_model(expert, tok, paths.expert(name))
             accuracy[f"expert:{name}"] = evaluate(expert, tok, splits, seed, label=f"{LOG} expert {name} accuracy")
@@ -225,11 +233,11 @@ def _build_into(root: Path, seed: int) -> None:
     manifest = {
         "version": GYM_VERSION,
         "seed": seed,
-        "domains": {d.name: {"task": d.task, "config": d.config} for d in GYM_DOMAINS},
+        "domains": {d.name: {"task": d.task, "config": d.config} for d in domains},
         "sizes": {"vocab_size": len(tok), "num_parameters": sum(p.numel() for p in student.parameters()),
                   "train_rows": {n: len(s[0]) for n, s in splits.items()}, "test_rows": N_TEST},
         "base_sft": BASE_SFT,
-        "expert_sft": {**EXPERT_SFT, "steps": EXPERT_STEPS},
+        "expert_sft": {**EXPERT_SFT, "steps": {d.name: expert_steps[d.name] for d in domains}},
         # accuracy[model][domain]: mean reasoning-gym score of ACC_SAMPLES replies at τ = 1 on ACC_PROMPTS
         # held-out prompts (the same protocol as the trainer's stage-end evaluation)
         "accuracy": accuracy,
@@ -259,11 +267,11 @@ def sft_examples(tok, rows: list[dict]) -> list[tuple[list[int], list[int]]]:
     return out
 
 
-def joint_mix(examples: dict[str, list]) -> list:
+def joint_mix(examples: dict[str, list], order: tuple[str, ...] = DOMAIN_NAMES) -> list:
     """π0's training mix: every domain equally often (arith has ~190 train questions, the others 2048), each
-    domain's examples cycled up to the largest domain's count, domains in ``DOMAIN_NAMES`` order."""
+    domain's examples cycled up to the largest domain's count, domains in ``order``."""
     per = max(len(v) for v in examples.values())
-    return [examples[name][i % len(examples[name])] for name in DOMAIN_NAMES for i in range(per)]
+    return [examples[name][i % len(examples[name])] for name in order for i in range(per)]
 
 
 def sft(model, examples, steps: int, lr: float, batch_size: int, seed: int, pad_token_id: int,

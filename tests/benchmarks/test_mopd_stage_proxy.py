@@ -3,6 +3,7 @@ must be the trainer's math: no update toward a copy of itself, and a falling KL 
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -12,7 +13,15 @@ import torch
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
-from benchmarks.mopd_stage_proxy import parse_arch, stage, variant_marker  # noqa: E402
+from benchmarks.mopd_stage_proxy import (  # noqa: E402
+    build_domains_bundle,
+    bundle_domains,
+    majority_answer_score,
+    parse_arch,
+    parse_domains,
+    stage,
+    variant_marker,
+)
 from claas_verl.mopd.eval.gym_snapshots import response_logits, right_padded  # noqa: E402
 from claas_verl.tiny import gym  # noqa: E402
 from claas_verl.tiny.model import TINY_ARCH, build_student, student_config  # noqa: E402
@@ -151,3 +160,54 @@ def test_the_variant_marker_records_a_reshaped_student_only():
     assert variant_marker(1200, 0, None) == {"base_steps": 1200, "seed": 0}
     assert variant_marker(250, 1, {"hidden_size": 128}) == {"base_steps": 250, "seed": 1,
                                                             "arch": {"hidden_size": 128}}
+
+
+def test_build_domains_names_distinct_known_domains_in_stage_order():
+    assert [d.name for d in parse_domains("syll, gcd,spell")] == ["syll", "gcd", "spell"]
+    assert parse_domains("spell")[0] == gym.GYM_DOMAINS[0]  # the benchmark's own, unchanged
+    for spec in ("", "syll,syll", "syll,sudoku"):
+        with pytest.raises(ValueError, match="--build-domains"):
+            parse_domains(spec)
+
+
+def test_a_bundle_of_other_domains_is_built_whole_and_its_stage_order_kept(tmp_path, monkeypatch):
+    # the bundle builder at a few steps: its own data, π0, one expert per domain, and a manifest naming the domains;
+    # the proxy then reads the stage order from the marker (the manifest's keys are sorted)
+    monkeypatch.setattr(gym, "BASE_SFT", dict(gym.BASE_SFT, steps=2))
+    monkeypatch.setattr(gym, "ACC_PROMPTS", 2)
+    out = tmp_path / "b"
+    domains = parse_domains("syll,count")
+    build_domains_bundle(out, domains, expert_steps=2)
+    paths = gym.GymPaths(out)
+    manifest = json.loads(paths.manifest.read_text())
+    assert sorted(manifest["domains"]) == ["count", "syll"] and manifest["seed"] == 0
+    assert manifest["domains"]["syll"]["task"] == "syllogism"
+    assert manifest["expert_sft"]["steps"] == {"syll": 2, "count": 2}
+    assert set(manifest["accuracy"]) == {"student", "expert:syll", "expert:count"}
+    for d in ("syll", "count"):
+        assert paths.data(d, "test").is_file() and (paths.expert(d) / "config.json").is_file()
+    assert bundle_domains(out) == ["syll", "count"]
+    assert gym.is_current(out)  # so --gym-dir reuses it as it is, never rebuilds the benchmark's bundle there
+    assert bundle_domains(tmp_path) == list(gym.DOMAIN_NAMES)  # no marker: the benchmark's bundle
+
+
+def test_a_bundle_build_refuses_a_domain_without_expert_steps_before_writing(tmp_path):
+    with pytest.raises(ValueError, match="expert_steps.*syll"):
+        gym.build_bundle(tmp_path / "b", 0, parse_domains("syll"), {"spell": 2})
+    assert not (tmp_path / "b").exists()
+
+
+def test_the_one_answer_baseline_is_the_share_of_held_out_prompts_with_the_most_common_train_answer(tmp_path):
+    # syllogism answers Yes or No: a student that always says the commoner train answer scores exactly the
+    # share of held-out prompts with that answer (what the design notes read a syll "gain" against)
+    from claas_verl.tiny.data import write_parquet
+
+    train, test = gym.gym_rows(parse_domains("syll")[0], seed=0)
+    paths = gym.GymPaths(tmp_path)
+    write_parquet(train, paths.data("syll", "train"))
+    write_parquet(test, paths.data("syll", "test"))
+    answers = [r["extra_info"]["reference"] for r in train]
+    common = max(set(answers), key=answers.count)
+    share = sum(r["extra_info"]["reference"] == common for r in test) / len(test)
+    assert majority_answer_score(tmp_path, "syll") == (common, round(share, 3))
+    assert 0 < share < 1

@@ -68,7 +68,7 @@ def test_gym_build_never_replaces_a_directory_that_is_not_a_gym_bundle(tmp_path,
     def no_build(root, seed):
         raise AssertionError("no build may start")
 
-    monkeypatch.setattr(gym, "_build_into", no_build)
+    monkeypatch.setattr(gym, "build_bundle", no_build)
     mine = tmp_path / "mine"
     mine.mkdir()
     (mine / "notes.txt").write_text("keep me")
@@ -82,7 +82,7 @@ def test_gym_build_never_replaces_a_directory_that_is_not_a_gym_bundle(tmp_path,
     stale.mkdir()
     (stale / "manifest.json").write_text(json.dumps({"version": "0", "seed": 0, "base_sft": {}}))
     built = []
-    monkeypatch.setattr(gym, "_build_into", lambda root, seed: built.append(seed) or root.mkdir(parents=True))
+    monkeypatch.setattr(gym, "build_bundle", lambda root, seed: built.append(seed) or root.mkdir(parents=True))
     gym.ensure_gym(stale)
     assert built == [0]
 
