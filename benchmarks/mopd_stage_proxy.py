@@ -275,6 +275,22 @@ def build_domains_bundle(out: Path, domains: tuple[gym.GymDomain, ...], expert_s
     (out / VARIANT_DONE).write_text(json.dumps(domains_marker(domains, expert_steps)) + "\n")
 
 
+def ensure_variant(variant: Path, wanted: dict, build) -> bool:
+    """Build the variant ``wanted`` (its marker) into ``variant`` with ``build()`` unless it is there already; True
+    if built. Another variant there, or one killed while building (a student, no marker), is replaced; any other
+    folder that is not empty is refused, never deleted: a gym bundle too (a manifest and no marker), so that
+    ``--variant-dir`` naming the benchmark's bundle cannot delete it."""
+    done = variant / VARIANT_DONE
+    if done.is_file() and json.loads(done.read_text()) == wanted:
+        return False
+    half_built = (variant / "student").is_dir() and not (variant / "manifest.json").is_file()
+    if variant.exists() and any(variant.iterdir()) and not (done.is_file() or half_built):
+        raise SystemExit(f"--variant-dir {variant} is not empty and not a variant: give an empty or new folder")
+    shutil.rmtree(variant, ignore_errors=True)
+    build()
+    return True
+
+
 def variant_marker(base_steps: int, seed: int, shape: dict | None) -> dict:
     marker = {"base_steps": base_steps, "seed": seed}
     return {**marker, "arch": shape} if shape else marker
@@ -338,13 +354,8 @@ def main() -> None:
         if not args.variant_dir:
             raise SystemExit("--build-domains needs --variant-dir (where to write the bundle)")
         variant = Path(args.variant_dir)
-        done = variant / VARIANT_DONE
         wanted = domains_marker(new_domains, args.expert_steps)
-        if not done.is_file() or json.loads(done.read_text()) != wanted:
-            if variant.exists() and any(variant.iterdir()) and not (variant / "student").is_dir():
-                raise SystemExit(f"--variant-dir {variant} is not empty and not a variant: give an empty or new folder")
-            shutil.rmtree(variant, ignore_errors=True)
-            build_domains_bundle(variant, new_domains, args.expert_steps)
+        if ensure_variant(variant, wanted, lambda: build_domains_bundle(variant, new_domains, args.expert_steps)):
             print(f"built the bundle of {wanted['domains']} in {time.time() - t0:.0f} s", flush=True)
         root = variant
     else:
@@ -360,14 +371,9 @@ def main() -> None:
         if not args.variant_dir:
             raise SystemExit("--build-generalist / --build-arch need --variant-dir (where to write the variant)")
         variant = Path(args.variant_dir)
-        done = variant / VARIANT_DONE
         base_steps = args.build_generalist if args.build_generalist is not None else gym.BASE_SFT["steps"]
         wanted = variant_marker(base_steps, args.seed, shape)
-        if not done.is_file() or json.loads(done.read_text()) != wanted:
-            if variant.exists() and any(variant.iterdir()) and not (variant / "student").is_dir():
-                raise SystemExit(f"--variant-dir {variant} is not empty and not a variant: give an empty or new folder")
-            shutil.rmtree(variant, ignore_errors=True)
-            build_variant(root, variant, base_steps, args.seed, shape)
+        if ensure_variant(variant, wanted, lambda: build_variant(root, variant, base_steps, args.seed, shape)):
             print(f"built the variant (π0: {base_steps} joint steps, shape {shape or 'TINY_ARCH'}) in "
                   f"{time.time() - t0:.0f} s", flush=True)
         student_dir, experts_dir = variant / "student", variant / "experts"

@@ -14,8 +14,9 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
 from benchmarks.mopd_stage_proxy import (  # noqa: E402
-    build_domains_bundle,
+    VARIANT_DONE,
     bundle_domains,
+    ensure_variant,
     majority_answer_score,
     parse_arch,
     parse_domains,
@@ -170,27 +171,6 @@ def test_build_domains_names_distinct_known_domains_in_stage_order():
             parse_domains(spec)
 
 
-def test_a_bundle_of_other_domains_is_built_whole_and_its_stage_order_kept(tmp_path, monkeypatch):
-    # the bundle builder at a few steps: its own data, π0, one expert per domain, and a manifest naming the domains;
-    # the proxy then reads the stage order from the marker (the manifest's keys are sorted)
-    monkeypatch.setattr(gym, "BASE_SFT", dict(gym.BASE_SFT, steps=2))
-    monkeypatch.setattr(gym, "ACC_PROMPTS", 2)
-    out = tmp_path / "b"
-    domains = parse_domains("syll,count")
-    build_domains_bundle(out, domains, expert_steps=2)
-    paths = gym.GymPaths(out)
-    manifest = json.loads(paths.manifest.read_text())
-    assert sorted(manifest["domains"]) == ["count", "syll"] and manifest["seed"] == 0
-    assert manifest["domains"]["syll"]["task"] == "syllogism"
-    assert manifest["expert_sft"]["steps"] == {"syll": 2, "count": 2}
-    assert set(manifest["accuracy"]) == {"student", "expert:syll", "expert:count"}
-    for d in ("syll", "count"):
-        assert paths.data(d, "test").is_file() and (paths.expert(d) / "config.json").is_file()
-    assert bundle_domains(out) == ["syll", "count"]
-    assert gym.is_current(out)  # so --gym-dir reuses it as it is, never rebuilds the benchmark's bundle there
-    assert bundle_domains(tmp_path) == list(gym.DOMAIN_NAMES)  # no marker: the benchmark's bundle
-
-
 def test_a_bundle_build_refuses_a_domain_without_expert_steps_before_writing(tmp_path):
     with pytest.raises(ValueError, match="expert_steps.*syll"):
         gym.build_bundle(tmp_path / "b", 0, parse_domains("syll"), {"spell": 2})
@@ -211,3 +191,62 @@ def test_the_one_answer_baseline_is_the_share_of_held_out_prompts_with_the_most_
     share = sum(r["extra_info"]["reference"] == common for r in test) / len(test)
     assert majority_answer_score(tmp_path, "syll") == (common, round(share, 3))
     assert 0 < share < 1
+
+
+def test_a_variant_folder_is_built_once_replaced_when_stale_and_a_bundle_is_never_deleted(tmp_path):
+    built = []
+
+    def build(folder, marker):
+        def run():
+            (folder / "student").mkdir(parents=True)
+            (folder / VARIANT_DONE).write_text(json.dumps(marker))
+            built.append(marker)
+        return run
+
+    v = tmp_path / "v"
+    assert ensure_variant(v, {"a": 1}, build(v, {"a": 1})) and built == [{"a": 1}]
+    assert not ensure_variant(v, {"a": 1}, build(v, {"a": 1}))  # there already: reused
+    assert ensure_variant(v, {"a": 2}, build(v, {"a": 2})) and built[-1] == {"a": 2}  # another variant: replaced
+    (v / VARIANT_DONE).unlink()  # killed while building: rebuilt
+    assert ensure_variant(v, {"a": 2}, build(v, {"a": 2})) and len(built) == 3
+    for name, files in (("bundle", ["manifest.json", "student/config.json"]), ("mine", ["notes.txt"])):
+        folder = tmp_path / name
+        for f in files:
+            (folder / f).parent.mkdir(parents=True, exist_ok=True)
+            (folder / f).write_text("keep")
+        with pytest.raises(SystemExit, match="not a variant"):
+            ensure_variant(folder, {"a": 1}, build(folder, {"a": 1}))
+        assert all((folder / f).read_text() == "keep" for f in files)
+
+
+def test_the_script_builds_a_bundle_of_other_domains_and_runs_its_stages_in_its_order(tmp_path, monkeypatch, capsys):
+    # the command line end to end at a few steps: build, then every stage of the bundle's own order by default
+    from benchmarks import mopd_stage_proxy
+
+    monkeypatch.setattr(gym, "BASE_SFT", dict(gym.BASE_SFT, steps=2))
+    monkeypatch.setattr(gym, "ACC_PROMPTS", 2)
+    monkeypatch.setattr(sys, "argv", ["proxy", "--build-domains", "syll,count", "--variant-dir", str(tmp_path / "v"),
+                                      "--expert-steps", "1", "--steps", "1", "--prompts", "2", "--replies", "1",
+                                      "--eval-replies", "1"])
+    mopd_stage_proxy.main()
+    out = capsys.readouterr().out
+    assert "built the bundle of ['syll', 'count']" in out
+    assert "one answer to every prompt" in out and "syll 'Yes'" in out
+    assert out.index("stage 1 (syll") < out.index("stage 2 (count")
+    assert "| 2:count |" in out
+    # the bundle: its own data, π0, one expert per domain, a manifest naming the domains (keys sorted: the stage
+    # order comes from the marker), reused as it is through --gym-dir (never rebuilt as the benchmark's bundle)
+    v = tmp_path / "v"
+    paths = gym.GymPaths(v)
+    manifest = json.loads(paths.manifest.read_text())
+    assert sorted(manifest["domains"]) == ["count", "syll"] and manifest["seed"] == 0
+    assert manifest["domains"]["syll"]["task"] == "syllogism"
+    assert manifest["expert_sft"]["steps"] == {"syll": 1, "count": 1}
+    assert set(manifest["accuracy"]) == {"student", "expert:syll", "expert:count"}
+    for d in ("syll", "count"):
+        assert paths.data(d, "test").is_file() and (paths.expert(d) / "config.json").is_file()
+    assert bundle_domains(v) == ["syll", "count"] and gym.is_current(v)
+    assert bundle_domains(tmp_path) == list(gym.DOMAIN_NAMES)  # no marker: the benchmark's bundle
+    monkeypatch.setattr(sys, "argv", ["proxy", "--build-domains", "syll", "--gym-dir", str(tmp_path)])
+    with pytest.raises(SystemExit, match="no --gym-dir"):
+        mopd_stage_proxy.main()
