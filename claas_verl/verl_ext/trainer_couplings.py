@@ -14,16 +14,20 @@ This module imports nothing (it is data).
 
 from __future__ import annotations
 
+import importlib
 from typing import NamedTuple
 
 TRAINER = "verl.trainer.ppo.v1.trainer_base"
 WORKERS = "verl.workers.engine_workers"
 ENGINE = "verl.workers.engine.base"
 FSDP = "verl.workers.engine.fsdp.transformer_impl"
+AGENT_LOOP = "verl.experimental.agent_loop.agent_loop"
+AGENT_LOOP_TQ = "verl.trainer.ppo.v1.agent_loop_tq"
 
 
 class Coupling(NamedTuple):
-    """``owner.attr`` in ``module``: a class attribute (method) whose existence is checked."""
+    """``owner.attr`` in ``module``: a class attribute (method) whose existence is checked; an empty ``owner``
+    names a module-level attribute."""
 
     module: str
     owner: str
@@ -95,6 +99,15 @@ COUPLINGS: tuple[Coupling, ...] = (
     # ---- Ray (private): verl exposes its task runner only as a Ray actor class
     Coupling("verl.trainer.main_ppo", "TaskRunnerV1", "__ray_metadata__", ("base",),
              "__ray_metadata__.modified_class.__ray_actor_class__ is the plain runner class (base.task_runner_class)"),
+    # ---- the agent loop (verl_ext.agent_loop, selected by rollout.agent.agent_loop_manager_class)
+    Coupling(AGENT_LOOP, "", "_agent_loop_registry", ("mopd",),
+             "agent name -> Hydra config; read to tell a stateless single-turn loop from any other"),
+    Coupling(AGENT_LOOP, "AgentLoopWorker", "_run_agent_loop", ("mopd",),
+             "overridden: a stateless agent loop is built once per worker, any other per reply by verl"),
+    Coupling(AGENT_LOOP, "AgentLoopWorker", "_agent_loop_postprocess", ("mopd",),
+             "called after the shared loop's run, as verl's _run_agent_loop calls it (TQ: scores, writes the reply)"),
+    Coupling(AGENT_LOOP_TQ, "AgentLoopWorkerTQ", "__ray_metadata__", ("mopd",),
+             "__ray_metadata__.modified_class.__ray_actor_class__ is the plain TQ worker class it subclasses"),
     # ---- the single-controller worker group (read, not overridden)
     Coupling("verl.single_controller.base.worker", "Worker", "_query_dispatch_info", ("mopd",),
              "fills worker_group._dispatch_info, read for the data-parallel size (canonical row order); "
@@ -144,6 +157,16 @@ SOURCE_MARKERS: tuple[SourceMarker, ...] = (
                  "worker_group._dispatch_info[mesh_name] =", ("mopd",)),
     SourceMarker(WORKERS, "TrainingWorker", "train_batch", "self.engine.train_batch(data, loss_function=self.loss_fn)",
                  ("mopd",)),
+    # verl_ext.agent_loop builds the shared loop with the very arguments verl passes per reply, then does what
+    # verl does after the build: run, then post-process
+    SourceMarker(AGENT_LOOP, "AgentLoopWorker", "_run_agent_loop", "tools=ToolListWrap(self.tools),", ("mopd",)),
+    SourceMarker(AGENT_LOOP, "AgentLoopWorker", "_run_agent_loop", "data_config=DictConfigWrap(self.config.data),",
+                 ("mopd",)),
+    SourceMarker(AGENT_LOOP, "AgentLoopWorker", "_run_agent_loop",
+                 "return await self._agent_loop_postprocess(output, trajectory[\"validate\"], **kwargs)", ("mopd",)),
+    # the manager's worker class is the attribute verl's _init_agent_loop_workers instantiates
+    SourceMarker(AGENT_LOOP, "AgentLoopManager", "_init_agent_loop_workers", "self.agent_loop_workers_class.options(",
+                 ("mopd",)),
 )
 
 INSTANCE_ATTRIBUTES: tuple[InstanceAttribute, ...] = (
@@ -169,6 +192,12 @@ INSTANCE_ATTRIBUTES: tuple[InstanceAttribute, ...] = (
     InstanceAttribute("verl.single_controller.base.worker_group", "WorkerGroup", "__init__", "self._dispatch_info",
                       ("mopd",)),
 )
+
+
+def owner_object(module: str, owner: str):
+    """The object a listed name lives on: ``module.owner``, or the module itself when ``owner`` is empty."""
+    mod = importlib.import_module(module)
+    return getattr(mod, owner) if owner else mod
 
 
 def _uses(users: tuple[str, ...], system: str) -> bool:

@@ -11,27 +11,22 @@ import pytest
 from claas_verl.verl_ext import trainer_couplings as vc
 
 
-def _owner(module: str, owner: str):
-    mod = importlib.import_module(module)
-    return getattr(mod, owner) if owner else mod
-
-
 @pytest.mark.parametrize("c", vc.COUPLINGS, ids=lambda c: f"{c.owner}.{c.attr}")
 def test_listed_name_exists(c):
-    assert hasattr(_owner(c.module, c.owner), c.attr), (
+    assert hasattr(vc.owner_object(c.module, c.owner), c.attr), (
         f"verl moved {c.module}.{c.owner}.{c.attr} ({', '.join(c.users)}: {c.why}); "
         "update claas_verl/verl_ext/trainer_couplings.py")
 
 
 @pytest.mark.parametrize("m", vc.SOURCE_MARKERS, ids=lambda m: f"{m.owner}.{m.attr}:{m.marker[:30]}")
 def test_listed_behaviour_still_in_verl_source(m):
-    src = inspect.getsource(getattr(_owner(m.module, m.owner), m.attr))
+    src = inspect.getsource(getattr(vc.owner_object(m.module, m.owner), m.attr))
     assert m.marker in src, f"{m.module}.{m.owner}.{m.attr} no longer contains {m.marker!r}"
 
 
 @pytest.mark.parametrize("a", vc.INSTANCE_ATTRIBUTES, ids=lambda a: f"{a.owner}.{a.method}:{a.needle}")
 def test_listed_instance_attribute_still_assigned(a):
-    src = inspect.getsource(getattr(_owner(a.module, a.owner), a.method))
+    src = inspect.getsource(getattr(vc.owner_object(a.module, a.owner), a.method))
     assert f"{a.needle} =" in src, f"{a.owner}.{a.method} no longer assigns {a.needle}"
 
 

@@ -2,24 +2,24 @@
 
 from __future__ import annotations
 
-import importlib
 import inspect
 
 import pytest
 import torch
 
 from claas_verl.claas.trainer import verl_couplings as vc
+from claas_verl.verl_ext.trainer_couplings import owner_object
 
 
 @pytest.mark.parametrize("module,owner,attr", vc.COUPLINGS)
 def test_coupled_name_exists(module, owner, attr):
-    cls = getattr(importlib.import_module(module), owner)
+    cls = owner_object(module, owner)
     assert hasattr(cls, attr), f"verl moved {module}.{owner}.{attr}; update claas_verl/claas/trainer/verl_couplings.py"
 
 
 @pytest.mark.parametrize("module,owner,attr,marker", vc.SOURCE_MARKERS)
 def test_coupled_behaviour_still_in_verl_source(module, owner, attr, marker):
-    src = inspect.getsource(getattr(getattr(importlib.import_module(module), owner), attr))
+    src = inspect.getsource(getattr(owner_object(module, owner), attr))
     assert marker in src, f"{module}.{owner}.{attr} no longer contains {marker!r}"
 
 

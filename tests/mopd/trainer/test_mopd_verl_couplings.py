@@ -3,7 +3,6 @@ verl upgrade that moves one), and the couplings behave as the trainer assumes.""
 
 from __future__ import annotations
 
-import importlib
 import inspect
 import types
 
@@ -11,11 +10,12 @@ import pytest
 import torch
 
 from claas_verl.mopd.trainer import verl_couplings as vc
+from claas_verl.verl_ext.trainer_couplings import owner_object
 
 
 @pytest.mark.parametrize("module,owner,attr", vc.COUPLINGS)
 def test_private_verl_name_exists(module, owner, attr):
-    obj = getattr(importlib.import_module(module), owner)
+    obj = owner_object(module, owner)
     assert hasattr(obj, attr), (
         f"verl moved {module}.{owner}.{attr}; claas_verl.mopd.trainer.verl_couplings overrides or reads it "
         "and must be updated for this verl version"
@@ -55,7 +55,7 @@ def test_instance_attributes_are_still_assigned(where, needle):
         "ReplayBuffer": "verl.trainer.ppo.v1.replay_buffer",
         "WorkerGroup": "verl.single_controller.base.worker_group",
     }[owner]
-    src = inspect.getsource(getattr(getattr(importlib.import_module(module), owner), method))
+    src = inspect.getsource(getattr(owner_object(module, owner), method))
     assert f"{needle} =" in src, f"{owner}.{method} no longer assigns {needle}"
 
 
