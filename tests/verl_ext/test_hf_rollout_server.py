@@ -170,3 +170,49 @@ def test_batch_history_is_bounded_on_a_long_lived_server(tiny_model_dir, monkeyp
     for i in range(3):
         asyncio.run(server.generate([5, 6, 7], {"temperature": 1.0, "max_tokens": 1}, f"r{i}"))
     assert server.get_batch_sizes() == [1, 1]
+
+
+def _count_prefills(server):
+    prompts = []
+    prefill = server._prefill
+
+    def counting(prompt_ids):
+        prompts.append(list(prompt_ids))
+        return prefill(prompt_ids)
+
+    server._prefill = counting
+    return prompts
+
+
+async def _one_at_a_time(server, prompts, params):
+    return [await server.generate(p, params, f"s{i}") for i, p in enumerate(prompts)]
+
+
+@pytest.mark.parametrize("announced", [True, False])
+def test_replies_of_one_prompt_share_its_prefill_and_are_the_replies_each_gets_alone(tiny_model_dir, announced):
+    """verl's rollout.n replies of a prompt arrive together: decoded alone (max_batch_size 1), they follow the
+    first one out of the queue and reuse its prefill, and every reply is bit for bit the one a request sent on its
+    own gets. Before the first step announcement every request draws from one generator: nothing is reordered."""
+    p, q = [5, 6, 7, 8, 9, 10, 11], [12, 13, 14]
+    prompts = [p, q, p, p, q]
+    params = {"temperature": 1.0, "logprobs": True, "max_tokens": 6}
+    queued, sequential = _server(tiny_model_dir), _server(tiny_model_dir)
+    if announced:
+        for server in (queued, sequential):
+            asyncio.run(server.set_global_steps(2))
+    prefills = _count_prefills(queued)
+    got = _generate_concurrently(queued, prompts, params, [6] * len(prompts))
+    ref = asyncio.run(_one_at_a_time(sequential, prompts, params))
+    assert [o.token_ids for o in got] == [o.token_ids for o in ref]
+    assert [o.log_probs for o in got] == [o.log_probs for o in ref]  # exactly, not approximately
+    assert prefills == ([p, q] if announced else prompts)
+    assert queued.get_batch_sizes() == [1] * len(prompts)
+    assert len({tuple(o.token_ids) for o in ref}) > 1  # the replies differ: sampled, not copied
+
+
+def test_a_shared_prefill_serves_one_request_at_a_time(tiny_model_dir):
+    server = _server(tiny_model_dir)
+    request = server._request([5, 6, 7], {"temperature": 1.0})
+    with pytest.raises(ValueError, match="one request at a time"):
+        server._decode_batch([request, request], [torch.Generator(), torch.Generator()],
+                             prefill=server._prefill([5, 6, 7]))

@@ -20,6 +20,7 @@ Select it with ``actor_rollout_ref.rollout.name=hf`` (the CPU preset does).
 from __future__ import annotations
 
 import asyncio
+import copy
 import hashlib
 import logging
 import os
@@ -222,16 +223,35 @@ class HFRolloutServer:
         max_tokens = self._max_tokens(len(prompt_ids), sampling_params)
         return _Request(prompt_ids, temperature, top_k, top_p, frozenset(stop_ids), max_tokens)
 
-    @torch.no_grad()
-    def _decode_batch(self, requests: list[_Request], generators: list[torch.Generator]) -> list[_Decoded]:
+    # inference_mode rather than no_grad: the same kernels and values (no autograd either way), less per-operator
+    # bookkeeping, which is most of a small model's decode step on CPU
+    @torch.inference_mode()
+    def _prefill(self, prompt_ids: list[int]) -> tuple[Any, torch.Tensor]:
+        """A lone request's first forward: its KV cache and next-token logits ``[1, V]``."""
+        out = self.model(input_ids=torch.tensor([prompt_ids], dtype=torch.long), use_cache=True)
+        return out.past_key_values, out.logits[:, -1, :]
+
+    def _decode_siblings(self, requests: list[_Request], generators: list[torch.Generator]) -> list[_Decoded]:
+        """Decode requests that share one prompt (verl's ``rollout.n`` replies of a prompt), each alone, from one
+        prefill. A lone request's prefill is the same forward whatever follows it, so every reply is exactly the
+        one it gets from its own prefill; each starts from a copy of the KV cache, which decoding extends."""
+        prefill = self._prefill(requests[0].prompt_ids)
+        return [self._decode_batch([r], [g], prefill=prefill)[0] for r, g in zip(requests, generators, strict=True)]
+
+    @torch.inference_mode()
+    def _decode_batch(self, requests: list[_Request], generators: list[torch.Generator],
+                      prefill: tuple[Any, torch.Tensor] | None = None) -> list[_Decoded]:
         """Decode ``requests`` together: one forward per token position for all unfinished rows.
 
         Every row samples from its own generator (one draw per token, as a request decoded alone would), so a
         request's tokens do not depend on which others share its batch; its logits do only to the rounding of
         a batched matmul. Prompts of unequal length are left-padded: the pads are masked out of attention and
         the position ids count real tokens only. A row leaves the batch (and its KV cache) when it samples a
-        stop token or reaches its ``max_tokens``.
+        stop token or reaches its ``max_tokens``. ``prefill``: a lone request's :meth:`_prefill`, used (copied)
+        in place of its first forward.
         """
+        if prefill is not None and len(requests) != 1:
+            raise ValueError(f"a shared prefill serves one request at a time, got a batch of {len(requests)}")
         lengths = torch.tensor([len(r.prompt_ids) for r in requests])
         width = int(lengths.max())
         input_ids = torch.zeros((len(requests), width), dtype=torch.long)  # pad id 0: masked, never attended
@@ -246,9 +266,12 @@ class HFRolloutServer:
         rows = list(range(len(requests)))  # request index of each batch row
         past = None
         while rows:
-            extra = {} if mask is None else {"attention_mask": mask, "position_ids": positions}
-            out = self.model(input_ids=input_ids, past_key_values=past, use_cache=True, **extra)
-            past, last = out.past_key_values, out.logits[:, -1, :]
+            if prefill is not None and past is None:
+                past, last = copy.deepcopy(prefill[0]), prefill[1]
+            else:
+                extra = {} if mask is None else {"attention_mask": mask, "position_ids": positions}
+                out = self.model(input_ids=input_ids, past_key_values=past, use_cache=True, **extra)
+                past, last = out.past_key_values, out.logits[:, -1, :]
             keep, next_ids = [], []
             for b, i in enumerate(rows):
                 r = requests[i]
@@ -309,20 +332,33 @@ class HFRolloutServer:
         while self._queue:
             await self._gather_arrivals()
             async with self._lock:
-                batch, self._queue = self._queue[: self._max_batch], self._queue[self._max_batch :]
+                alone = self._max_batch == 1
+                if alone and getattr(self, "_step_key", None) is not None:
+                    # each request is decoded alone; the queued requests with the first one's prompt follow it, in
+                    # their arrival order, and share its prefill. The reordering changes no reply: a request's
+                    # generator is keyed by its prompt and its occurrence among that prompt's requests (before the
+                    # first step announcement all requests draw from one generator, so nothing is reordered)
+                    first = self._queue[0][0].prompt_ids
+                    batch = [item for item in self._queue if item[0].prompt_ids == first]
+                    self._queue = [item for item in self._queue if item[0].prompt_ids != first]
+                elif alone:
+                    batch, self._queue = self._queue[:1], self._queue[1:]
+                else:
+                    batch, self._queue = self._queue[: self._max_batch], self._queue[self._max_batch :]
                 # captured when the batch starts: the version that served it from its start (docs/math.md §A.1.1);
                 # generators are drawn in arrival order, as one request at a time would draw them
                 version, steps = self.policy_version, self.global_steps
                 requests = [r for r, _ in batch]
                 generators = [self._request_generator(r.prompt_ids) for r in requests]
                 try:
-                    decoded = await asyncio.to_thread(self._decode_batch, requests, generators)
+                    decode = self._decode_siblings if alone else self._decode_batch
+                    decoded = await asyncio.to_thread(decode, requests, generators)
                 except Exception as err:  # every waiting caller sees the failure, none hangs
                     for _, future in batch:
                         if not future.done():
                             future.set_exception(err)
                     continue
-            self.batch_sizes.append(len(batch))
+            self.batch_sizes.extend([1] * len(batch) if alone else [len(batch)])
             for (_, future), result in zip(batch, decoded):
                 if not future.done():
                     future.set_result((result, version, steps))
@@ -405,8 +441,6 @@ class HFRolloutServer:
         """The served weights (merged view for LoRA), for tests and debugging."""
         model = self.model
         if self._peft_applied:
-            import copy
-
             model = copy.deepcopy(self.model).merge_and_unload()
         return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
