@@ -1,6 +1,6 @@
 """In-process transformers backend (CPU): the tiny model in tests, any HF causal LM for local demos.
 
-Sampling reuses ``sample_next_token`` of the CPU rollout (``claas_verl.verl_ext.cpu.hf_rollout``), so the recorded
+Sampling reuses ``sample_next_token`` (``claas_verl.utils.generation``), the CPU rollout's sampler, so the recorded
 per-token log-prob is ``log_softmax(logits / τ)[token]`` of the full vocabulary, before top-k/top-p truncation,
 exactly as the rollout the trainer uses on CPU reports it.
 
@@ -53,9 +53,7 @@ class HFBackend(ChatBackend):
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        # Imported here: the rollout module pulls in verl, which CPU tests of the rest of the service do not need.
-        from claas_verl.utils.generation import eos_token_ids
-        from claas_verl.verl_ext.cpu.hf_rollout import sample_next_token
+        from claas_verl.utils.generation import eos_token_ids, sample_next_token
 
         if default_max_tokens < 1:
             raise ValueError(f"default_max_tokens must be >= 1, got {default_max_tokens}")
