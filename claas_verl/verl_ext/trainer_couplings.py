@@ -9,7 +9,8 @@ verl (name, source marker, instance assignment) and that every private ``PPOTrai
 overrides is listed here; the per-system modules (:mod:`claas_verl.claas.trainer.verl_couplings`,
 :mod:`claas_verl.mopd.trainer.verl_couplings`) hold the shims and expose their system's view of this list.
 
-This module imports nothing (it is data).
+This module imports nothing from verl (it is data); :func:`owner_object` imports a listed module only when a test
+looks a name up.
 """
 
 from __future__ import annotations
