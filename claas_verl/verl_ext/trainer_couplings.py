@@ -24,6 +24,7 @@ ENGINE = "verl.workers.engine.base"
 FSDP = "verl.workers.engine.fsdp.transformer_impl"
 AGENT_LOOP = "verl.experimental.agent_loop.agent_loop"
 AGENT_LOOP_TQ = "verl.trainer.ppo.v1.agent_loop_tq"
+TQ_WORKER = "AgentLoopWorkerTQ.__ray_metadata__.modified_class.__ray_actor_class__"  # the plain class of the actor
 
 
 class Coupling(NamedTuple):
@@ -109,6 +110,15 @@ COUPLINGS: tuple[Coupling, ...] = (
              "called after the shared loop's run, as verl's _run_agent_loop calls it (TQ: scores, writes the reply)"),
     Coupling(AGENT_LOOP_TQ, "AgentLoopWorkerTQ", "__ray_metadata__", ("mopd",),
              "__ray_metadata__.modified_class.__ray_actor_class__ is the plain TQ worker class it subclasses"),
+    Coupling(AGENT_LOOP_TQ, TQ_WORKER, "_run_prompt", ("mopd",),
+             "overridden: opens the prompt's row group that its sessions fill and the last one writes"),
+    Coupling(AGENT_LOOP_TQ, TQ_WORKER, "_agent_loop_postprocess", ("mopd",),
+             "overridden: inside a prompt run, builds verl's rows without writing them (one put per prompt)"),
+    Coupling(AGENT_LOOP, "AgentLoopWorker", "_compute_score", ("mopd",), "the reward call of verl's post-process"),
+    Coupling(AGENT_LOOP, "AgentLoopWorker", "_compute_teacher_logprobs", ("mopd",),
+             "verl's teacher log-probs of its post-process (a no-op without verl's own distillation)"),
+    Coupling(AGENT_LOOP, "AgentLoopWorker", "_compute_multi_modal_inputs", ("mopd",), "a row's multi_modal_inputs"),
+    Coupling(AGENT_LOOP, "AgentLoopWorker", "_compute_position_ids", ("mopd",), "a row's position_ids"),
     # ---- the single-controller worker group (read, not overridden)
     Coupling("verl.single_controller.base.worker", "Worker", "_query_dispatch_info", ("mopd",),
              "fills worker_group._dispatch_info, read for the data-parallel size (canonical row order); "
@@ -165,6 +175,22 @@ SOURCE_MARKERS: tuple[SourceMarker, ...] = (
                  ("mopd",)),
     SourceMarker(AGENT_LOOP, "AgentLoopWorker", "_run_agent_loop",
                  "return await self._agent_loop_postprocess(output, trajectory[\"validate\"], **kwargs)", ("mopd",)),
+    # ... and writes the rows verl's TQ post-process writes, with the session count verl's _run_prompt starts; the
+    # rows go before the prompt's terminal status, which verl puts after every session settled
+    *(SourceMarker(AGENT_LOOP_TQ, TQ_WORKER, "_agent_loop_postprocess", marker, ("mopd",)) for marker in (
+        "await self._compute_score(outputs, kwargs=kwargs)",
+        "output.reward_score = final_output.reward_score",
+        "input_ids.unsqueeze(0), attention_mask.unsqueeze(0), multi_modal_inputs",
+        'keys.append(f"{uid}_{session_id}_{i}")',
+        'field.pop("multi_modal_data", None)',
+        'field["loss_mask"] = field["response_mask"]',
+        '"seq_len": prompt_len + response_len,',
+        '"min_global_steps": field["extra_fields"].get("min_global_steps"),',
+        "fields=list_of_dict_to_tensordict(fields),")),
+    *(SourceMarker(AGENT_LOOP_TQ, TQ_WORKER, "_run_prompt", marker, ("mopd",)) for marker in (
+        'n = prompt.pop("__rollout_n__", config.n if not trajectory["validate"] else config.val_kwargs.n)',
+        "self._run_agent_loop(",
+        "session_errors = await _settle_session_tasks(tasks)")),
     # the manager's worker class is the attribute verl's _init_agent_loop_workers instantiates
     SourceMarker(AGENT_LOOP, "AgentLoopManager", "_init_agent_loop_workers", "self.agent_loop_workers_class.options(",
                  ("mopd",)),
@@ -196,9 +222,12 @@ INSTANCE_ATTRIBUTES: tuple[InstanceAttribute, ...] = (
 
 
 def owner_object(module: str, owner: str):
-    """The object a listed name lives on: ``module.owner``, or the module itself when ``owner`` is empty."""
-    mod = importlib.import_module(module)
-    return getattr(mod, owner) if owner else mod
+    """The object a listed name lives on: ``module.owner`` (a dotted path of attributes), or the module itself when
+    ``owner`` is empty."""
+    obj = importlib.import_module(module)
+    for name in owner.split(".") if owner else ():
+        obj = getattr(obj, name)
+    return obj
 
 
 def _uses(users: tuple[str, ...], system: str) -> bool:

@@ -1,5 +1,6 @@
 """verl_ext.agent_loop: the single-turn agent loop is built once per worker and gives the replies verl's per-reply
-build gives; every other agent loop is left to verl. The whole path (Ray workers, TransferQueue, the `hf` server)
+build gives; every other agent loop is left to verl. A prompt's rows reach TransferQueue in one put, the very rows
+verl's per-reply puts write, before the prompt's status. The whole path (Ray workers, TransferQueue, the `hf` server)
 runs in every MOPD trainer test, whose recipes select this manager."""
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ import inspect
 import re
 from types import SimpleNamespace
 
+import torch
 from omegaconf import OmegaConf
 from verl.experimental.agent_loop.agent_loop import _agent_loop_registry
 from verl.experimental.agent_loop.single_turn_agent_loop import SingleTurnAgentLoop
@@ -140,3 +142,115 @@ def test_the_manager_hands_verl_a_ray_actor_class_of_the_sharing_worker():
         rollout=None, model=None)), llm_client=None)
     actor_class = manager.agent_loop_workers_class
     assert actor_class.__ray_metadata__.modified_class.__ray_actor_class__ is al.ReusingAgentLoopWorkerTQ
+
+
+# ---- a prompt's replies written to TransferQueue in one put
+
+
+def _tq_worker(cls, n: int):
+    """A TQ worker (no Ray) whose TransferQueue calls the test records; no reward workers, no teachers."""
+    worker = _worker(cls)
+    worker.__class__ = cls  # without the probe: the worker's own post-processing
+    worker.config = OmegaConf.create({"actor_rollout_ref": {"rollout": {
+        "prompt_length": 64, "response_length": 8, "n": n, "val_kwargs": {"n": 1}}}, "data": {}})
+    worker.reward_loop_worker_handles, worker.distillation_enabled = None, False
+    return worker
+
+
+def _record_tq(monkeypatch):
+    import transfer_queue as tq
+
+    calls = []
+
+    async def kv_put(*, key, partition_id, tag, **_):
+        calls.append(("status", key, partition_id, tag["status"]))
+
+    async def kv_batch_put(*, keys, partition_id, fields, tags):
+        calls.append(("rows", list(keys), partition_id, fields, list(tags)))
+
+    monkeypatch.setattr(tq, "async_kv_put", kv_put)
+    monkeypatch.setattr(tq, "async_kv_batch_put", kv_batch_put)
+    return calls
+
+
+def _rows(calls) -> dict:
+    """{key: (tag, {field: value})} over every recorded put (the per-reply timing metrics by name only)."""
+    from tensordict import NonTensorStack
+
+    out = {}
+    for call in (c for c in calls if c[0] == "rows"):
+        _, keys, _, fields, tags = call
+        for i, key in enumerate(keys):
+            row = {}
+            for name in fields.keys():
+                value = fields.get(name)
+                if isinstance(value, NonTensorStack):
+                    row[name] = value.tolist()[i]
+                else:
+                    row[name] = (value.unbind(0) if value.is_nested else value)[i].tolist()
+            row["metrics"] = sorted(row["metrics"])  # timings: which are measured, not their values
+            out[key] = (tags[i], row)
+    return out
+
+
+def _prompt(uid: str, text: str) -> dict:
+    return {"uid": uid, "raw_prompt": [{"role": "user", "content": text}], "agent_name": SINGLE_TURN,
+            "global_steps": 3, "index": 7}
+
+
+TRAJECTORY = {"step": 3, "sample_index": 0, "rollout_n": 0, "validate": False}
+
+
+def test_a_prompts_replies_are_written_in_one_put_with_verls_rows_before_its_status(monkeypatch):
+    calls = _record_tq(monkeypatch)
+    asyncio.run(_tq_worker(al._AgentLoopWorkerTQ, 3)._run_prompt(_prompt("u1", "Spell backward: cat"), {},
+                                                                  TRAJECTORY))
+    verls, verl_calls = _rows(calls), list(calls)
+    assert [c[0] for c in verl_calls] == ["status", "rows", "rows", "rows", "status"]  # one put per reply
+
+    calls.clear()
+    asyncio.run(_tq_worker(al.ReusingAgentLoopWorkerTQ, 3)._run_prompt(_prompt("u1", "Spell backward: cat"), {},
+                                                                       TRAJECTORY))
+    assert [c[0] for c in calls] == ["status", "rows", "status"]  # the rows before the prompt's status
+    assert sorted(calls[1][1]) == ["u1_0_0", "u1_1_0", "u1_2_0"] and calls[1][2] == "train"  # settle order
+    assert calls[-1][1:] == ("u1", "train", "finished")
+    ours = _rows(calls)
+    assert ours.keys() == verls.keys()
+    for key in verls:
+        assert ours[key] == verls[key], key  # every tag and field value of every row
+    assert ours["u1_0_0"][1]["session_id"] == 0 and ours["u1_2_0"][1]["session_id"] == 2
+
+
+def test_a_failed_session_still_lets_its_siblings_rows_be_written_once(monkeypatch):
+    calls = _record_tq(monkeypatch)
+    worker = _tq_worker(al.ReusingAgentLoopWorkerTQ, 3)
+    generate = worker.llm_client.generate
+
+    async def second_fails(**kw):
+        if worker.llm_client.calls == 1:
+            worker.llm_client.calls += 1
+            raise RuntimeError("server lost")
+        return await generate(**kw)
+
+    worker.llm_client.generate = second_fails
+    asyncio.run(worker._run_prompt(_prompt("u2", "Reverse: it, or, my"), {}, TRAJECTORY))
+    assert [c[0] for c in calls] == ["status", "rows", "status"]
+    assert len(calls[1][1]) == 2 and calls[-1][3] == "failure"  # verl's status for a group with a failed session
+
+
+def test_sessions_outside_a_prompt_run_write_as_verl_does(monkeypatch):
+    """A caller that runs a session without ``_run_prompt`` (no prompt to group by) gets verl's per-reply put."""
+    calls = _record_tq(monkeypatch)
+    worker = _tq_worker(al.ReusingAgentLoopWorkerTQ, 3)
+    asyncio.run(worker._run_agent_loop({}, TRAJECTORY, trace=False, session_id=0, **_prompt("u3", "What is 3 + 4?")))
+    assert [(c[0], c[1]) for c in calls] == [("rows", ["u3_0_0"])]
+
+
+def test_rows_of_different_layouts_are_written_one_at_a_time(monkeypatch):
+    calls = _record_tq(monkeypatch)
+    rows = al.PromptRows(sessions=2, partition_id="train")
+    rows.add(["a_0_0"], [{"x": torch.tensor([1, 2])}], [{"status": "success"}])
+    rows.add(["a_1_0"], [{"x": torch.tensor([3]), "rollout_log_probs": torch.tensor([-1.0])}],
+             [{"status": "success"}])
+    asyncio.run(al.put_rows(rows))
+    assert [c[1] for c in calls] == [["a_0_0"], ["a_1_0"]]
