@@ -59,14 +59,15 @@ class _EchoServer:
                            log_probs=[-0.5, -0.25])
 
 
-def _worker(cls):
+def _worker(cls, probe: bool = True):
     """A worker with the attributes verl's ``__init__`` sets and the agent loop reads (no Ray, no TransferQueue);
-    its post-processing returns the agent loop's output instead of writing it to TransferQueue."""
+    with ``probe`` its post-processing returns the agent loop's output instead of writing it to TransferQueue."""
     class Probe(cls):
         async def _agent_loop_postprocess(self, output, validate, **kwargs):
             return output
 
-    worker = Probe.__new__(Probe)
+    worker_cls = Probe if probe else cls
+    worker = worker_cls.__new__(worker_cls)
     config = OmegaConf.create({"actor_rollout_ref": {"rollout": {"prompt_length": 64, "response_length": 8}},
                                "data": {}})
     worker.config, worker.llm_client, worker.tokenizer = config, _EchoServer(), gym.byte_tokenizer()
@@ -149,8 +150,7 @@ def test_the_manager_hands_verl_a_ray_actor_class_of_the_sharing_worker():
 
 def _tq_worker(cls, n: int):
     """A TQ worker (no Ray) whose TransferQueue calls the test records; no reward workers, no teachers."""
-    worker = _worker(cls)
-    worker.__class__ = cls  # without the probe: the worker's own post-processing
+    worker = _worker(cls, probe=False)  # the worker's own post-processing
     worker.config = OmegaConf.create({"actor_rollout_ref": {"rollout": {
         "prompt_length": 64, "response_length": 8, "n": n, "val_kwargs": {"n": 1}}}, "data": {}})
     worker.reward_loop_worker_handles, worker.distillation_enabled = None, False
