@@ -86,7 +86,7 @@ def read_rows(root: Path, domain: str, split: str) -> list[dict]:
 
 def stage(student, expert, tok, rows: list[dict], *, steps: int, prompts: int, replies: int, topk: int, lr: float,
           seed: int, blocks: list[list[dict]] | None = None, timings: list[dict] | None = None,
-          after_step=None, warmup: int = 0) -> list[float]:
+          after_step=None, warmup: int = 0, temperature: float = 1.0) -> list[float]:
     """``steps`` MOPD updates of ``student`` (in place) toward ``expert`` on ``rows``; the per-step top-κ weighted
     KL (Σ_v −r on the student's samples, token mean) before each update.
 
@@ -94,7 +94,9 @@ def stage(student, expert, tok, rows: list[dict], *, steps: int, prompts: int, r
     rows drawn from ``rows``. ``timings``: one dict per step is appended, the seconds of its phases (``gen``,
     ``old_log_prob`` (student top-κ), ``teacher`` (expert log-probs, rewards, advantages), ``update_actor``) and
     ``step``, with the number of reply tokens (``response_tokens``). ``after_step(i)``: called after update ``i``
-    (1-based) with the student in eval mode, e.g. to score it mid-stage; the stage resumes in the same state."""
+    (1-based) with the student in eval mode, e.g. to score it mid-stage; the stage resumes in the same state.
+    ``temperature``: the rollout τ, used for the samples and, as in the trainer, inside every log-softmax of the
+    math (``log_softmax(logits / τ)``, docs/math.md §0)."""
     if blocks is not None and len(blocks) < steps:
         raise ValueError(f"stage: {steps} steps but only {len(blocks)} blocks")
     from claas_verl.utils.generation import eos_token_ids
@@ -115,7 +117,7 @@ def stage(student, expert, tok, rows: list[dict], *, steps: int, prompts: int, r
         for row in (blocks[step] if blocks is not None else rng.sample(rows, prompts)):
             text = tok.apply_chat_template(list(row["prompt"]), add_generation_prompt=True, tokenize=False)
             prompt_ids = tok.encode(text, add_special_tokens=False)
-            sampled = sample_replies(student, prompt_ids, replies, MAX_RESPONSE_TOKENS, 1.0, eos, pad)
+            sampled = sample_replies(student, prompt_ids, replies, MAX_RESPONSE_TOKENS, temperature, eos, pad)
             batch.append((prompt_ids, right_padded(prompt_ids, sampled, pad)))
         clock.lap("gen")
         # θ_old candidates and rewards for the whole step first (the trainer's order), then one update
@@ -123,12 +125,12 @@ def stage(student, expert, tok, rows: list[dict], *, steps: int, prompts: int, r
         with torch.no_grad():
             for prompt_ids, (ids, attn, resp) in batch:
                 P = len(prompt_ids)
-                cand, S = student_topk(response_logits(student, ids, attn, P), topk)
+                cand, S = student_topk(response_logits(student, ids, attn, P), topk, temperature=temperature)
                 prepared.append((P, ids, attn, resp, cand))
                 top.append(S)
             clock.lap("old_log_prob")
             for (P, ids, attn, resp, cand), S in zip(prepared, top):
-                Q = teacher_logprobs_at(response_logits(expert, ids, attn, P), cand)
+                Q = teacher_logprobs_at(response_logits(expert, ids, attn, P), cand, temperature=temperature)
                 rewards.append(topk_rewards(S, Q, resp))
                 masks.append(resp)
         # σ_d over the whole step's responses (one domain): concatenate the ragged [B, T, K] rewards along T-padding
@@ -145,7 +147,8 @@ def stage(student, expert, tok, rows: list[dict], *, steps: int, prompts: int, r
         for P, ids, attn, resp, cand in prepared:
             B, Tp = resp.shape
             logits = response_logits(student, ids, attn, P)
-            loss = topk_distill_loss(logits, cand, adv[row0: row0 + B, :Tp], resp, global_tokens=n_tokens)
+            loss = topk_distill_loss(logits, cand, adv[row0: row0 + B, :Tp], resp, global_tokens=n_tokens,
+                                     temperature=temperature)
             loss.backward()
             row0 += B
         torch.nn.utils.clip_grad_norm_(student.parameters(), 1000.0)
@@ -307,6 +310,8 @@ def main() -> None:
     ap.add_argument("--replies", type=int, default=4, help="replies per prompt")
     ap.add_argument("--topk", type=int, default=128, help="κ (the gym recipes: 128)")
     ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--temperature", type=float, default=1.0,
+                    help="rollout τ of the stages (the gym recipes: 1); scoring stays at τ = 1")
     ap.add_argument("--warmup", type=int, default=0, metavar="N",
                     help="linear lr warm-up over the stage's first N updates (0: none, the recipes')")
     ap.add_argument("--eval-replies", type=int, default=4, help="replies per held-out prompt when scoring")
@@ -409,7 +414,7 @@ def main() -> None:
         t_stage = time.time()
         kls = stage(student, experts[d], tok, rows, steps=args.steps, prompts=args.prompts,
                     replies=args.replies, topk=args.topk, lr=args.lr, seed=args.seed * 1000 + k,
-                    after_step=mid_stage, warmup=args.warmup)
+                    after_step=mid_stage, warmup=args.warmup, temperature=args.temperature)
         train_s = time.time() - t_stage - scoring[0]
         row = {"after": f"{k}:{d}", **score_all(student, str(student_dir), experts, root, domains,
                                                  args.eval_replies)}

@@ -104,7 +104,8 @@ def test_concurrent_requests_decode_as_one_batch_with_each_alone_samples(tiny_mo
         asyncio.run(server.set_global_steps(4))
     got = _generate_concurrently(batched, prompts, params, max_tokens)
     ref = _generate_concurrently(alone, prompts, params, max_tokens)
-    assert batched.get_batch_sizes() == [4] and alone.get_batch_sizes() == [1, 1, 1, 1]
+    # alone: the repeated prompt's two requests decode together, row by row (each with its lone bits)
+    assert batched.get_batch_sizes() == [4] and alone.get_batch_sizes() == [2, 1, 1]
     assert [o.token_ids for o in got] == [o.token_ids for o in ref]
     assert len({len(o.token_ids) for o in ref}) > 1
     for o, r in zip(got, ref):
@@ -171,8 +172,9 @@ async def _one_at_a_time(server, prompts, params):
 @pytest.mark.parametrize("announced", [True, False])
 def test_replies_of_one_prompt_share_its_prefill_and_are_the_replies_each_gets_alone(tiny_model_dir, announced):
     """verl's rollout.n replies of a prompt arrive together: decoded alone (max_batch_size 1), they follow the
-    first one out of the queue and reuse its prefill, and every reply is bit for bit the one a request sent on its
-    own gets. Before the first step announcement every request draws from one generator: nothing is reordered."""
+    first one out of the queue, reuse its prefill and decode as one batch of row-by-row products, and every reply
+    is bit for bit the one a request sent on its own gets. Before the first step announcement every request draws
+    from one generator: nothing is reordered or batched."""
     p, q = [5, 6, 7, 8, 9, 10, 11], [12, 13, 14]
     prompts = [p, q, p, p, q]
     params = {"temperature": 1.0, "logprobs": True, "max_tokens": 6}
@@ -186,13 +188,74 @@ def test_replies_of_one_prompt_share_its_prefill_and_are_the_replies_each_gets_a
     assert [o.token_ids for o in got] == [o.token_ids for o in ref]
     assert [o.log_probs for o in got] == [o.log_probs for o in ref]  # exactly, not approximately
     assert prefills == ([p, q] if announced else prompts)
-    assert queued.get_batch_sizes() == [1] * len(prompts)
+    assert queued.get_batch_sizes() == ([3, 2] if announced else [1] * len(prompts))
     assert len({tuple(o.token_ids) for o in ref}) > 1  # the replies differ: sampled, not copied
 
 
-def test_a_shared_prefill_serves_one_request_at_a_time(tiny_model_dir):
+def test_a_shared_prefill_serves_the_requests_of_its_own_prompt_only(tiny_model_dir):
     server = _server(tiny_model_dir)
-    request = server._request([5, 6, 7], {"temperature": 1.0})
-    with pytest.raises(ValueError, match="one request at a time"):
-        server._decode_batch([request, request], [torch.Generator(), torch.Generator()],
+    request, other = server._request([5, 6, 7], {"temperature": 1.0}), server._request([5, 6], {"temperature": 1.0})
+    with pytest.raises(ValueError, match="of its own prompt only"):
+        server._decode_batch([request, other], [torch.Generator(), torch.Generator()],
                              prefill=server._prefill([5, 6, 7]))
+
+
+def _lora_server(tiny_model_dir):
+    from peft import LoraConfig
+
+    server = _server(tiny_model_dir)
+    peft_config = LoraConfig(r=2, lora_alpha=4, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
+    asyncio.run(server.receive_weights(list(_adapter_push(tiny_model_dir, peft_config).items())))
+    asyncio.run(server.finish_weight_update(peft_config=peft_config, base_sync_done=True, global_steps=3))
+    return server
+
+
+@pytest.mark.parametrize("adapter", [False, True])
+def test_siblings_decoded_together_match_their_lone_replies_exactly(tiny_model_dir, adapter):
+    """Four replies of one prompt of unequal lengths (rows leave the batch), with and without a LoRA adapter (its
+    layers join the row-by-row products, and the check runs again once peft wraps the model)."""
+    p = [5, 6, 7, 8, 9, 10, 11]
+    params = {"temperature": 1.0, "logprobs": True}
+    make = (lambda: _lora_server(tiny_model_dir)) if adapter else (lambda: _server(tiny_model_dir))
+    together, sequential = make(), make()
+    for server in (together, sequential):
+        asyncio.run(server.set_global_steps(3))
+    lengths = [6, 2, 6, 4]
+    got = _generate_concurrently(together, [p] * 4, params, lengths)
+    ref = [asyncio.run(sequential.generate(p, {**params, "max_tokens": n}, f"s{i}")) for i, n in enumerate(lengths)]
+    assert together.get_batch_sizes() == [4] and sequential.get_batch_sizes() == [1, 1, 1, 1]
+    assert [o.token_ids for o in got] == [o.token_ids for o in ref]
+    assert [o.log_probs for o in got] == [o.log_probs for o in ref]  # exactly
+    assert len({len(o.token_ids) for o in got}) > 1
+
+
+def test_siblings_decode_one_after_another_where_batching_would_change_the_bits(tiny_model_dir, monkeypatch):
+    from claas_verl.verl_ext.cpu import hf_rollout
+
+    checked = []
+    monkeypatch.setattr(hf_rollout, "rowwise_decode_matches", lambda *args: checked.append(1) or False)
+    server = _server(tiny_model_dir)
+    asyncio.run(server.set_global_steps(2))
+    outs = _generate_concurrently(server, [[5, 6, 7]] * 3 + [[8, 9]] * 2, {"temperature": 1.0}, [4] * 5)
+    assert all(1 <= len(o.token_ids) <= 4 for o in outs)
+    assert server.get_batch_sizes() == [1] * 5 and checked == [1]  # checked once, then remembered
+
+
+def test_the_check_runs_again_once_an_adapter_wraps_the_model(tiny_model_dir, monkeypatch):
+    from peft import LoraConfig
+
+    from claas_verl.verl_ext.cpu import hf_rollout
+
+    calls = []
+    real = hf_rollout.rowwise_decode_matches
+    monkeypatch.setattr(hf_rollout, "rowwise_decode_matches", lambda *args: calls.append(1) or real(*args))
+    server = _server(tiny_model_dir)
+    asyncio.run(server.set_global_steps(2))
+    _generate_concurrently(server, [[5, 6, 7]] * 2, {"temperature": 1.0}, [3, 3])
+    _generate_concurrently(server, [[8, 9]] * 2, {"temperature": 1.0}, [3, 3])
+    assert len(calls) == 1
+    peft_config = LoraConfig(r=2, lora_alpha=4, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
+    asyncio.run(server.receive_weights(list(_adapter_push(tiny_model_dir, peft_config).items())))
+    asyncio.run(server.finish_weight_update(peft_config=peft_config, base_sync_done=True, global_steps=3))
+    _generate_concurrently(server, [[5, 6, 7]] * 2, {"temperature": 1.0}, [3, 3])
+    assert len(calls) == 2 and server.get_batch_sizes() == [2, 2, 2]

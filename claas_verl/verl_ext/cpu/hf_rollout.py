@@ -35,6 +35,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from claas_verl.utils.generation import eos_token_ids, sample_next_token
 from claas_verl.verl_ext.cpu.checks import check_model_path
+from claas_verl.verl_ext.cpu.rowwise_decode import rowwise_decode_matches, rowwise_linears
 
 logger = logging.getLogger(__name__)
 
@@ -140,6 +141,9 @@ class HFRolloutServer:
         self.batch_sizes: deque[int] = deque(maxlen=_BATCH_HISTORY)
         self._pending: dict[str, torch.Tensor] = {}
         self._peft_applied = False
+        # whether a prompt's queued replies can be decoded as one batch with the bits each gets alone
+        # (rowwise_decode_matches); checked on the served model at its first use, again once peft wraps it
+        self._siblings_together: bool | None = None
         # Names of the tensors applied by the latest weight update and how it was applied ("full" or
         # "lora"): lets tests prove that only the adapter travels after the first sync.
         self.last_update_names: list[str] = []
@@ -198,11 +202,27 @@ class HFRolloutServer:
         return out.past_key_values, out.logits[:, -1, :]
 
     def _decode_siblings(self, requests: list[_Request], generators: list[torch.Generator]) -> list[_Decoded]:
-        """Decode requests that share one prompt (verl's ``rollout.n`` replies of a prompt), each alone, from one
-        prefill. A lone request's prefill is the same forward whatever follows it, so every reply is exactly the
-        one it gets from its own prefill; each starts from a copy of the KV cache, which decoding extends."""
+        """Decode requests that share one prompt (verl's ``rollout.n`` replies of a prompt) from one prefill, each
+        reply exactly as it is decoded alone.
+
+        A lone request's prefill is the same forward whatever follows it, so one prefill serves them all. The
+        replies are then decoded as one batch whose linear layers multiply row by row
+        (:mod:`claas_verl.verl_ext.cpu.rowwise_decode`), when the served model gives each row its lone values
+        bit for bit (checked once); otherwise one after another, each from a copy of the prefill's KV cache.
+        """
         prefill = self._prefill(requests[0].prompt_ids)
+        if len(requests) > 1 and self._siblings_decode_together(prefill):
+            with rowwise_linears(self.model):
+                return self._decode_batch(requests, generators, prefill=prefill)
         return [self._decode_batch([r], [g], prefill=prefill)[0] for r, g in zip(requests, generators, strict=True)]
+
+    def _siblings_decode_together(self, prefill: tuple[Any, torch.Tensor]) -> bool:
+        if self._siblings_together is None:
+            self._siblings_together = rowwise_decode_matches(self.model, prefill[0], int(prefill[1].shape[-1]))
+            if not self._siblings_together:
+                logger.info("hf rollout: batched decoding does not reproduce this model's lone replies bit for bit "
+                            "on this machine; a prompt's replies are decoded one after another")
+        return self._siblings_together
 
     @torch.inference_mode()
     def _decode_batch(self, requests: list[_Request], generators: list[torch.Generator],
@@ -213,11 +233,11 @@ class HFRolloutServer:
         request's tokens do not depend on which others share its batch; its logits do only to the rounding of
         a batched matmul. Prompts of unequal length are left-padded: the pads are masked out of attention and
         the position ids count real tokens only. A row leaves the batch (and its KV cache) when it samples a
-        stop token or reaches its ``max_tokens``. ``prefill``: a lone request's :meth:`_prefill`, used (copied)
-        in place of its first forward.
+        stop token or reaches its ``max_tokens``. ``prefill``: a lone request's :meth:`_prefill` of the prompt
+        all ``requests`` share, used (copied, one row per request) in place of their first forward.
         """
-        if prefill is not None and len(requests) != 1:
-            raise ValueError(f"a shared prefill serves one request at a time, got a batch of {len(requests)}")
+        if prefill is not None and any(r.prompt_ids != requests[0].prompt_ids for r in requests):
+            raise ValueError("a shared prefill serves the requests of its own prompt only, got different prompts")
         lengths = torch.tensor([len(r.prompt_ids) for r in requests])
         width = int(lengths.max())
         input_ids = torch.zeros((len(requests), width), dtype=torch.long)  # pad id 0: masked, never attended
@@ -233,7 +253,9 @@ class HFRolloutServer:
         past = None
         while rows:
             if prefill is not None and past is None:
-                past, last = copy.deepcopy(prefill[0]), prefill[1]
+                past, last = copy.deepcopy(prefill[0]), prefill[1].expand(len(requests), -1)
+                if len(requests) > 1:
+                    past.batch_repeat_interleave(len(requests))
             else:
                 extra = {} if mask is None else {"attention_mask": mask, "position_ids": positions}
                 out = self.model(input_ids=input_ids, past_key_values=past, use_cache=True, **extra)
@@ -324,7 +346,8 @@ class HFRolloutServer:
                         if not future.done():
                             future.set_exception(err)
                     continue
-            self.batch_sizes.extend([1] * len(batch) if alone else [len(batch)])
+            together = not alone or (len(batch) > 1 and self._siblings_together)
+            self.batch_sizes.extend([len(batch)] if together else [1] * len(batch))
             for (_, future), result in zip(batch, decoded):
                 if not future.done():
                     future.set_result((result, version, steps))
@@ -387,6 +410,7 @@ class HFRolloutServer:
         if not self._peft_applied:
             self.model = get_peft_model(self.model, as_peft_config(peft_config)).eval()
             self._peft_applied = True
+            self._siblings_together = None  # the adapter's layers join the decode: check them too
         result = set_peft_model_state_dict(self.model, {k: v.float() for k, v in tensors.items()})
         unexpected = list(getattr(result, "unexpected_keys", []) or [])
         if unexpected:
