@@ -93,6 +93,7 @@ class AsyncReplayBuffer:
         self._adopt_every_s = float(adopt_every_s)
         self._to_adopt: list = []  # handles still owned by their producer
         self._adopt_scheduled = False
+        self._adoptions: set[asyncio.Task] = set()  # adoption rounds in flight
         self._adopted_batches = 0
         self._adopt_errors = 0
         self._last_adopt_error: str | None = None
@@ -136,14 +137,19 @@ class AsyncReplayBuffer:
             self._adopt_errors += 1
             self._last_adopt_error = repr(exc)
             return
-        asyncio.get_running_loop().run_in_executor(None, self._finish_adoption, pending)
+        task = asyncio.get_running_loop().create_task(self._finish_adoption(pending))
+        self._adoptions.add(task)  # the loop keeps only a weak reference to a task
+        task.add_done_callback(self._adoptions.discard)
 
-    def _finish_adoption(self, pending) -> None:
-        """Worker thread: wait for each adopter call, then swap the handles to the actor-owned copies (readers never
-        wait for an adoption in flight; a failed call leaves the producer-owned refs in place, counted)."""
+    async def _finish_adoption(self, pending) -> None:
+        """Wait for each adopter call, then swap the handles to the actor-owned copies (readers never wait for an
+        adoption in flight; a failed call leaves the producer-owned refs in place, counted).
+
+        Awaited on the event loop, not waited for in a worker thread: a thread blocked in ``ray.get`` on a call that
+        never completes (its cluster shut down under it) kept the actor's process from exiting, spinning a core."""
         for group, new_refs, marker in pending:
             try:
-                ray.get(marker)
+                await marker
             except Exception as exc:
                 with self._lock:
                     self._adopt_errors += 1

@@ -202,14 +202,10 @@ class HFRolloutServer:
         return out.past_key_values, out.logits[:, -1, :]
 
     def _decode_siblings(self, requests: list[_Request], generators: list[torch.Generator]) -> list[_Decoded]:
-        """Decode requests that share one prompt (verl's ``rollout.n`` replies of a prompt) from one prefill, each
-        reply exactly as it is decoded alone.
-
-        A lone request's prefill is the same forward whatever follows it, so one prefill serves them all. The
-        replies are then decoded as one batch whose linear layers multiply row by row
-        (:mod:`claas_verl.verl_ext.cpu.rowwise_decode`), when the served model gives each row its lone values
-        bit for bit (checked once); otherwise one after another, each from a copy of the prefill's KV cache.
-        """
+        """Decode requests that share one prompt (verl's ``rollout.n`` replies of a prompt) from one prefill (a lone
+        request's prefill is the same forward whatever follows it), each reply exactly as it is decoded alone: as
+        one batch whose linear layers multiply row by row (:mod:`claas_verl.verl_ext.cpu.rowwise_decode`) when the
+        served model gives each row its lone values bit for bit (checked once), else one after another."""
         prefill = self._prefill(requests[0].prompt_ids)
         if len(requests) > 1 and self._siblings_decode_together(prefill):
             with rowwise_linears(self.model):

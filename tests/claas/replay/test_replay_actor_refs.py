@@ -146,3 +146,37 @@ def test_concurrent_producers_and_consumer_keep_the_age_bound(ray_session):
     assert s["inserted"] == n_prod * n_batches * 10 and s["update_count"] == k >= 1
     assert s["max_age"] <= a_max and s["max_uses"] <= a_max + 1
     ray.kill(actor)
+
+
+def test_an_adoption_in_flight_holds_no_thread_and_its_failure_is_counted(ray_session):
+    """An adoption round waits on the event loop, never in a worker thread: a thread blocked in ``ray.get`` on a call
+    that never completes kept a killed actor's process alive in CI (interpreter exit joins it), spinning a core."""
+    @ray.remote(num_cpus=0)
+    def unfinished():
+        time.sleep(600)
+
+    actor = make_replay_actor(b_max=100, b_min=1, a_max=5, seed=0, max_restarts=0)
+    batch = put_batch(_entries("w", 2))
+    pending = unfinished.remote()  # the adopter cannot run before its argument exists
+    batch = RefBatch(handle=type(batch.handle)(pending, batch.handle.n_ids, batch.handle.node_id),
+                     columns=batch.columns)
+    assert ray.get(actor.add.remote(batch)) == 2
+
+    def started(buffer):  # the round has taken the handle and submitted its adopter call
+        return not buffer._to_adopt and not buffer._adopt_scheduled
+
+    def executor_threads(buffer):
+        import threading
+
+        return sorted(t.name for t in threading.enumerate() if t.name.startswith("asyncio_"))
+
+    _wait(lambda: ray.get(actor.__ray_call__.remote(started)), 30, "the adoption round never started")
+    time.sleep(0.5)
+    assert ray.get(actor.__ray_call__.remote(executor_threads)) == []  # it waits with no thread
+    assert ray.get(actor.stats.remote())["adopted_batches"] == 0
+
+    ray.cancel(pending, force=True)  # the producer's object is lost: the adoption fails and is counted
+    _wait(lambda: ray.get(actor.stats.remote())["adopt_errors"] == 1, 30, "the failed adoption was not counted")
+    assert ray.get(actor.__ray_call__.remote(lambda buffer: len(buffer._adoptions))) == 0
+    assert ray.get(actor.size.remote()) == 2  # the entries stay, held by the producer's references
+    ray.kill(actor)
