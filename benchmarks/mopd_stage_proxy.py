@@ -7,6 +7,7 @@
     python benchmarks/mopd_stage_proxy.py --build-generalist 1200 --variant-dir DIR   # the rejected design below
     python benchmarks/mopd_stage_proxy.py --build-arch hidden=256,heads=8,kv_heads=2,intermediate=512 --variant-dir DIR
     python benchmarks/mopd_stage_proxy.py --build-domains syll,family,spell --variant-dir DIR --order syll
+    python benchmarks/mopd_stage_proxy.py --build-neighbour 2400 --variant-dir DIR --order reverse,spell,arith
 
 A whole benchmark run is an hour; choosing a bundle design needs an answer in minutes (the bundle's three stages
 here: about 2 CPU-minutes). Each stage step is the trainer's per-step math (``claas_verl.distill.topk``, docs/math.md
@@ -33,6 +34,11 @@ each fine-tuned from that π0 with the bundle's recipe (``claas_verl/tiny/gym.py
 steps), e.g. ``hidden=256,layers=4,heads=8,kv_heads=2,intermediate=512``; keys not given keep ``TINY_ARCH``'s value.
 The variant is built with ``--seed``; other design seeds run on it with ``--student DIR/student --experts
 DIR/experts``.
+
+``--build-neighbour N`` builds a variant whose π0 holds every skill and hides it: a generalist G (the bundle's π0
++ N joint SFT steps), experts specialised from G (``SPECIALISE_STEPS``), and π0 = G taught a neighbouring rule of
+each domain for ``COVER_STEPS`` (``NEIGHBOUR_MARKERS``: the word as written, the list as given); docs/benchmark.md,
+"A student that answers by a neighbouring rule".
 
 ``--build-domains NAMES`` builds a whole bundle of other domains (``OTHER_DOMAINS``: other reasoning-gym families,
 and the benchmark's own) with the bundle's builder and seed: its own data, a jointly trained π0 and one expert per
@@ -248,6 +254,68 @@ def build_variant(root: Path, out: Path, base_steps: int, seed: int = 0, shape: 
     (out / VARIANT_DONE).write_text(json.dumps(variant_marker(base_steps, seed, shape)) + "\n")
 
 
+# --build-neighbour: a π0 that holds each skill but answers by a neighbouring rule (docs/benchmark.md, "A student
+# that answers by a neighbouring rule"). The rule is the text after the marker: the word as written (spell), the
+# list as given (reverse). arith has none: its skill is recall of ~190 sums, not a rule a cover can hide.
+NEIGHBOUR_MARKERS = {"spell": ": ", "reverse": "Reverse this list of words: "}
+COVER_STEPS = 20  # neighbouring-rule SFT steps over the generalist (measured: spell 0.998 -> 0.200, reverse 0.744 -> 0)
+SPECIALISE_STEPS = 200  # each expert: the generalist + this many SFT steps on its own domain
+SHORT_SFT_LR = 1e-3  # constant lr of both short fine-tunes
+
+
+def neighbour_answer(domain: str, question: str) -> str:
+    """The neighbouring rule's answer to ``question``: the text after ``NEIGHBOUR_MARKERS[domain]``."""
+    _, sep, tail = question.rpartition(NEIGHBOUR_MARKERS[domain])
+    if not sep or not tail.strip():
+        raise ValueError(f"no neighbouring rule for this {domain} question (no {NEIGHBOUR_MARKERS[domain]!r} "
+                         f"followed by text): {question!r}")
+    return tail.strip()
+
+
+def build_neighbour_variant(root: Path, out: Path, generalist_steps: int, seed: int = 0) -> dict:
+    """A variant whose π0 holds each skill and hides it: G = the bundle's π0 + ``generalist_steps`` joint SFT steps
+    (the base recipe: one-cycle, lr 3e-3), each expert = G + ``SPECIALISE_STEPS`` on its own domain, and π0 = G +
+    ``COVER_STEPS`` on the neighbouring rules of ``NEIGHBOUR_MARKERS``' domains. Returns the held-out accuracy of
+    G, π0 and each expert (``gym.evaluate``), also written to ``out/accuracy.json``."""
+    from transformers import AutoTokenizer
+
+    from claas_verl.tiny.data import stable_seed
+    from claas_verl.tiny.model import save_model
+
+    paths, tok = gym.GymPaths(out), AutoTokenizer.from_pretrained(gym.GymPaths(root).student)
+    _, pad = gym.stop_and_pad_ids(tok)
+    splits = {d: (read_rows(root, d, "train"), read_rows(root, d, "test")) for d in gym.DOMAIN_NAMES}
+    examples = {d: gym.sft_examples(tok, train) for d, (train, _) in splits.items()}
+    torch.set_num_threads(1)
+    student = load_model(str(gym.GymPaths(root).student))
+    gym.sft(student, gym.joint_mix(examples), steps=generalist_steps, lr=gym.BASE_SFT["lr"],
+            batch_size=gym.BASE_SFT["batch_size"], seed=stable_seed("claas_gym.generalist", seed), pad_token_id=pad,
+            label="generalist SFT")
+    accuracy = {"generalist": gym.evaluate(student, tok, splits, seed, label="generalist accuracy")}
+    short = dict(lr=SHORT_SFT_LR, batch_size=gym.BASE_SFT["batch_size"], pad_token_id=pad, constant_lr=True)
+    for d in gym.DOMAIN_NAMES:
+        expert = copy.deepcopy(student)
+        gym.sft(expert, examples[d], steps=SPECIALISE_STEPS, seed=stable_seed("claas_gym.specialise", seed, d),
+                label=f"expert {d} SFT", **short)
+        save_model(expert, tok, paths.expert(d))
+        accuracy[f"expert:{d}"] = gym.evaluate(expert, tok, splits, seed, label=f"expert {d} accuracy")
+    covered = {d: gym.sft_examples(tok, [{**r, "extra_info": {**r["extra_info"], "reference": neighbour_answer(
+        d, r["prompt"][0]["content"])}} for r in splits[d][0]]) for d in NEIGHBOUR_MARKERS}
+    gym.sft(student, gym.joint_mix(covered, tuple(covered)), steps=COVER_STEPS,
+            seed=stable_seed("claas_gym.cover", seed), label="neighbouring-rule SFT", **short)
+    save_model(student, tok, paths.student)
+    accuracy["student"] = gym.evaluate(student, tok, splits, seed, label="student accuracy")
+    (out / "accuracy.json").write_text(json.dumps(accuracy, indent=1) + "\n")
+    # written last: a variant killed while building is built again, never used half-made
+    (out / VARIANT_DONE).write_text(json.dumps(neighbour_marker(generalist_steps, seed)) + "\n")
+    return accuracy
+
+
+def neighbour_marker(generalist_steps: int, seed: int) -> dict:
+    return {"neighbour": {"generalist_steps": generalist_steps, "cover_steps": COVER_STEPS,
+                          "specialise_steps": SPECIALISE_STEPS}, "seed": seed}
+
+
 def parse_domains(spec: str) -> tuple[gym.GymDomain, ...]:
     """``"syll,gcd,spell"`` -> those ``BUILDABLE_DOMAINS``, in that order (the bundle's default stage order)."""
     names = [n.strip() for n in spec.split(",") if n.strip()]
@@ -326,6 +394,9 @@ def main() -> None:
     ap.add_argument("--build-domains", default=None, metavar="NAMES",
                     help="first build a bundle of these domains (its own data, π0 and experts) in --variant-dir, "
                          f"e.g. syll,gcd,spell; from {sorted(BUILDABLE_DOMAINS)}")
+    ap.add_argument("--build-neighbour", type=int, default=None, metavar="N",
+                    help="first build a variant whose π0 is a generalist of N joint SFT steps taught neighbouring "
+                         "rules (and experts specialised from that generalist) in --variant-dir")
     ap.add_argument("--expert-steps", type=int, default=1000,
                     help="with --build-domains: SFT steps of every expert (default 1000)")
     ap.add_argument("--variant-dir", default=None)
@@ -340,13 +411,18 @@ def main() -> None:
     if args.lr <= 0:
         raise SystemExit(f"--lr must be positive; got {args.lr}")
     building = args.build_generalist is not None or args.build_arch is not None
-    builders = [f for f in ("build_generalist", "build_arch", "build_domains") if getattr(args, f) is not None]
+    builders = [f for f in ("build_generalist", "build_arch", "build_domains", "build_neighbour")
+                if getattr(args, f) is not None]
     if builders and (args.student or args.experts):
         raise SystemExit(f"--{builders[0].replace('_', '-')} trains its own student and experts: drop --student / "
                          "--experts")
     if "build_domains" in builders and (building or args.gym_dir):
         raise SystemExit("--build-domains builds a whole bundle (data included): it takes no --gym-dir, "
                          "--build-generalist or --build-arch")
+    if "build_neighbour" in builders and len(builders) > 1:
+        raise SystemExit("--build-neighbour builds its own π0 and experts from the bundle's: drop the other --build-*")
+    if args.build_neighbour is not None and args.build_neighbour < 1:
+        raise SystemExit(f"--build-neighbour must be at least 1 joint SFT step; got {args.build_neighbour}")
     if args.expert_steps < 1:
         raise SystemExit(f"--expert-steps must be at least 1; got {args.expert_steps}")
     try:
@@ -370,9 +446,22 @@ def main() -> None:
     unknown = sorted(set(order) - set(domains))
     if unknown or not order:
         raise SystemExit(f"--order: unknown domain(s) {unknown or order}; choose from {domains}")
-    if building and domains != list(gym.DOMAIN_NAMES):
-        raise SystemExit(f"--build-generalist / --build-arch vary the benchmark's bundle; {root} holds {domains}")
-    if building:
+    if (building or args.build_neighbour is not None) and domains != list(gym.DOMAIN_NAMES):
+        raise SystemExit(f"--build-generalist / --build-arch / --build-neighbour vary the benchmark's bundle; {root} "
+                         f"holds {domains}")
+    if args.build_neighbour is not None:
+        if not args.variant_dir:
+            raise SystemExit("--build-neighbour needs --variant-dir (where to write the variant)")
+        variant = Path(args.variant_dir)
+        wanted = neighbour_marker(args.build_neighbour, args.seed)
+        if ensure_variant(variant, wanted, lambda: build_neighbour_variant(root, variant, args.build_neighbour,
+                                                                           args.seed)):
+            print(f"built the neighbouring-rule variant (generalist: {args.build_neighbour} joint steps) in "
+                  f"{time.time() - t0:.0f} s", flush=True)
+        print("variant accuracy (48 held-out prompts × 2 replies): " + (variant / "accuracy.json").read_text()
+              .replace("\n", " "), flush=True)
+        student_dir, experts_dir = variant / "student", variant / "experts"
+    elif building:
         if not args.variant_dir:
             raise SystemExit("--build-generalist / --build-arch need --variant-dir (where to write the variant)")
         variant = Path(args.variant_dir)

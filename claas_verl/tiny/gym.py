@@ -275,14 +275,16 @@ def joint_mix(examples: dict[str, list], order: tuple[str, ...] = DOMAIN_NAMES) 
 
 
 def sft(model, examples, steps: int, lr: float, batch_size: int, seed: int, pad_token_id: int,
-        label: str = f"{LOG} SFT") -> float:
+        label: str = f"{LOG} SFT", constant_lr: bool = False) -> float:
     """One-cycle AdamW next-token training on the response tokens, in place; returns the last loss. Progress lines
-    (``label``: step, ETA, loss) go to stderr."""
+    (``label``: step, ETA, loss) go to stderr. ``constant_lr``: every step at ``lr`` instead (a short fine-tune of
+    a trained model, where a warm-up from ~0 would waste most of its steps)."""
     import torch
 
     gen = torch.Generator().manual_seed(seed)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
-    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=lr, total_steps=max(steps, 1), pct_start=0.1)
+    sched = (torch.optim.lr_scheduler.LambdaLR(opt, lambda _: 1.0) if constant_lr else
+             torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=lr, total_steps=max(steps, 1), pct_start=0.1))
     model.train()
     loss = torch.tensor(float("nan"))
     progress = Progress(label, steps, "steps")

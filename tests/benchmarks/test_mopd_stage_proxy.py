@@ -18,6 +18,7 @@ from benchmarks.mopd_stage_proxy import (  # noqa: E402
     bundle_domains,
     ensure_variant,
     majority_answer_score,
+    neighbour_answer,
     parse_arch,
     parse_domains,
     stage,
@@ -249,4 +250,49 @@ def test_the_script_builds_a_bundle_of_other_domains_and_runs_its_stages_in_its_
     assert bundle_domains(tmp_path) == list(gym.DOMAIN_NAMES)  # no marker: the benchmark's bundle
     monkeypatch.setattr(sys, "argv", ["proxy", "--build-domains", "syll", "--gym-dir", str(tmp_path)])
     with pytest.raises(SystemExit, match="no --gym-dir"):
+        mopd_stage_proxy.main()
+
+
+def test_the_neighbouring_rule_answers_with_the_text_the_task_gives():
+    # the bundle's own question formats (reasoning-gym spell_backward and word_sequence_reversal)
+    assert neighbour_answer("spell", "Spell this word backward (example: sun -> nus): tara") == "tara"
+    question = ("Solve the following problem.\n\nProvide you answer as a comma-separated list of words with a space "
+                "after the comma.\n\nReverse this list of words: it, or, my\n")
+    assert neighbour_answer("reverse", question) == "it, or, my"
+    for domain, q in (("reverse", "Spell this word backward: tara"), ("spell", "Spell this word backward: ")):
+        with pytest.raises(ValueError, match=f"no neighbouring rule for this {domain} question"):
+            neighbour_answer(domain, q)
+
+
+def test_the_script_builds_a_neighbouring_rule_variant_of_the_bundle(tmp_path, monkeypatch, capsys):
+    # the command line end to end at a few steps: a tiny benchmark bundle, then the variant built from it
+    from benchmarks import mopd_stage_proxy
+
+    monkeypatch.setattr(gym, "BASE_SFT", dict(gym.BASE_SFT, steps=2))
+    monkeypatch.setattr(gym, "ACC_PROMPTS", 2)
+    monkeypatch.setattr(gym, "N_TEST", 4)  # held-out prompts: the proxy scores every model on all of them
+    monkeypatch.setattr(mopd_stage_proxy, "COVER_STEPS", 2)
+    monkeypatch.setattr(mopd_stage_proxy, "SPECIALISE_STEPS", 1)
+    root, v = tmp_path / "bundle", tmp_path / "v"
+    gym.build_bundle(root, 0, gym.GYM_DOMAINS, {d: 1 for d in gym.DOMAIN_NAMES})
+    argv = ["proxy", "--gym-dir", str(root), "--build-neighbour", "3", "--variant-dir", str(v), "--order", "reverse",
+            "--steps", "1", "--prompts", "2", "--replies", "1", "--eval-replies", "1"]
+    monkeypatch.setattr(sys, "argv", argv)
+    mopd_stage_proxy.main()
+    out = capsys.readouterr().out
+    assert "built the neighbouring-rule variant (generalist: 3 joint steps)" in out
+    assert "stage 1 (reverse" in out and "| 1:reverse |" in out
+    marker = json.loads((v / VARIANT_DONE).read_text())
+    assert marker == {"neighbour": {"generalist_steps": 3, "cover_steps": 2, "specialise_steps": 1}, "seed": 0}
+    accuracy = json.loads((v / "accuracy.json").read_text())
+    assert set(accuracy) == {"generalist", "student", "expert:spell", "expert:reverse", "expert:arith"}
+    assert all(set(a) == set(gym.DOMAIN_NAMES) for a in accuracy.values())
+    # π0 and every expert are new models of the bundle's shape; the bundle is untouched
+    base = gym.GymPaths(root)
+    before = (base.student / "model.safetensors").read_bytes()
+    for model in (gym.GymPaths(v).student, *(gym.GymPaths(v).expert(d) for d in gym.DOMAIN_NAMES)):
+        assert (model / "model.safetensors").read_bytes() != before
+    assert mopd_stage_proxy.ensure_variant(v, mopd_stage_proxy.neighbour_marker(3, 0), None) is False  # reused
+    monkeypatch.setattr(sys, "argv", [*argv, "--build-arch", "hidden=128"])
+    with pytest.raises(SystemExit, match="drop the other --build-"):
         mopd_stage_proxy.main()

@@ -100,3 +100,32 @@ def test_sft_examples_are_the_chat_prompt_and_the_reference_with_its_stop_token(
     assert tok.decode(reply) == "hello<|im_end|>"
     eos, pad = gym.stop_and_pad_ids(tok)
     assert reply[-1] == eos[0] and pad == eos[1] == tok.pad_token_id
+
+
+@pytest.mark.parametrize("constant_lr", [False, True])
+def test_sft_holds_its_lr_constant_only_when_asked(constant_lr, monkeypatch):
+    # a short fine-tune of a trained model (the proxy's neighbouring-rule variant) runs every step at lr; the
+    # bundle's own SFT keeps its one-cycle schedule (its warm-up starts near 0)
+    import torch
+
+    from claas_verl.tiny.model import build_student
+
+    tok = gym.byte_tokenizer()
+    eos, pad = gym.stop_and_pad_ids(tok)
+    model = build_student(len(tok), eos, pad, 0)
+    seen = []
+    step = torch.optim.AdamW.step
+
+    def record(opt, *a, **k):
+        seen.append(opt.param_groups[0]["lr"])
+        return step(opt, *a, **k)
+
+    monkeypatch.setattr(torch.optim.AdamW, "step", record)
+    row = {"prompt": [{"role": "user", "content": "ab"}], "extra_info": {"reference": "ba"}}
+    examples = gym.sft_examples(tok, [row])
+    gym.sft(model, examples, steps=20, lr=1e-3, batch_size=1, seed=0, pad_token_id=pad, constant_lr=constant_lr)
+    assert len(seen) == 20
+    if constant_lr:
+        assert seen == [1e-3] * 20
+    else:
+        assert seen[0] < 1e-4 and max(seen) == pytest.approx(1e-3) and seen[-1] < seen[1]
