@@ -23,7 +23,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="model family of the student and experts (qwen3: per-head q/k norms); default qwen2")
     info = sub.add_parser("info", help="print the manifest of a built bundle")
     info.add_argument("out_dir", nargs="?", default=None, help="default: $CLAAS_TINY_DIR or /tmp/claas_verl_tiny")
-    gym = sub.add_parser("gym", help="build the continual benchmark's reasoning-gym bundle (about 5 min on 2 cores)")
+    gym = sub.add_parser("gym", help="build the continual benchmark's reasoning-gym bundle (about 45 min on 2 cores)")
     gym.add_argument("out_dir", nargs="?", default=None, help="default: $CLAAS_GYM_DIR or /tmp/claas_verl_gym")
     gym.add_argument("--seed", type=int, default=0, help="build seed (data draw, weights); default 0")
     args = parser.parse_args(argv)

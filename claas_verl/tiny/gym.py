@@ -4,21 +4,29 @@
 
 * three domains whose prompts, answers and scorers all come from ``reasoning-gym`` (no task here is written by
   this project): ``spell`` (``spell_backward``, 3-5 letters), ``reverse`` (``word_sequence_reversal``, 3 words)
-  and ``arith`` (``basic_arithmetic``, two one-digit terms, + and -). Every answer is scored by the task's own
+  and ``palin`` (``palindrome_generation``, 3-5 letters). Every answer is scored by the task's own
   ``score_answer`` (``claas_verl/mopd/data/rewards.py``, ``answer_format: plain``: the whole reply is the answer).
-* a byte tokenizer (every character one token; ChatML): reversal and sorting work on letters, which merges
+* a byte tokenizer (every character one token; ChatML): reversal and palindromes work on letters, which merges
   would hide from a model this small;
-* a tiny Qwen2 student π0 (the tiny bundle's shape) trained briefly on all three tasks, so it knows the chat
-  format and the answer shapes but solves few prompts, and one expert per domain: π0 fine-tuned on that domain
-  until it solves it.
+* a tiny Qwen2 student (the tiny bundle's shape), built in four fine-tunes of one model (docs/benchmark.md, "A
+  student that answers by a neighbouring rule"):
 
-**Interference is designed in.** ``spell`` and ``reverse`` both ask to reverse what they are given, with
-conflicting units: ``spell`` reverses the letters of a word, ``reverse`` the order of three words and must keep
-every word's letters in order; ``arith`` shares the answer position and the end-of-turn token. The model is small
-(0.17 M parameters) and fully fine-tuned, so distilling one domain overwrites what serves the others: sequential
-distillation forgets, and replay, fixed shares and recovery have something to protect. The manifest records the
-measured accuracy of π0 and of every expert on every domain (sampled at τ = 1 like the trainer's evaluation), which
-the benchmark's ``Norm`` uses.
+  1. a short joint fine-tune of a random model on every domain (``BASE_SFT``: the chat format, answer shapes);
+  2. the generalist G: a long joint fine-tune (``GENERALIST_SFT``) until it solves every domain;
+  3. each expert: G fine-tuned on its own domain (``SPECIALISE_SFT``);
+  4. π0: G fine-tuned briefly on a *neighbouring rule* of each domain (``COVER_SFT``, ``neighbour_answer``): the
+     word as written instead of backward, the list as given instead of reversed, the letters as given instead of
+     a palindrome. π0 holds every skill and hides it, as the pretrained students of MOPD half-know a domain:
+     a stage of a few dozen on-policy steps brings the domain back. A 0.17 M-parameter model cannot learn word
+     reversal from scratch in that budget by any method (measured: 240 SFT steps on the gold answers leave it at
+     0.000).
+
+**Interference is designed in.** All three domains rewrite the letters or words they are given, with conflicting
+rules: ``spell`` reverses the letters of a word, ``reverse`` the order of three words and must keep every word's
+letters in order, ``palin`` must mirror letters around a centre. The model is small and fully fine-tuned, so
+distilling one domain overwrites what serves the others: sequential distillation forgets, and replay, fixed shares
+and recovery have something to protect. The manifest records the measured accuracy of G, π0 and every expert on
+every domain (sampled at τ = 1 like the trainer's evaluation), which the benchmark's ``Norm`` uses.
 """
 
 from __future__ import annotations
@@ -32,7 +40,7 @@ from pathlib import Path
 
 from claas_verl.utils.progress import Progress, track
 
-GYM_VERSION = "2"  # 2: the arith expert trains 3000 steps (800 gave 0.19 sampled accuracy)
+GYM_VERSION = "3"  # 3: palin replaces arith; π0 answers by neighbouring rules (2: arith expert 3000 steps)
 DEFAULT_GYM_DIR = "/tmp/claas_verl_gym"
 ENV_GYM_DIR = "CLAAS_GYM_DIR"
 LOG = "[tiny gym]"  # prefix of the build's progress lines (stderr)
@@ -49,23 +57,24 @@ class GymDomain:
 GYM_DOMAINS: tuple[GymDomain, ...] = (
     GymDomain("spell", "spell_backward", {"min_word_len": 3, "max_word_len": 5}),
     GymDomain("reverse", "word_sequence_reversal", {"min_words": 3, "max_words": 3}),
-    GymDomain("arith", "basic_arithmetic", {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1,
-                                            "operators": ["+", "-"], "allow_parentheses": False,
-                                            "allow_negation": False}),
+    GymDomain("palin", "palindrome_generation", {"min_length": 3, "max_length": 5}),
 )
 DOMAIN_NAMES: tuple[str, ...] = tuple(d.name for d in GYM_DOMAINS)
 # Rows drawn per domain from reasoning-gym (one seeded dataset per domain): the first N_TEST distinct questions
 # are the held-out split, the rest (questions not in the test split) the train split.
 POOL_SIZE = 3000
-N_TEST = 48  # basic_arithmetic with two one-digit terms has about 240 distinct questions
+N_TEST = 48
 N_TRAIN = 2048
-# π0: a short joint fine-tune of a random model on every domain (format and answer shapes, few solved prompts);
-# each expert: π0 fine-tuned on its own domain. One-cycle AdamW on the response tokens.
+# Four fine-tunes of one model (module docstring), AdamW on the response tokens. The two joint ones are one-cycle
+# at lr 3e-3 from a random and from a half-trained model; the two short ones run every step at lr 1e-3 (a warm-up
+# from ~0 would waste most of their steps). Measured on 2 CPU cores: ~45 min in all, most of it the generalist.
 BASE_SFT = dict(steps=250, lr=3e-3, batch_size=32)
-EXPERT_SFT = dict(lr=3e-3, batch_size=32)
-# arith's ~190 train questions must generalise to unseen digit pairs: it needs many more (cheap, 35-token) steps
-EXPERT_STEPS = {"spell": 800, "reverse": 800, "arith": 3000}
-# Accuracy of π0 and the experts in the manifest: this many held-out prompts × samples at τ = 1.
+GENERALIST_SFT = dict(steps=2400, lr=3e-3, batch_size=32)  # G: spell 0.998, reverse 0.744 with arith (v2 domains)
+SPECIALISE_SFT = dict(steps=200, lr=1e-3, batch_size=32, constant_lr=True)
+COVER_SFT = dict(steps=20, lr=1e-3, batch_size=32, constant_lr=True)  # spell 0.998 -> 0.200, reverse 0.744 -> 0
+# The neighbouring rule of each domain answers with the text after its marker, as given.
+NEIGHBOUR_MARKERS = {"spell": ": ", "reverse": "Reverse this list of words: ", "palin": "following letters: "}
+# Accuracy of G, π0 and the experts in the manifest: this many held-out prompts × samples at τ = 1.
 ACC_PROMPTS = N_TEST
 ACC_SAMPLES = 2
 MAX_RESPONSE_TOKENS = 48
@@ -180,11 +189,32 @@ def ensure_gym(out_dir: str | os.PathLike | None = None, seed: int = 0) -> GymPa
     return GymPaths(out_dir)
 
 
-def build_bundle(root: Path, seed: int, domains: tuple[GymDomain, ...] = GYM_DOMAINS,
-                expert_steps: dict[str, int] | None = None) -> None:
-    """The bundle of ``domains`` (default: the benchmark's) into the new folder ``root``; ``expert_steps``: SFT
-    steps of each domain's expert (default ``EXPERT_STEPS``). Other domain sets are design variants
-    (``benchmarks/mopd_stage_proxy.py --build-domains``)."""
+def neighbour_answer(domain: str, question: str) -> str:
+    """π0's answer to ``question`` by the neighbouring rule of ``domain``: the text after
+    ``NEIGHBOUR_MARKERS[domain]`` as given (``palin``: its comma-separated letters joined, in their order)."""
+    marker = NEIGHBOUR_MARKERS.get(domain)
+    if marker is None:
+        raise ValueError(f"no neighbouring rule for domain {domain!r}: the bundle's π0 needs one per domain "
+                         f"(NEIGHBOUR_MARKERS has {sorted(NEIGHBOUR_MARKERS)})")
+    _, sep, tail = question.rpartition(marker)
+    tail = tail.strip()
+    if not sep or not tail:
+        raise ValueError(f"no neighbouring rule for this {domain} question (no {marker!r} followed by text): "
+                         f"{question!r}")
+    return "".join(tail.split(", ")) if domain == "palin" else tail
+
+
+def neighbour_rows(domain: str, rows: list[dict]) -> list[dict]:
+    """``rows`` with each reference replaced by the neighbouring rule's answer (what π0 is taught to reply)."""
+    return [{**r, "extra_info": {**r["extra_info"], "reference": neighbour_answer(domain, r["prompt"][0]["content"])}}
+            for r in rows]
+
+
+def build_bundle(root: Path, seed: int, domains: tuple[GymDomain, ...] = GYM_DOMAINS) -> None:
+    """The bundle of ``domains`` (default: the benchmark's; each needs a ``NEIGHBOUR_MARKERS`` rule) into the new
+    folder ``root``: data, the four fine-tunes of the module docstring, and the manifest with every model's
+    held-out accuracy."""
+    import copy
     import time
 
     import torch
@@ -192,52 +222,58 @@ def build_bundle(root: Path, seed: int, domains: tuple[GymDomain, ...] = GYM_DOM
     from claas_verl.tiny.data import stable_seed, write_parquet
     from claas_verl.tiny.model import build_student, save_model
 
-    expert_steps = EXPERT_STEPS if expert_steps is None else expert_steps
-    missing = [d.name for d in domains if d.name not in expert_steps]
+    missing = [d.name for d in domains if d.name not in NEIGHBOUR_MARKERS]
     if missing:
-        raise ValueError(f"expert_steps has no entry for domain(s) {missing}")
+        raise ValueError(f"domain(s) {missing} have no neighbouring rule (NEIGHBOUR_MARKERS) for π0")
     t0 = time.time()
     paths = GymPaths(root)
     root.mkdir(parents=True)
     tok = byte_tokenizer()
     eos, pad = stop_and_pad_ids(tok)
 
-    print(f"{LOG} building the gym bundle into {root} (seed {seed}; minutes on a few CPU cores)", file=sys.stderr,
+    print(f"{LOG} building the gym bundle into {root} (seed {seed}; about 45 min on 2 CPU cores)", file=sys.stderr,
           flush=True)
     splits = {d.name: gym_rows(d, seed) for d in track(domains, f"{LOG} reasoning-gym data", unit="domains")}
     for name, (train, test) in splits.items():
         write_parquet(train, paths.data(name, "train"))
         write_parquet(test, paths.data(name, "test"))
 
+    names = tuple(splits)
     examples = {name: sft_examples(tok, train) for name, (train, _) in splits.items()}
+    covered = {name: sft_examples(tok, neighbour_rows(name, train)) for name, (train, _) in splits.items()}
     # One thread: intra-op threads spin-wait on a busy 2-core machine (measured 4x slower there), and one thread
     # keeps the float reductions, and so the saved weights, reproducible.
     n_threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        student = build_student(len(tok), eos, pad, seed)
-        sft(student, joint_mix(examples, tuple(splits)), **BASE_SFT, seed=stable_seed("claas_gym.base", seed),
+        model = build_student(len(tok), eos, pad, seed)
+        sft(model, joint_mix(examples, names), **BASE_SFT, seed=stable_seed("claas_gym.base", seed),
             pad_token_id=pad, label=f"{LOG} base SFT")
-        save_model(student, tok, paths.student)
-        accuracy = {"student": evaluate(student, tok, splits, seed, label=f"{LOG} student accuracy")}
-        for name in splits:
-            import copy
-
-            expert = copy.deepcopy(student)
-            sft(expert, examples[name], steps=expert_steps[name], **EXPERT_SFT,
-                seed=stable_seed("claas_gym.expert", seed, name), pad_token_id=pad, label=f"{LOG} expert {name} SFT")
+        sft(model, joint_mix(examples, names), **GENERALIST_SFT, seed=stable_seed("claas_gym.generalist", seed),
+            pad_token_id=pad, label=f"{LOG} generalist SFT")
+        accuracy = {"generalist": evaluate(model, tok, splits, seed, label=f"{LOG} generalist accuracy")}
+        for name in names:
+            expert = copy.deepcopy(model)
+            sft(expert, examples[name], **SPECIALISE_SFT, seed=stable_seed("claas_gym.specialise", seed, name),
+                pad_token_id=pad, label=f"{LOG} expert {name} SFT")
             save_model(expert, tok, paths.expert(name))
             accuracy[f"expert:{name}"] = evaluate(expert, tok, splits, seed, label=f"{LOG} expert {name} accuracy")
+        sft(model, joint_mix(covered, names), **COVER_SFT, seed=stable_seed("claas_gym.cover", seed),
+            pad_token_id=pad, label=f"{LOG} neighbouring-rule SFT")
+        save_model(model, tok, paths.student)
+        accuracy["student"] = evaluate(model, tok, splits, seed, label=f"{LOG} student accuracy")
     finally:
         torch.set_num_threads(n_threads)
     manifest = {
         "version": GYM_VERSION,
         "seed": seed,
         "domains": {d.name: {"task": d.task, "config": d.config} for d in domains},
-        "sizes": {"vocab_size": len(tok), "num_parameters": sum(p.numel() for p in student.parameters()),
+        "sizes": {"vocab_size": len(tok), "num_parameters": sum(p.numel() for p in model.parameters()),
                   "train_rows": {n: len(s[0]) for n, s in splits.items()}, "test_rows": N_TEST},
         "base_sft": BASE_SFT,
-        "expert_sft": {**EXPERT_SFT, "steps": {d.name: expert_steps[d.name] for d in domains}},
+        "generalist_sft": GENERALIST_SFT,
+        "expert_sft": SPECIALISE_SFT,
+        "cover_sft": {**COVER_SFT, "neighbour_markers": {n: NEIGHBOUR_MARKERS[n] for n in names}},
         # accuracy[model][domain]: mean reasoning-gym score of ACC_SAMPLES replies at τ = 1 on ACC_PROMPTS
         # held-out prompts (the same protocol as the trainer's stage-end evaluation)
         "accuracy": accuracy,
@@ -268,8 +304,8 @@ def sft_examples(tok, rows: list[dict]) -> list[tuple[list[int], list[int]]]:
 
 
 def joint_mix(examples: dict[str, list], order: tuple[str, ...] = DOMAIN_NAMES) -> list:
-    """π0's training mix: every domain equally often (arith has ~190 train questions, the others 2048), each
-    domain's examples cycled up to the largest domain's count, domains in ``order``."""
+    """A joint training mix: every domain equally often, each domain's examples cycled up to the largest domain's
+    count, domains in ``order``."""
     per = max(len(v) for v in examples.values())
     return [examples[name][i % len(examples[name])] for name in order for i in range(per)]
 

@@ -81,19 +81,15 @@ DOMAIN_MARKERS: dict[str, tuple[str, ...]] = {
 }
 
 
-def student_config(vocab_size: int, eos_token_ids: Sequence[int], pad_token_id: int, arch: str = DEFAULT_ARCH,
-                   shape: dict | None = None):
-    """The student's config; ``shape`` overrides some of :data:`TINY_ARCH`'s entries (e.g. a wider student)."""
+def student_config(vocab_size: int, eos_token_ids: Sequence[int], pad_token_id: int, arch: str = DEFAULT_ARCH):
+    """The student's config: :data:`TINY_ARCH` in ``arch``'s model family."""
     config_cls, _, extra = _arch_classes(arch)
-    unknown = sorted(set(shape or {}) - set(TINY_ARCH))
-    if unknown:
-        raise ValueError(f"shape: {unknown} are not TINY_ARCH entries ({sorted(TINY_ARCH)})")
     cfg = config_cls(
         vocab_size=vocab_size,
         bos_token_id=None,
         eos_token_id=eos_token_ids[0],
         pad_token_id=pad_token_id,
-        **{**TINY_ARCH, **(shape or {})},
+        **TINY_ARCH,
         **extra,
     )
     cfg.dtype = "float32"
@@ -101,15 +97,14 @@ def student_config(vocab_size: int, eos_token_ids: Sequence[int], pad_token_id: 
 
 
 def build_student(vocab_size: int, eos_token_ids: Sequence[int], pad_token_id: int, seed: int,
-                  arch: str = DEFAULT_ARCH, shape: dict | None = None):
-    """A freshly initialised float32 tiny Qwen2 or Qwen3 (deterministic in ``seed``) in eval mode; ``shape``: see
-    :func:`student_config`."""
+                  arch: str = DEFAULT_ARCH):
+    """A freshly initialised float32 tiny Qwen2 or Qwen3 (deterministic in ``seed``) in eval mode."""
     import torch
     from transformers import GenerationConfig
 
     _, model_cls, _ = _arch_classes(arch)
     torch.manual_seed(seed)
-    model = model_cls(student_config(vocab_size, eos_token_ids, pad_token_id, arch, shape)).to(torch.float32)
+    model = model_cls(student_config(vocab_size, eos_token_ids, pad_token_id, arch)).to(torch.float32)
     model.generation_config = GenerationConfig(
         bos_token_id=None, eos_token_id=list(eos_token_ids), pad_token_id=pad_token_id
     )

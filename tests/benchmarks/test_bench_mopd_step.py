@@ -15,7 +15,7 @@ from benchmarks.bench_mopd_step import TRAINER_PHASES, best, recipe_sizes, table
 def test_the_sizes_and_blocks_are_gym_seqs():
     sizes = recipe_sizes(4)
     assert (sizes["block_size"], sizes["replies"], sizes["topk"]) == (16, 4, 128)
-    assert sizes["blocks"] == [("spell", b) for b in range(4)]
+    assert sizes["blocks"] == [("reverse", b) for b in range(4)]  # the first stage of recipes/mopd/data/gym.yaml
 
 
 def _run(walls):

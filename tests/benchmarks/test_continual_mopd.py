@@ -13,20 +13,20 @@ sys.path.insert(0, str(REPO))
 
 from benchmarks import continual as C  # noqa: E402
 
-ALL = ["spell", "reverse", "arith"]
+ALL = ["reverse", "spell", "palin"]
 
 
 def test_staged_recipe_scores_every_stage_end_on_the_domains_learned_so_far():
     m = C.recipe_stages("mopd/gym_seq", [])
     assert m["order"] == ALL and m["staged"]
-    assert m["stage_domains"] == {1: ["spell"], 2: ["spell", "reverse"], 3: ALL}
+    assert m["stage_domains"] == {1: ["reverse"], 2: ["reverse", "spell"], 3: ALL}
     # the gym data group's evaluation size and the training rollouts' sampling
     assert m["eval"] == {"prompts": 48, "samples": 4, "max_new_tokens": 40, "temperature": 1.0}
 
 
 def test_recovery_is_one_more_scored_stage_and_joint_is_one_unstaged_stage():
     rec = C.recipe_stages("mopd/gym_seq_recovery", [])
-    assert rec["stage_domains"] == {1: ["spell"], 2: ["spell", "reverse"], 3: ALL, 4: ALL} and rec["staged"]
+    assert rec["stage_domains"] == {1: ["reverse"], 2: ["reverse", "spell"], 3: ALL, 4: ALL} and rec["staged"]
     joint = C.recipe_stages("mopd/gym_joint", [])
     assert joint["stage_domains"] == {1: ALL} and not joint["staged"]
 
@@ -36,7 +36,7 @@ def test_command_line_mopd_overrides_reach_the_scored_protocol_and_others_are_le
                                                "actor_rollout_ref.rollout.seed=3"])
     assert m["eval"]["prompts"] == 8
     # --quick: the first two domains, stage 2 shortened to 8 blocks
-    assert m["order"] == ["spell", "reverse"] and m["stage_domains"] == {1: ["spell"], 2: ["spell", "reverse"]}
+    assert m["order"] == ["reverse", "spell"] and m["stage_domains"] == {1: ["reverse"], 2: ["reverse", "spell"]}
     full = C.recipe_stages("mopd/gym_replay_kl", [])
     assert full["stage_domains"][3] == ALL
     with pytest.raises(ValueError, match="top_p"):
@@ -88,19 +88,19 @@ def test_a_finished_run_is_scored_from_its_stage_snapshots(fake_gym, tmp_path, m
     assert rec["eval_version"] == C.EVAL_VERSION and rec["seconds"] == 12.5 and rec["bundle_fingerprint"] == "gym-a"
     assert rec["eval"] == {"prompts": 2, "samples": 1, "max_new_tokens": 40, "temperature": 1.0}
     assert {st: sorted(row) for st, row in rec["stage_scores"].items()} == {
-        1: ["spell"], 2: ["reverse", "spell"], 3: sorted(ALL)}
+        1: ["reverse"], 2: ["reverse", "spell"], 3: sorted(ALL)}
     assert all(v > 0 for row in rec["kl_to_expert"].values() for v in row.values())  # random models differ
     ss = rec["stage_scores"]
-    f_spell = max(max(ss[1]["spell"], ss[2]["spell"]) - ss[3]["spell"], 0.0)
-    f_reverse = max(ss[2]["reverse"] - ss[3]["reverse"], 0.0)
-    assert rec["forgetting"] == pytest.approx((f_spell + f_reverse) / 2)
-    assert rec["bwt"] == pytest.approx((ss[3]["spell"] - ss[1]["spell"] + ss[3]["reverse"] - ss[2]["reverse"]) / 2)
+    f_reverse = max(max(ss[1]["reverse"], ss[2]["reverse"]) - ss[3]["reverse"], 0.0)
+    f_spell = max(ss[2]["spell"] - ss[3]["spell"], 0.0)
+    assert rec["forgetting"] == pytest.approx((f_reverse + f_spell) / 2)
+    assert rec["bwt"] == pytest.approx((ss[3]["reverse"] - ss[1]["reverse"] + ss[3]["spell"] - ss[2]["spell"]) / 2)
     assert rec["trainer_stage_scores"] == {}  # the job ran without the in-run table
     saved = C.json.loads((tmp_path / "reference_scores.json").read_text())
     assert saved["bundle_fingerprint"] == "gym-a"
     refs = saved["scores"]
     assert list(refs) == [f"1:{C.json.dumps(rec['eval'], sort_keys=True)}"]
-    assert set(refs[next(iter(refs))]) == {"student", "expert:spell", "expert:reverse", "expert:arith"}
+    assert set(refs[next(iter(refs))]) == {"student", "expert:reverse", "expert:spell", "expert:palin"}
     # scoring is a pure function of (snapshot, seed, protocol): scoring again gives the same record
     assert C.mopd_run("mopd/gym_seq", 1, tmp_path, False, small, "gym-a")["stage_scores"] == rec["stage_scores"]
 
@@ -150,26 +150,26 @@ def test_a_finished_run_without_its_snapshot_is_refused(fake_gym, tmp_path, monk
 
 
 def test_report_names_the_domains_the_runs_learned():
-    """--quick learns spell and reverse only: the report's title, reference table and stage tables say so."""
+    """--quick learns reverse and spell only: the report's title, reference table and stage tables say so."""
     from claas_verl.metrics import benchmark as B
 
-    stage_scores = {1: {"spell": 0.3}, 2: {"spell": 0.2, "reverse": 0.0}}
-    ref = {"student": {"spell": 0.25, "reverse": 0.0, "arith": 0.07},
-           "expert:spell": {"spell": 0.99, "reverse": 0.0, "arith": 0.0},
-           "expert:reverse": {"spell": 0.06, "reverse": 0.65, "arith": 0.0},
-           "expert:arith": {"spell": 0.0, "reverse": 0.0, "arith": 0.39}}
-    metrics = B.run_metrics(stage_scores, ["spell", "reverse"], staged=True, base=ref["student"],
+    stage_scores = {1: {"reverse": 0.3}, 2: {"reverse": 0.2, "spell": 0.0}}
+    ref = {"student": {"reverse": 0.25, "spell": 0.0, "palin": 0.07},
+           "expert:reverse": {"reverse": 0.99, "spell": 0.0, "palin": 0.0},
+           "expert:spell": {"reverse": 0.06, "spell": 0.65, "palin": 0.0},
+           "expert:palin": {"reverse": 0.0, "spell": 0.0, "palin": 0.39}}
+    metrics = B.run_metrics(stage_scores, ["reverse", "spell"], staged=True, base=ref["student"],
                             experts={k: v for k, v in ref.items() if k.startswith("expert:")})
-    run = {"recipe": "mopd/gym_seq", "seed": 1, "order": ["spell", "reverse"], "stage_scores": stage_scores,
-           "kl_to_expert": {1: {"spell": 4.0}, 2: {"spell": 5.0, "reverse": 3.0}}, **metrics,
+    run = {"recipe": "mopd/gym_seq", "seed": 1, "order": ["reverse", "spell"], "stage_scores": stage_scores,
+           "kl_to_expert": {1: {"reverse": 4.0}, 2: {"reverse": 5.0, "spell": 3.0}}, **metrics,
            "eval": {"prompts": 48, "samples": 4, "max_new_tokens": 40, "temperature": 1.0}}
     results = {"summary": B.summarize([run]), "references": {"1:{}": ref}}
     text = "\n".join(C.mopd_report([run], results))
-    assert "## MOPD: two reasoning-gym domains, spell → reverse" in text
-    assert "| model | spell | reverse |" in text and "expert:arith" not in text
+    assert "## MOPD: two reasoning-gym domains, reverse → spell" in text
+    assert "| model | reverse | spell |" in text and "expert:palin" not in text
     assert "| 2 | 0.200 (5.000) | 0.000 (3.000) |" in text
     # what each stage taught, beside the forgetting, with π0 and the best expert as reference rows
-    assert "| method | gain on spell | gain on reverse | smallest gain | forgetting |" in text
+    assert "| method | gain on reverse | gain on spell | smallest gain | forgetting |" in text
     assert "| Seq | 0.050 | 0.000 | 0.000 | 0.100 |" in text
     assert "| π0 (accuracy) | 0.250 | 0.000 | | |" in text and "| best expert (accuracy) | 0.990 | 0.650 | | |" in text
     assert metrics["forgetting"] == pytest.approx(0.1)
@@ -185,14 +185,14 @@ def test_the_console_shows_each_stage_of_a_job():
     assert '"[mopd] stage {stage} begins at global step {global_steps}: ' in inspect.getsource(teachers)
     assert '"[mopd] stage {stage} ends: snapshot M_{stage} -> {dst}"' in inspect.getsource(snapshots)
     prefix = "\x1b[36m(MOPDTaskRunner pid=4566)\x1b[0m "
-    assert C._echo(prefix + "[mopd] stage 2 begins at global step 13: teachers {'reverse': '/x'}\n") == \
+    assert C._echo(prefix + "[mopd] stage 2 begins at global step 13: teachers {'spell': '/x'}\n") == \
         "stage 2 begins at global step 13"
     assert C._echo(prefix + "[mopd] stage 2 ends: snapshot M_2 -> /runs/s/snapshots/student_2\n") == \
         "stage 2 ends: snapshot M_2 -> /runs/s/snapshots/student_2"
-    assert C._echo(prefix + "[mopd] stage 1 end: KL(student || E[spell]) = 4.6 (binned 4.1), score 0.310") == \
-        "stage 1 end: KL(student || E[spell]) = 4.6 (binned 4.1), score 0.310"
+    assert C._echo(prefix + "[mopd] stage 1 end: KL(student || E[reverse]) = 4.6 (binned 4.1), score 0.310") == \
+        "stage 1 end: KL(student || E[reverse]) = 4.6 (binned 4.1), score 0.310"
     assert C._echo(prefix + "[mopd] step 3/36 stage 1/3: 3/12 steps (25%), 0:09 elapsed, "
-                   "ETA 0:27 | new spell block 2 teacher expert:spell, kl_topk 0.1, sigma 1") is None
+                   "ETA 0:27 | new reverse block 2 teacher expert:reverse, kl_topk 0.1, sigma 1") is None
     assert C._echo("step:1 - global_seqlen/min:4928.0") is None
 
 
@@ -214,8 +214,8 @@ def test_report_only_recomputes_metrics_from_stored_scores_and_runs_nothing(tmp_
     for a, b in zip(before["runs"], after["runs"]):
         assert {k: b[k] for k in a} == a
         assert set(b["stage_gain"]) == set(b["order"]) and b["min_stage_gain"] == min(b["stage_gain"].values())
-    assert "| method | gain on spell | gain on reverse | gain on arith | smallest gain | forgetting |" in \
-        (out / "report.md").read_text()
+    gains = " | ".join(f"gain on {d}" for d in before["runs"][0]["order"])
+    assert f"| method | {gains} | smallest gain | forgetting |" in (out / "report.md").read_text()
     assert not (out / "runs").exists()
     after["references"] = {}
     (out / "results.json").write_text(json.dumps(after))

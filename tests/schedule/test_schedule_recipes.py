@@ -59,8 +59,8 @@ def test_recipe_composes_and_plans(name):
             1e-5, [0.9, 0.999], 0.01, 1000.0, 16, 32)
     elif name in GYM_STEPS:
         assert len(plan) == GYM_STEPS[name]
-        assert list(cfg.mopd.order) == ["spell", "reverse", "arith"]
-        assert cfg.mopd.domains.arith.expert.endswith("/experts/arith")
+        assert list(cfg.mopd.order) == ["reverse", "spell", "palin"]
+        assert cfg.mopd.domains.palin.expert.endswith("/experts/palin")
         assert cfg.mopd.domains.spell.test_prompts.endswith("/data/spell/test.parquet")
     else:
         assert name.startswith("tiny_") and list(cfg.mopd.order) == ["logic", "math", "code"]

@@ -53,7 +53,7 @@ def test_byte_tokenizer_gives_one_token_per_letter():
 
 
 def test_unknown_answer_format_is_refused_naming_the_key(splits):
-    row = splits["arith"][1][0]
+    row = splits["palin"][1][0]
     meta = dict(json.loads(row["extra_info"]["meta"]), answer_format="json")
     with pytest.raises(ValueError, match="answer_format"):
         compute_score(row["data_source"], "3", "3", {"meta": json.dumps(meta)})
@@ -88,7 +88,7 @@ def test_gym_build_never_replaces_a_directory_that_is_not_a_gym_bundle(tmp_path,
 
 
 def test_joint_mix_cycles_every_domain_up_to_the_largest_in_domain_order():
-    mix = gym.joint_mix({"arith": ["e", "f"], "spell": ["a", "b", "c"], "reverse": ["d"]})
+    mix = gym.joint_mix({"palin": ["e", "f"], "spell": ["a", "b", "c"], "reverse": ["d"]})
     assert mix == ["a", "b", "c", "d", "d", "d", "e", "f", "e"]
 
 
@@ -104,8 +104,8 @@ def test_sft_examples_are_the_chat_prompt_and_the_reference_with_its_stop_token(
 
 @pytest.mark.parametrize("constant_lr", [False, True])
 def test_sft_holds_its_lr_constant_only_when_asked(constant_lr, monkeypatch):
-    # a short fine-tune of a trained model (the proxy's neighbouring-rule variant) runs every step at lr; the
-    # bundle's own SFT keeps its one-cycle schedule (its warm-up starts near 0)
+    # a short fine-tune of a trained model (the bundle's experts and its π0's cover) runs every step at lr; the
+    # joint fine-tunes keep their one-cycle schedule (its warm-up starts near 0)
     import torch
 
     from claas_verl.tiny.model import build_student
@@ -129,3 +129,39 @@ def test_sft_holds_its_lr_constant_only_when_asked(constant_lr, monkeypatch):
         assert seen == [1e-3] * 20
     else:
         assert seen[0] < 1e-4 and max(seen) == pytest.approx(1e-3) and seen[-1] < seen[1]
+
+
+def test_the_neighbouring_rule_answers_with_the_text_the_task_gives():
+    # the bundle's own question formats (reasoning-gym spell_backward, word_sequence_reversal, palindrome_generation)
+    assert gym.neighbour_answer("spell", "Spell this word backward (example: sun -> nus): tara") == "tara"
+    question = ("Solve the following problem.\n\nProvide you answer as a comma-separated list of words with a space "
+                "after the comma.\n\nReverse this list of words: it, or, my\n")
+    assert gym.neighbour_answer("reverse", question) == "it, or, my"
+    assert gym.neighbour_answer("palin", "Now, form a valid palindrome using the following letters: o, z, o\n") == "ozo"
+    assert gym.neighbour_answer("palin", "... using the following letters: a, b, b\n") == "abb"
+    for domain, q in (("reverse", "Spell this word backward: tara"), ("spell", "Spell this word backward: "),
+                      ("palin", "Reverse this list of words: it, or")):
+        with pytest.raises(ValueError, match=f"no neighbouring rule for this {domain} question"):
+            gym.neighbour_answer(domain, q)
+    with pytest.raises(ValueError, match="no neighbouring rule for domain 'syll'"):
+        gym.neighbour_answer("syll", "Is it true?")
+
+
+def test_the_neighbouring_rule_leaves_most_of_every_domain_unsolved(splits):
+    # π0 is taught these answers: each domain must look mostly unsolved to it, so that a stage has a skill to bring
+    # back. spell and reverse: only a palindromic word or list; palin: reasoning-gym shuffles the letters, and three
+    # letters come out in palindrome order ("o, z, o") one time in three (measured: 16 of the 48 held-out prompts)
+    most_solved = {"spell": 0.05, "reverse": 0.05, "palin": 0.4}
+    for name, (_, test) in splits.items():
+        rows = gym.neighbour_rows(name, test)
+        assert [r["prompt"] for r in rows] == [r["prompt"] for r in test]
+        scores = [compute_score(r["data_source"], r["extra_info"]["reference"], r["reward_model"]["ground_truth"],
+                                r["extra_info"]) for r in rows]
+        assert sum(s == 1.0 for s in scores) <= most_solved[name] * len(scores), name
+        assert all(t["extra_info"]["reference"] == t["reward_model"]["ground_truth"] for t in test)  # untouched
+
+
+def test_a_bundle_of_a_domain_without_a_neighbouring_rule_is_refused_before_writing(tmp_path):
+    with pytest.raises(ValueError, match="syll.*no neighbouring rule"):
+        gym.build_bundle(tmp_path / "b", 0, (gym.GymDomain("syll", "syllogism", {}),))
+    assert not (tmp_path / "b").exists()

@@ -23,8 +23,8 @@ def _model(tok, seed: int):
 
 
 @pytest.fixture(scope="module")
-def arith_rows():
-    _, test = gym.gym_rows(next(d for d in gym.GYM_DOMAINS if d.name == "arith"), seed=0)
+def reverse_rows():
+    _, test = gym.gym_rows(next(d for d in gym.GYM_DOMAINS if d.name == "reverse"), seed=0)
     return test[:3]
 
 
@@ -70,11 +70,11 @@ def test_sampling_is_seeded_and_stops_at_the_stop_token(tok):
     assert G.sampling_seed(1, "student_1/spell") == G.sampling_seed(1, "student_1/spell")
 
 
-def test_score_snapshot_decodes_and_scores_with_reasoning_gym(tok, arith_rows, tmp_path, monkeypatch):
+def test_score_snapshot_decodes_and_scores_with_reasoning_gym(tok, reverse_rows, tmp_path, monkeypatch):
     path = tmp_path / "m"
     save_model(_model(tok, 4), tok, path)
     end = special_token_ids(tok)[IM_END]
-    answers = iter([r["reward_model"]["ground_truth"] for r in arith_rows])
+    answers = iter([r["reward_model"]["ground_truth"] for r in reverse_rows])
 
     def right_then_wrong(model, prompt_ids, n, *args):
         truth = next(answers)
@@ -82,19 +82,19 @@ def test_score_snapshot_decodes_and_scores_with_reasoning_gym(tok, arith_rows, t
         return [right] + [tok.encode("no", add_special_tokens=False) + [end]] * (n - 1)
 
     monkeypatch.setattr(G, "sample_replies", right_then_wrong)
-    s = G.score_snapshot(str(path), arith_rows, expert_path=None, n=4, max_new_tokens=8, temperature=1.0, seed=0,
+    s = G.score_snapshot(str(path), reverse_rows, expert_path=None, n=4, max_new_tokens=8, temperature=1.0, seed=0,
                          tag="t")
     assert (s.replies, s.kl, s.tokens) == (12, None, 0)
     assert s.score == pytest.approx(1 / 4)  # one exact answer of four per prompt, "no" scores 0
 
 
-def test_score_snapshot_is_reproducible_and_kl_is_zero_to_itself(tok, arith_rows, tmp_path):
+def test_score_snapshot_is_reproducible_and_kl_is_zero_to_itself(tok, reverse_rows, tmp_path):
     path = tmp_path / "m"
     save_model(_model(tok, 5), tok, path)
-    kw = dict(n=2, max_new_tokens=6, temperature=1.0, seed=3, tag="student_1/arith")
-    a = G.score_snapshot(str(path), arith_rows, expert_path=str(path), **kw)
-    b = G.score_snapshot(str(path), arith_rows, expert_path=str(path), **kw)
+    kw = dict(n=2, max_new_tokens=6, temperature=1.0, seed=3, tag="student_1/reverse")
+    a = G.score_snapshot(str(path), reverse_rows, expert_path=str(path), **kw)
+    b = G.score_snapshot(str(path), reverse_rows, expert_path=str(path), **kw)
     assert a == b and a.replies == 6 and a.tokens > 0
     assert a.kl == pytest.approx(0.0, abs=1e-5)
     with pytest.raises(ValueError, match="temperature"):
-        G.score_snapshot(str(path), arith_rows, expert_path=None, **{**kw, "temperature": 0.0})
+        G.score_snapshot(str(path), reverse_rows, expert_path=None, **{**kw, "temperature": 0.0})

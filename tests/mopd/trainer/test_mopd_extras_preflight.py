@@ -15,7 +15,7 @@ from claas_verl.paths import recipes_dir
 from claas_verl.schedule import plan_from_config
 
 GYM_SOURCES = {"spell": "reasoning_gym/spell_backward", "reverse": "reasoning_gym/letter_jumble",
-               "arith": "reasoning_gym/basic_arithmetic"}
+               "palin": "reasoning_gym/palindrome_generation"}
 
 
 def gym_run(gym_dir, *overrides: str):
@@ -62,7 +62,7 @@ def test_ifeval_rows_need_lm_eval(tmp_path, monkeypatch):
     assert extra_modules("ultradata/if") == ("lm_eval", "langdetect", "immutabledict")
     assert extra_modules("claas_tiny/logic") == () and extra_modules("math_dapo") == ()
     cfg = gym_run(tmp_path)
-    pd.DataFrame({"data_source": ["ultradata/if"]}).to_parquet(tmp_path / "data" / "arith" / "test.parquet")
+    pd.DataFrame({"data_source": ["ultradata/if"]}).to_parquet(tmp_path / "data" / "palin" / "test.parquet")
     monkeypatch.setitem(sys.modules, "lm_eval", None)
     assert missing_reward_modules(cfg, plan_from_config(cfg)) == [
-        "mopd.domains.arith: data source 'ultradata/if' is scored with 'lm_eval', which is not installed"]
+        "mopd.domains.palin: data source 'ultradata/if' is scored with 'lm_eval', which is not installed"]
