@@ -32,11 +32,12 @@ def test_recovery_is_one_more_scored_stage_and_joint_is_one_unstaged_stage():
 
 
 def test_command_line_mopd_overrides_reach_the_scored_protocol_and_others_are_left_to_the_trainer():
-    m = C.recipe_stages("mopd/gym_replay_kl", [*C.QUICK_MOPD_OVERRIDES, "mopd.eval.prompts=8",
-                                               "actor_rollout_ref.rollout.seed=3"])
+    m = C.recipe_stages("mopd/gym_replay_kl", ["mopd.order=[reverse,spell]", "mopd.domains.spell.num_blocks=8",
+                                               "mopd.eval.prompts=8", "actor_rollout_ref.rollout.seed=3"])
     assert m["eval"]["prompts"] == 8
-    # --quick: the first two domains, stage 2 shortened to 8 blocks
     assert m["order"] == ["reverse", "spell"] and m["stage_domains"] == {1: ["reverse"], 2: ["reverse", "spell"]}
+    # --quick: every stage whole, as in the full run
+    assert C.recipe_stages("mopd/gym_replay_kl", C.QUICK_MOPD_OVERRIDES) == C.recipe_stages("mopd/gym_replay_kl", [])
     full = C.recipe_stages("mopd/gym_replay_kl", [])
     assert full["stage_domains"][3] == ALL
     with pytest.raises(ValueError, match="top_p"):
@@ -150,7 +151,7 @@ def test_a_finished_run_without_its_snapshot_is_refused(fake_gym, tmp_path, monk
 
 
 def test_report_names_the_domains_the_runs_learned():
-    """--quick learns reverse and spell only: the report's title, reference table and stage tables say so."""
+    """A plan cut to two domains learns those only: the report's title, reference table and stage tables say so."""
     from claas_verl.metrics import benchmark as B
 
     stage_scores = {1: {"reverse": 0.3}, 2: {"reverse": 0.2, "spell": 0.0}}
