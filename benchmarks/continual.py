@@ -22,7 +22,7 @@ generator); a job that fails is reported at the end, after the others finished, 
 
 CLaaS methods use the tiny bundle (``claas_verl/tiny/build.py``, built on first use, under a minute;
 ``--claas-stream`` picks their rule stream). MOPD methods use the reasoning-gym bundle (``claas_verl/tiny/gym.py``,
-built on first use, about 45 minutes on 2 CPU cores): the domains ``spell``, ``reverse`` and ``palin`` in that stage
+built on first use, about 45 minutes on 2 CPU cores): the domains ``reverse``, ``spell`` and ``palin`` in that stage
 order. Every stage-final snapshot the trainer saves (``snapshots/student_<stage>``), π0 and the experts are scored
 by one evaluator (``claas_verl/mopd/eval/gym_snapshots.py``): reasoning-gym's own scorers on the recipe's 48
 held-out prompts × 4 samples at τ = 1, and the exact full-vocabulary KL to each domain's expert on those samples.

@@ -69,9 +69,9 @@ N_TRAIN = 2048
 # at lr 3e-3 from a random and from a half-trained model; the two short ones run every step at lr 1e-3 (a warm-up
 # from ~0 would waste most of their steps). Measured on 2 CPU cores: ~45 min in all, most of it the generalist.
 BASE_SFT = dict(steps=250, lr=3e-3, batch_size=32)
-GENERALIST_SFT = dict(steps=2400, lr=3e-3, batch_size=32)  # G: spell 0.998, reverse 0.744 with arith (v2 domains)
+GENERALIST_SFT = dict(steps=2400, lr=3e-3, batch_size=32)  # G (seed 0): reverse 0.906, spell 1.000, palin 0.721
 SPECIALISE_SFT = dict(steps=200, lr=1e-3, batch_size=32, constant_lr=True)
-COVER_SFT = dict(steps=20, lr=1e-3, batch_size=32, constant_lr=True)  # spell 0.998 -> 0.200, reverse 0.744 -> 0
+COVER_SFT = dict(steps=20, lr=1e-3, batch_size=32, constant_lr=True)  # π0: reverse 0.000, spell 0.175, palin 0.168
 # The neighbouring rule of each domain answers with the text after its marker, as given.
 NEIGHBOUR_MARKERS = {"spell": ": ", "reverse": "Reverse this list of words: ", "palin": "following letters: "}
 # Accuracy of G, π0 and the experts in the manifest: this many held-out prompts × samples at τ = 1.
