@@ -37,6 +37,7 @@ from claas_verl.mopd.data.extras import check_reward_extras
 from claas_verl.paths import recipes_dir
 from claas_verl.preflight.disk import checkpoint_disk, human, parameter_count
 from claas_verl.preflight.models import check_plan_models
+from claas_verl.preflight.prompts import check_prompt_lengths
 from claas_verl.preflight.runtime import choose_runtime
 from claas_verl.schedule import build_plan
 
@@ -112,6 +113,7 @@ def finalize_config(cfg: DictConfig) -> DictConfig:
             reward.path = str(REPO / reward.path)
     check_reward_extras(cfg, plan)
     check_plan_models(cfg, plan)
+    check_prompt_lengths(cfg, plan, mopd)  # verl's agent loop would cut longer prompts silently
     report_disk(cfg, plan, mopd.student)
     return cfg
 

@@ -75,6 +75,69 @@ def test_which_models_a_plan_loads(tiny_dir):
     assert "no config.json" in model_path_problem("k", str(tiny_dir))
 
 
+
+# ------------------------------------------------------------------------------------------------ prompt lengths
+def _agent_loop_length(tok, messages) -> int:
+    """How verl's agent loop counts a text prompt: the chat template tokenized directly."""
+    ids = tok.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=True, return_dict=False)
+    return len(ids)
+
+
+def test_a_prompt_longer_than_max_prompt_length_is_refused_before_ray_starts(tiny_dir):
+    """verl 0.9.1's agent loop keeps a too-long prompt's last tokens with only a log line (data.truncation: error no
+    longer fires): the gym recipes trained `palin` on cut prompts for two bundle versions before this check."""
+    import pyarrow.parquet as pq
+    from transformers import AutoTokenizer
+
+    from claas_verl.main_mopd import finalize_config
+
+    tok = AutoTokenizer.from_pretrained(str(tiny_dir / "student"))
+    cfg = compose_run("tiny_seq", "cpu", f"claas.tiny_dir={tiny_dir}")
+    plan = plan_from_config(cfg)
+    rows = {d: plan.num_blocks[d] * int(cfg.mopd.block_size) for d in plan.order}
+    longest = {d: max(_agent_loop_length(tok, m) for m in pq.read_table(
+        str(cfg.mopd.domains[d].prompts)).column("prompt").to_pylist()[:rows[d]]) for d in plan.order}
+    top = max(longest.values())
+    worst = [d for d in plan.order if longest[d] == top][0]
+
+    ok = compose_run("tiny_seq", "cpu", f"claas.tiny_dir={tiny_dir}", f"mopd.train.max_prompt_length={top}",
+                     "mopd.eval.enabled=false")
+    finalize_config(ok)  # a prompt exactly at the limit fits
+
+    cut = compose_run("tiny_seq", "cpu", f"claas.tiny_dir={tiny_dir}", f"mopd.train.max_prompt_length={top - 1}",
+                      "mopd.eval.enabled=false")
+    with pytest.raises(ValueError) as err:
+        finalize_config(cut)
+    msg = str(err.value)
+    assert f"mopd.domains.{worst}.prompts: " in msg and f"(longest {top} tokens with the chat template)" in msg
+    assert f"set mopd.train.max_prompt_length={top} or more" in msg
+    assert "test_prompts" not in msg  # the held-out prompts are read only when the evaluation is on
+    for d in plan.order:
+        assert (f"mopd.domains.{d}.prompts: " in msg) == (longest[d] > top - 1)
+
+
+def test_every_gym_prompt_fits_the_gym_recipes():
+    """Each gym domain's train and held-out prompts, rendered as the agent loop renders them, fit in every gym
+    recipe's max_prompt_length (`palin`'s 405-411 tokens were cut to 256 before)."""
+    from claas_verl.preflight.prompts import prompt_token_lengths
+    from claas_verl.tiny import gym
+
+    tok = gym.byte_tokenizer()
+    longest = {}
+    for domain in gym.GYM_DOMAINS:
+        train, test = gym.gym_rows(domain, 0)
+        messages = [r["prompt"] for r in train + test]
+        lengths = prompt_token_lengths(messages, tok, {})
+        assert lengths[:3] == [_agent_loop_length(tok, m) for m in messages[:3]]
+        longest[domain.name] = max(lengths)
+    assert longest["palin"] > 256  # the old limit
+    recipes = sorted(p.stem for p in (recipes_dir() / "mopd").glob("gym_*.yaml"))
+    assert len(recipes) == 6
+    for recipe in recipes:
+        cfg = compose_run(recipe, "cpu")
+        assert int(cfg.mopd.train.max_prompt_length) >= max(longest.values()), (recipe, longest)
+        assert int(cfg.actor_rollout_ref.rollout.prompt_length) == int(cfg.mopd.train.max_prompt_length)
+
 # ------------------------------------------------------------------------------------------------ checkpoint disk
 @pytest.mark.parametrize("group", ["cpu", "gpu"])
 def test_checkpoint_defaults_are_bounded(group, tiny_dir):
