@@ -53,9 +53,10 @@ MOPD_FULL = ("mopd/gym_seq", "mopd/gym_replay_kl", "mopd/gym_replay_kl_fixed", "
 MOPD_QUICK = ("mopd/gym_seq", "mopd/gym_replay_kl")
 CLAAS_FULL = ("claas/tiny_reinforce_pp", "claas/tiny_ppo", "claas/tiny_sdpo", "claas/tiny_icl",
               "claas/tiny_no_update")
-# --quick: one seed, Seq against Replay-KL, every stage whole: on bundle version 3 a job takes 320-380 s on 2 cores,
-# so the quick run stays under 15 min with all three stages, and shows each stage's gain and the forgetting that
-# the last stage causes (seed 1: Seq's reverse 0.668 -> 0.544 -> 0.149, Replay-KL's 0.668 -> 0.605 -> 0.318).
+# --quick: one seed, Seq against Replay-KL, every stage whole: on bundle version 3 a job takes 330-380 s on 2 cores,
+# so the quick run stays under 15 min with all three stages, and shows each stage's gain and the forgetting
+# (whole prompts, a 2026-12-03 build, seed 1: Seq's reverse 0.541 -> 0.338 -> 0.420, Replay-KL's 0.541 -> 0.536 ->
+# 0.352; docs/benchmark.md "The quick run").
 # Version 2's quick run cut the plan (its jobs took 400-500 s); a cut goes here, as key=value overrides.
 QUICK_MOPD_OVERRIDES: list[str] = []
 # 2: every stage-final snapshot scored by claas_verl.mopd.eval.gym_snapshots (48 prompts x 4 samples, exact
