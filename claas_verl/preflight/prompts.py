@@ -28,11 +28,10 @@ def prompt_token_lengths(messages: list, tokenizer, template_kwargs: dict) -> li
     return lengths
 
 
-def _prompts(path: str, key: str, rows: int | None) -> list:
+def _first_prompts(path: str, key: str, rows: int) -> list:
     import pyarrow.parquet as pq
 
-    column = pq.read_table(path, columns=[key]).column(key).to_pylist()
-    return column if rows is None else column[:rows]
+    return pq.read_table(path, columns=[key]).column(key).slice(0, rows).to_pylist()
 
 
 def overlong_prompts(cfg: DictConfig, plan, mopd, tokenizer) -> list[tuple[str, int, int, int]]:
@@ -50,7 +49,7 @@ def overlong_prompts(cfg: DictConfig, plan, mopd, tokenizer) -> list[tuple[str, 
             files.append((f"mopd.domains.{d}.test_prompts", spec.test_prompts, mopd.eval.prompts))
     found = []
     for name, path, rows in files:
-        lengths = prompt_token_lengths(_prompts(str(path), key, rows), tokenizer, template_kwargs)
+        lengths = prompt_token_lengths(_first_prompts(str(path), key, rows), tokenizer, template_kwargs)
         over = sum(n > limit for n in lengths)
         if over:
             found.append((name, over, len(lengths), max(lengths)))

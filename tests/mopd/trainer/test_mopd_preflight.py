@@ -75,7 +75,6 @@ def test_which_models_a_plan_loads(tiny_dir):
     assert "no config.json" in model_path_problem("k", str(tiny_dir))
 
 
-
 # ------------------------------------------------------------------------------------------------ prompt lengths
 def _agent_loop_length(tok, messages) -> int:
     """How verl's agent loop counts a text prompt: the chat template tokenized directly."""
@@ -137,6 +136,7 @@ def test_every_gym_prompt_fits_the_gym_recipes():
         cfg = compose_run(recipe, "cpu")
         assert int(cfg.mopd.train.max_prompt_length) >= max(longest.values()), (recipe, longest)
         assert int(cfg.actor_rollout_ref.rollout.prompt_length) == int(cfg.mopd.train.max_prompt_length)
+
 
 # ------------------------------------------------------------------------------------------------ checkpoint disk
 @pytest.mark.parametrize("group", ["cpu", "gpu"])
