@@ -28,9 +28,15 @@ def prompt_token_lengths(messages: list, tokenizer, template_kwargs: dict) -> li
     return lengths
 
 
-def _first_prompts(path: str, key: str, rows: int) -> list:
+def _first_prompts(name: str, path: str, key: str, rows: int) -> list:
+    """The first ``rows`` prompts of the parquet file ``path`` (config key ``name``), column ``key``."""
     import pyarrow.parquet as pq
 
+    columns = pq.read_schema(path).names
+    if key not in columns:  # pyarrow's own error names neither the config key nor the fix
+        raise ValueError(f"{name}={path} has no column {key!r} (data.prompt_key); its columns are {columns}: set "
+                         "data.prompt_key to the column that holds the chat prompts, or write the file with a "
+                         f"{key!r} column")
     return pq.read_table(path, columns=[key]).column(key).slice(0, rows).to_pylist()
 
 
@@ -49,7 +55,7 @@ def overlong_prompts(cfg: DictConfig, plan, mopd, tokenizer) -> list[tuple[str, 
             files.append((f"mopd.domains.{d}.test_prompts", spec.test_prompts, mopd.eval.prompts))
     found = []
     for name, path, rows in files:
-        lengths = prompt_token_lengths(_first_prompts(str(path), key, rows), tokenizer, template_kwargs)
+        lengths = prompt_token_lengths(_first_prompts(name, str(path), key, rows), tokenizer, template_kwargs)
         over = sum(n > limit for n in lengths)
         if over:
             found.append((name, over, len(lengths), max(lengths)))

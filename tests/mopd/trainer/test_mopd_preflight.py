@@ -115,6 +115,18 @@ def test_a_prompt_longer_than_max_prompt_length_is_refused_before_ray_starts(tin
         assert (f"mopd.domains.{d}.prompts: " in msg) == (longest[d] > top - 1)
 
 
+def test_a_prompt_file_without_the_prompt_key_column_names_the_key_and_the_fix(tiny_dir):
+    from claas_verl.main_mopd import finalize_config
+
+    cfg = compose_run("tiny_seq", "cpu", f"claas.tiny_dir={tiny_dir}", "data.prompt_key=question")
+    with pytest.raises(ValueError) as err:
+        finalize_config(cfg)
+    msg = str(err.value)
+    first = plan_from_config(cfg).order[0]
+    assert msg.startswith(f"mopd.domains.{first}.prompts=") and "has no column 'question' (data.prompt_key)" in msg
+    assert "'prompt'" in msg and "set data.prompt_key to the column" in msg
+
+
 def test_every_gym_prompt_fits_the_gym_recipes():
     """Each gym domain's train and held-out prompts, rendered as the agent loop renders them, fit in every gym
     recipe's max_prompt_length (`palin`'s 405-411 tokens were cut to 256 before)."""
