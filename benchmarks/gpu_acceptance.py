@@ -10,13 +10,16 @@ Random-weight models at realistic widths (Qwen3-8B and DeepSeek-R1-Distill-Qwen-
   forward-only FSDP2 teacher whose fp32 weights rest on the host (CPU offload) under bf16 autocast: every term's
   targets finite and of the predicted size (:func:`claas_verl.align.target_bytes`);
 * ``balanced_replay_step``: ``MOPDTrainingWorker.balanced_engine_step`` on an FSDP2 (one rank) Qwen3-8B-width
-  student with gradient checkpointing: the top-k token pass, the SATS/VR/hidden passes and the host-side
-  balancing, with the peak memory of each phase (``torch.cuda.max_memory_allocated``; on CPU the exact live bytes
-  of :class:`claas_verl.utils.live_bytes.LiveBytes`) against ``benchmarks/mopd_memory_table.py``'s formula;
+  student with gradient checkpointing: the top-k token pass, the SATS/VR/hidden passes, the host-side
+  balancing and the first AdamW step, with the peak memory of the token pass and of the whole step
+  (``torch.cuda.max_memory_allocated``; on CPU the exact live bytes of :class:`claas_verl.utils.live_bytes.LiveBytes`)
+  against ``benchmarks/mopd_memory_table.py``'s phases; ``balanced_replay_step_tied``: the same on a
+  tied-embedding Qwen3-1.7B-width student (a second shape for the same formulas);
 * ``topk_loss``: the chunked top-k distillation loss at 24,576 tokens x V, its gradient against the unchunked loss
   on the first rows, and its peak against the table's logits row;
 * ``host_balancer``: :class:`claas_verl.align.balance.HostBalancer` at the 8B student's shard shapes (4 ranks)
-  against the device reference (``combine_aux`` then ``balance``), its pinned host bytes and device transit;
+  against the device reference (``combine_aux`` then ``balance``), its pinned host bytes, and its device peak
+  (one pass's gradient + one shard in transit) against the table;
 * ``vllm_reload_and_lora``: an in-process vLLM engine: prompt log-probs equal to an HF forward, after a
   full-weight reload, and with a LoRA adapter (skipped, with the reason, when vLLM is not importable).
 
@@ -44,7 +47,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from benchmarks.mopd_memory_table import QWEN3_8B, Run, Shape, table  # noqa: E402
+from benchmarks.mopd_memory_table import QWEN3_1_7B, QWEN3_8B, Run, Shape, table, token_pass_backward  # noqa: E402,E501
 
 MEMORY_TOLERANCE = 0.15
 SEP = 7  # the reasoning-step separator token of the synthetic responses
@@ -55,6 +58,7 @@ class Sizes:
     """Shapes and lengths of one mode (GPU: realistic; CPU: tiny, same code paths)."""
 
     qwen3: Shape
+    qwen3_tied: Shape  # a second, tied-embedding student for the balanced step (Qwen3-1.7B width)
     r1: Shape  # Qwen2 architecture (DeepSeek-R1-Distill-Qwen-1.5B)
     prompt: int
     response: int
@@ -67,12 +71,14 @@ class Sizes:
 
 GPU = Sizes(
     qwen3=dataclasses.replace(QWEN3_8B, name="Qwen3-8B width, 2 layers", layers=2),
+    qwen3_tied=dataclasses.replace(QWEN3_1_7B, name="Qwen3-1.7B width, 4 layers", layers=4),
     r1=Shape("R1-Distill-Qwen-1.5B width, 2 layers", 2, 1536, 12, 2, 128, 8960, 151_936, False),
     prompt=2048, response=16_384, window=2000, regions=21, topk_tokens=24_576, balancer_ranks=4,
     balancer_shape=QWEN3_8B,
 )
 CPU = Sizes(
     qwen3=Shape("Qwen3 tiny", 2, 64, 2, 1, 32, 128, 2048, False),
+    qwen3_tied=Shape("Qwen3 tiny, tied", 3, 64, 2, 1, 32, 128, 2048, True),
     r1=Shape("Qwen2 tiny", 2, 64, 2, 1, 32, 128, 2048, False),
     prompt=32, response=160, window=64, regions=4, topk_tokens=768, balancer_ranks=4,
     balancer_shape=Shape("Qwen3 tiny", 2, 64, 2, 1, 32, 128, 2048, False),
@@ -310,18 +316,40 @@ def check_teacher_targets(sizes: Sizes, family: str) -> dict:
     return numbers
 
 
-def check_balanced_step(sizes: Sizes) -> dict:
+def step_memory_phases(shape: Shape, sizes: Sizes) -> dict[str, float]:
+    """Predicted device bytes of ``check_balanced_step``'s phases above the student's fp32 parameters.
+
+    One micro-batch on one rank and the first optimizer step, so the gradient and AdamW shards appear inside the
+    step (:func:`benchmarks.mopd_memory_table.token_pass_backward` with ``first_micro_batch``). On CPU the
+    balancing buffers are live bytes too; on a GPU they are pinned host memory, which CUDA's counters do not see.
+    """
+    T = sizes.prompt + sizes.response
+    run = Run(ranks=1, seq=T, mb_tokens=T, window=sizes.window, regions=sizes.regions, chunk=min(1024, T),
+              pinned_pow2=False)
+    want = table(shape, run)
+    gathered = 2 * shape.root_params + 2 * 2 * shape.layer_params  # FSDP2's bf16 root and two layers
+    return {
+        "token pass": gathered + token_pass_backward(shape, run, first_micro_batch=True),
+        "alignment pass": gathered + want["grads (fp32 shard)"] + want["activations, alignment pass (SATS)"]
+        + want["balancing on the device (fp32 shards + one in transit)"],
+        "optimizer step": want["grads (fp32 shard)"] + want["optimizer (AdamW, fp32 shard)"]
+        + want["_optimizer_step_temp"],
+        "host balancing buffers": want["balancing buffers g_tok and u, host RAM (pinned)"],
+    }
+
+
+def check_balanced_step(sizes: Sizes, student: str = "qwen3") -> dict:
     import torch
 
     from claas_verl.mopd.trainer import alignment as A
     from claas_verl.mopd.trainer.workers import MOPDTrainingWorker, MOPDWorker, update_row_groups
 
-    shape = sizes.qwen3
+    shape = getattr(sizes, student)
     cfg = A.aux_config({"sats": True, "vr": True, "hidden": True, "ratio": 1.0, "window": sizes.window})
     data = replay_batch(sizes, cfg, seed=1)
     device = _device()
     T = sizes.prompt + sizes.response
-    numbers: dict = {"tokens": T, "attn": attn_implementation()}
+    numbers: dict = {"tokens": T, "attn": attn_implementation(), "shape": shape.name}
     with process_group():
         teacher = build_model(shape, "qwen3", torch.bfloat16, seed=1).to(device).eval().requires_grad_(False)
         held = MOPDWorker._teacher_targets(None, type("T", (), {"engine": Engine(teacher)})(), data, cfg,
@@ -337,19 +365,11 @@ def check_balanced_step(sizes: Sizes) -> dict:
         with meter.measure():
             out = worker.balanced_engine_step(data, None, cfg)
         metrics = {k: v[0] for k, v in out["metrics"].items() if k.startswith("mopd/")}
-    run = Run(ranks=1, seq=T, mb_tokens=T, window=sizes.window, regions=sizes.regions, chunk=min(1024, T),
-              pinned_pow2=False)
-    want = table(shape, run)
-    # allocated during the step besides the activations: FSDP2's bf16 gathered root and layers, the fp32 gradient
-    # shards, and on CPU the balancing buffers (pinned host memory on a GPU, which CUDA's counters do not see)
-    state = 2 * shape.root_params + 2 * 2 * shape.layer_params + 4 * shape.params
-    host = 0 if torch.cuda.is_available() else want["balancing buffers g_tok and u, host RAM (pinned)"]
-    predicted = {
-        "token pass": want["activations, token pass"] + want["logits chunks, token pass"] + state,
-        "step": max(want["activations, token pass"] + want["logits chunks, token pass"],
-                    want["activations, alignment pass (SATS)"]
-                    + want["balancing on the device (fp32 shards + one in transit)"]) + state + host,
-    }
+    phases = step_memory_phases(shape, sizes)
+    host_buffers = phases.pop("host balancing buffers")
+    host = 0 if torch.cuda.is_available() else host_buffers
+    predicted = {"token pass": phases["token pass"], "step": max(phases.values()) + host}
+    numbers["step_phases_predicted_gib"] = {k: v / 2**30 for k, v in phases.items()}
     measured = {"token pass": engine.phase_peaks["token pass"], "step": meter.peak}
     numbers.update({f"{k}_measured_gib": v / 2**30 for k, v in measured.items()})
     numbers.update({f"{k}_predicted_gib": v / 2**30 for k, v in predicted.items()})
@@ -433,12 +453,17 @@ def check_host_balancer(sizes: Sizes) -> dict:
     host_bytes = sum(b.nbytes for b in buffers.values())
     pinned = all(b.is_pinned() for b in buffers.values()) if torch.cuda.is_available() else None
     transit = 4 * max(p.numel() for p in params)
+    # on the device: the gradient of the pass in flight (the table's grads row; the loop above writes it) and one
+    # parameter's shard in transit to or from the host (its balancing row); on CPU the host buffers count too
+    device_predicted = 4 * sum(p.numel() for p in params) + transit
+    ratio = meter.peak / device_predicted
+    memory_ok = not torch.cuda.is_available() or abs(ratio - 1) <= MEMORY_TOLERANCE
     return {"params_per_rank": sum(p.numel() for p in params), "rel_err": math.sqrt(num / den),
             "final_norm": info["final_norm"], "ref_final_norm": ref_info["final_norm"],
             "host_gib": host_bytes / 2**30, "pinned": pinned, "device_peak_gib": meter.peak / 2**30,
-            "device_transit_predicted_gib": transit / 2**30, "host_seconds": host_seconds,
-            "device_reference_seconds": ref_seconds,
-            "ok": math.sqrt(num / den) < 1e-5 and (pinned is not False)}
+            "device_transit_predicted_gib": transit / 2**30, "device_predicted_gib": device_predicted / 2**30,
+            "memory_ratio": ratio, "host_seconds": host_seconds, "device_reference_seconds": ref_seconds,
+            "ok": math.sqrt(num / den) < 1e-5 and (pinned is not False) and memory_ok}
 
 
 def check_vllm(sizes: Sizes, work: Path) -> dict:
@@ -543,6 +568,7 @@ def main(argv=None) -> int:
             ("teacher_targets_qwen3", check_teacher_targets, sizes, "qwen3"),
             ("teacher_targets_r1_distill", check_teacher_targets, sizes, "qwen2"),
             ("balanced_replay_step", check_balanced_step, sizes),
+            ("balanced_replay_step_tied", check_balanced_step, sizes, "qwen3_tied"),
             ("topk_loss", check_topk_loss, sizes),
             ("host_balancer", check_host_balancer, sizes),
             ("vllm_reload_and_lora", check_vllm, sizes, Path(tmp)),

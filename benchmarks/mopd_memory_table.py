@@ -24,13 +24,21 @@ copy, post-RoPE q/k, v, the attention output and its logsumexp, and the MLP's ga
 
 * params: fp32 master shard ``4P/R`` + the bf16 all-gathered root (embedding, final norm and, untied, the LM head)
   and two decoder layers (the one running and the prefetched one);
-* grads: fp32 shard ``4P/R``; optimizer: AdamW ``8P/R``;
+* grads: fp32 shard ``4P/R``; optimizer: AdamW ``8P/R``, and in its step one more fp32 ``4P/R`` (the foreach
+  implementation's ``sqrt(v)`` for every parameter at once: the "optimizer step" peak);
 * balancing on the device: ``--grad-copies`` extra fp32 gradient shards (0: :class:`HostBalancer` keeps g_tok and
   u on the host) + the largest parameter's fp32 shard in transit to the host;
 * activations, token pass: checkpointed layer inputs ``2·L·N·D`` and the RoPE tables, one layer recomputed in the
   backward (its saved tensors) and the gradients in flight through it ``2·N·(F+D)``;
 * logits chunks, token pass: the bf16 logits ``2NV``, their bf16 gradient ``2NV`` and ``1.5`` fp32 ``[chunk, V]``
   temporaries (chunk 1,024);
+* the token pass's peak is not the sum of its two rows: the logits' gradient is freed once the LM head's backward
+  has consumed it, before any decoder layer is recomputed. Its backward peaks in one of three moments, each on top
+  of the params, grads and optimizer rows and the checkpointed layer inputs: (A) the LM head's backward: the
+  logits row + the head's unsharded bf16 weight gradient ``2VD``; (B) a decoder layer recomputed: the logits
+  ``2NV`` (held by the loss's caller until the backward returns) + one layer's backward + ``2VD``; (C) the root's
+  gradient reduction: ``2NV`` + the root's unsharded bf16 gradients (:func:`token_pass_backward`). Measured on an
+  H200 (``make gpu-check``): the sum over-stated an 8B-width token pass by 56% (25.0 GiB against 16.0);
 * activations, alignment pass (SATS, the largest term): checkpointed layer inputs, the captured q/k/v projections
   of every aligned layer ``2·Na·(H+2G)·d·|L|`` (the post-RoPE copies are recomputed in the backward, layer by
   layer), the fp32 pooled rows ``4·|L|·b·H·R·Tk`` with their saved difference to the target and their gradient,
@@ -147,6 +155,27 @@ def _layer_backward(s: Shape, n: int, layers: int = 1) -> int:
     return layers * n * s.layer_saved_per_token() + 2 * n * (s.mlp + s.hidden)
 
 
+def token_pass_backward(s: Shape, r: Run, first_micro_batch: bool = False) -> float:
+    """Peak bytes of the token pass's backward above the params, optimizer and (see below) grads rows.
+
+    The max of the three moments of the module docstring. With ``first_micro_batch`` the fp32 gradient shards are
+    not yet there when the backward starts: the layers' shards appear as their layers finish (B) and the root's at
+    its reduction (C), so they are counted inside the moments (``make gpu-check``'s single micro-batch); otherwise
+    (a step of several micro-batches) the whole grads row is alive throughout and counted outside.
+    """
+    N, V, D, R = r.mb_tokens, s.vocab, s.hidden, r.ranks
+    inputs = 2 * s.layers * N * D + 2 * 2 * N * s.head_dim  # checkpointed layer inputs + RoPE tables
+    logits_row = 2 * N * V * 2 + r.chunk_temp_factor * r.chunk * V * 4
+    head_grad = 2 * V * D  # the LM head's (or the tied embedding's) unsharded bf16 gradient, freed at C
+    layer_grads = 4 * s.layers * s.layer_params / R if first_micro_batch else 0
+    all_grads = 4 * s.params / R if first_micro_batch else 0
+    return max(
+        inputs + logits_row + head_grad,  # A: the LM head's backward
+        inputs + 2 * N * V + _layer_backward(s, N) + head_grad + layer_grads,  # B: a layer recomputed
+        2 * N * V + 2 * s.root_params + all_grads,  # C: the root's gradient reduction
+    )
+
+
 def table(s: Shape, r: Run) -> dict[str, float]:
     """Peak bytes per rank of each component (see the module docstring)."""
     P, R, N, V, D, L = s.params, r.ranks, r.mb_tokens, s.vocab, s.hidden, s.layers
@@ -190,6 +219,8 @@ def table(s: Shape, r: Run) -> dict[str, float]:
     out["balancing buffers g_tok and u, host RAM (pinned)"] = 2 * sum(_pow2(n) if r.pinned_pow2 else n for n in host)
     out["_per_response_targets"] = per_resp
     out["_unbounded_targets"] = r.responses_per_rank * per_resp
+    out["_token_pass_backward"] = token_pass_backward(s, r)
+    out["_optimizer_step_temp"] = 4 * P / R  # AdamW (foreach): sqrt(exp_avg_sq) of every parameter at once
     out["_token_pass_logprob"] = logprob_pass
     out["_target_pass"] = target_pass
     out["_teacher_params"] = teacher_params
@@ -203,10 +234,11 @@ def peaks(t: dict[str, float]) -> dict[str, float]:
     """Device peaks of the three phases of a replay step (components alive together)."""
     state = sum(t[k] for k in t if k.startswith(STATE))
     return {
-        "token pass": state + t["activations, token pass"] + t["logits chunks, token pass"],
+        "token pass": state + t["_token_pass_backward"],
         "alignment pass": state + t["balancing on the device (fp32 shards + one in transit)"]
         + t["activations, alignment pass (SATS)"],
         "teacher forward": state + t["teacher forward (gathered fp32 params + max of log-prob and target pass)"],
+        "optimizer step": state + t["_optimizer_step_temp"],
     }
 
 
@@ -221,7 +253,7 @@ def print_table(run: Run) -> None:
     for k in tabs[shapes[0].name]:
         if not k.startswith("_"):
             print(f"{k:76s}" + "".join(f"{tabs[s.name][k] / GiB:12.1f}" for s in shapes))
-    for phase in ("token pass", "alignment pass", "teacher forward"):
+    for phase in ("token pass", "alignment pass", "teacher forward", "optimizer step"):
         print(f"{'peak, ' + phase + ' (device)':76s}" + "".join(f"{peaks(tabs[s.name])[phase] / GiB:12.1f}"
                                                                  for s in shapes))
     for s in shapes:

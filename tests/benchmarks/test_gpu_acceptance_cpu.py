@@ -20,7 +20,7 @@ def test_cpu_mode_runs_every_check_and_writes_the_report(tmp_path):
     report = json.loads(out.read_text())
     checks = {c["name"]: c for c in report["checks"]}
     assert list(checks) == ["teacher_targets_qwen3", "teacher_targets_r1_distill", "balanced_replay_step",
-                            "topk_loss", "host_balancer", "vllm_reload_and_lora"]
+                            "balanced_replay_step_tied", "topk_loss", "host_balancer", "vllm_reload_and_lora"]
     assert report["mode"] == "cpu" and report["attn_implementation"] == "sdpa"
     for c in checks.values():
         assert set(c) >= {"name", "ok", "numbers", "seconds", "skipped"}
