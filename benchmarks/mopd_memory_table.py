@@ -34,11 +34,14 @@ copy, post-RoPE q/k, v, the attention output and its logsumexp, and the MLP's ga
   temporaries (chunk 1,024);
 * the token pass's peak is not the sum of its two rows: the logits' gradient is freed once the LM head's backward
   has consumed it, before any decoder layer is recomputed. Its backward peaks in one of three moments, each on top
-  of the params, grads and optimizer rows and the checkpointed layer inputs: (A) the LM head's backward: the
-  logits row + the head's unsharded bf16 weight gradient ``2VD``; (B) a decoder layer recomputed: the logits
-  ``2NV`` (held by the loss's caller until the backward returns) + one layer's backward + ``2VD``; (C) the root's
-  gradient reduction: ``2NV`` + the root's unsharded bf16 gradients (:func:`token_pass_backward`). Measured on an
-  H200 (``make gpu-check``): the sum over-stated an 8B-width token pass by 56% (25.0 GiB against 16.0);
+  of the params, grads and optimizer rows: (A) the LM head's backward: the checkpointed layer inputs + the logits
+  row + the head's unsharded bf16 weight gradient ``2VD``; (B) a decoder layer recomputed: the layer inputs + the
+  logits ``2NV`` (held by the loss's caller until the backward returns) + one layer's backward + ``2VD``; (C) the
+  root's gradient reduction, the layer inputs freed: ``2NV`` + the root's unsharded bf16 gradients
+  (:func:`token_pass_backward`). With several ranks FSDP2's fp32 reduce-scatter input for the root (``4·root``)
+  comes on top of C; one rank does not show it, so it is not modelled (at the 8B shape C stays below A even with
+  it). Measured on an H200 (``make gpu-check``): the sum over-stated an 8B-width token pass by 56% (25.0 GiB
+  against 16.0);
 * activations, alignment pass (SATS, the largest term): checkpointed layer inputs, the captured q/k/v projections
   of every aligned layer ``2·Na·(H+2G)·d·|L|`` (the post-RoPE copies are recomputed in the backward, layer by
   layer), the fp32 pooled rows ``4·|L|·b·H·R·Tk`` with their saved difference to the target and their gradient,
@@ -231,7 +234,7 @@ STATE = ("params", "grads", "optimizer")
 
 
 def peaks(t: dict[str, float]) -> dict[str, float]:
-    """Device peaks of the three phases of a replay step (components alive together)."""
+    """Device peaks of the four phases of a replay step (components alive together)."""
     state = sum(t[k] for k in t if k.startswith(STATE))
     return {
         "token pass": state + t["_token_pass_backward"],
