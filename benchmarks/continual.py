@@ -586,7 +586,7 @@ def mopd_report(runs: list[dict], results: dict) -> list[str]:
               f"{proto.get('samples', '?')} samples at τ = {proto.get('temperature', '?')}, replies ≤ "
               f"{proto.get('max_new_tokens', '?')} tokens, reasoning-gym's scorers; the KL is the exact "
               "full-vocabulary KL(student || expert), token-mean over the student's own replies.", ""]
-    seeds = sorted({str(r["seed"]) for r in runs})
+    seeds = [str(seed) for seed in sorted({int(r["seed"]) for r in runs})]  # 4, ..., 9, 10: not "10" before "4"
     refs = [t for key, t in (results.get("references") or {}).items() if key.split(":", 1)[0] in seeds]
     if refs:
         lines += [f"References (task accuracy, mean over seeds {', '.join(seeds)}):", "",

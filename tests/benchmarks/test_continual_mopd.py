@@ -174,6 +174,10 @@ def test_report_names_the_domains_the_runs_learned():
     assert "| Seq | 0.050 | 0.000 | 0.000 | 0.100 |" in text
     assert "| π0 (accuracy) | 0.250 | 0.000 | | |" in text and "| best expert (accuracy) | 0.990 | 0.650 | | |" in text
     assert metrics["forgetting"] == pytest.approx(0.1)
+    # seeds are listed in numeric order ("10" used to come before "4")
+    runs = [dict(run, seed=seed) for seed in (10, 4, 9)]
+    results["references"] = {f"{seed}:{{}}": ref for seed in (10, 4, 9)}
+    assert "mean over seeds 4, 9, 10):" in "\n".join(C.mopd_report(runs, results))
 
 
 def test_the_console_shows_each_stage_of_a_job():
