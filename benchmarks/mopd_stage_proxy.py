@@ -4,6 +4,7 @@
     python benchmarks/mopd_stage_proxy.py --order reverse --steps 36       # one longer stage
     python benchmarks/mopd_stage_proxy.py --steps 36 --eval-every 12       # longer stages, scored every 12 steps
     python benchmarks/mopd_stage_proxy.py --student DIR --experts DIR      # a candidate student / experts
+    python benchmarks/mopd_stage_proxy.py --replay-every 3                  # Replay-KL's shared budget (m = 3)
 
 A whole benchmark run is an hour; choosing a bundle design needs an answer in minutes (the bundle's three stages
 here: a few CPU-minutes). Each stage step is the trainer's per-step math (``claas_verl.distill.topk``, docs/math.md
@@ -32,6 +33,7 @@ keeps their measurements.
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import random
 import time
@@ -69,7 +71,9 @@ def read_rows(root: Path, domain: str, split: str) -> list[dict]:
 
 def stage(student, expert, tok, rows: list[dict], *, steps: int, prompts: int, replies: int, topk: int, lr: float,
           seed: int, blocks: list[list[dict]] | None = None, timings: list[dict] | None = None,
-          after_step=None, warmup: int = 0, temperature: float = 1.0) -> list[float]:
+          after_step=None, warmup: int = 0, temperature: float = 1.0,
+          replay: list[tuple[torch.nn.Module, list[dict]]] | None = None, replay_every: int = 0,
+          replay_kls: list[float] | None = None) -> list[float]:
     """``steps`` MOPD updates of ``student`` (in place) toward ``expert`` on ``rows``; the per-step top-κ weighted
     KL (Σ_v −r on the student's samples, token mean) before each update.
 
@@ -79,7 +83,14 @@ def stage(student, expert, tok, rows: list[dict], *, steps: int, prompts: int, r
     ``step``, with the number of reply tokens (``response_tokens``). ``after_step(i)``: called after update ``i``
     (1-based) with the student in eval mode, e.g. to score it mid-stage; the stage resumes in the same state.
     ``temperature``: the rollout τ, used for the samples and, as in the trainer, inside every log-softmax of the
-    math (``log_softmax(logits / τ)``, docs/math.md §0)."""
+    math (``log_softmax(logits / τ)``, docs/math.md §0).
+
+    ``replay``: (teacher, rows) of the earlier domains; after every ``replay_every`` updates one more update on
+    ``prompts`` rows of the next earlier domain in turn, toward its teacher (the shared budget of
+    ``recipes/mopd/budget/shared.yaml``, taught by M_{k-1}: docs/math.md §B.5). Replay steps draw their prompts and
+    samples from their own seeds, so the new-domain steps see exactly the prompts and seeds they see without replay;
+    they share the stage's optimiser, and neither ``kls`` nor ``timings`` nor ``after_step`` sees them:
+    ``replay_kls`` gets their KL to their teacher instead."""
     if blocks is not None and len(blocks) < steps:
         raise ValueError(f"stage: {steps} steps but only {len(blocks)} blocks")
     from claas_verl.utils.generation import eos_token_ids
@@ -91,13 +102,22 @@ def stage(student, expert, tok, rows: list[dict], *, steps: int, prompts: int, r
     # linear warm-up: update i (0-based) at lr·min(1, (i+1)/warmup); AdamW's first updates move every weight by
     # about lr whatever its gradient, so a higher peak lr may need them smaller
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: min(1.0, (i + 1) / warmup) if warmup > 0 else 1.0)
-    kls = []
+    replay_rng = random.Random(seed + 7_919)
+    plan = []  # (update seed, teacher, prompts, index of the new-domain step or None for a replay step)
     for step in range(steps):
+        plan.append((seed * 100_003 + step, expert, blocks[step] if blocks is not None else rng.sample(rows, prompts),
+                     step))
+        if replay and replay_every and (step + 1) % replay_every == 0:
+            r = (step + 1) // replay_every - 1
+            old_teacher, old_rows = replay[r % len(replay)]
+            plan.append((seed * 100_003 + 50_000 + r, old_teacher, replay_rng.sample(old_rows, prompts), None))
+    kls = []
+    for update_seed, teacher, step_rows, step in plan:
         clock = _PhaseClock()
-        torch.manual_seed(seed * 100_003 + step)
+        torch.manual_seed(update_seed)
         batch = []
         student.eval()
-        for row in (blocks[step] if blocks is not None else rng.sample(rows, prompts)):
+        for row in step_rows:
             text = tok.apply_chat_template(list(row["prompt"]), add_generation_prompt=True, tokenize=False)
             prompt_ids = tok.encode(text, add_special_tokens=False)
             sampled = sample_replies(student, prompt_ids, replies, MAX_RESPONSE_TOKENS, temperature, eos, pad)
@@ -113,14 +133,18 @@ def stage(student, expert, tok, rows: list[dict], *, steps: int, prompts: int, r
                 top.append(S)
             clock.lap("old_log_prob")
             for (P, ids, attn, resp, cand), S in zip(prepared, top):
-                Q = teacher_logprobs_at(response_logits(expert, ids, attn, P), cand, temperature=temperature)
+                Q = teacher_logprobs_at(response_logits(teacher, ids, attn, P), cand, temperature=temperature)
                 rewards.append(topk_rewards(S, Q, resp))
                 masks.append(resp)
         # σ_d over the whole step's responses (one domain): concatenate the ragged [B, T, K] rewards along T-padding
         T = max(r.shape[1] for r in rewards)
         r_all = torch.cat([torch.nn.functional.pad(r, (0, 0, 0, T - r.shape[1])) for r in rewards])
         m_all = torch.cat([torch.nn.functional.pad(m, (0, T - m.shape[1])) for m in masks])
-        kls.append(float(-(r_all.sum(-1) * m_all).sum() / m_all.sum()))
+        kl = float(-(r_all.sum(-1) * m_all).sum() / m_all.sum())
+        if step is not None:
+            kls.append(kl)
+        elif replay_kls is not None:
+            replay_kls.append(kl)
         adv = domain_normalized_advantages(r_all, m_all, sync=False)
         clock.lap("teacher")
         student.train()
@@ -138,6 +162,8 @@ def stage(student, expert, tok, rows: list[dict], *, steps: int, prompts: int, r
         opt.step()
         sched.step()
         clock.lap("update_actor")
+        if step is None:
+            continue
         if timings is not None:
             timings.append({**clock.phases, "step": clock.total(), "response_tokens": int(m_all.sum())})
         if after_step is not None:
@@ -203,6 +229,9 @@ def main() -> None:
     ap.add_argument("--eval-replies", type=int, default=4, help="replies per held-out prompt when scoring")
     ap.add_argument("--eval-every", type=int, default=0, metavar="N",
                     help="also score the stage's own domain after every N updates (0: only at stage ends)")
+    ap.add_argument("--replay-every", type=int, default=0, metavar="M",
+                    help="from stage 2, one replay step toward M_{k-1} after every M new-domain steps, cycling over "
+                         "the earlier domains (Replay-KL, shared budget; the gym recipes: 3); 0: Seq, no replay")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
     for name in ("steps", "prompts", "replies", "topk", "eval_replies"):
@@ -210,6 +239,8 @@ def main() -> None:
             raise SystemExit(f"--{name.replace('_', '-')} must be at least 1; got {getattr(args, name)}")
     if args.eval_every < 0:
         raise SystemExit(f"--eval-every must be 0 or positive; got {args.eval_every}")
+    if args.replay_every < 0:
+        raise SystemExit(f"--replay-every must be 0 (no replay) or positive; got {args.replay_every}")
     if args.warmup < 0:
         raise SystemExit(f"--warmup must be 0 or positive; got {args.warmup}")
     if args.lr <= 0:
@@ -249,16 +280,26 @@ def main() -> None:
                 curve.append((i, score_all(student, str(student_dir), experts, root, [d], args.eval_replies)[d][0]))
                 scoring[0] += time.time() - t
 
+        replay = None
+        if args.replay_every and k > 1:
+            previous = copy.deepcopy(student).eval()  # M_{k-1}, frozen for the whole stage
+            replay = [(previous, read_rows(root, old, "train")) for old in order[:k - 1]]
+        replay_kls: list[float] = []
         t_stage = time.time()
         kls = stage(student, experts[d], tok, rows, steps=args.steps, prompts=args.prompts,
                     replies=args.replies, topk=args.topk, lr=args.lr, seed=args.seed * 1000 + k,
-                    after_step=mid_stage, warmup=args.warmup, temperature=args.temperature)
+                    after_step=mid_stage, warmup=args.warmup, temperature=args.temperature,
+                    replay=replay, replay_every=args.replay_every, replay_kls=replay_kls)
+        n_replay = args.steps // args.replay_every if replay else 0
         train_s = time.time() - t_stage - scoring[0]
         row = {"after": f"{k}:{d}", **score_all(student, str(student_dir), experts, root, domains,
                                                  args.eval_replies)}
         table.append(row)
         mid = "".join(f" {d} after {i}: {a:.3f};" for i, a in curve)
-        print(f"stage {k} ({d}, {args.steps} steps in {train_s:.0f} s, {train_s / args.steps:.1f} s/step, top-κ KL "
+        if replay_kls:
+            mid += " replay KL to M_{k-1}: " + " ".join(f"{x:.2f}" for x in replay_kls) + ";"
+        print(f"stage {k} ({d}, {args.steps} steps + {n_replay} replay in {train_s:.0f} s, "
+              f"{train_s / (args.steps + n_replay):.1f} s/step, top-κ KL "
               f"{kls[0]:.2f} -> {kls[-1]:.2f}):{mid} " + json.dumps(row) + f"  [{time.time() - t0:.0f} s]",
               flush=True)
     print("\n| after | " + " | ".join(f"{d} (acc, KL to E_{d})" for d in domains) + " |")

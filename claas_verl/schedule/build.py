@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 from claas_verl.schedule.config import ScheduleConfig
@@ -32,6 +33,8 @@ def build_plan(cfg: ScheduleConfig) -> Plan:
             else:  # stage-final students; the last domain's is M_K, the model the recovery starts from
                 teacher_of = {d: student(k) for k, d in enumerate(cfg.order, start=1)}
             steps += recovery_steps(K + 1, list(cfg.order), nb, cfg.recovery.blocks_per_domain, teacher_of)
+    if cfg.replay.teachers == "experts":  # the deviation of ReplayConfig.teachers: E_j instead of M_{k-1}
+        steps = [replace(s, teacher=expert(s.domain)) if s.kind == "replay" else s for s in steps]
     plan = Plan(steps=tuple(steps), order=cfg.order, num_blocks=nb, setting=cfg.setting)
     check_plan_setting(plan, segment_size=cfg.segment_size)
     return plan

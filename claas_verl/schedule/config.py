@@ -21,6 +21,7 @@ from typing import Any
 
 BUDGETS = ("seq", "shared", "fixed")
 RECOVERY_TEACHERS = ("snapshots", "experts")
+REPLAY_TEACHERS = ("previous", "experts")
 SETTINGS = ("S1", "S2", "S3")
 MISSING = "???"
 
@@ -38,6 +39,9 @@ class ReplayConfig:
     m: int = 3  # shared budget: one replay step after every m new-domain steps
     b: int = 7  # fixed share: replay steps per earlier domain and stage
     fixed_from_stage: int = 3  # stages 2..f-1 use the shared budget (MOPD paper reuses the shared stage 2)
+    # who teaches a replay step of stage k: "previous" = M_{k-1} (the MOPD paper, docs/math.md §B.8); "experts" =
+    # the replayed domain's own expert E_j, a deviation (needs every earlier expert kept: setting S2)
+    teachers: str = "previous"
 
 
 @dataclass(frozen=True)
@@ -108,6 +112,7 @@ class ScheduleConfig:
             m=_int(rep, "m", "mopd.replay.m", default=3, minimum=1),
             b=_int(rep, "b", "mopd.replay.b", default=7, minimum=0),
             fixed_from_stage=_int(rep, "fixed_from_stage", "mopd.replay.fixed_from_stage", default=3, minimum=2),
+            teachers=_choice(rep, "teachers", "mopd.replay.teachers", REPLAY_TEACHERS, default="previous"),
         )
         rec = _section(mopd, "recovery")
         recovery = RecoveryConfig(
@@ -173,6 +178,12 @@ class ScheduleConfig:
                     "mopd.recovery.enabled=false and mopd.segments.size=null."
                 )
         if s == "S1":
+            if self.replay.teachers == "experts" and self.budget != "seq":
+                raise ValueError(
+                    "mopd.replay.teachers=experts under mopd.setting=S1: replay toward each earlier domain's expert "
+                    "needs every expert kept until the end, but S1 keeps only E_k and M_{k-1}. Set "
+                    "mopd.setting=S2 to keep them, or mopd.replay.teachers=previous (replay toward M_{k-1})."
+                )
             if self.recovery.enabled:
                 raise ValueError(
                     "mopd.recovery.enabled=true under mopd.setting=S1: a recovery stage needs every stage "

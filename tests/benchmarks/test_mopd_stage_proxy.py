@@ -118,6 +118,50 @@ def test_scoring_mid_stage_changes_nothing_in_the_stage(tok):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
+class _CountingTeacher(torch.nn.Module):
+    """A teacher that counts its forwards (one per prompt of every step it teaches)."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.inner, self.calls = inner, 0
+
+    def forward(self, **kwargs):
+        self.calls += 1
+        return self.inner(**kwargs)
+
+
+def test_replay_steps_leave_the_new_domain_steps_their_prompts_and_seeds(tok):
+    # --replay-every M adds one replay step after every M new-domain steps; the new-domain steps must draw the
+    # prompts and samples they draw without replay, so the first update and its KL are those of Seq exactly
+    def run(replay):
+        student, expert = _model(tok, 0), _model(tok, 1)
+        after = []
+        kls = stage(student, expert, tok, ROWS, steps=2, prompts=2, replies=2, topk=16, lr=1e-2, seed=0,
+                    after_step=lambda i: after.append([p.detach().clone() for p in student.parameters()]),
+                    replay=replay(student) if replay else None, replay_every=1)
+        return kls, after
+
+    seq_kls, seq_after = run(None)
+    kls, after = run(lambda student: [(_model(tok, 2), ROWS)])
+    assert len(kls) == len(after) == 2  # replay steps are neither KLs nor after_step calls
+    assert kls[0] == seq_kls[0]
+    for a, b in zip(after[0], seq_after[0]):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)  # update 1 is Seq's; the replay step comes after it
+    assert kls[1] != seq_kls[1]  # ... and moved the student before update 2
+
+
+def test_replay_cycles_over_the_earlier_domains_every_m_steps(tok):
+    # the shared budget (recipes/mopd/budget/shared.yaml): after new steps 2, 4, 6 the replay steps go to the
+    # earlier domains in turn, A, B, A; each replay step forwards its teacher once per prompt
+    student, expert = _model(tok, 0), _model(tok, 1)
+    a, b = _CountingTeacher(_model(tok, 2)), _CountingTeacher(_model(tok, 3))
+    replay_kls = []
+    kls = stage(student, expert, tok, ROWS, steps=6, prompts=2, replies=1, topk=16, lr=1e-3, seed=0,
+                replay=[(a, ROWS[:3]), (b, ROWS[3:])], replay_every=2, replay_kls=replay_kls)
+    assert (a.calls, b.calls) == (2 * 2, 1 * 2)
+    assert len(kls) == 6 and len(replay_kls) == 3
+
+
 def test_the_one_answer_baseline_is_the_share_of_held_out_prompts_with_the_most_common_train_answer(tmp_path):
     # syllogism answers Yes or No: a student that always says the commoner train answer scores exactly the
     # share of held-out prompts with that answer (what the design notes read a syll "gain" against)
@@ -152,6 +196,13 @@ def test_the_script_runs_the_stages_of_a_bundle_in_the_order_asked(tmp_path, mon
     assert "one answer to every prompt" in out
     assert out.index("stage 1 (palin") < out.index("stage 2 (spell") and "(reverse" not in out
     assert "| 2:spell |" in out and "stage 3" not in out
+    monkeypatch.setattr(sys, "argv", [*argv, "--replay-every", "1"])
+    mopd_stage_proxy.main()
+    out = capsys.readouterr().out
+    assert "stage 1 (palin, 1 steps + 0 replay" in out and "stage 2 (spell, 1 steps + 1 replay" in out
+    monkeypatch.setattr(sys, "argv", [*argv, "--replay-every", "-1"])
+    with pytest.raises(SystemExit, match="--replay-every must be 0"):
+        mopd_stage_proxy.main()
     monkeypatch.setattr(sys, "argv", [*argv[:4], "arith"])
     with pytest.raises(SystemExit, match="unknown domain"):
         mopd_stage_proxy.main()

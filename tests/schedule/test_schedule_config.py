@@ -28,6 +28,7 @@ def base(**over):
     (dict(replay={"m": 1.5}), "mopd.replay.m"),
     (dict(replay={"b": -1}), "mopd.replay.b"),
     (dict(replay={"fixed_from_stage": 1}), "mopd.replay.fixed_from_stage"),
+    (dict(setting="S2", replay={"teachers": "oracles"}), "mopd.replay.teachers"),
     (dict(block_size=0), "mopd.block_size"),
     (dict(domains={"logic": {"num_blocks": 0}, "math": {"num_blocks": 3}, "code": {"num_blocks": 3}}),
      "mopd.domains.logic.num_blocks"),
@@ -55,6 +56,33 @@ def test_recovery_under_s1_is_refused_with_why_and_fix():
     assert "mopd.recovery.enabled" in msg and "S1" in msg  # what
     assert "M_1..M_K" in msg  # why: it needs every snapshot
     assert "mopd.setting=S2" in msg and "mopd.recovery.enabled=false" in msg  # what to change
+
+
+def test_replay_toward_the_experts_under_s1_is_refused_with_why_and_fix():
+    with pytest.raises(ValueError) as e:
+        ScheduleConfig.from_dict(base(replay={"m": 3, "teachers": "experts"}))
+    msg = str(e.value)
+    assert "mopd.replay.teachers=experts" in msg and "S1" in msg  # what
+    assert "M_{k-1}" in msg  # why: S1 keeps only E_k and M_{k-1}
+    assert "mopd.setting=S2" in msg and "mopd.replay.teachers=previous" in msg  # what to change
+    ScheduleConfig.from_dict(base(budget="seq", replay={"teachers": "experts"}))  # no replay step: nothing to keep
+
+
+@pytest.mark.parametrize("budget", ["shared", "fixed"])
+def test_replay_toward_the_experts_changes_only_the_replay_teachers(budget):
+    # the same steps, blocks and order as replay toward M_{k-1}; each replay step is taught by its own domain's
+    # expert, and the plan keeps the earlier experts it replays (setting S2)
+    previous = build_plan(ScheduleConfig.from_dict(base(setting="S2", budget=budget)))
+    experts = build_plan(ScheduleConfig.from_dict(base(setting="S2", budget=budget,
+                                                       replay={"m": 3, "b": 2, "teachers": "experts"})))
+    assert len(experts) == len(previous) and any(s.kind == "replay" for s in previous.steps)
+    for a, b in zip(previous.steps, experts.steps):
+        assert (a.stage, a.kind, a.domain, a.block) == (b.stage, b.kind, b.domain, b.block)
+        if a.kind == "replay":
+            assert a.teacher == f"student:{a.stage - 1}" and b.teacher == f"expert:{a.domain}"
+        else:
+            assert b.teacher == a.teacher
+    assert "expert:logic" in experts.held_by_stage[3] and "expert:logic" not in previous.held_by_stage[3]
 
 
 @pytest.mark.parametrize("over,fix", [
