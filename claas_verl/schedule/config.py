@@ -39,7 +39,7 @@ class ReplayConfig:
     m: int = 3  # shared budget: one replay step after every m new-domain steps
     b: int = 7  # fixed share: replay steps per earlier domain and stage
     fixed_from_stage: int = 3  # stages 2..f-1 use the shared budget (MOPD paper reuses the shared stage 2)
-    # who teaches a replay step of stage k: "previous" = M_{k-1} (the MOPD paper, docs/math.md §B.8); "experts" =
+    # who teaches a replay step of stage k: "previous" = M_{k-1} (the MOPD paper, docs/math.md §B.1); "experts" =
     # the replayed domain's own expert E_j, a deviation (needs every earlier expert kept: setting S2)
     teachers: str = "previous"
 
