@@ -86,11 +86,11 @@ def stage(student, expert, tok, rows: list[dict], *, steps: int, prompts: int, r
     math (``log_softmax(logits / τ)``, docs/math.md §0).
 
     ``replay``: (teacher, rows) of the earlier domains; after every ``replay_every`` updates one more update on
-    ``prompts`` rows of the next earlier domain in turn, toward its teacher (the shared budget of
-    ``recipes/mopd/budget/shared.yaml``, taught by M_{k-1}: docs/math.md §B.5). Replay steps draw their prompts and
-    samples from their own seeds, so the new-domain steps see exactly the prompts and seeds they see without replay;
-    they share the stage's optimiser, and neither ``kls`` nor ``timings`` nor ``after_step`` sees them:
-    ``replay_kls`` gets their KL to their teacher instead."""
+    ``prompts`` rows of the next earlier domain in turn, toward its teacher (the shared budget,
+    ``claas_verl.schedule.budgets.shared_replay``: docs/math.md §B.8; taught by M_{k-1}: §B.1). Replay steps draw
+    their prompts and samples from their own seeds, so the new-domain steps see exactly the prompts and seeds they
+    see without replay; they share the stage's optimiser, and neither ``kls`` nor ``timings`` nor ``after_step``
+    sees them: ``replay_kls`` gets their KL to their teacher instead."""
     if blocks is not None and len(blocks) < steps:
         raise ValueError(f"stage: {steps} steps but only {len(blocks)} blocks")
     from claas_verl.utils.generation import eos_token_ids
@@ -290,12 +290,12 @@ def main() -> None:
                     replies=args.replies, topk=args.topk, lr=args.lr, seed=args.seed * 1000 + k,
                     after_step=mid_stage, warmup=args.warmup, temperature=args.temperature,
                     replay=replay, replay_every=args.replay_every, replay_kls=replay_kls)
-        n_replay = args.steps // args.replay_every if replay else 0
         train_s = time.time() - t_stage - scoring[0]
         row = {"after": f"{k}:{d}", **score_all(student, str(student_dir), experts, root, domains,
                                                  args.eval_replies)}
         table.append(row)
         mid = "".join(f" {d} after {i}: {a:.3f};" for i, a in curve)
+        n_replay = len(replay_kls)
         if replay_kls:
             mid += " replay KL to M_{k-1}: " + " ".join(f"{x:.2f}" for x in replay_kls) + ";"
         print(f"stage {k} ({d}, {args.steps} steps + {n_replay} replay in {train_s:.0f} s, "
