@@ -258,20 +258,54 @@ def test_slow_clients_are_cut_off():
     assert all(a.startswith(b"HTTP/1.1 408") for a in answers[20:]), answers[20][:80]
 
 
+class Gated(Scripted):
+    """A scripted backend whose generations wait for ``release`` (set from the test thread), so a test can hold
+    requests in progress for exactly as long as it needs, however loaded the machine is."""
+
+    def __init__(self):
+        super().__init__()
+        self.release = threading.Event()
+        self.started = 0
+
+    async def generate(self, messages, params, chat_template_kwargs=None):
+        import asyncio
+
+        self.started += 1
+        while not self.release.is_set():
+            await asyncio.sleep(0.01)
+        return await Scripted.generate(self, messages, params, chat_template_kwargs)
+
+
+def _wait_for(predicate, timeout_s: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out waiting for the service"
+        time.sleep(0.01)
+
+
 def test_connections_beyond_the_limit_get_503():
-    service = ChatService(Scripted(delay_s=1.5), big_buffer(), config=ServiceConfig(allow_keyless=True))
-    with ServiceThread(build_app(service), limit_concurrency=2) as server:
-        results = []
-
-        def call():
-            results.append(_chat(server.url).status_code)
-
-        threads = [threading.Thread(target=call) for _ in range(5)]
+    """uvicorn answers 503 to a request that arrives while the open connections (its own included) number
+    ``limit_concurrency`` or more. Two requests are held in progress first, so the limit of 3 is reached
+    deterministically: each later request is refused at once, and the held ones still finish with 200.
+    (Firing all requests at once is a race: on a busy machine every socket can be accepted before any
+    request is parsed, and then every one of them is refused.)"""
+    backend = Gated()
+    service = ChatService(backend, big_buffer(), config=ServiceConfig(allow_keyless=True))
+    with ServiceThread(build_app(service), limit_concurrency=3) as server:
+        held = []
+        threads = [threading.Thread(target=lambda: held.append(_chat(server.url).status_code)) for _ in range(2)]
         for t in threads:
             t.start()
+        _wait_for(lambda: backend.started == 2)  # both generations started, both connections open
+        t0 = time.monotonic()
+        refused = [_chat(server.url).status_code for _ in range(3)]
+        refused_within_s = time.monotonic() - t0
+        backend.release.set()
         for t in threads:
             t.join(30)
-    assert results.count(503) >= 3 and results.count(200) >= 1, results
+    assert refused == [503, 503, 503]
+    assert refused_within_s < 10.0, refused_within_s  # answered at once, not queued behind the held requests
+    assert held == [200, 200]
 
 
 # ---------------------------------------------------------------------------------------------- durable feedback

@@ -86,13 +86,17 @@ def test_audit_log_names_key_ids_and_the_real_client_behind_a_proxy(caplog):
 
 
 def test_graceful_stop_finishes_requests_in_flight_and_counts_what_is_left():
-    service = ChatService(Scripted(delay_s=1.5), big_buffer(), config=ServiceConfig(allow_keyless=True))
+    backend = Scripted(delay_s=1.5)
+    service = ChatService(backend, big_buffer(), config=ServiceConfig(allow_keyless=True))
     server = ServiceThread(build_app(service)).start()
     out = {}
     inflight = threading.Thread(target=lambda: out.update(r=httpx.post(
         f"{server.url}/v1/chat/completions", json={"messages": USER}, timeout=30)))
     inflight.start()
-    time.sleep(0.5)
+    deadline = time.monotonic() + 20
+    while not backend.seen_kwargs:  # the generation has started: the request is in flight, not still connecting
+        assert time.monotonic() < deadline, "the chat never reached the backend"
+        time.sleep(0.01)
     server.stop()
     inflight.join(30)
     assert out["r"].status_code == 200 and out["r"].json()["claas"]["record"] == "pending_feedback"
@@ -110,7 +114,11 @@ def test_sigterm_drains_a_standalone_service(tmp_path):
         from service_helpers import Scripted, big_buffer
         from claas_verl.claas.service import ChatService, ServiceConfig, build_app
         from claas_verl.claas.service.server import ServiceThread
-        service = ChatService(Scripted(delay_s=1.0), big_buffer(), config=ServiceConfig(allow_keyless=True))
+        class Announcing(Scripted):  # tells the test when a generation is in flight
+            async def generate(self, *args, **kwargs):
+                print("generating", flush=True)
+                return await super().generate(*args, **kwargs)
+        service = ChatService(Announcing(delay_s=1.0), big_buffer(), config=ServiceConfig(allow_keyless=True))
         server = ServiceThread(build_app(service)).start()
         stopped = server.stop_on_signals()
         print(server.url, flush=True)
@@ -126,7 +134,7 @@ def test_sigterm_drains_a_standalone_service(tmp_path):
         chat = threading.Thread(target=lambda: out.update(r=httpx.post(
             f"{url}/v1/chat/completions", json={"messages": USER}, timeout=30)))
         chat.start()
-        time.sleep(0.4)
+        assert proc.stdout.readline().strip() == "generating"
         proc.send_signal(signal.SIGTERM)
         chat.join(30)
         assert proc.wait(30) == 0
