@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import contextlib
 import tempfile
+import time
+from collections.abc import Callable
 
 import torch
 
@@ -15,6 +17,18 @@ ADMIN = "test-admin-key"  # admin key of running_service (adapter loads need it)
 
 USER = [{"role": "system", "content": "Never reveal the word PINEAPPLE."},
         {"role": "user", "content": "What is 2+3?"}]
+
+
+def wait_until(predicate: Callable[[], object], what: str | Callable[[], object], timeout_s: float = 20.0) -> None:
+    """Poll ``predicate`` until it is true; fail the test after ``timeout_s`` with ``what`` (a callable is read then,
+    so the message can carry state that only exists at the failure). Tests wait on an observable event (a
+    backend saw the chat, a counter moved), never on a fixed sleep: a sleep is a guess about the scheduler and is
+    the race that a busy CI machine loses."""
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s:g} s waiting for: {what() if callable(what) else what}")
+        time.sleep(0.02)
 
 
 def big_buffer() -> ReplayBuffer:

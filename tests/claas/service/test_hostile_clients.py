@@ -13,7 +13,7 @@ import time
 
 import httpx
 import pytest
-from service_helpers import ADMIN, USER, Scripted, big_buffer, running_service
+from service_helpers import ADMIN, USER, Scripted, big_buffer, running_service, wait_until
 
 from claas_verl.claas.service import ChatService, ServiceConfig, build_app
 from claas_verl.claas.service.server import ServiceThread
@@ -101,9 +101,7 @@ def test_a_full_grading_queue_answers_429():
             assert busy.status_code == 429 and "Retry-After" in busy.headers
             assert _chat(url, metadata={"record": False}).status_code == 200  # an unrecorded chat needs no grader
             release.set()
-            deadline = time.monotonic() + 10
-            while service.recorder.stats()["accepted"] < 1 and time.monotonic() < deadline:
-                time.sleep(0.05)
+            wait_until(lambda: service.recorder.stats()["accepted"] >= 1, "the held chat's grade to be accepted")
             assert service.recorder.stats()["rejected_busy"] == 1
     finally:
         release.set()
@@ -276,13 +274,6 @@ class Gated(Scripted):
         return await Scripted.generate(self, messages, params, chat_template_kwargs)
 
 
-def _wait_for(predicate, timeout_s: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        assert time.monotonic() < deadline, "timed out waiting for the service"
-        time.sleep(0.01)
-
-
 def test_connections_beyond_the_limit_get_503():
     """uvicorn answers 503 to a request that arrives while the open connections (its own included) number
     ``limit_concurrency`` or more. Two requests are held in progress first, so the limit of 3 is reached
@@ -296,7 +287,8 @@ def test_connections_beyond_the_limit_get_503():
         threads = [threading.Thread(target=lambda: held.append(_chat(server.url).status_code)) for _ in range(2)]
         for t in threads:
             t.start()
-        _wait_for(lambda: backend.started == 2)  # both generations started, both connections open
+        # both generations started: both connections are open and parsed, not still being accepted
+        wait_until(lambda: backend.started == 2, lambda: f"both generations to start (started: {backend.started})")
         t0 = time.monotonic()
         refused = [_chat(server.url).status_code for _ in range(3)]
         refused_within_s = time.monotonic() - t0

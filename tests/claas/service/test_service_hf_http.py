@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import threading
-import time
 
 import httpx
 import pytest
 import torch
-from service_helpers import USER, big_buffer, recompute_logprob, running_service
+from service_helpers import USER, big_buffer, recompute_logprob, running_service, wait_until
 from transformers import AutoModelForCausalLM
 
 from claas_verl.claas.envs import Grade, GraderError, Verdict
@@ -142,9 +141,7 @@ def test_verifier_grader_in_background_records_after_the_response(backend):
             ClaasServiceClient(url) as client:
         resp = client.chat(USER, max_tokens=4)
         assert resp["claas"]["record"] == "grading"
-        deadline = time.monotonic() + 30
-        while client.stats()["submitted"] < 1 and time.monotonic() < deadline:
-            time.sleep(0.05)
+        wait_until(lambda: client.stats()["submitted"] >= 1, "the graded turn to reach the buffer", timeout_s=30)
     [entry] = buf.entries()
     assert (entry.reward, entry.feedback) == (0.0, "too short")
     assert seen == ["What is 2+3?"]  # the grader's context: the concatenated user messages
@@ -197,9 +194,7 @@ def test_pending_turns_time_out(backend):
     with running_service(backend, buf, pending_ttl_s=0.3, sweep_interval_s=0.05) as (_, url), \
             ClaasServiceClient(url) as client:
         rid = client.chat(USER, max_tokens=2)["id"]
-        deadline = time.monotonic() + 20
-        while client.stats()["dropped_timeout"] < 1 and time.monotonic() < deadline:
-            time.sleep(0.05)
+        wait_until(lambda: client.stats()["dropped_timeout"] >= 1, "the sweeper to drop the unanswered turn")
         assert client.stats()["dropped_timeout"] == 1
         assert httpx.post(f"{url}/v1/feedback", json={"request_id": rid, "reward": 1.0}).status_code == 404
     assert len(buf) == 0

@@ -19,7 +19,7 @@ import openai
 import pytest
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
-from service_helpers import ADMIN, USER, big_buffer, running_service
+from service_helpers import ADMIN, USER, big_buffer, running_service, wait_until
 
 from claas_verl.claas.service import ClaasServiceClient, OpenAIBackend
 from claas_verl.claas.service.server import ServiceThread
@@ -135,13 +135,13 @@ def fake():
     server.stop()
 
 
-def _wait(pred, timeout_s: float = 20.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while not pred():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.02)
-    return True
+def _wait_unloaded(fake, *adapters: str) -> None:
+    """Wait until vLLM was asked to unload exactly ``adapters`` (in any order): a retired adapter is unloaded on a
+    background thread once its last request ends."""
+    want = [{"lora_name": name} for name in sorted(adapters)]
+    wait_until(lambda: sorted(fake.unloads, key=lambda x: x["lora_name"]) == want,
+               lambda: f"vLLM to be asked to unload {list(adapters)} (asked: {fake.unloads})")
+
 
 
 def test_forwarding_requests_logprobs_and_records_the_exact_sum(fake):
@@ -193,7 +193,7 @@ def test_hot_reload_switches_adapter_and_unloads_the_old_one(fake, tmp_path):
         r1 = client.chat(USER)
         buf.on_update()
         assert client.load_adapter(str(tmp_path / "step2"))["model"] == "claas-v2"
-        assert _wait(lambda: fake.unloads == [{"lora_name": "claas-v1"}])  # base is never unloaded
+        _wait_unloaded(fake, "claas-v1")  # base is never unloaded
         r2 = client.chat(USER)
         for r in (r0, r1, r2):
             client.feedback(r["id"], 1.0)
@@ -232,7 +232,7 @@ def test_in_flight_request_keeps_its_version_and_delays_the_unload(fake, tmp_pat
         assert fake.unloads == []  # claas-v1 still serves the running request
         fake.gate.set()
         t.join(20)
-        assert _wait(lambda: fake.unloads == [{"lora_name": "claas-v1"}])
+        _wait_unloaded(fake, "claas-v1")
         assert result["model"] == "claas-v1" and result["claas"]["policy_version"] == 1
         assert client.feedback(result["id"], 1.0)["status"] == "accepted"
         after = client.chat(USER)
@@ -274,7 +274,7 @@ def test_concurrent_reloads_are_serialised(fake, tmp_path):
             t.join(30)
         assert sorted(out) == [1, 2, 3]  # each reload got its own version; no name collision in vLLM
         assert sorted(x["lora_name"] for x in fake.loads) == ["claas-v1", "claas-v2", "claas-v3"]
-        assert _wait(lambda: sorted(x["lora_name"] for x in fake.unloads) == ["claas-v1", "claas-v2"])
+        _wait_unloaded(fake, "claas-v1", "claas-v2")
         # From a thread with no event loop (a trainer's update thread), the synchronous form.
         assert service.load_adapter_sync(str(tmp_path / "a4")) == {"policy_version": 4, "model": "claas-v4"}
         assert httpx.get(f"{url}/health").json()["policy_version"] == 4
@@ -316,7 +316,7 @@ def test_streaming_forwards_tokens_as_vllm_sends_them_and_records_the_same_entry
                 assert fake.unloads == []  # claas-v1 still serves this stream
                 fake.stream_gate.set()
         assert not watchdog["by_timer"], "the first token did not reach the client before vLLM finished"
-        assert _wait(lambda: fake.unloads == [{"lora_name": "claas-v1"}])
+        _wait_unloaded(fake, "claas-v1")
         plain = client.chat.completions.create(model="claas", messages=USER)
         for rid in (chunks[0].id, plain.id):
             assert httpx.post(f"{url}/v1/feedback", json={"request_id": rid, "reward": 1}).json()["status"] \
@@ -349,7 +349,8 @@ def test_stream_disconnect_closes_the_upstream_request_and_errors_are_events(fak
                     pass
                 assert fake.stream_held.wait(20) and backend.inflight("base") == 1
             # the client left: the service closes its request to vLLM (which aborts it) and counts the turn
-            assert _wait(lambda: fake.stream_ends == ["closed"] and backend.inflight("base") == 0)
+            wait_until(lambda: fake.stream_ends == ["closed"] and backend.inflight("base") == 0,
+                       lambda: f"the upstream stream to close ({fake.stream_ends}, {backend.inflight('base')} open)")
             fake.stream_gate.set()
             fake.stream_fail = True
             client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)

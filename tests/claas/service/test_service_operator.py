@@ -17,7 +17,7 @@ from types import SimpleNamespace
 
 import httpx
 import pytest
-from service_helpers import ADMIN, USER, Scripted, big_buffer, running_service
+from service_helpers import ADMIN, USER, Scripted, big_buffer, running_service, wait_until
 
 from claas_verl.claas.service import ChatService, ServiceConfig, build_app
 from claas_verl.claas.service.server import ServiceThread
@@ -93,10 +93,8 @@ def test_graceful_stop_finishes_requests_in_flight_and_counts_what_is_left():
     inflight = threading.Thread(target=lambda: out.update(r=httpx.post(
         f"{server.url}/v1/chat/completions", json={"messages": USER}, timeout=30)))
     inflight.start()
-    deadline = time.monotonic() + 20
-    while not backend.seen_kwargs:  # the generation has started: the request is in flight, not still connecting
-        assert time.monotonic() < deadline, "the chat never reached the backend"
-        time.sleep(0.01)
+    # the generation has started: the request is in flight, not still connecting
+    wait_until(lambda: backend.seen_kwargs, "the chat to reach the backend")
     server.stop()
     inflight.join(30)
     assert out["r"].status_code == 200 and out["r"].json()["claas"]["record"] == "pending_feedback"

@@ -13,13 +13,12 @@ import asyncio
 import json
 import math
 import threading
-import time
 
 import httpx
 import pytest
 import torch
 from openai import OpenAI
-from service_helpers import USER, big_buffer, running_service
+from service_helpers import USER, big_buffer, running_service, wait_until
 
 from claas_verl.claas.service import ChatService, HFBackend, IncrementalDetokenizer, ServiceConfig
 from claas_verl.claas.service.backend import ChatBackend, Generation
@@ -133,14 +132,11 @@ def test_disconnect_mid_stream_stops_the_generation_and_leaves_nothing_pending(b
                     assert first["claas"]["policy_version"] == 0
                     assert gate.held.wait(WATCHDOG_S)
                 # the client has gone away while the generation is held inside the model: the service notices
-                deadline = time.monotonic() + WATCHDOG_S
-                while service.stats()["dropped_disconnected"] == 0:
-                    assert time.monotonic() < deadline, "the disconnect was not noticed"
-                    time.sleep(0.02)
+                wait_until(lambda: service.stats()["dropped_disconnected"] > 0,
+                           "the service to notice the disconnect", WATCHDOG_S)
                 gate.open()
-                while backend.stopped_early == stopped_before:
-                    assert time.monotonic() < deadline, "the generation was not stopped after the disconnect"
-                    time.sleep(0.02)
+                wait_until(lambda: backend.stopped_early != stopped_before,
+                           "the generation to stop after the disconnect", WATCHDOG_S)
                 assert gate.calls <= 5  # stopped right after the held forward (4), not after 200 tokens
                 after = http.post("/v1/chat/completions", json={"messages": USER, "max_tokens": 2}).json()
                 assert after["claas"]["record"] == "pending_feedback"  # the model (and its lock) serves again

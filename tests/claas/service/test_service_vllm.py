@@ -21,7 +21,15 @@ import threading
 import time
 
 import pytest
-from service_helpers import ADMIN, USER, big_buffer, recompute_logprob, recompute_token_logprobs, running_service
+from service_helpers import (
+    ADMIN,
+    USER,
+    big_buffer,
+    recompute_logprob,
+    recompute_token_logprobs,
+    running_service,
+    wait_until,
+)
 from transformers import AutoTokenizer
 
 from claas_verl.claas.service import ClaasServiceClient, OpenAIBackend
@@ -104,10 +112,9 @@ def test_lora_hot_reload_changes_the_policy_and_in_flight_requests_keep_their_ve
             client_long.chat(USER, seed=3, logprobs=True, max_tokens=800, min_tokens=800)))
         with ClaasServiceClient(url) as client_long:
             worker.start()
-            deadline = time.monotonic() + 60
-            while backend.inflight("claas-v1") == 0:
-                assert time.monotonic() < deadline and worker.is_alive(), "the long request never started"
-                time.sleep(0.01)
+            wait_until(lambda: backend.inflight("claas-v1") > 0 or not worker.is_alive(), "the long request to start",
+                       timeout_s=60)
+            assert backend.inflight("claas-v1") > 0, f"the long request ended before it was seen running: {long_reply}"
             buf.on_update()
             assert client.load_adapter(str(tmp_path / "a2"))["policy_version"] == 2
             # The switch happened while the long request was still running on v1, which vLLM must keep loaded.
@@ -122,10 +129,9 @@ def test_lora_hot_reload_changes_the_policy_and_in_flight_requests_keep_their_ve
         p2 = client.chat(USER, **probe)
         client.feedback(p2["claas"]["request_id"], 1.0)
         assert (p2["model"], p2["claas"]["policy_version"]) == ("claas-v2", 2)
-        deadline = time.monotonic() + 30
-        while "claas-v1" not in backend.unloaded:  # retired once its last request ended, on a background thread
-            assert time.monotonic() < deadline, backend.unload_errors
-            time.sleep(0.05)
+        # retired once its last request ended, on a background thread
+        wait_until(lambda: "claas-v1" in backend.unloaded,
+                   lambda: f"claas-v1 to be unloaded (errors: {backend.unload_errors})", timeout_s=30)
         assert not backend.unload_errors
         served_after = vllm_server.models()
     assert "claas-v1" not in served_after and "claas-v2" in served_after
@@ -207,10 +213,8 @@ def test_streaming_from_vllm_is_token_by_token_and_records_what_a_plain_turn_rec
                 while '"content": "' not in next(lines):
                     pass
                 assert backend.inflight("tiny") == 1
-            deadline = time.monotonic() + 10
-            while backend.inflight("tiny") or not service.stats()["dropped_disconnected"]:
-                assert time.monotonic() < deadline, "the upstream request was not closed"
-                time.sleep(0.05)
+            wait_until(lambda: not backend.inflight("tiny") and service.stats()["dropped_disconnected"],
+                       "the upstream request to be closed", timeout_s=10)
             stats = http.get("/v1/claas/stats").json()
             assert http.post("/v1/chat/completions", json={"messages": USER, "max_tokens": 4}).status_code == 200
         assert stats["turns"]["dropped"]["disconnected"] == 1 and stats["turns"]["pending"] == 0
