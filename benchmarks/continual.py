@@ -54,9 +54,9 @@ MOPD_QUICK = ("mopd/gym_seq", "mopd/gym_replay_kl", "mopd/gym_replay_kl_experts"
 CLAAS_FULL = ("claas/tiny_reinforce_pp", "claas/tiny_ppo", "claas/tiny_sdpo", "claas/tiny_icl",
               "claas/tiny_no_update")
 # --quick: one seed of Seq, Replay-KL as the MOPD paper specifies it (replay toward M_{k-1}) and replay toward the
-# experts (the replay that forgets less than Seq on nine of nine default-order seeds), every stage whole: each
-# stage's gain and the forgetting, the paper's replay and the one that works side by side. On bundle version 3 a job
-# takes 330-380 s on 2 cores two at a time; docs/benchmark.md "The quick run" has the measured total.
+# experts (forgot less than Seq on nine of nine default-order seeds of bundle 2daee58a, not on a rebuild of it),
+# every stage whole: each stage's gain and the forgetting, the paper's replay and the deviation side by side. On
+# bundle version 3 a job takes 176-380 s on 2 cores two at a time; docs/benchmark.md "The quick run" has the totals.
 # Version 2's quick run cut the plan (its jobs took 400-500 s); a cut goes here, as key=value overrides.
 QUICK_MOPD_OVERRIDES: list[str] = []
 # 2: every stage-final snapshot scored by claas_verl.mopd.eval.gym_snapshots (48 prompts x 4 samples, exact

@@ -143,7 +143,6 @@ def _wait_unloaded(fake, *adapters: str) -> None:
                lambda: f"vLLM to be asked to unload {list(adapters)} (asked: {fake.unloads})")
 
 
-
 def test_forwarding_requests_logprobs_and_records_the_exact_sum(fake):
     buf = big_buffer()
     backend = OpenAIBackend(fake.url + "/v1", "base", default_max_tokens=32)
