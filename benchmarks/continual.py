@@ -48,8 +48,8 @@ sys.path.insert(0, str(REPO))
 from benchmarks.bench_jobs import job_env, run_job, stopping_jobs_on_signals, tagged  # noqa: E402
 from claas_verl.metrics import benchmark as B  # noqa: E402  (pure python)
 
-MOPD_FULL = ("mopd/gym_seq", "mopd/gym_replay_kl", "mopd/gym_replay_kl_experts", "mopd/gym_replay_kl_fixed",
-             "mopd/gym_seq_recovery", "mopd/gym_fsar_shared", "mopd/gym_joint")
+MOPD_FULL = ("mopd/gym_seq", "mopd/gym_replay_kl", "mopd/gym_replay_kl_floor", "mopd/gym_replay_kl_experts",
+             "mopd/gym_replay_kl_fixed", "mopd/gym_seq_recovery", "mopd/gym_fsar_shared", "mopd/gym_joint")
 MOPD_QUICK = ("mopd/gym_seq", "mopd/gym_replay_kl", "mopd/gym_replay_kl_experts")
 CLAAS_FULL = ("claas/tiny_reinforce_pp", "claas/tiny_ppo", "claas/tiny_sdpo", "claas/tiny_icl",
               "claas/tiny_no_update")
@@ -76,7 +76,8 @@ PAIRED_BASELINE = "mopd/gym_seq"
 LABELS = {"mopd/gym_seq": "Seq", "mopd/gym_replay_kl": "Replay-KL (shared)",
           "mopd/gym_replay_kl_fixed": "Replay-KL (fixed share)", "mopd/gym_seq_recovery": "Seq + recovery",
           "mopd/gym_fsar_shared": "FSAR (shared)", "mopd/gym_joint": "Joint MOPD",
-          "mopd/gym_replay_kl_experts": "Replay toward the experts (shared)"}
+          "mopd/gym_replay_kl_experts": "Replay toward the experts (shared)",
+          "mopd/gym_replay_kl_floor": "Replay-KL, replay σ floored at 0.3 (shared)"}
 
 
 # The snapshot scorer seeds torch's global generator (claas_verl.mopd.eval.gym_snapshots): with --jobs > 1, two runs

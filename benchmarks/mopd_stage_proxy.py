@@ -73,7 +73,7 @@ def stage(student, expert, tok, rows: list[dict], *, steps: int, prompts: int, r
           seed: int, blocks: list[list[dict]] | None = None, timings: list[dict] | None = None,
           after_step=None, warmup: int = 0, temperature: float = 1.0,
           replay: list[tuple[torch.nn.Module, list[dict]]] | None = None, replay_every: int = 0,
-          replay_kls: list[float] | None = None) -> list[float]:
+          replay_kls: list[float] | None = None, replay_std_floor: float = 0.0) -> list[float]:
     """``steps`` MOPD updates of ``student`` (in place) toward ``expert`` on ``rows``; the per-step top-κ weighted
     KL (Σ_v −r on the student's samples, token mean) before each update.
 
@@ -90,7 +90,8 @@ def stage(student, expert, tok, rows: list[dict], *, steps: int, prompts: int, r
     ``claas_verl.schedule.budgets.shared_replay``: docs/math.md §B.8; taught by M_{k-1}: §B.1). Replay steps draw
     their prompts and samples from their own seeds, so the new-domain steps see exactly the prompts and seeds they
     see without replay; they share the stage's optimiser, and neither ``kls`` nor ``timings`` nor ``after_step``
-    sees them: ``replay_kls`` gets their KL to their teacher instead."""
+    sees them: ``replay_kls`` gets their KL to their teacher instead. ``replay_std_floor``: replay steps divide
+    their rewards by ``max(σ_d, floor)`` (``mopd.replay.std_floor``; 0: σ_d, the paper)."""
     if blocks is not None and len(blocks) < steps:
         raise ValueError(f"stage: {steps} steps but only {len(blocks)} blocks")
     from claas_verl.utils.generation import eos_token_ids
@@ -145,7 +146,8 @@ def stage(student, expert, tok, rows: list[dict], *, steps: int, prompts: int, r
             kls.append(kl)
         elif replay_kls is not None:
             replay_kls.append(kl)
-        adv = domain_normalized_advantages(r_all, m_all, sync=False)
+        adv = domain_normalized_advantages(r_all, m_all, sync=False,
+                                           std_floor=replay_std_floor if step is None else 0.0)
         clock.lap("teacher")
         student.train()
         opt.zero_grad()
@@ -232,6 +234,8 @@ def main() -> None:
     ap.add_argument("--replay-every", type=int, default=0, metavar="M",
                     help="from stage 2, one replay step toward M_{k-1} after every M new-domain steps, cycling over "
                          "the earlier domains (Replay-KL, shared budget; the gym recipes: 3); 0: Seq, no replay")
+    ap.add_argument("--replay-std-floor", type=float, default=0.0, metavar="S",
+                    help="replay steps divide their rewards by max(σ_d, S) (mopd.replay.std_floor); 0: the paper")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
     for name in ("steps", "prompts", "replies", "topk", "eval_replies"):
@@ -241,6 +245,8 @@ def main() -> None:
         raise SystemExit(f"--eval-every must be 0 or positive; got {args.eval_every}")
     if args.replay_every < 0:
         raise SystemExit(f"--replay-every must be 0 (no replay) or positive; got {args.replay_every}")
+    if not 0 <= args.replay_std_floor < float("inf"):
+        raise SystemExit(f"--replay-std-floor must be 0 (none) or positive; got {args.replay_std_floor}")
     if args.warmup < 0:
         raise SystemExit(f"--warmup must be 0 or positive; got {args.warmup}")
     if args.lr <= 0:
@@ -289,7 +295,8 @@ def main() -> None:
         kls = stage(student, experts[d], tok, rows, steps=args.steps, prompts=args.prompts,
                     replies=args.replies, topk=args.topk, lr=args.lr, seed=args.seed * 1000 + k,
                     after_step=mid_stage, warmup=args.warmup, temperature=args.temperature,
-                    replay=replay, replay_every=args.replay_every, replay_kls=replay_kls)
+                    replay=replay, replay_every=args.replay_every, replay_kls=replay_kls,
+                    replay_std_floor=args.replay_std_floor)
         train_s = time.time() - t_stage - scoring[0]
         row = {"after": f"{k}:{d}", **score_all(student, str(student_dir), experts, root, domains,
                                                  args.eval_replies)}

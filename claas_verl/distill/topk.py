@@ -376,13 +376,15 @@ def stds_from_moments(moments: torch.Tensor) -> torch.Tensor:
 
 
 def domain_stds(
-    r: torch.Tensor, mask: torch.Tensor, domain_ids=None, *, sync: bool | None = None, group=None
+    r: torch.Tensor, mask: torch.Tensor, domain_ids=None, *, sync: bool | None = None, group=None,
+    std_floor: float = 0.0,
 ) -> dict[int, dict[str, float]]:
     """Logging: per present domain, ``{"count", "std", "scale"}`` where ``scale`` is the σ actually divided by.
 
-    ``std`` is NaN for fewer than 2 values; ``scale`` applies the docs/math.md §B.2.2 fallbacks (σ := 1).
+    ``std`` is NaN for fewer than 2 values; ``scale`` applies the docs/math.md §B.2.2 fallbacks (σ := 1) and
+    ``std_floor`` as :func:`domain_normalized_advantages` does.
     """
-    moments, sigma = _global_sigma(r, mask, domain_ids, sync, group)
+    moments, sigma = _global_sigma(r, mask, domain_ids, sync, group, std_floor)
     out = {}
     for dom in range(moments.shape[0]):
         count = float(moments[dom, 0])
@@ -395,7 +397,14 @@ def domain_stds(
     return out
 
 
-def _global_sigma(r, mask, domain_ids, sync, group):
+def _check_std_floor(std_floor: float) -> float:
+    if isinstance(std_floor, bool) or not (isinstance(std_floor, (int, float)) and 0 <= std_floor < float("inf")):
+        raise ValueError(f"std_floor must be a finite float >= 0 (0: the paper's σ_d, no floor); got {std_floor!r}")
+    return float(std_floor)
+
+
+def _global_sigma(r, mask, domain_ids, sync, group, std_floor=0.0):
+    std_floor = _check_std_floor(std_floor)
     do_sync = _dist_ready(sync)
     B = r.shape[0] if r.dim() == 3 else 0
     d = _domain_index(domain_ids, B, r.device)
@@ -411,7 +420,8 @@ def _global_sigma(r, mask, domain_ids, sync, group):
     sigma = stds_from_moments(moments)
     # docs/math.md §B.2.2 [CHOICE]: count < 2 (σ is NaN) or σ_d < 1e-8 -> σ := 1, i.e. A = r; otherwise no epsilon.
     use_one = torch.isnan(sigma) | (sigma < MIN_DOMAIN_STD)
-    return moments, torch.where(use_one, torch.ones_like(sigma), sigma)
+    # the floor (a deviation, off by default) bounds the amplification 1/σ_d of a step whose rewards are all small
+    return moments, torch.where(use_one, torch.ones_like(sigma), sigma.clamp(min=std_floor))
 
 
 def domain_normalized_advantages(
@@ -421,12 +431,18 @@ def domain_normalized_advantages(
     *,
     sync: bool | None = None,
     group=None,
+    std_floor: float = 0.0,
 ) -> torch.Tensor:
     """``A[b,t,v] = r[b,t,v] / σ_{d(b)}`` with no mean subtracted (docs/math.md §B.2.2).
 
     σ_d is the sample standard deviation (ddof = 1) of r over all K candidates of all valid positions of the
     responses of domain d; the mean enters only inside the std. Fallback ``[CHOICE]``: fewer than 2 values or
     σ_d < 1e-8 gives σ := 1. Subtracting a mean would break the gradient identity of B.2.4.
+
+    ``std_floor`` (default 0, the paper) divides by ``max(σ_d, std_floor)`` instead, a deviation from docs/math.md
+    §B.2.2: by B.2.4 the step's gradient is ``∇D/(σ_d P)``, so a step whose student already sits near its teacher
+    (small D, small σ_d) takes a full-size step along a direction its few samples barely determine; with the floor
+    such a step shrinks with D, as an unnormalised KL gradient does. The fallbacks above still apply first.
 
     Args:
         r: ``[B, T, K]`` rewards of :func:`topk_rewards`.
@@ -435,6 +451,7 @@ def domain_normalized_advantages(
         sync: all-reduce the per-domain (count, Σr, Σr²) over ``group`` so σ_d covers the whole step batch
             (all ranks). ``None``: iff ``torch.distributed`` is initialised. Every rank of ``group`` must call this.
         group: process group for the reduction (default: world).
+        std_floor: lower bound on the σ divided by (0: none, the paper).
 
     Returns:
         ``A [B, T, K]`` in ``promote_types(r.dtype, float32)``, exactly 0 on padding.
@@ -442,7 +459,7 @@ def domain_normalized_advantages(
     if r.dim() != 3:
         raise ValueError(f"r must be [B, T, K]; got {tuple(r.shape)}")
     _check_mask(mask, r)
-    _, sigma = _global_sigma(r, mask, domain_ids, sync, group)
+    _, sigma = _global_sigma(r, mask, domain_ids, sync, group, std_floor)
     d = _domain_index(domain_ids, r.shape[0], r.device)
     dtype = compute_dtype(r)
     scale = sigma[d].to(dtype).view(-1, 1, 1)

@@ -55,6 +55,13 @@ def check_sampler_poll(poll) -> float:
     return float(poll)
 
 
+def check_replay_std_floor(value) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value < float("inf"):
+        raise ValueError(f"mopd.train.replay_std_floor={value!r}: the least σ a replay step's rewards are divided "
+                         f"by, a finite number >= 0 ({TRAIN_YAML} sets 0.0, the paper's σ_d)")
+    return float(value)
+
+
 @dataclass(frozen=True)
 class DomainConfig:
     """``mopd.domains.<d>``: its prompt file, its expert E_d and its held-out prompts (None: unset)."""
@@ -71,6 +78,7 @@ class TrainConfig:
     topk: int  # κ of eqs. (4)-(5)
     teacher_dtype: str  # docs/math.md §B.1 precision of the teachers' forwards
     fresh_optimizer_per_stage: bool
+    replay_std_floor: float  # replay steps divide by max(σ_d, floor) (docs/math.md §B.2.2); 0: the paper
     max_prompt_length: int
     max_response_length: int
 
@@ -148,6 +156,7 @@ def _train(mopd) -> TrainConfig:
         teacher_dtype=check_teacher_dtype(key("teacher_dtype")),
         fresh_optimizer_per_stage=_bool(key("fresh_optimizer_per_stage"), "train.fresh_optimizer_per_stage",
                                         "a new AdamW state at every stage (docs/math.md §B.1)"),
+        replay_std_floor=check_replay_std_floor(key("replay_std_floor")),
         max_prompt_length=_int(key("max_prompt_length"), "train.max_prompt_length", 1, length),
         max_response_length=_int(key("max_response_length"), "train.max_response_length", 1, length),
     )

@@ -79,6 +79,40 @@ def test_fallback_tiny_std():
     torch.testing.assert_close(A, r64)  # float64 in, float64 out (no downcast)
 
 
+def test_std_floor_bounds_the_divisor_per_domain():
+    # σ_0 = √14 ≈ 3.74 and σ_3 = √2 ≈ 1.41 (test above): a floor of 2 lifts only domain 3's divisor, a floor of 0
+    # is the paper's σ_d exactly, and a floor of 100 divides every domain by 100
+    r, mask, dom = _mixed_batch()
+    paper = domain_normalized_advantages(r, mask, dom)
+    assert torch.equal(domain_normalized_advantages(r, mask, dom, std_floor=0.0), paper)
+    A = domain_normalized_advantages(r, mask, dom, std_floor=2.0)
+    is0 = dom == 0
+    assert torch.equal(A[is0], paper[is0])
+    torch.testing.assert_close(A[~is0], r[~is0] * mask[~is0].unsqueeze(-1) / 2.0, rtol=1e-6, atol=0)
+    torch.testing.assert_close(domain_normalized_advantages(r, mask, dom, std_floor=100.0),
+                               r * mask.unsqueeze(-1) / 100.0, rtol=1e-6, atol=0)
+    stats = domain_stds(r, mask, dom, std_floor=2.0)
+    assert stats[3]["scale"] == 2.0 and stats[3]["std"] == pytest.approx(math.sqrt(2.0), rel=1e-12)
+    assert stats[0]["scale"] == pytest.approx(math.sqrt(14.0), rel=1e-12)
+
+
+def test_std_floor_keeps_the_fallbacks():
+    # count < 2 and σ_d < 1e-8 still give σ := 1 (A = r), below or above the floor
+    r = torch.full((2, 3, 2), 0.25)
+    mask = torch.ones(2, 3)
+    for floor in (0.5, 3.0):
+        assert torch.equal(domain_normalized_advantages(r, mask, std_floor=floor), r)
+    one = torch.tensor([[[7.0]]])
+    assert torch.equal(domain_normalized_advantages(one, torch.ones(1, 1), std_floor=3.0), one)
+
+
+@pytest.mark.parametrize("floor", [-0.1, float("inf"), float("nan"), True, "0.1", None])
+def test_std_floor_rejects_a_bad_value(floor):
+    r, mask, dom = _mixed_batch()
+    with pytest.raises(ValueError, match="std_floor must be a finite float >= 0"):
+        domain_normalized_advantages(r, mask, dom, std_floor=floor)
+
+
 def test_all_padding_domain_is_zero_and_not_nan():
     r = torch.randn(2, 3, 2)
     mask = torch.zeros(2, 3)

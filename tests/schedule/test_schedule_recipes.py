@@ -27,7 +27,7 @@ PAPER_STEPS = {
 }
 # the continual benchmark's recipes (recipes/mopd/data/gym.yaml: 12 blocks per domain) and their plan lengths
 GYM_STEPS = {"gym_seq": 36, "gym_replay_kl": 44, "gym_replay_kl_fixed": 46, "gym_seq_recovery": 42,
-             "gym_fsar_shared": 44, "gym_joint": 36, "gym_replay_kl_experts": 44}
+             "gym_fsar_shared": 44, "gym_joint": 36, "gym_replay_kl_experts": 44, "gym_replay_kl_floor": 44}
 TINY = ["tiny_seq", "tiny_replay_kl", "tiny_fsar_shared", "tiny_replay_kl_fixed", "tiny_seq_recovery", "tiny_joint"]
 
 

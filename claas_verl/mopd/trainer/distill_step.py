@@ -54,6 +54,7 @@ class DistillStep:
     def __init__(self, mopd: MopdConfig, config, domain_index: dict[str, int]):
         check_verl_config(mopd, config)
         self.topk = mopd.train.topk
+        self.replay_std_floor = mopd.train.replay_std_floor
         # replay steps of FSAR/SATS/OPRD recipes: alignment terms + balanced update (docs/math.md §B.3-B.7)
         self.aux = mopd.signal
         self.domain_index = domain_index
@@ -111,8 +112,9 @@ class DistillStep:
         r = topk_rewards(Sx, Q, mask)
         # one domain per step (B.2.2): every response of the block belongs to the step's domain
         dom = torch.full((r.shape[0],), self.domain_index[step["domain"]], dtype=torch.long)
-        A = domain_normalized_advantages(r, mask, dom, sync=False)
-        stats = domain_stds(r, mask, dom, sync=False)[self.domain_index[step["domain"]]]
+        floor = self.replay_std_floor if step["kind"] == "replay" else 0.0
+        A = domain_normalized_advantages(r, mask, dom, sync=False, std_floor=floor)
+        stats = domain_stds(r, mask, dom, sync=False, std_floor=floor)[self.domain_index[step["domain"]]]
         out = {F.ADVANTAGES: F.pack_rows(A, mask_nested)}
         # verl's metrics read 2-D advantages/returns: Σ_v A[t, v] per token
         per_token = A.sum(-1)
@@ -122,7 +124,8 @@ class DistillStep:
         metrics.update({
             "mopd/kl_topk": float(topk_weighted_kl(Sx, Q, mask)),
             "mopd/kl_binned": float(topk_binned_kl(Sx, Q, mask)),
-            "mopd/adv_sigma": stats["scale"],
+            "mopd/adv_sigma": stats["scale"],  # the σ divided by: σ_d, or the floor of a replay step
+            "mopd/adv_std": stats["std"],
             "mopd/reward_count": stats["count"],
             "mopd/stage": step["stage"],
             "mopd/block": step["block"],

@@ -16,8 +16,9 @@ from claas_verl.mopd.trainer.alignment import AUX_KEY, aux_config
 from claas_verl.mopd.trainer.workers import TEACHER_KEY
 
 
-def _mopd(signal=None, block_size=4, topk=2):
-    return SimpleNamespace(block_size=block_size, train=SimpleNamespace(topk=topk), signal=aux_config(signal or {}))
+def _mopd(signal=None, block_size=4, topk=2, replay_std_floor=0.0):
+    return SimpleNamespace(block_size=block_size, train=SimpleNamespace(topk=topk, replay_std_floor=replay_std_floor),
+                           signal=aux_config(signal or {}))
 
 
 def _config(train_batch_size=4, **actor):
@@ -88,3 +89,33 @@ def test_the_teacher_step_computes_rewards_advantages_and_the_logged_kl(monkeypa
     assert torch.allclose(queue.put["advantages"].to_padded_tensor(0), A.sum(-1) * mask)
     assert metrics["mopd/kl_topk"] == pytest.approx(float(topk_weighted_kl(S, Q, mask)))
     assert (metrics["mopd/stage"], metrics["mopd/block"], metrics["mopd/reward_count"]) == (2, 0, 10)
+
+
+@pytest.mark.parametrize("kind", ["new", "replay", "recovery"])
+def test_the_std_floor_applies_to_replay_steps_only(monkeypatch, kind):
+    # rewards of a student next to its teacher: σ_d is about 0.01, far below a floor of 5, which then divides a
+    # replay step's rewards (A = r / 5) and leaves every other kind at the paper's r / σ_d
+    torch.manual_seed(1)
+    S = torch.randn(2, 3, 2).log_softmax(-1)
+    Q = S + 0.01 * torch.randn(2, 3, 2)
+    mask_nested = torch.nested.as_nested_tensor([torch.ones(3, dtype=torch.long)] * 2, layout=torch.jagged)
+    queue = _Queue({F.STUDENT_LP: F.pack_rows(S, mask_nested), F.TEACHER_LP: F.pack_rows(Q, mask_nested),
+                    "response_mask": mask_nested})
+    monkeypatch.setattr(D, "tq", queue)
+    wg = SimpleNamespace(mopd_teacher_forward=lambda b: None)
+    batch = SimpleNamespace(keys=["a", "b"], partition_id="train", extra_info={})
+    step = D.DistillStep(_mopd(replay_std_floor=5.0), _config(), {"logic": 0})
+    metrics = {}
+    step.teacher_advantages(batch, wg, {"kind": kind, "teacher": "student:1", "domain": "logic", "stage": 2,
+                                        "block": 0}, tokenizer=None, metrics=metrics)
+    mask = torch.ones(2, 3)
+    r = topk_rewards(S, Q, mask)
+    sigma = float(r.double().flatten().std())
+    assert sigma < 0.05 and metrics["mopd/adv_std"] == pytest.approx(sigma, rel=1e-6)
+    A = F.unpack_rows(queue.put[F.ADVANTAGES], 2)
+    if kind == "replay":
+        assert metrics["mopd/adv_sigma"] == 5.0
+        torch.testing.assert_close(A, r / 5.0, rtol=1e-6, atol=0)
+    else:
+        assert metrics["mopd/adv_sigma"] == pytest.approx(sigma, rel=1e-6)
+        torch.testing.assert_close(A, domain_normalized_advantages(r, mask, sync=False))
