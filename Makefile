@@ -1,6 +1,6 @@
 # claas_verl — two commands for a fresh machine (see README.md and docs/getting-started.md):
 #   make demo   create .venv, install pinned dependencies, build the offline reasoning-gym bundle and run the
-#               quick continual MOPD comparison on CPU (Seq, Replay-KL, replay toward the experts; table + PNGs)
+#               quick continual MOPD comparison on CPU (Seq, Replay-KL, Replay-KL with a floored sigma; table + PNGs)
 #   make test   create .venv, install pinned dependencies, lint, build the docs (strict), run the CPU test suite
 # Other demos: make demo-tiny (the pipeline in minutes on the tiny bundle), make demo-grpo (verl's own GRPO on
 #   CPU), make demo-claas (CLaaS replay trainer on CPU), make benchmark (the full continual benchmark)

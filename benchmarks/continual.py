@@ -50,12 +50,12 @@ from claas_verl.metrics import benchmark as B  # noqa: E402  (pure python)
 
 MOPD_FULL = ("mopd/gym_seq", "mopd/gym_replay_kl", "mopd/gym_replay_kl_floor", "mopd/gym_replay_kl_experts",
              "mopd/gym_replay_kl_fixed", "mopd/gym_seq_recovery", "mopd/gym_fsar_shared", "mopd/gym_joint")
-MOPD_QUICK = ("mopd/gym_seq", "mopd/gym_replay_kl", "mopd/gym_replay_kl_experts")
+MOPD_QUICK = ("mopd/gym_seq", "mopd/gym_replay_kl", "mopd/gym_replay_kl_floor")
 CLAAS_FULL = ("claas/tiny_reinforce_pp", "claas/tiny_ppo", "claas/tiny_sdpo", "claas/tiny_icl",
               "claas/tiny_no_update")
-# --quick: one seed of Seq, Replay-KL as the MOPD paper specifies it (replay toward M_{k-1}) and replay toward the
-# experts (forgot less than Seq on nine of nine default-order seeds of bundle 2daee58a, not on a rebuild of it),
-# every stage whole: each stage's gain and the forgetting, the paper's replay and the deviation side by side. On
+# --quick: one seed of Seq, Replay-KL as the MOPD paper specifies it (replay toward M_{k-1}, rewards / sigma_d) and the
+# same replay with its sigma floored at 0.3 (mopd.train.replay_std_floor, a deviation; docs/benchmark.md "Replay
+# steps near their teacher"), every stage whole: each stage's gain and the forgetting, side by side. On
 # bundle version 3 a job takes 176-380 s on 2 cores two at a time; docs/benchmark.md "The quick run" has the totals.
 # Version 2's quick run cut the plan (its jobs took 400-500 s); a cut goes here, as key=value overrides.
 QUICK_MOPD_OVERRIDES: list[str] = []
