@@ -91,7 +91,7 @@ def stage(student, expert, tok, rows: list[dict], *, steps: int, prompts: int, r
     their prompts and samples from their own seeds, so the new-domain steps see exactly the prompts and seeds they
     see without replay; they share the stage's optimiser, and neither ``kls`` nor ``timings`` nor ``after_step``
     sees them: ``replay_kls`` gets their KL to their teacher instead. ``replay_std_floor``: replay steps divide
-    their rewards by ``max(σ_d, floor)`` (``mopd.replay.std_floor``; 0: σ_d, the paper)."""
+    their rewards by ``max(σ_d, floor)`` (``mopd.train.replay_std_floor``; 0: σ_d, the paper)."""
     if blocks is not None and len(blocks) < steps:
         raise ValueError(f"stage: {steps} steps but only {len(blocks)} blocks")
     from claas_verl.utils.generation import eos_token_ids
@@ -235,7 +235,7 @@ def main() -> None:
                     help="from stage 2, one replay step toward M_{k-1} after every M new-domain steps, cycling over "
                          "the earlier domains (Replay-KL, shared budget; the gym recipes: 3); 0: Seq, no replay")
     ap.add_argument("--replay-std-floor", type=float, default=0.0, metavar="S",
-                    help="replay steps divide their rewards by max(σ_d, S) (mopd.replay.std_floor); 0: the paper")
+                    help="replay steps divide their rewards by max(σ_d, S) (mopd.train.replay_std_floor); 0: the paper")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
     for name in ("steps", "prompts", "replies", "topk", "eval_replies"):

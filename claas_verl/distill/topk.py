@@ -397,14 +397,15 @@ def domain_stds(
     return out
 
 
-def _check_std_floor(std_floor: float) -> float:
+def check_std_floor(std_floor: float) -> float:
+    """``std_floor`` as a float, or ValueError unless it is a finite number >= 0."""
     if isinstance(std_floor, bool) or not (isinstance(std_floor, (int, float)) and 0 <= std_floor < float("inf")):
         raise ValueError(f"std_floor must be a finite float >= 0 (0: the paper's σ_d, no floor); got {std_floor!r}")
     return float(std_floor)
 
 
 def _global_sigma(r, mask, domain_ids, sync, group, std_floor=0.0):
-    std_floor = _check_std_floor(std_floor)
+    std_floor = check_std_floor(std_floor)
     do_sync = _dist_ready(sync)
     B = r.shape[0] if r.dim() == 3 else 0
     d = _domain_index(domain_ids, B, r.device)

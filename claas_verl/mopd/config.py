@@ -18,6 +18,7 @@ from types import MappingProxyType
 
 from omegaconf import OmegaConf
 
+from claas_verl.distill.topk import check_std_floor
 from claas_verl.mopd.trainer.alignment import AuxConfig, aux_config
 from claas_verl.mopd.trainer.records import check_teacher_dtype
 from claas_verl.preflight.recipe_keys import BASE_YAML, TRAIN_YAML, recipe_key
@@ -56,10 +57,11 @@ def check_sampler_poll(poll) -> float:
 
 
 def check_replay_std_floor(value) -> float:
-    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value < float("inf"):
+    try:
+        return check_std_floor(value)
+    except ValueError:
         raise ValueError(f"mopd.train.replay_std_floor={value!r}: the least σ a replay step's rewards are divided "
-                         f"by, a finite number >= 0 ({TRAIN_YAML} sets 0.0, the paper's σ_d)")
-    return float(value)
+                         f"by, a finite number >= 0 ({TRAIN_YAML} sets 0.0, the paper's σ_d)") from None
 
 
 @dataclass(frozen=True)
