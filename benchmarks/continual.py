@@ -588,6 +588,7 @@ def mopd_report(runs: list[dict], results: dict) -> list[str]:
               f"{proto.get('samples', '?')} samples at τ = {proto.get('temperature', '?')}, replies ≤ "
               f"{proto.get('max_new_tokens', '?')} tokens, reasoning-gym's scorers; the KL is the exact "
               "full-vocabulary KL(student || expert), token-mean over the student's own replies.", ""]
+    lines += _overrides_note(runs)
     seeds = [str(seed) for seed in sorted({int(r["seed"]) for r in runs})]  # 4, ..., 9, 10: not "10" before "4"
     refs = [t for key, t in (results.get("references") or {}).items() if key.split(":", 1)[0] in seeds]
     if refs:
@@ -625,6 +626,25 @@ def mopd_report(runs: list[dict], results: dict) -> list[str]:
                 "" if d not in row else f"{_cell(row[d])} ({kl[st][d]:.3f})" for d in order) + " |")
         lines.append("")
     return lines
+
+
+def _overrides_note(runs: list[dict]) -> list[str]:
+    """The command-line overrides the runs were made with, beyond the recipe and the mode's own: the method labels
+    name recipes, so a run with ``mopd.train.replay_std_floor=0.3`` would otherwise read as the recipe as written."""
+    by: dict[tuple[str, ...], list[str]] = {}
+    for r in runs:
+        mode = QUICK_MOPD_OVERRIDES if r.get("quick") else []
+        extra = tuple(o for o in r.get("overrides", []) if o not in mode)
+        if extra and r["recipe"] not in by.setdefault(extra, []):
+            by[extra].append(r["recipe"])
+    if not by:
+        return []
+    recipes = set(_by_recipe(runs))
+    lines = []
+    for extra, names in by.items():
+        who = "every run" if set(names) == recipes and len(by) == 1 else ", ".join(f"`{n}`" for n in names)
+        lines.append(f"Run with the command-line overrides {' '.join(f'`{o}`' for o in extra)} ({who}).")
+    return [" ".join(lines), ""]
 
 
 def learning_table(runs: list[dict], results: dict, order: list[str], refs: list[dict]) -> list[str]:

@@ -178,6 +178,34 @@ def test_report_names_the_domains_the_runs_learned():
     runs = [dict(run, seed=seed) for seed in (10, 4, 9)]
     results["references"] = {f"{seed}:{{}}": ref for seed in (10, 4, 9)}
     assert "mean over seeds 4, 9, 10):" in "\n".join(C.mopd_report(runs, results))
+    # a run with no command-line override says nothing about overrides
+    assert "overrides" not in text
+
+
+def test_report_names_the_command_line_overrides_of_its_runs(monkeypatch):
+    """The method labels name recipes: runs made with ``mopd.train.replay_std_floor=0.3`` on the command line must
+    not read as the recipes as written (the committed floor runs of fixed share and FSAR did)."""
+    from claas_verl.metrics import benchmark as B
+
+    stage_scores = {1: {"reverse": 0.3}, 2: {"reverse": 0.2, "spell": 0.5}}
+    metrics = B.run_metrics(stage_scores, ["reverse", "spell"], staged=True, base={"reverse": 0.0, "spell": 0.0},
+                            experts={"expert:reverse": {"reverse": 0.9, "spell": 0.1},
+                                     "expert:spell": {"reverse": 0.1, "spell": 0.9}})
+    base = {"seed": 1, "order": ["reverse", "spell"], "stage_scores": stage_scores, "kl_to_expert": {
+        1: {"reverse": 1.0}, 2: {"reverse": 1.0, "spell": 1.0}}, **metrics, "eval": {}, "quick": False}
+    floor = ["mopd.train.replay_std_floor=0.3"]
+    runs = [dict(base, recipe=r, overrides=floor) for r in ("mopd/gym_replay_kl_fixed", "mopd/gym_fsar_shared")]
+    results = {"summary": B.summarize(runs), "references": {}}
+    text = "\n".join(C.mopd_report(runs, results))
+    assert "Run with the command-line overrides `mopd.train.replay_std_floor=0.3` (every run)." in text
+    # runs of one results file with different overrides name their recipes
+    mixed = [runs[0], dict(base, recipe="mopd/gym_seq", overrides=[])]
+    text = "\n".join(C.mopd_report(mixed, {"summary": B.summarize(mixed), "references": {}}))
+    assert "`mopd.train.replay_std_floor=0.3` (`mopd/gym_replay_kl_fixed`)." in text
+    # a quick run's own plan overrides are the mode's, not the user's
+    monkeypatch.setattr(C, "QUICK_MOPD_OVERRIDES", ["mopd.domains.reverse.num_blocks=8"])
+    quick = [dict(base, recipe="mopd/gym_seq", quick=True, overrides=C.run_extra(True, []))]
+    assert "overrides" not in "\n".join(C.mopd_report(quick, {"summary": B.summarize(quick), "references": {}}))
 
 
 def test_the_console_shows_each_stage_of_a_job():
