@@ -643,7 +643,7 @@ def _overrides_note(runs: list[dict]) -> list[str]:
     lines = []
     for extra, names in by.items():
         who = "every run" if set(names) == recipes and len(by) == 1 else ", ".join(f"`{n}`" for n in names)
-        lines.append(f"Run with the command-line overrides {' '.join(f'`{o}`' for o in extra)} ({who}).")
+        lines.append(f"Run with the command-line overrides {', '.join(f'`{o}`' for o in extra)} ({who}).")
     return [" ".join(lines), ""]
 
 
