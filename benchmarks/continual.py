@@ -631,20 +631,24 @@ def mopd_report(runs: list[dict], results: dict) -> list[str]:
 def _overrides_note(runs: list[dict]) -> list[str]:
     """The command-line overrides the runs were made with, beyond the recipe and the mode's own: the method labels
     name recipes, so a run with ``mopd.train.replay_std_floor=0.3`` would otherwise read as the recipe as written."""
-    by: dict[tuple[str, ...], list[str]] = {}
+    by: dict[tuple[str, ...], list[dict]] = {}
     for r in runs:
         mode = QUICK_MOPD_OVERRIDES if r.get("quick") else []
         extra = tuple(o for o in r.get("overrides", []) if o not in mode)
-        if extra and r["recipe"] not in by.setdefault(extra, []):
-            by[extra].append(r["recipe"])
-    if not by:
-        return []
-    recipes = set(_by_recipe(runs))
+        if extra:
+            by.setdefault(extra, []).append(r)
     lines = []
-    for extra, names in by.items():
-        who = "every run" if set(names) == recipes and len(by) == 1 else ", ".join(f"`{n}`" for n in names)
+    for extra, rs in by.items():
+        parts = []
+        for recipe, mine in _by_recipe(rs).items():
+            if len(mine) == sum(o["recipe"] == recipe for o in runs):
+                parts.append(f"`{recipe}`")
+            else:  # only some seeds of this recipe
+                seeds = sorted(int(o["seed"]) for o in mine)
+                parts.append(f"`{recipe}` seed{'s' if len(seeds) > 1 else ''} {', '.join(map(str, seeds))}")
+        who = "every run" if len(rs) == len(runs) else "; ".join(parts)
         lines.append(f"Run with the command-line overrides {', '.join(f'`{o}`' for o in extra)} ({who}).")
-    return [" ".join(lines), ""]
+    return [" ".join(lines), ""] if lines else []
 
 
 def learning_table(runs: list[dict], results: dict, order: list[str], refs: list[dict]) -> list[str]:

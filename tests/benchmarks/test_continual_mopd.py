@@ -202,6 +202,10 @@ def test_report_names_the_command_line_overrides_of_its_runs(monkeypatch):
     mixed = [runs[0], dict(base, recipe="mopd/gym_seq", overrides=[])]
     text = "\n".join(C.mopd_report(mixed, {"summary": B.summarize(mixed), "references": {}}))
     assert "`mopd.train.replay_std_floor=0.3` (`mopd/gym_replay_kl_fixed`)." in text
+    # ... and their seeds when only some runs of a recipe had them
+    mixed.append(dict(runs[0], seed=2, overrides=[]))
+    text = "\n".join(C.mopd_report(mixed, {"summary": B.summarize(mixed), "references": {}}))
+    assert "`mopd.train.replay_std_floor=0.3` (`mopd/gym_replay_kl_fixed` seed 1)." in text
     # a quick run's own plan overrides are the mode's, not the user's
     monkeypatch.setattr(C, "QUICK_MOPD_OVERRIDES", ["mopd.domains.reverse.num_blocks=8"])
     quick = [dict(base, recipe="mopd/gym_seq", quick=True, overrides=C.run_extra(True, []))]
