@@ -335,24 +335,12 @@ def test_realtime_signal_and_sigkill_are_the_programs_failure(pool, mode):
     assert_honest_after(pool)
 
 
-NOBODY = ["--reuid=65534", "--regid=65534", "--clear-groups"]
-
-
-def _interpreter_for_nobody(setpriv):
-    """This interpreter, or one of the same version, that uid 65534 can start inside a user namespace (a
-    venv's interpreter may live under a directory only root can enter)."""
-    version = f"{sys.version_info.major}.{sys.version_info.minor}"
-    for exe in (sys.executable, os.path.realpath(sys.executable), shutil.which(f"python{version}"),
-                f"/usr/bin/python{version}"):
-        if exe and subprocess.run([setpriv, *NOBODY, "unshare", "--user", "--map-root-user", exe, "-c",
-                                   f"import sys; assert sys.version.startswith('{version}')"],
-                                  capture_output=True).returncode == 0:
-            return exe
-    return None
-
-
 @pytest.mark.skipif(not ROOT, reason="runs this file as an unprivileged user; needs root to switch")
 def test_attack_suite_as_an_unprivileged_user():
+    """The whole file again as uid 65534, from a staged copy (:mod:`unprivileged_stage`) that nobody can read
+    wherever the checkout and its venv live (a 0700 ``mktemp -d`` folder, ``/root``)."""
+    from unprivileged_stage import NOBODY, first_closed_folder, interpreter_for_nobody, stage_for_nobody, stage_root
+
     setpriv = shutil.which("setpriv")
     if setpriv is None:
         pytest.skip("setpriv (util-linux) is missing: cannot switch to an unprivileged uid")
@@ -360,24 +348,26 @@ def test_attack_suite_as_an_unprivileged_user():
                             "--mount", "--mount-proc", "true"], capture_output=True)
     if probe.returncode != 0:
         pytest.skip(f"this kernel refuses unprivileged user namespaces: {probe.stderr.decode()[:200]}")
-    python = _interpreter_for_nobody(setpriv)
-    assert python is not None, "no interpreter of this version that uid 65534 can run"
+    python = interpreter_for_nobody(setpriv)
+    if python is None:
+        pytest.skip(f"no Python {sys.version_info.major}.{sys.version_info.minor} that uid 65534 can start: "
+                    f"{first_closed_folder(Path(sys.executable).parent)} is closed to others and no system "
+                    f"interpreter of this version exists")
+    root = stage_root()
+    if root is None:
+        pytest.skip(f"no folder uid 65534 can enter to stage the test in: {first_closed_folder(Path(tempfile.gettempdir()))} "
+                    f"(from $TMPDIR) and /tmp, /var/tmp, /dev/shm are closed to others")
     repo = Path(__file__).resolve().parents[2]
-    import pyseccomp
-    import pytest as pytest_module
-    paths = {str(repo)} | {str(Path(m.__file__).resolve().parents[1 if m is pytest_module else 0])
-                           for m in (pyseccomp, pytest_module)}
-    home = Path(tempfile.mkdtemp(prefix="claas_nobody_"))  # pytest's own tmp dirs are root-only
-    os.chmod(home, 0o777)
-    env = {"PATH": os.defpath, "HOME": str(home), "PYTHONPATH": os.pathsep.join(sorted(paths)),
+    stage, staged_test = stage_for_nobody(Path(__file__), repo, root, extra_modules=("pyseccomp",))
+    env = {"PATH": os.defpath, "HOME": str(stage / "home"), "PYTHONPATH": str(stage / "site"),
            "PYTHONDONTWRITEBYTECODE": "1", "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1", "LANG": "C.UTF-8"}
     try:
         run = subprocess.run(
             [setpriv, *NOBODY, python, "-m", "pytest", "-q", "--noconftest", "-p", "no:cacheprovider",
-             f"--basetemp={home / 'base'}", "-rs", __file__],
-            capture_output=True, text=True, env=env, cwd=repo, timeout=300)
+             f"--basetemp={stage / 'home' / 'base'}", "-rs", str(staged_test)],
+            capture_output=True, text=True, env=env, cwd=stage, timeout=300)
     finally:
-        shutil.rmtree(home, ignore_errors=True)
+        shutil.rmtree(stage, ignore_errors=True)
     tail = run.stdout[-3000:] + run.stderr[-2000:]
     assert run.returncode == 0, tail
     # every test ran in the user mode; only this one (it needs root) was skipped there
