@@ -355,8 +355,9 @@ def test_attack_suite_as_an_unprivileged_user():
                     f"interpreter of this version exists")
     root = stage_root()
     if root is None:
-        pytest.skip(f"no folder uid 65534 can enter to stage the test in: {first_closed_folder(Path(tempfile.gettempdir()))} "
-                    f"(from $TMPDIR) and /tmp, /var/tmp, /dev/shm are closed to others")
+        closed = first_closed_folder(Path(tempfile.gettempdir()))
+        pytest.skip(f"no folder uid 65534 can enter to stage the test in: {closed} (from $TMPDIR) and /tmp, "
+                    f"/var/tmp, /dev/shm are closed to others")
     repo = Path(__file__).resolve().parents[2]
     stage, staged_test = stage_for_nobody(Path(__file__), repo, root, extra_modules=("pyseccomp",))
     env = {"PATH": os.defpath, "HOME": str(stage / "home"), "PYTHONPATH": str(stage / "site"),

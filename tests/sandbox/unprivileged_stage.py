@@ -89,8 +89,9 @@ def _top_level_sources(files: list[str], path: list[str], repo: Path) -> set[Pat
     sources = set()
     for name in files:
         file = Path(name).resolve()
-        if any(file.is_relative_to(repo / own) for own in ("claas_verl", "tests")) or any(file.is_relative_to(s) and "site-packages" not in file.parts
-                                            for s in stdlib):
+        own_code = any(file.is_relative_to(repo / own) for own in ("claas_verl", "tests"))
+        standard = any(file.is_relative_to(s) for s in stdlib) and "site-packages" not in file.parts
+        if own_code or standard:
             continue
         entry = next((e for e in entries if file.is_relative_to(e)), None)
         if entry is None:
