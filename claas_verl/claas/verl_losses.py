@@ -18,6 +18,11 @@ binds its stats object once with :func:`bind_rpp_ema_stats` (or for a block with
 ``stats.state_dict()`` in its checkpoints. The estimator only READS b and v; calling it with nothing
 bound raises a ValueError that says so.
 
+Host syncs: each policy loss makes exactly ONE per call, the single read of its metrics dict
+(:func:`claas_verl.utils.host_sync.metrics_to_floats`). The math makes none (value checks only with
+``CLAAS_VERL_DEBUG_CHECKS=1``), but verl 0.9.1's ``ppo_loss`` calls ``.item()`` on every tensor metric it is handed,
+so tensors would cost seven syncs there. ``tests/losses/test_loss_host_syncs.py`` counts them.
+
 PPO with a critic (docs/math.md §A.3.2, ``recipes/claas/ppo.yaml``) needs nothing registered here: verl's own ``gae``
 estimator and critic worker compute the advantages and the value loss.
 """
@@ -31,6 +36,7 @@ import torch
 
 from claas_verl.losses.advantages import EmaRewardStats, global_whiten_advantages, sequence_rewards
 from claas_verl.losses.seq_is import seq_is_clipped_loss
+from claas_verl.utils.host_sync import metrics_to_floats
 from claas_verl.verl_ext.registry import register_adv_est, register_policy_loss
 
 
@@ -74,11 +80,13 @@ def compute_policy_loss_claas_seq_is(
 
     ``old_log_prob`` ``[B, T]``: only Σ_j m·old per sequence is used, so per-token behaviour log-probs
     or ℓb placed on one valid position both work. ``rollout_is_weights`` multiplies the token loss.
+    Metrics: Python floats, read in one host transfer (the module's one sync per call).
     """
-    return seq_is_clipped_loss(
+    loss, metrics = seq_is_clipped_loss(
         log_prob, old_log_prob, advantages, response_mask, ratio_mode="geo_mean",
         token_weights=rollout_is_weights, **_seq_is_kwargs(config, loss_agg_mode),
     )
+    return loss, metrics_to_floats(metrics)
 
 
 @register_policy_loss("claas_seq_is_product")
@@ -91,11 +99,15 @@ def compute_policy_loss_claas_seq_is_product(
     config: Any | None = None,
     rollout_is_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """verl policy loss: docs/math.md §A.2 with ratio_mode ``product`` (the literal trajectory ratio π_θ(y)/π_β(y))."""
-    return seq_is_clipped_loss(
+    """verl policy loss: docs/math.md §A.2 with ratio_mode ``product`` (the literal trajectory ratio π_θ(y)/π_β(y)).
+
+    Metrics as in :func:`compute_policy_loss_claas_seq_is` (floats, one host transfer).
+    """
+    loss, metrics = seq_is_clipped_loss(
         log_prob, old_log_prob, advantages, response_mask, ratio_mode="product",
         token_weights=rollout_is_weights, **_seq_is_kwargs(config, loss_agg_mode),
     )
+    return loss, metrics_to_floats(metrics)
 
 
 # --------------------------------------------------------------------------- REINFORCE++ estimators

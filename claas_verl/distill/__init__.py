@@ -7,6 +7,7 @@ Pure torch; no verl or Ray imports. The verl registration lives in :mod:`claas_v
 from claas_verl.distill.topk import (
     DEFAULT_CHUNK_SIZE,
     MIN_DOMAIN_STD,
+    domain_advantages_and_stds,
     domain_moments,
     domain_normalized_advantages,
     domain_stds,
@@ -24,6 +25,7 @@ from claas_verl.distill.topk import (
 __all__ = [
     "DEFAULT_CHUNK_SIZE",
     "MIN_DOMAIN_STD",
+    "domain_advantages_and_stds",
     "domain_moments",
     "domain_normalized_advantages",
     "domain_stds",

@@ -18,12 +18,14 @@ Flattening ``[B, T, V]`` to ``[B·T, V]`` is a view for contiguous logits; a non
 Precision (docs/math.md §0, fp32 math): every function computes in ``promote_types(input dtype, float32)`` and returns
 that dtype: bf16/fp16/fp32 inputs give fp32, float64 inputs stay float64 (nothing is downcast). Gradients reach
 the logits in the logits' own dtype. Log-probabilities are full-vocabulary values of ``log_softmax(logits / τ)``.
+Host syncs: the per-micro-batch path (:func:`topk_logprobs`, the loss) reads none but the backward's overwrite check.
 """
 
 from __future__ import annotations
 
 import torch
 
+from claas_verl.utils.host_sync import debug_checks_enabled
 from claas_verl.utils.masked import agg_loss, masked_mean
 
 DEFAULT_CHUNK_SIZE = 1024
@@ -54,7 +56,8 @@ def _check_temperature(temperature: float) -> float:
     return float(temperature)
 
 
-def _check_topk_pair(ids: torch.Tensor, logits: torch.Tensor, ids_name: str, logits_name: str) -> None:
+def _check_topk_pair(ids: torch.Tensor, logits: torch.Tensor, ids_name: str, logits_name: str, values=True) -> None:
+    """Shapes and dtype always; the id range (a host read of min/max) only if ``values``."""
     if ids.dim() != 3 or ids.shape[:2] != logits.shape[:2]:
         raise ValueError(
             f"{ids_name} must be [B, T, K] with the same B, T as {logits_name} {tuple(logits.shape)}; "
@@ -62,7 +65,7 @@ def _check_topk_pair(ids: torch.Tensor, logits: torch.Tensor, ids_name: str, log
         )
     if ids.dtype not in (torch.int64, torch.int32):
         raise ValueError(f"{ids_name} must hold integer token ids (int64/int32); got {ids.dtype}")
-    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= logits.shape[-1]):
+    if values and ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= logits.shape[-1]):
         raise ValueError(
             f"{ids_name} holds ids outside [0, {logits.shape[-1]}) of {logits_name}'s vocabulary; student and "
             "teacher must share the tokenizer (pad the smaller vocabulary's logits to the larger one's size)"
@@ -375,40 +378,38 @@ def stds_from_moments(moments: torch.Tensor) -> torch.Tensor:
     return torch.where(n >= 2, var.clamp(min=0).sqrt(), torch.full_like(n, float("nan")))
 
 
-def domain_stds(
-    r: torch.Tensor, mask: torch.Tensor, domain_ids=None, *, sync: bool | None = None, group=None,
-    std_floor: float = 0.0,
-) -> dict[int, dict[str, float]]:
+def domain_stds(r: torch.Tensor, mask: torch.Tensor, domain_ids=None, *, sync: bool | None = None, group=None,
+                std_floor: float = 0.0) -> dict[int, dict[str, float]]:
     """Logging: per present domain, ``{"count", "std", "scale"}`` where ``scale`` is the σ actually divided by.
 
     ``std`` is NaN for fewer than 2 values; ``scale`` applies the docs/math.md §B.2.2 fallbacks (σ := 1) and
-    ``std_floor`` as :func:`domain_normalized_advantages` does.
+    ``std_floor`` as :func:`domain_normalized_advantages` does. A step that needs both uses
+    :func:`domain_advantages_and_stds` (one σ_d computation, one all-reduce).
     """
-    moments, sigma = _global_sigma(r, mask, domain_ids, sync, group, std_floor)
-    out = {}
-    for dom in range(moments.shape[0]):
-        count = float(moments[dom, 0])
-        if count > 0:
-            out[dom] = {
-                "count": count,
-                "std": float(stds_from_moments(moments[dom : dom + 1])[0]),
-                "scale": float(sigma[dom]),
-            }
-    return out
+    std_floor = check_std_floor(std_floor)
+    d = _domain_index(domain_ids, r.shape[0] if r.dim() == 3 else 0, r.device)
+    return _stds_dict(*_global_sigma(r, mask, d, sync, group, std_floor))
+
+
+def _stds_dict(moments: torch.Tensor, sigma: torch.Tensor) -> dict[int, dict[str, float]]:
+    # three host reads for the whole table (not three per domain)
+    counts, stds, scales = moments[:, 0].tolist(), stds_from_moments(moments).tolist(), sigma.tolist()
+    return {dom: {"count": counts[dom], "std": stds[dom], "scale": scales[dom]}
+            for dom in range(len(counts)) if counts[dom] > 0}
 
 
 def check_std_floor(std_floor: float) -> float:
-    """``std_floor`` as a float, or ValueError unless it is a finite number >= 0."""
+    """``std_floor`` as a float, or ValueError unless it is a finite number >= 0 (Python only: no host sync)."""
     if isinstance(std_floor, bool) or not (isinstance(std_floor, (int, float)) and 0 <= std_floor < float("inf")):
         raise ValueError(f"std_floor must be a finite float >= 0 (0: the paper's σ_d, no floor); got {std_floor!r}")
     return float(std_floor)
 
 
-def _global_sigma(r, mask, domain_ids, sync, group, std_floor=0.0):
-    std_floor = check_std_floor(std_floor)
+def _global_sigma(r, mask, d, sync, group, std_floor):
+    """``(moments [D, 3], σ [D])`` over the step batch (all ranks when syncing) for the domain index ``d`` ``[B]``;
+    ``std_floor`` already checked by the public caller."""
     do_sync = _dist_ready(sync)
     B = r.shape[0] if r.dim() == 3 else 0
-    d = _domain_index(domain_ids, B, r.device)
     n_dom = int(d.max()) + 1 if B else 1
     if do_sync:
         # ranks may hold different domain sets: agree on the table size first, then sum the moments
@@ -423,6 +424,14 @@ def _global_sigma(r, mask, domain_ids, sync, group, std_floor=0.0):
     use_one = torch.isnan(sigma) | (sigma < MIN_DOMAIN_STD)
     # the floor (a deviation, off by default) bounds the amplification 1/σ_d of a step whose rewards are all small
     return moments, torch.where(use_one, torch.ones_like(sigma), sigma.clamp(min=std_floor))
+
+
+def _scaled_by_domain(r: torch.Tensor, mask: torch.Tensor, d: torch.Tensor, sigma: torch.Tensor) -> torch.Tensor:
+    """``A = r / σ_{d(b)}``, exactly 0 on padding, in ``compute_dtype(r)``."""
+    dtype = compute_dtype(r)
+    scale = sigma[d].to(dtype).view(-1, 1, 1)
+    A = r.detach().to(dtype) / scale
+    return torch.where(mask.bool().unsqueeze(-1), A, torch.zeros_like(A))
 
 
 def domain_normalized_advantages(
@@ -457,15 +466,29 @@ def domain_normalized_advantages(
     Returns:
         ``A [B, T, K]`` in ``promote_types(r.dtype, float32)``, exactly 0 on padding.
     """
+    return domain_advantages_and_stds(r, mask, domain_ids, sync=sync, group=group, std_floor=std_floor, stats=False)[0]
+
+
+def domain_advantages_and_stds(
+    r: torch.Tensor, mask: torch.Tensor, domain_ids=None, *, sync: bool | None = None, group=None,
+    std_floor: float = 0.0, stats: bool = True,
+) -> tuple[torch.Tensor, dict[int, dict[str, float]] | None]:
+    """:func:`domain_normalized_advantages` and :func:`domain_stds` of the same arguments from ONE σ_d computation.
+
+    A MOPD step needs both (the advantages, and σ_d for its log): this computes the per-domain moments, their
+    all-reduce (with ``sync``) and σ once, and checks ``std_floor`` once. Arguments as in
+    :func:`domain_normalized_advantages`; ``stats=False`` skips the stats (and their host reads) and returns None.
+
+    Returns:
+        ``(A [B, T, K], {domain: {"count", "std", "scale"}})``, equal to the two functions' results.
+    """
     if r.dim() != 3:
         raise ValueError(f"r must be [B, T, K]; got {tuple(r.shape)}")
     _check_mask(mask, r)
-    _, sigma = _global_sigma(r, mask, domain_ids, sync, group, std_floor)
+    std_floor = check_std_floor(std_floor)
     d = _domain_index(domain_ids, r.shape[0], r.device)
-    dtype = compute_dtype(r)
-    scale = sigma[d].to(dtype).view(-1, 1, 1)
-    A = r.detach().to(dtype) / scale
-    return torch.where(mask.bool().unsqueeze(-1), A, torch.zeros_like(A))
+    moments, sigma = _global_sigma(r, mask, d, sync, group, std_floor)
+    return _scaled_by_domain(r, mask, d, sigma), (_stds_dict(moments, sigma) if stats else None)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -481,11 +504,13 @@ def topk_logprobs(
     the forward keeps the ``[N, K]`` result and ``[N]`` logsumexp only; the backward writes each chunk's rows of
     the single ``[N, V]`` logits gradient in place (linear in N). This is what a verl actor produces as the 3-D
     ``log_prob`` for :mod:`claas_verl.mopd.verl_losses`.
+    Host syncs: none in the forward (id range checked only with ``CLAAS_VERL_DEBUG_CHECKS=1``; ``gather`` still
+    rejects an id outside V); ONE in the backward, its check that the logits were not overwritten.
     """
     _check_logits(logits, "logits")
     tau = _check_temperature(temperature)
     _check_chunk(chunk_size)
-    _check_topk_pair(ids, logits, "ids", "logits")
+    _check_topk_pair(ids, logits, "ids", "logits", values=debug_checks_enabled())
     B, T, V = logits.shape
     K = ids.shape[-1]
     flat, flat_ids = logits.reshape(B * T, V), ids.long().reshape(B * T, K)

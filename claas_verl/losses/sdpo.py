@@ -8,7 +8,8 @@ Torch only. Pieces:
   top-K plus one tail bucket, GJS_α with α = 0 forward KL(T‖S), α = 1 reverse KL(S‖T), 0.5 JSD.
 - :func:`sdpo_is_weight`: w_e = min(ρ[e], is_clip) from the SEQUENCE ratio of A.2.2 (CLaaS stores no
   per-token old log-probs), with ρ against the behaviour policy or the EMA teacher.
-- :func:`sdpo_loss`: ``gjs`` (default) or ``pg+jsd`` modes.
+- :func:`sdpo_loss`: ``gjs`` (default) or ``pg+jsd`` modes; no host sync per call (NaN/inf checks only with
+  ``CLAAS_VERL_DEBUG_CHECKS=1``, :mod:`claas_verl.utils.host_sync`; metrics are 0-dim tensors).
 - :class:`EmaTeacher`: θ_T ← (1−τ)·θ_T + τ·θ over LoRA tensors or all parameters.
 """
 
@@ -20,12 +21,8 @@ from collections.abc import Iterator
 
 import torch
 
-from claas_verl.losses.seq_is import (
-    check_finite,
-    check_same_shape,
-    seq_is_clipped_loss,
-    sequence_log_ratio,
-)
+from claas_verl.losses.seq_is import check_same_shape, seq_is_clipped_loss, sequence_log_ratio
+from claas_verl.utils.host_sync import check_finite
 from claas_verl.utils.masked import agg_loss, masked_mean
 
 # Exact SDPO strings (docs/math.md §A.3.3; the SDPO YAML uses `|-` block scalars, so no trailing newline).
@@ -201,7 +198,7 @@ def sdpo_loss(
     global_seqs: float | torch.Tensor | None = None,
     global_sd_seqs: float | torch.Tensor | None = None,
     dp_size: int = 1,
-) -> tuple[torch.Tensor, dict[str, float]]:
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """SDPO loss on replayed entries (docs/math.md §A.3.3).
 
     ``gjs`` (default): agg over m·sd_mask of w_e·GJS_α(s_j, t_j) (token-mean: divided by the GLOBAL
@@ -221,7 +218,12 @@ def sdpo_loss(
         old_log_prob: behaviour log-probs for the ``pg+jsd`` surrogate (defaults to ``is_ref_log_prob``).
 
     Returns:
-        ``(loss, metrics)`` with float metrics under ``actor/sdpo_*`` (plus the A.2 ones in ``pg+jsd``).
+        ``(loss, metrics)`` with metrics under ``actor/sdpo_*`` (plus the A.2 ones in ``pg+jsd``), 0-dim detached
+        tensors that the caller reduces once per step.
+
+    Raises:
+        ValueError: bad mode, shape mismatch, missing ``response_ids`` in ``pg+jsd``; NaN/inf on valid positions
+        only with the debug flag on (``CLAAS_VERL_DEBUG_CHECKS=1``). No host sync per call.
     """
     if mode not in SDPO_MODES:
         raise ValueError(f"sdpo mode={mode!r} is not supported; choose one of {SDPO_MODES}")
@@ -254,10 +256,10 @@ def sdpo_loss(
     )
     with torch.no_grad():
         metrics = {
-            "actor/sdpo_gjs": float(masked_mean(gjs, sdm)),
-            "actor/sdpo_is_weight_mean": float(masked_mean(w, mask.any(-1))),
-            "actor/sdpo_is_weight_clipfrac": float(masked_mean((w >= is_clip).float(), mask.any(-1))),
-            "actor/sdpo_sd_token_frac": float(masked_mean(sdm.float(), mask)),
+            "actor/sdpo_gjs": masked_mean(gjs, sdm),
+            "actor/sdpo_is_weight_mean": masked_mean(w, mask.any(-1)),
+            "actor/sdpo_is_weight_clipfrac": masked_mean((w >= is_clip).float(), mask.any(-1)),
+            "actor/sdpo_sd_token_frac": masked_mean(sdm.float(), mask),
         }
     if mode == "gjs":
         return div_loss, metrics
@@ -277,7 +279,7 @@ def sdpo_loss(
         global_seqs=global_seqs, dp_size=dp_size,
     )
     metrics.update(pg_metrics)
-    metrics["actor/sdpo_pg_loss"] = float(pg_loss.detach())
+    metrics["actor/sdpo_pg_loss"] = pg_loss.detach()
     return pg_loss + jsd_coef * div_loss, metrics
 
 

@@ -7,6 +7,9 @@ per-token PPO ratio is impossible. This module builds the sequence ratio
 trajectory ratio π_θ(y)/π_β(y)) and spreads it over tokens with the GSPO-token
 trick, whose value is the sequence ratio and whose gradient is ρ·∇log π.
 
+No host sync per call: the checks that read values (NaN/inf at valid positions) run only with the debug flag
+``CLAAS_VERL_DEBUG_CHECKS=1`` (:mod:`claas_verl.utils.host_sync`), and the metrics are 0-dim tensors.
+
 No verl import here; the verl registration lives in ``claas_verl.claas.verl_losses``.
 """
 
@@ -16,6 +19,7 @@ import math
 
 import torch
 
+from claas_verl.utils.host_sync import check_finite
 from claas_verl.utils.masked import LOSS_AGG_MODES, agg_loss, masked_mean, masked_sum
 
 RATIO_MODES = ("geo_mean", "product")
@@ -26,22 +30,8 @@ PRODUCT_LOG_RATIO_CLAMP = 20.0
 GEO_MEAN_TOKEN_LOG_RATIO_MAX = 10.0
 
 
-def check_finite(name: str, x: torch.Tensor, mask: torch.Tensor | None = None) -> None:
-    """Raise ValueError if ``x`` holds NaN/inf where ``mask`` is set (everywhere if ``mask`` is None).
-
-    Values on padding are allowed to be anything: they are zeroed before any math.
-    """
-    bad = ~torch.isfinite(x)
-    if mask is not None:
-        bad = bad & mask.bool()
-    if bool(bad.any()):
-        raise ValueError(
-            f"{name} holds {int(bad.sum())} NaN/inf value(s) on valid (mask=1) positions; "
-            f"fix the producer of {name} (a NaN loss would silently corrupt the update)."
-        )
-
-
 def check_same_shape(**tensors: torch.Tensor) -> None:
+    """Raise ValueError unless every tensor has the same shape (host metadata only: no sync)."""
     shapes = {k: tuple(v.shape) for k, v in tensors.items()}
     if len(set(shapes.values())) != 1:
         raise ValueError(f"shape mismatch, all of these must be [B, T]: {shapes}")
@@ -129,7 +119,7 @@ def seq_is_clipped_loss(
     dp_size: int = 1,
     horizon: int | None = None,
     token_weights: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, dict[str, float]]:
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Sequence-level IS-corrected clipped surrogate (docs/math.md §A.2.2-A.2.4).
 
     Per token, with ρ̃ from :func:`token_log_ratio`::
@@ -152,14 +142,16 @@ def seq_is_clipped_loss(
         token_weights: optional ``[B, T]`` detached multiplier of L (verl's ``rollout_is_weights``).
 
     Returns:
-        ``(loss, metrics)``; metrics are Python floats under ``actor/`` keys:
+        ``(loss, metrics)``; metrics are 0-dim detached fp32 tensors under ``actor/`` keys (the caller reduces
+        them to numbers once per step; reading them here would stall the device once per key):
         ``pg_clipfrac`` (any clip, verl's key), ``pg_clipfrac_low`` (A<0, ρ<1−ε_low),
         ``pg_clipfrac_high`` (A>0, ρ>1+ε_high), ``pg_clipfrac_dual`` (= verl's ``pg_clipfrac_lower``),
         all token-weighted; ``seq_ratio_mean``, ``seq_ratio_max`` and ``seq_ratio_outside_trust_frac``
         (fraction of sequences with ρ ∉ [1−ε_low, 1+ε_high]) over sequences with n > 0.
 
     Raises:
-        ValueError: bad mode / clip values, shape mismatch, NaN/inf on valid positions.
+        ValueError: bad mode / clip values, shape mismatch; NaN/inf on valid positions with the debug flag on
+        (``CLAAS_VERL_DEBUG_CHECKS=1``, see :mod:`claas_verl.utils.host_sync`). No host sync per call.
     """
     if loss_agg_mode not in LOSS_AGG_MODES:
         raise ValueError(f"loss_agg_mode={loss_agg_mode!r} is not supported; choose one of {LOSS_AGG_MODES}")
@@ -222,22 +214,26 @@ def seq_ratio_metrics(
     ratio_mode: str,
     clip_ratio_low: float,
     clip_ratio_high: float,
-) -> dict[str, float]:
-    """Mean/max of ρ[e] and the fraction of sequences outside [1−ε_low, 1+ε_high], over rows with n>0."""
+) -> dict[str, torch.Tensor]:
+    """Mean/max of ρ[e] and the fraction of sequences outside [1−ε_low, 1+ε_high], over rows with n>0.
+
+    0-dim detached tensors, each 0 when no row has n>0 (the masked mean of an empty mask is 0).
+    """
     valid = response_mask.bool().any(dim=-1)
     lr = seq_log_ratio.detach().float()
     if ratio_mode == "geo_mean":
         lr = lr.clamp(max=GEO_MEAN_TOKEN_LOG_RATIO_MAX)  # the ratio the loss actually used
     rho = torch.exp(lr)
-    if not bool(valid.any()):
-        return {"actor/seq_ratio_mean": 0.0, "actor/seq_ratio_max": 0.0, "actor/seq_ratio_outside_trust_frac": 0.0}
     outside = (rho < 1.0 - clip_ratio_low) | (rho > 1.0 + clip_ratio_high)
+    # max over valid rows without boolean indexing (a host sync): ρ = e^x >= 0, so a 0 in place of the invalid rows
+    # and one extra 0 (for B = 0 or no valid row) leave the max of the valid ρ unchanged, and give 0 when none is.
+    rho_valid = torch.where(valid, rho, torch.zeros_like(rho))
     return {
-        "actor/seq_ratio_mean": float(masked_mean(rho, valid)),
-        "actor/seq_ratio_max": float(rho[valid].max()),
-        "actor/seq_ratio_outside_trust_frac": float(masked_mean(outside.float(), valid)),
+        "actor/seq_ratio_mean": masked_mean(rho, valid),
+        "actor/seq_ratio_max": torch.cat([rho_valid, rho.new_zeros(1)]).max(),
+        "actor/seq_ratio_outside_trust_frac": masked_mean(outside.float(), valid),
     }
 
 
-def _frac(flags: torch.Tensor, mask: torch.Tensor) -> float:
-    return float(masked_mean(flags.float(), mask))
+def _frac(flags: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    return masked_mean(flags.float(), mask)

@@ -27,6 +27,10 @@ tensor               shape / dtype      produced by
 ``config.global_batch_info`` (verl fills ``dp_size``, ``batch_num_tokens``, ``global_batch_size``,
 ``loss_scale_factor``) is mapped onto :func:`claas_verl.utils.masked.agg_loss`, so the token mean is over the
 valid positions of the whole global batch, invariant to sharding.
+
+Host syncs: ONE per call, the read of its metric (:func:`claas_verl.utils.host_sync.metrics_to_floats`; verl's
+``Metric`` would ``.item()`` a tensor anyway). The loss math makes none; ``tests/losses/test_loss_host_syncs.py``
+counts them.
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ from typing import Any
 import torch
 
 from claas_verl.distill.topk import topk_distill_loss_from_logprobs
+from claas_verl.utils.host_sync import metrics_to_floats
 from claas_verl.verl_ext.registry import register_policy_loss
 
 
@@ -56,7 +61,7 @@ def compute_policy_loss_claas_topk_distill(
     loss_agg_mode: str = "token-mean",
     config: Any = None,
     rollout_is_weights: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, dict[str, Any]]:
+) -> tuple[torch.Tensor, dict[str, float]]:
     """``pg_losses[b,t] = Σ_k −A[b,t,k]·log_prob[b,t,k]``, then agg_loss (docs/math.md §B.2.3 verl form).
 
     Args:
@@ -67,6 +72,10 @@ def compute_policy_loss_claas_topk_distill(
         loss_agg_mode: verl's aggregation mode (MOPD paper: ``token-mean``).
         config: verl ActorConfig; ``global_batch_info`` and ``ppo_epochs`` are read.
         rollout_is_weights: optional ``[B, T]`` per-token weights multiplying ``pg_losses`` (verl convention).
+
+    Returns:
+        ``(loss, {"actor/topk_distill_adv_abs_mean": float})``: the token mean of ``Σ_k |A|`` over valid positions,
+        read in one host transfer.
     """
     if log_prob.dim() != 3 or advantages.dim() != 3:
         raise ValueError(
@@ -106,5 +115,4 @@ def compute_policy_loss_claas_topk_distill(
         valid = response_mask.bool()
         n = valid.sum().clamp(min=1)
         adv_abs = (advantages.detach().float().abs().sum(-1) * valid).sum() / n
-    metrics = {"actor/topk_distill_adv_abs_mean": float(adv_abs)}
-    return loss, metrics
+    return loss, metrics_to_floats({"actor/topk_distill_adv_abs_mean": adv_abs})

@@ -5,7 +5,13 @@ import math
 import pytest
 import torch
 
-from claas_verl.distill import domain_moments, domain_normalized_advantages, domain_stds, stds_from_moments
+from claas_verl.distill import (
+    domain_advantages_and_stds,
+    domain_moments,
+    domain_normalized_advantages,
+    domain_stds,
+    stds_from_moments,
+)
 
 
 def _mixed_batch():
@@ -153,3 +159,25 @@ def test_all_reduce_across_two_simulated_ranks(simulated_ranks):
     # without the reduction, rank 0 alone would use σ over its own 4 values {1,3,5,7}: var = 20/3
     local = domain_normalized_advantages(r[:1], mask[:1], dom[:1], sync=False)
     torch.testing.assert_close(local[0, 0, 0], torch.tensor(1 / math.sqrt(20 / 3)))
+
+
+def test_advantages_and_stds_of_one_step_come_from_one_sigma(monkeypatch):
+    # what a MOPD step needs: A and the logged σ_d, equal to the two functions' results, from ONE all-reduce of the
+    # moments (plus the table-size one) and one check of std_floor, where the two functions take two of each
+    import torch.distributed as dist
+
+    from claas_verl.distill import topk as topk_module
+
+    r, mask, dom = _mixed_batch()
+    A_ref = domain_normalized_advantages(r, mask, dom, std_floor=2.5)
+    stats_ref = domain_stds(r, mask, dom, std_floor=2.5)
+    calls = {"all_reduce": 0, "check_std_floor": 0}
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "all_reduce", lambda *a, **k: calls.__setitem__("all_reduce", calls["all_reduce"] + 1))
+    check = topk_module.check_std_floor
+    monkeypatch.setattr(topk_module, "check_std_floor",
+                        lambda v: calls.__setitem__("check_std_floor", calls["check_std_floor"] + 1) or check(v))
+    A, stats = domain_advantages_and_stds(r, mask, dom, std_floor=2.5)  # one rank: the reductions are no-ops
+    assert torch.equal(A, A_ref) and stats == stats_ref and sorted(stats) == [0, 3]
+    assert calls == {"all_reduce": 2, "check_std_floor": 1}
+    assert domain_advantages_and_stds(r, mask, dom, stats=False)[1] is None

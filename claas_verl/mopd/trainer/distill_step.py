@@ -18,8 +18,7 @@ from verl.workers.utils.padding import response_to_nested
 
 from claas_verl.align import separator_token_ids
 from claas_verl.distill import (
-    domain_normalized_advantages,
-    domain_stds,
+    domain_advantages_and_stds,
     topk_binned_kl,
     topk_rewards,
     topk_weighted_kl,
@@ -113,8 +112,8 @@ class DistillStep:
         # one domain per step (B.2.2): every response of the block belongs to the step's domain
         dom = torch.full((r.shape[0],), self.domain_index[step["domain"]], dtype=torch.long)
         floor = self.replay_std_floor if step["kind"] == "replay" else 0.0
-        A = domain_normalized_advantages(r, mask, dom, sync=False, std_floor=floor)
-        stats = domain_stds(r, mask, dom, sync=False, std_floor=floor)[self.domain_index[step["domain"]]]
+        A, stds = domain_advantages_and_stds(r, mask, dom, sync=False, std_floor=floor)  # σ_d once per step
+        stats = stds[self.domain_index[step["domain"]]]
         out = {F.ADVANTAGES: F.pack_rows(A, mask_nested)}
         # verl's metrics read 2-D advantages/returns: Σ_v A[t, v] per token
         per_token = A.sum(-1)
