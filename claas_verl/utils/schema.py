@@ -16,13 +16,21 @@ from typing import Any
 MISSING = dataclasses.MISSING
 
 
-def knob(default: Any = MISSING, help: str = "", *, factory: Callable[[], Any] | None = None) -> Any:
-    """A dataclass field with its help text; ``factory`` for a mutable default, no default for a required key."""
+def knob(default: Any = MISSING, help: str = "", *, factory: Callable[[], Any] | None = None,
+         key: str | None = None) -> Any:
+    """A dataclass field with its help text; ``factory`` for a mutable default, no default for a required key;
+    ``key``: the YAML key when it is not the field's name (``segments.size`` for ``segment_size``)."""
     if not help:
         raise ValueError("every config field needs its help text")
+    metadata = {"help": help} if key is None else {"help": help, "key": key}
     if factory is not None:
-        return dataclasses.field(default_factory=factory, metadata={"help": help})
-    return dataclasses.field(default=default, metadata={"help": help})
+        return dataclasses.field(default_factory=factory, metadata=metadata)
+    return dataclasses.field(default=default, metadata=metadata)
+
+
+def yaml_key(f: dataclasses.Field) -> str:
+    """The YAML key of a schema field (dotted when the field sits in a sub-mapping of the YAML)."""
+    return f.metadata.get("key", f.name)
 
 
 def _default(f: dataclasses.Field) -> Any:
@@ -61,11 +69,17 @@ def schema_fields(cls: type, skip: Skip = None) -> Iterator[tuple[type, dataclas
 
 
 def schema_defaults(cls: type, skip: Skip = None) -> dict:
-    """The defaults of ``cls`` as the nested mapping its YAML block holds (sections recursed, tuples as lists)."""
+    """The defaults of ``cls`` as the nested mapping its YAML block holds (sections recursed, tuples as lists; a
+    required key maps to :data:`MISSING`)."""
     out = {}
     for owner, f in schema_fields(cls, skip):
         sub = _section(owner, f)
-        out[f.name] = schema_defaults(sub, skip) if sub is not None else _plain(_default(f))
+        value = schema_defaults(sub, skip) if sub is not None else _plain(_default(f))
+        *parents, leaf = yaml_key(f).split(".")
+        node = out
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[leaf] = value
     return out
 
 
@@ -83,7 +97,7 @@ def schema_rows(cls: type, prefix: str, skip: Skip = None) -> Iterator[tuple[str
     """``(dotted key, type, default, help)`` of every key of ``cls`` under ``prefix``; a field without help raises."""
     hints = typing.get_type_hints(cls)
     for owner, f in schema_fields(cls, skip):
-        key = f"{prefix}.{f.name}"
+        key = f"{prefix}.{yaml_key(f)}"
         sub = _section(owner, f)
         if sub is not None:
             yield from schema_rows(sub, key, skip)
