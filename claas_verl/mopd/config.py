@@ -75,7 +75,7 @@ class EvalConfig:
     enabled: bool = knob(True, "run the forgetting evaluation")
     prompts: int = knob(4, "held-out prompts per learned domain (mopd.domains.<d>.test_prompts)")
     responses_per_prompt: int = knob(4, "sampled student responses per held-out prompt (KL and score are averaged "
-                                     "over them; verl's rollout.val_kwargs.n)")
+                                     "over them)")
 
 
 @dataclass(frozen=True)

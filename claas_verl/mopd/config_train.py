@@ -92,14 +92,14 @@ def _choice(value, key: str, allowed: tuple[str, ...]) -> str:
 class TrainConfig:
     """``mopd.train``: every key, with the MOPD paper's values as defaults."""
 
-    responses_per_prompt: int = knob(4, "sampled student responses per prompt (verl's rollout.n)")
+    responses_per_prompt: int = knob(4, "sampled student responses per prompt")
     temperature: float = knob(1.0, "sampling temperature of the training and evaluation rollouts")
     top_p: float = knob(1.0, "top-p of the training and evaluation rollouts")
     max_prompt_length: int = knob(2048, "longest prompt in tokens (a longer one is refused before Ray starts; the "
                                   "rollout's max_model_len is the sum of the two lengths)")
     max_response_length: int = knob(16384, "longest response in tokens")
     lr: float = knob(1.0e-5, "AdamW learning rate")
-    lr_schedule: str = knob("constant", "verl's lr_scheduler_type")
+    lr_schedule: str = knob("constant", "learning-rate schedule (verl's lr_scheduler_type: constant, cosine)")
     warmup_steps: int = knob(0, "learning-rate warm-up steps")
     betas: tuple[float, float] = knob((0.9, 0.999), "AdamW betas")
     weight_decay: float = knob(0.01, "AdamW weight decay")
@@ -110,7 +110,7 @@ class TrainConfig:
                            "block_size) is one optimizer update per plan step, ratio 1 (docs/math.md §B.1)")
     clip_ratio: float = knob(0.2, "PPO clip ratio (never acts: the ratio is 1)")
     clip_ratio_c: float = knob(3.0, "dual-clip constant (never acts)")
-    kl_coef: float = knob(0.0, "KL-in-reward coefficient (verl's algorithm.kl_ctrl.kl_coef; MOPD uses none)")
+    kl_coef: float = knob(0.0, "KL-in-reward coefficient (MOPD uses none)")
     entropy_coeff: float = knob(0.0, "entropy bonus coefficient")
     topk: int = knob(16, "κ: the student's top-κ candidates of eqs. (4)-(5)")
     replay_std_floor: float = knob(0.0, "replay steps divide their rewards by max(σ_d, floor) (docs/math.md "
