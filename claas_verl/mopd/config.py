@@ -24,8 +24,8 @@ from claas_verl.mopd.config_train import (
     TRAIN_KEYS,
     TRAIN_YAML,
     TrainConfig,
-    _bool,
-    _int,
+    check_bool,
+    check_int,
     check_replay_std_floor,
     check_teacher_dtype,
     check_verl_keys,
@@ -105,19 +105,22 @@ class MopdConfig:
         if not isinstance(student, str) or not student:
             raise ValueError(f"mopd.student={student!r}: set it to the student's local Hugging Face model directory")
         domains = recipe_key(mopd, "domains", "recipes/mopd/data/<group>.yaml")
+
+        def integer(dotted: str, minimum: int, why: str) -> int:
+            return check_int(recipe_key(mopd, dotted), dotted, minimum, why)
+
         built = cls(
             student=student,
-            block_size=_int(recipe_key(mopd, "block_size"), "block_size", 1, "prompts per block"),
+            block_size=integer("block_size", 1, "prompts per block"),
             sampler_poll_s=check_sampler_poll(recipe_key(mopd, "sampler_poll_s")),
-            weight_sync_probe_tokens=_int(recipe_key(mopd, "weight_sync_probe_tokens"), "weight_sync_probe_tokens", 0,
-                                          "tokens of the weight-sync probe, 0 to turn it off"),
+            weight_sync_probe_tokens=integer("weight_sync_probe_tokens", 0,
+                                             "tokens of the weight-sync probe, 0 to turn it off"),
             domains=MappingProxyType({str(d): _domain(domains[d]) for d in domains}),
             train=TrainConfig.from_mapping(lambda name: recipe_key(mopd, f"train.{name}", TRAIN_YAML)),
             eval=EvalConfig(
-                enabled=_bool(recipe_key(mopd, "eval.enabled"), "eval.enabled", "run the forgetting evaluation"),
-                prompts=_int(recipe_key(mopd, "eval.prompts"), "eval.prompts", 1, "held-out prompts per domain"),
-                responses_per_prompt=_int(recipe_key(mopd, "eval.responses_per_prompt"), "eval.responses_per_prompt",
-                                          1, "sampled responses per held-out prompt"),
+                enabled=check_bool(recipe_key(mopd, "eval.enabled"), "eval.enabled", "run the forgetting evaluation"),
+                prompts=integer("eval.prompts", 1, "held-out prompts per domain"),
+                responses_per_prompt=integer("eval.responses_per_prompt", 1, "sampled responses per held-out prompt"),
             ),
             signal=_signal(mopd),
             schedule=ScheduleConfig.from_omegaconf(mopd),
@@ -135,7 +138,7 @@ def _signal(mopd) -> AuxConfig:
     for k in ("sats", "vr", "hidden", "drop_trailing"):
         why = "drop a final region without a separator (docs/math.md §B.4)" if k == "drop_trailing" else \
             "turns this alignment term on (docs/math.md §B.3-B.5)"
-        _bool(signal[k], f"signal.{k}", why)
+        check_bool(signal[k], f"signal.{k}", why)
     return aux_config(signal)
 
 

@@ -14,9 +14,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, fields
 
+from claas_verl.preflight.recipe_keys import TRAIN_YAML
 from claas_verl.utils.schema import knob
 
-TRAIN_YAML = "recipes/mopd/train/paper.yaml"
 # mopd.train.teacher_dtype: docs/math.md §B.1 teachers hold fp32 weights and run under bf16 autocast (GPU recipes);
 # "fp32" runs them in plain fp32 (the CPU runtime), "bf16" casts the weights (FSDP param_dtype=bf16)
 TEACHER_DTYPES = ("fp32_bf16_autocast", "fp32", "bf16")
@@ -61,13 +61,13 @@ def check_replay_std_floor(value) -> float:
     return float(value)
 
 
-def _int(value, key: str, minimum: int, why: str) -> int:
+def check_int(value, key: str, minimum: int, why: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise ValueError(f"mopd.{key}={value!r}: {why} (an integer >= {minimum})")
     return value
 
 
-def _bool(value, key: str, why: str) -> bool:
+def check_bool(value, key: str, why: str) -> bool:
     if not isinstance(value, bool):
         raise ValueError(f"mopd.{key}={value!r}: {why} (true or false)")
     return value
@@ -128,26 +128,26 @@ class TrainConfig:
         if len(betas) != 2:
             raise ValueError(f"mopd.train.betas={betas!r}: give AdamW's two betas, e.g. [0.9, 0.999]")
         return cls(
-            responses_per_prompt=_int(get("responses_per_prompt"), "train.responses_per_prompt", 1,
+            responses_per_prompt=check_int(get("responses_per_prompt"), "train.responses_per_prompt", 1,
                                       "sampled responses per prompt"),
             temperature=_number(get("temperature"), "train.temperature", 0.0),
             top_p=_number(get("top_p"), "train.top_p", 0.0, 1.0, open_low=True),
-            max_prompt_length=_int(get("max_prompt_length"), "train.max_prompt_length", 1, length),
-            max_response_length=_int(get("max_response_length"), "train.max_response_length", 1, length),
+            max_prompt_length=check_int(get("max_prompt_length"), "train.max_prompt_length", 1, length),
+            max_response_length=check_int(get("max_response_length"), "train.max_response_length", 1, length),
             lr=_number(get("lr"), "train.lr", 0.0, open_low=True),
             lr_schedule=str(get("lr_schedule")),
-            warmup_steps=_int(get("warmup_steps"), "train.warmup_steps", 0, "learning-rate warm-up steps"),
+            warmup_steps=check_int(get("warmup_steps"), "train.warmup_steps", 0, "learning-rate warm-up steps"),
             betas=tuple(_number(b, f"train.betas[{i}]", 0.0, 1.0) for i, b in enumerate(betas)),
             weight_decay=_number(get("weight_decay"), "train.weight_decay", 0.0),
             grad_clip=_number(get("grad_clip"), "train.grad_clip", 0.0, open_low=True),
-            fresh_optimizer_per_stage=_bool(get("fresh_optimizer_per_stage"), "train.fresh_optimizer_per_stage",
+            fresh_optimizer_per_stage=check_bool(get("fresh_optimizer_per_stage"), "train.fresh_optimizer_per_stage",
                                             "a new AdamW state at every stage (docs/math.md §B.1)"),
-            ppo_epochs=_int(get("ppo_epochs"), "train.ppo_epochs", 1, "epochs per step"),
+            ppo_epochs=check_int(get("ppo_epochs"), "train.ppo_epochs", 1, "epochs per step"),
             clip_ratio=_number(get("clip_ratio"), "train.clip_ratio", 0.0, open_low=True),
             clip_ratio_c=_number(get("clip_ratio_c"), "train.clip_ratio_c", 0.0, open_low=True),
             kl_coef=_number(get("kl_coef"), "train.kl_coef", 0.0),
             entropy_coeff=_number(get("entropy_coeff"), "train.entropy_coeff", -math.inf),
-            topk=_int(get("topk"), "train.topk", 1, "κ, the student's top-k candidates of eqs. (4)-(5)"),
+            topk=check_int(get("topk"), "train.topk", 1, "κ, the student's top-k candidates of eqs. (4)-(5)"),
             replay_std_floor=check_replay_std_floor(get("replay_std_floor")),
             teacher_dtype=check_teacher_dtype(get("teacher_dtype")),
             student_param_dtype=_choice(get("student_param_dtype"), "train.student_param_dtype", FSDP_DTYPES),

@@ -1,6 +1,7 @@
 """The ``claas:`` block of a CLaaS recipe, as a validated dataclass (no Ray, no verl).
 
-Every field maps to one YAML key under ``claas``; unknown keys raise. Sizes follow docs/math.md §A.1.6/A.1.8
+Every field maps to one YAML key under ``claas`` and carries its default and help text (:func:`knob`); unknown keys
+raise. Sizes follow docs/math.md §A.1.6/A.1.8
 (``1 <= M <= B_min <= B_max``; the paper settings are M = 8, B_max = 1000, A_max 25/25/50).
 """
 
@@ -211,22 +212,17 @@ class SdpoConfig:
 
 @dataclass
 class ClaasConfig:
-    """Validated ``claas:`` recipe block.
+    """Validated ``claas:`` recipe block: the one home of every ``claas.*`` default and its help text
+    (docs/config.md lists them; ``recipes/claas/common/base.yaml`` repeats the defaults, held equal by
+    ``tests/claas/trainer/test_claas_schema_yaml.py``). Built once per run (:meth:`from_config`), which validates
+    every value; the code below trusts it.
 
-    ``algorithm``: ``reinforce_pp`` | ``ppo`` | ``sdpo`` | ``icl`` | ``no_update``. ``icl`` never updates parameters
-    (feedback goes into the system prompt); ``no_update`` is the plain baseline: the same producers and the same
-    split evaluation, but nothing is inserted into the buffer, no optimizer step runs and no system-prompt memory
-    is kept, so every row of M is the initial policy.
-    ``m``/``b_min``/``b_max``/``a_max``: docs/math.md §A.1 sizes (counted in entries of ``entry_unit``). ``entry_unit``:
-    ``"step"`` (docs/math.md §A.1.5 default) or ``"scenario"`` (one entry per scenario, trained as one multi-turn
-    sequence with the scenario reward ``min_t r_t``; REINFORCE++ / PPO, producer-driven).
-    ``max_updates``: optional cap on optimizer steps (None: the whole split protocol; then the LR schedule may not
-    depend on the step count, see :func:`~claas_verl.claas.trainer.checks.check_schedule_without_step_count`).
-    ``trace``: write ``claas_trace.jsonl`` (one line per update) next to the checkpoints.
-    ``trace_served_weights``: a diagnostic for checking a cluster's weight sync, off in every recipe: after each
-    weight push, every replica's served weights are copied to the trainer and fingerprinted (with its policy version
-    and, on vLLM, its adapter-version state) into the trace, so each push can be seen to change what is served. It
-    costs a full weight transfer per update.
+    ``icl`` never updates parameters (feedback goes into the system prompt); ``no_update`` is the plain baseline:
+    the same producers and split evaluation, but nothing enters the buffer, no optimizer step runs and no
+    system-prompt memory is kept, so every row of M is the initial policy. With ``max_updates`` set the LR schedule
+    may not depend on the step count (:func:`~claas_verl.claas.trainer.checks.check_schedule_without_step_count`).
+    ``trace_served_weights`` (off in every recipe) copies every replica's served weights to the trainer after each
+    push and fingerprints them (with the policy version and, on vLLM, the adapter-version state) into the trace.
     """
 
     algorithm: str = knob("reinforce_pp", "reinforce_pp | ppo | sdpo | icl | no_update (the last two never update "
