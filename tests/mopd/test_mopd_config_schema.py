@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 from omegaconf import OmegaConf
+from schema_yaml import schema_yaml_diff
 
 from claas_verl.mopd.config import EvalConfig, MopdConfig
 from claas_verl.mopd.config_signal import SignalSection
@@ -24,21 +25,6 @@ def _yaml(path: Path, section: str) -> dict:
     return OmegaConf.to_container(OmegaConf.select(OmegaConf.load(path), section), resolve=False)
 
 
-def _diff(schema: dict, yaml: dict, prefix: str) -> list[str]:
-    out = []
-    for key in sorted(set(schema) | set(yaml)):
-        where = f"{prefix}.{key}"
-        if key not in yaml:
-            out.append(f"{where}: in the schema, not in the YAML")
-        elif key not in schema:
-            out.append(f"{where}: in the YAML, not in the schema")
-        elif isinstance(schema[key], dict) and isinstance(yaml[key], dict):
-            out.extend(_diff(schema[key], yaml[key], where))
-        elif schema[key] != yaml[key] or type(schema[key]) is not type(yaml[key]):
-            out.append(f"{where}: schema {schema[key]!r}, YAML {yaml[key]!r}")
-    return out
-
-
 def _base_schema() -> dict:
     """What ``recipes/mopd/common/base.yaml`` sets under ``mopd``: the run's own keys and the planner's."""
     own = schema_defaults(MopdConfig, skip=lambda cls, name: cls is MopdConfig and name in (
@@ -49,22 +35,24 @@ def _base_schema() -> dict:
 
 
 def test_the_train_recipe_sets_every_train_key_at_its_default():
-    assert _diff(schema_defaults(TrainConfig), _yaml(MOPD / "train" / "paper.yaml", "mopd.train"), "mopd.train") == []
+    yaml = _yaml(MOPD / "train" / "paper.yaml", "mopd.train")
+    assert schema_yaml_diff(schema_defaults(TrainConfig), yaml, "mopd.train") == []
 
 
 def test_the_base_recipe_sets_every_base_key_at_its_default():
-    assert _diff(_base_schema(), _yaml(MOPD / "common" / "base.yaml", "mopd"), "mopd") == []
+    assert schema_yaml_diff(_base_schema(), _yaml(MOPD / "common" / "base.yaml", "mopd"), "mopd") == []
 
 
 def test_the_signal_base_sets_every_signal_key_at_its_default():
-    assert _diff(schema_defaults(SignalSection), _yaml(MOPD / "signal" / "kl.yaml", "mopd.signal"), "mopd.signal") == []
+    yaml = _yaml(MOPD / "signal" / "kl.yaml", "mopd.signal")
+    assert schema_yaml_diff(schema_defaults(SignalSection), yaml, "mopd.signal") == []
 
 
 def test_the_diff_fails_on_a_missing_an_extra_and_a_different_key():
     yaml = _yaml(MOPD / "train" / "paper.yaml", "mopd.train")
     yaml["lr"], yaml["extra"] = 2e-5, 1
     del yaml["betas"]
-    assert _diff(schema_defaults(TrainConfig), yaml, "mopd.train") == [
+    assert schema_yaml_diff(schema_defaults(TrainConfig), yaml, "mopd.train") == [
         "mopd.train.betas: in the schema, not in the YAML",
         "mopd.train.extra: in the YAML, not in the schema",
         "mopd.train.lr: schema 1e-05, YAML 2e-05",

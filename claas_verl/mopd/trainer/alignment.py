@@ -1,4 +1,5 @@
-"""Alignment terms on MOPD replay steps: config, shared regions and padded micro-batches (pure torch, no verl).
+"""Alignment terms on MOPD replay steps: shared regions and padded micro-batches (pure torch, no verl); their
+config (:class:`AuxConfig`, ``mopd.signal``) is the config layer's :mod:`claas_verl.mopd.config_signal`.
 
 docs/math.md §B.3-B.7. The driver computes the step regions ONCE from the response ids (:func:`response_regions`) and
 stores them as two 2-D response-layout fields (:data:`REGION_IDS`, :data:`WINDOW`), because ``[B, T, K]``-shaped

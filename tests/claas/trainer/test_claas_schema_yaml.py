@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 from omegaconf import OmegaConf
+from schema_yaml import schema_yaml_diff
 
 from claas_verl.claas.trainer.config import JOB_SET_SERVICE_FIELDS, ClaasConfig, ServiceSection
 from claas_verl.utils.schema import schema_defaults, schema_rows
@@ -20,33 +21,17 @@ def _user_key(owner: type, name: str) -> bool:
     return issubclass(owner, ServiceSection) and name in JOB_SET_SERVICE_FIELDS
 
 
-def _diff(schema: dict, yaml: dict, prefix: str = "claas") -> list[str]:
-    """Every key present in one mapping and not the other, and every value that differs (nested, by dotted key)."""
-    out = []
-    for key in sorted(set(schema) | set(yaml)):
-        where = f"{prefix}.{key}"
-        if key not in yaml:
-            out.append(f"{where}: in the schema, not in the YAML")
-        elif key not in schema:
-            out.append(f"{where}: in the YAML, not in the schema")
-        elif isinstance(schema[key], dict) and isinstance(yaml[key], dict) and key != "kwargs":
-            out.extend(_diff(schema[key], yaml[key], where))
-        elif schema[key] != yaml[key] or type(schema[key]) is not type(yaml[key]):
-            out.append(f"{where}: schema {schema[key]!r}, YAML {yaml[key]!r}")
-    return out
-
-
 def test_the_base_recipe_sets_every_schema_key_at_its_default():
     yaml = OmegaConf.to_container(OmegaConf.load(BASE_YAML).claas, resolve=False)
     schema = schema_defaults(ClaasConfig, skip=_user_key)
     # env.kwargs are the environment's own arguments (the paper's 100 scenarios), checked by the environment
     assert schema["env"]["kwargs"] == {} and set(yaml["env"]["kwargs"]) == {"num_scenarios", "seed", "num_turns"}
     schema["env"]["kwargs"] = yaml["env"]["kwargs"]
-    assert _diff(schema, yaml) == []
+    assert schema_yaml_diff(schema, yaml, "claas") == []
 
 
 def test_the_diff_names_missing_extra_and_different_keys():
-    assert _diff({"a": 1, "s": {"b": 2, "c": 3}}, {"a": 1.0, "s": {"b": 2, "d": 4}, "e": 5}) == [
+    assert schema_yaml_diff({"a": 1, "s": {"b": 2, "c": 3}}, {"a": 1.0, "s": {"b": 2, "d": 4}, "e": 5}, "claas") == [
         "claas.a: schema 1, YAML 1.0",
         "claas.e: in the YAML, not in the schema",
         "claas.s.c: in the schema, not in the YAML",
