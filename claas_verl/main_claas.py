@@ -10,15 +10,19 @@ Example (CPU, a few minutes on 2 cores)::
 
     python -m claas_verl.tiny make /tmp/claas_verl_tiny
     python -m claas_verl.main_claas --config-name claas/tiny_reinforce_pp
+
+Every ``claas.*`` key, its default and meaning: docs/config.md (``--help`` points there).
 """
 
 from __future__ import annotations
 
 import functools
+import sys
 
 import hydra
 from omegaconf import OmegaConf
 
+from claas_verl.config_docs import print_help_pointer
 from claas_verl.paths import recipes_dir
 
 RECIPES_DIR = str(recipes_dir())
@@ -109,4 +113,5 @@ def _drain_service_on_sigterm(run_dir: str) -> None:
 
 
 if __name__ == "__main__":
+    print_help_pointer(sys.argv[1:])  # Hydra's --help lists the recipes; the keys are on docs/config.md
     main()

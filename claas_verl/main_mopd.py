@@ -21,6 +21,8 @@ Examples::
 Filled in here (not in YAML, because they are derived): ``data.train_files``/``val_files`` (every domain's
 prompt file), ``trainer.total_training_steps`` (the plan length, unless set lower to stop early),
 ``actor_rollout_ref.rollout.max_model_len`` and a repository-relative reward path made absolute.
+
+Every ``mopd.*`` key, its default and meaning: docs/config.md (``--help`` points there).
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig, open_dict
 
+from claas_verl.config_docs import print_help_pointer
 from claas_verl.mopd.data.extras import check_reward_extras
 from claas_verl.paths import recipes_dir
 from claas_verl.preflight.disk import checkpoint_disk, human, parameter_count
@@ -153,6 +156,7 @@ def _run(cfg: DictConfig) -> None:
 
 
 def main() -> None:
+    print_help_pointer(sys.argv[1:])  # Hydra's --help lists the recipes; the keys are on docs/config.md
     try:
         sys.argv += runtime_args(sys.argv[1:])
     except ValueError as e:

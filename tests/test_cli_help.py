@@ -18,8 +18,9 @@ EXPECTED = {
     "mopd.merges": ["ties", "average"],
     "tiny": ["make", "info", "gym"],
     "plan": ["tiny_seq", "replay_kl"],
-    "main_mopd": ["tiny_seq", "replay_kl"],
-    "main_claas": ["tiny_reinforce_pp", "tiny_sdpo"],
+    "main_mopd": ["tiny_seq", "replay_kl", "docs/config.md"],
+    "main_claas": ["tiny_reinforce_pp", "tiny_sdpo", "docs/config.md"],
+    "config_docs": ["--check", "docs/config.md"],
 }
 
 

@@ -1,7 +1,9 @@
-"""``mopd.*`` keys read as the recipe sets them, with no default in the code that could disagree with the YAML.
+"""``mopd.*`` keys read as the composed recipe sets them.
 
-Every MOPD recipe composes ``recipes/mopd/common/base.yaml`` (its first default) and one ``recipes/mopd/train``
-group (each composes ``paper.yaml``); those files hold the one default of each key.
+The MOPD schema (:mod:`claas_verl.mopd.config`) owns each key's default and help text; every MOPD recipe composes
+``recipes/mopd/common/base.yaml`` (its first default) and one ``recipes/mopd/train`` group (each composes
+``paper.yaml``), which repeat those defaults (``tests/mopd/test_mopd_config_schema.py`` holds them equal). A key the
+composed recipe lacks raises naming the file that sets it, so a run never falls back to a value it did not show.
 """
 
 from __future__ import annotations

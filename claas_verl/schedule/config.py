@@ -19,6 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from claas_verl.utils.schema import knob
+
 BUDGETS = ("seq", "shared", "fixed")
 RECOVERY_TEACHERS = ("snapshots", "experts")
 REPLAY_TEACHERS = ("previous", "experts")
@@ -36,39 +38,39 @@ class DomainSpec:
 
 @dataclass(frozen=True)
 class ReplayConfig:
-    m: int = 3  # shared budget: one replay step after every m new-domain steps
-    b: int = 7  # fixed share: replay steps per earlier domain and stage
-    fixed_from_stage: int = 3  # stages 2..f-1 use the shared budget (MOPD paper reuses the shared stage 2)
-    # who teaches a replay step of stage k: "previous" = M_{k-1} (the MOPD paper, docs/math.md §B.1); "experts" =
-    # the replayed domain's own expert E_j, a deviation (needs every earlier expert kept: setting S2)
-    teachers: str = "previous"
+    m: int = knob(3, "shared budget: one replay step after every m new-domain steps")
+    b: int = knob(7, "fixed share: replay steps per earlier domain and stage")
+    fixed_from_stage: int = knob(3, "stages 2..f-1 use the shared budget (the MOPD paper reuses the shared stage 2)")
+    teachers: str = knob("previous", "who teaches a replay step of stage k: previous (M_{k-1}, the MOPD paper, "
+                         "docs/math.md §B.1) | experts (the replayed domain's own E_j, a deviation; setting S2)")
 
 
 @dataclass(frozen=True)
 class RecoveryConfig:
-    enabled: bool = False
-    teachers: str = "snapshots"
-    blocks_per_domain: int = 7
+    enabled: bool = knob(False, "add the recovery stage after the last domain (docs/math.md §B.8)")
+    teachers: str = knob("snapshots", "teachers of the recovery stage: snapshots (M_1..M_K) | experts (E_1..E_K)")
+    blocks_per_domain: int = knob(7, "recovery blocks per domain")
 
 
 @dataclass(frozen=True)
 class JointConfig:
-    enabled: bool = False
-    passes: int = 1
-    order: tuple[str, ...] | None = None  # None: mopd.order
+    enabled: bool = knob(False, "joint training: every domain's blocks in one stage")
+    passes: int = knob(1, "passes over the domains")
+    order: tuple[str, ...] | None = knob(None, "domain order of the joint stage (null: mopd.order)")
 
 
 @dataclass(frozen=True)
 class ScheduleConfig:
-    order: tuple[str, ...]
-    domains: dict[str, DomainSpec]  # exactly the domains of ``order``
-    budget: str = "seq"
-    block_size: int = 32
-    replay: ReplayConfig = ReplayConfig()
-    recovery: RecoveryConfig = RecoveryConfig()
-    joint: JointConfig = JointConfig()
-    segment_size: int | None = None
-    setting: str = "S1"
+    order: tuple[str, ...] = knob(help="the domains in the order they are learned")
+    domains: dict[str, DomainSpec] = knob(help="exactly the domains of order")
+    budget: str = knob("seq", "replay budget: seq (none) | shared | fixed (docs/math.md §B.8)")
+    block_size: int = knob(32, "prompts per block; counts a domain's blocks when it gives no num_blocks")
+    replay: ReplayConfig = knob(ReplayConfig(), "replay steps")
+    recovery: RecoveryConfig = knob(RecoveryConfig(), "the recovery stage")
+    joint: JointConfig = knob(JointConfig(), "joint training")
+    segment_size: int | None = knob(None, "S3 only: stages per segment", key="segments.size")
+    setting: str = knob("S1", "S1 snapshot-free | S2 snapshots and experts kept to the end | S3 segments (MOPD "
+                        "paper §3.1)")
 
     @property
     def num_blocks(self) -> dict[str, int]:
@@ -94,7 +96,7 @@ class ScheduleConfig:
         """Build from a plain mapping shaped like the ``mopd`` section; see the module docstring."""
         if not isinstance(mopd, Mapping):
             raise ValueError(f"mopd: expected a mapping, got {type(mopd).__name__}")
-        block_size = _int(mopd, "block_size", "mopd.block_size", default=32, minimum=1)
+        block_size = _int(mopd, "block_size", "mopd.block_size", default=ScheduleConfig.block_size, minimum=1)
         order = _name_list(mopd.get("order", MISSING), "mopd.order")
         raw_domains = mopd.get("domains")
         if not isinstance(raw_domains, Mapping) or not raw_domains:
@@ -106,19 +108,22 @@ class ScheduleConfig:
                 )
         domains = {d: _domain(d, raw_domains[d], block_size, base_dir) for d in order}
 
-        budget = _choice(mopd, "budget", "mopd.budget", BUDGETS, default="seq")
+        budget = _choice(mopd, "budget", "mopd.budget", BUDGETS, default=ScheduleConfig.budget)
         rep = _section(mopd, "replay")
         replay = ReplayConfig(
-            m=_int(rep, "m", "mopd.replay.m", default=3, minimum=1),
-            b=_int(rep, "b", "mopd.replay.b", default=7, minimum=0),
-            fixed_from_stage=_int(rep, "fixed_from_stage", "mopd.replay.fixed_from_stage", default=3, minimum=2),
-            teachers=_choice(rep, "teachers", "mopd.replay.teachers", REPLAY_TEACHERS, default="previous"),
+            m=_int(rep, "m", "mopd.replay.m", default=ReplayConfig.m, minimum=1),
+            b=_int(rep, "b", "mopd.replay.b", default=ReplayConfig.b, minimum=0),
+            fixed_from_stage=_int(rep, "fixed_from_stage", "mopd.replay.fixed_from_stage",
+                                  default=ReplayConfig.fixed_from_stage, minimum=2),
+            teachers=_choice(rep, "teachers", "mopd.replay.teachers", REPLAY_TEACHERS, default=ReplayConfig.teachers),
         )
         rec = _section(mopd, "recovery")
         recovery = RecoveryConfig(
-            enabled=_bool(rec, "enabled", "mopd.recovery.enabled", default=False),
-            teachers=_choice(rec, "teachers", "mopd.recovery.teachers", RECOVERY_TEACHERS, default="snapshots"),
-            blocks_per_domain=_int(rec, "blocks_per_domain", "mopd.recovery.blocks_per_domain", default=7, minimum=1),
+            enabled=_bool(rec, "enabled", "mopd.recovery.enabled", default=RecoveryConfig.enabled),
+            teachers=_choice(rec, "teachers", "mopd.recovery.teachers", RECOVERY_TEACHERS,
+                             default=RecoveryConfig.teachers),
+            blocks_per_domain=_int(rec, "blocks_per_domain", "mopd.recovery.blocks_per_domain",
+                                   default=RecoveryConfig.blocks_per_domain, minimum=1),
         )
         if recovery.enabled:
             for d in order:
@@ -138,15 +143,15 @@ class ScheduleConfig:
                     "(or null for the sequence order)"
                 )
         joint = JointConfig(
-            enabled=_bool(jnt, "enabled", "mopd.joint.enabled", default=False),
-            passes=_int(jnt, "passes", "mopd.joint.passes", default=1, minimum=1),
+            enabled=_bool(jnt, "enabled", "mopd.joint.enabled", default=JointConfig.enabled),
+            passes=_int(jnt, "passes", "mopd.joint.passes", default=JointConfig.passes, minimum=1),
             order=joint_order,
         )
         seg = _section(mopd, "segments")
         segment_size = None
         if seg.get("size") is not None:
             segment_size = _int(seg, "size", "mopd.segments.size", default=None, minimum=1)
-        setting = _choice(mopd, "setting", "mopd.setting", SETTINGS, default="S1")
+        setting = _choice(mopd, "setting", "mopd.setting", SETTINGS, default=ScheduleConfig.setting)
         cfg = cls(
             order=order,
             domains=domains,

@@ -3,72 +3,56 @@
 from dataclasses import dataclass
 
 from claas_verl.claas.service.guard import DEFAULT_TEMPLATE_KWARGS, LOOPBACK_HOSTS, bounded_int
+from claas_verl.utils.schema import knob
 
 REWARD_MODES = ("binary", "unit")
 
 
 @dataclass(frozen=True)
 class ServiceConfig:
-    """Service settings.
+    """Settings of the chat service; each field's help text is in its ``metadata`` (docs/config.md lists them)."""
 
-    Fields:
-        record: record turns at all (False: a plain proxy).
-        default_scenario_id: scenario id of requests that give none; ``None`` makes such requests unrecordable.
-        max_pending / pending_ttl_s: bound and timeout of the table of turns awaiting feedback (expiry and overflow
-            drops are counted in the stats).
-        grade_inline: with a grader, grade before answering (the response then carries the final status); by
-            default grading runs after the response is sent, off the chat latency.
-        sweep_interval_s: how often expired pending turns are dropped in the background.
-        max_pending_per_key: pending turns one API key may hold (its oldest goes beyond); None: ``max_pending``.
-        max_pending_bytes: byte budget of the whole pending table (token arrays, texts kept for a grader).
-        max_grading: background gradings in flight; a chat beyond it is answered 429 before generating.
-        rate_limit_per_s / rate_limit_burst: per-key token bucket over chat and feedback requests (429 with
-            ``Retry-After``); None: no rate limit.
-        max_buffer_share: the fraction of the replay buffer (of its capacity ``b_max``) one API key may hold when its
-            next entry would push another key's entry out (see :mod:`~claas_verl.claas.service.buffer_share`); feedback
-            beyond it is answered 429 with ``Retry-After`` and the turn stays pending. 1.0: no limit. The admin key
-            is exempt.
-        ack_timeout_s: how long a feedback waits for the replay buffer's acknowledgement (503 after).
-        body_timeout_s: how long a request body may take to arrive in full (408 after: a trickling client).
-        template_kwargs: the ``chat_template_kwargs`` keys a request may set (values: booleans, numbers, short
-            strings); a request never supplies a template.
-        api_keys: accepted ``Authorization: Bearer`` keys for every endpoint except ``/health`` / ``/ready``.
-        allow_keyless: serve without API keys (explicit opt-in; loopback only, ``Host``/``Origin`` checked, see
-            :func:`check_exposure`).
-        admin_key: key of the admin endpoints (adapter load, shutdown); ``None`` disables them.
-        adapter_root: the only directory ``POST /v1/claas/load_adapter`` loads from (a run's own output
-            directory); ``None`` refuses every load over HTTP.
-        reward: ``"binary"`` (rewards in {0, 1}) or ``"unit"`` (any value in [0, 1]); docs/math.md §A.1.4 rewards.
-        max_body_bytes / max_messages / max_message_chars: request limits (413 / 400 / 400).
-        max_tokens: the largest ``max_tokens`` a request may ask for (``None``: the backend's bound only);
-            requests without ``max_tokens`` get ``default_max_tokens`` (or the backend's default).
-    """
-
-    record: bool = True
-    default_scenario_id: int | None = 0
-    max_pending: int = 4096
-    pending_ttl_s: float = 600.0
-    grade_inline: bool = False
-    sweep_interval_s: float = 5.0
-    max_pending_per_key: int | None = 1024
-    max_pending_bytes: int = 256 << 20
-    max_grading: int = 256
-    rate_limit_per_s: float | None = None
-    rate_limit_burst: int = 20
-    max_buffer_share: float = 1.0
-    ack_timeout_s: float = 30.0
-    body_timeout_s: float = 30.0
-    template_kwargs: tuple[str, ...] = DEFAULT_TEMPLATE_KWARGS
-    api_keys: tuple[str, ...] = ()
-    allow_keyless: bool = False
-    admin_key: str | None = None
-    adapter_root: str | None = None
-    reward: str = "binary"
-    max_body_bytes: int = 1 << 20
-    max_messages: int = 256
-    max_message_chars: int = 32_768
-    max_tokens: int | None = None
-    default_max_tokens: int | None = None
+    record: bool = knob(True, "record turns at all (false: a plain proxy)")
+    default_scenario_id: int | None = knob(0, "scenario id of requests that give none; null makes such requests "
+                                           "unrecordable")
+    max_pending: int = knob(4096, "turns awaiting feedback that are kept (overflow drops are counted in the stats)")
+    pending_ttl_s: float = knob(600.0, "seconds a turn waits for feedback before it is dropped (counted)")
+    grade_inline: bool = knob(False, "with a grader, grade before answering (the response carries the final "
+                              "status); by default grading runs after the response is sent, off the chat latency")
+    sweep_interval_s: float = knob(5.0, "how often expired pending turns are dropped in the background")
+    max_pending_per_key: int | None = knob(1024, "pending turns one API key may hold (its oldest goes beyond); "
+                                           "null: max_pending")
+    max_pending_bytes: int = knob(256 << 20, "byte budget of the whole pending table (token arrays, texts kept for "
+                                  "a grader)")
+    max_grading: int = knob(256, "background gradings in flight; a chat beyond it is answered 429 before "
+                            "generating")
+    rate_limit_per_s: float | None = knob(None, "per-key token bucket over chat and feedback requests, requests/s "
+                                          "(429 with Retry-After beyond); null: no rate limit")
+    rate_limit_burst: int = knob(20, "burst size of the per-key token bucket")
+    max_buffer_share: float = knob(1.0, "fraction of the replay buffer (of b_max) one API key may hold when its "
+                                   "next entry would push another key's out; feedback beyond it is answered 429 and "
+                                   "the turn stays pending; 1.0: no limit; the admin key is exempt")
+    ack_timeout_s: float = knob(30.0, "how long a feedback waits for the replay buffer's acknowledgement (503 after)")
+    body_timeout_s: float = knob(30.0, "how long a request body may take to arrive in full (408 after)")
+    template_kwargs: tuple[str, ...] = knob(DEFAULT_TEMPLATE_KWARGS, "the chat_template_kwargs keys a request may "
+                                            "set (values: booleans, numbers, short strings); a request never "
+                                            "supplies a template")
+    api_keys: tuple[str, ...] = knob((), "accepted 'Authorization: Bearer' keys for every endpoint but /health and "
+                                     "/ready (in a job also $CLAAS_API_KEY, comma separated)")
+    allow_keyless: bool = knob(False, "serve without API keys: an explicit opt-in, loopback only, Host/Origin "
+                               "checked")
+    admin_key: str | None = knob(None, "key of the admin endpoints (adapter load, shutdown); null disables them "
+                                 "(in a job: $CLAAS_ADMIN_KEY, else a key minted for the run)")
+    adapter_root: str | None = knob(None, "the only directory POST /v1/claas/load_adapter loads from; null refuses "
+                                    "every load over HTTP")
+    reward: str = knob("binary", "binary (rewards in {0, 1}) or unit (any value in [0, 1]); docs/math.md §A.1.4")
+    max_body_bytes: int = knob(1 << 20, "largest request body (413 beyond)")
+    max_messages: int = knob(256, "most messages in one request (400 beyond)")
+    max_message_chars: int = knob(32_768, "longest message of a request (400 beyond)")
+    max_tokens: int | None = knob(None, "the largest max_tokens a request may ask for (null: the backend's bound; "
+                                  "in a job: claas.producer.max_new_tokens)")
+    default_max_tokens: int | None = knob(None, "max_tokens of a request that gives none (null: the backend's "
+                                          "default)")
 
     def __post_init__(self):
         if not self.api_keys and not self.allow_keyless:

@@ -1,15 +1,17 @@
 """The ``claas:`` block of a CLaaS recipe, as a validated dataclass (no Ray, no verl).
 
-Every field maps to one YAML key under ``claas``; unknown keys raise. Sizes follow docs/math.md §A.1.6/A.1.8
+Every field maps to one YAML key under ``claas`` and carries its default and help text (:func:`knob`); unknown keys
+raise. Sizes follow docs/math.md §A.1.6/A.1.8
 (``1 <= M <= B_min <= B_max``; the paper settings are M = 8, B_max = 1000, A_max 25/25/50).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 from typing import Any
 
 from claas_verl.claas.service.config import ServiceConfig, check_service_fields
+from claas_verl.utils.schema import knob
 
 ALGORITHMS = ("reinforce_pp", "ppo", "sdpo", "icl", "no_update")
 
@@ -39,26 +41,25 @@ def _build(cls, raw: Any, where: str):
 
 @dataclass
 class EnvConfig:
-    """Scenario environment: ``name`` for ``claas_verl.claas.envs.make_environment`` plus its ``kwargs``."""
+    """``claas.env``: the scenario environment."""
 
-    name: str = "rule_following"
-    kwargs: dict = field(default_factory=dict)
+    name: str = knob("rule_following", "environment name for claas_verl.claas.envs.make_environment")
+    kwargs: dict = knob(help="keyword arguments of the environment (rule_following: num_scenarios, seed, num_turns, "
+                        "max_rules)", factory=dict)
 
 
 @dataclass
 class StreamConfig:
-    """K contiguous splits of a shuffled stream (docs/math.md §A.1.6; CLaaS paper §4: 100 scenarios, K = 5 splits of
-    20).
+    """``claas.stream``: K contiguous splits of a shuffled stream (docs/math.md §A.1.6; CLaaS paper §4: 100
+    scenarios, K = 5 splits of 20), or one scenario group per split (:class:`ScenarioStream`)."""
 
-    ``split_groups`` (not in the CLaaS paper): one scenario group per split (``scenario.meta[group_key]``, e.g. the rule
-    families ``lowercase``), for a stream whose task changes from split to split (:class:`ScenarioStream`).
-    """
-
-    seed: int = 0
-    num_splits: int = 5
-    split_size: int | None = 20
-    split_groups: list | None = None
-    group_key: str = "families"
+    seed: int = knob(0, "seed of the scenario shuffle")
+    num_splits: int = knob(5, "K, the number of splits (the CLaaS paper: 5)")
+    split_size: int | None = knob(20, "scenarios per split (null: the scenarios divided evenly over the splits)")
+    split_groups: list | None = knob(None, "not in the CLaaS paper: one scenario group per split "
+                                     "(scenario.meta[group_key], e.g. [lowercase, capital_start, ...]), a stream "
+                                     "whose task changes from split to split; null: the paper's shuffled splits")
+    group_key: str = knob("families", "the scenario meta key that split_groups names")
 
     def __post_init__(self):
         if not isinstance(self.num_splits, int) or self.num_splits < 1:
@@ -75,12 +76,13 @@ class StreamConfig:
 
 @dataclass
 class ProducerConfig:
-    """Rollout producers: how many scenarios run at once and the per-turn token budget."""
+    """``claas.producer``: the rollout producers."""
 
-    max_concurrent_scenarios: int = 4
-    max_new_tokens: int = 256
-    enabled: bool = True  # false: no scenario stream; the chat API (claas.service) is the only source of entries
-    max_retries: int = 2  # a failed/aborted generate or a failed grading call is retried this often, then dropped
+    max_concurrent_scenarios: int = knob(16, "scenarios the producers run at once")
+    max_new_tokens: int = knob(1024, "token budget of one reply (also the rollout's response_length)")
+    enabled: bool = knob(True, "false: no scenario stream; the chat API (claas.service) is the only source of "
+                         "entries")
+    max_retries: int = knob(2, "a failed or aborted generate or grading call is retried this often, then dropped")
 
     def __post_init__(self):
         if not isinstance(self.max_retries, int) or self.max_retries < 0:
@@ -101,26 +103,18 @@ HTTP (its own trainer publishes the versions), and answers requests without ``ma
 @dataclass(frozen=True)
 class ServiceSection(ServiceConfig):
     """``claas.service``: the chat API of the job (``claas_verl.claas.service``) in front of the job's own rollout
-    servers. Every :class:`ServiceConfig` field is a key here (see its docstring; the fields in
-    :data:`JOB_SET_SERVICE_FIELDS` must stay at their defaults), plus the keys of the job's HTTP server below.
+    servers. Every :class:`ServiceConfig` field is a key here but those in :data:`JOB_SET_SERVICE_FIELDS` (they must
+    stay at their defaults), plus the keys of the job's HTTP server below."""
 
-    ``enabled``: serve ``/v1/chat/completions`` on ``host:port`` (port 0: a free port; the URL is written to
-    ``<default_local_dir>/service.json``) under ``model_name``. ``api_keys`` (or ``$CLAAS_API_KEY``, comma separated)
-    guard every endpoint but ``/health``; ``admin_key`` (or ``$CLAAS_ADMIN_KEY``; else a key minted for the run)
-    guards ``/v1/claas/shutdown``. ``max_tokens``: the largest response a request may ask for (default
-    ``claas.producer.max_new_tokens``, also the default budget). ``allow_keyless``: serve without keys (127.0.0.1
-    only). Connections: ``limit_concurrency`` (503 beyond), ``header_timeout_s``; behind a TLS reverse proxy
-    ``proxy_headers`` trusts ``X-Forwarded-*`` from ``forwarded_allow_ips``.
-    """
-
-    enabled: bool = False
-    host: str = "127.0.0.1"
-    port: int = 8000
-    model_name: str = "claas"
-    limit_concurrency: int = 512
-    header_timeout_s: float = 10.0
-    proxy_headers: bool = False
-    forwarded_allow_ips: str = "127.0.0.1"
+    enabled: bool = knob(False, "serve /v1/chat/completions on host:port in front of the job's rollout servers")
+    host: str = knob("127.0.0.1", "address the chat API listens on (anything but loopback needs api_keys)")
+    port: int = knob(8000, "port of the chat API (0: a free port; the URL is written to "
+                     "<default_local_dir>/service.json)")
+    model_name: str = knob("claas", "model name the chat API serves under")
+    limit_concurrency: int = knob(512, "connections and requests beyond it are answered 503 at once")
+    header_timeout_s: float = knob(10.0, "request headers must be complete within it (else the connection closes)")
+    proxy_headers: bool = knob(False, "behind a TLS reverse proxy: trust X-Forwarded-* from forwarded_allow_ips")
+    forwarded_allow_ips: str = knob("127.0.0.1", "addresses whose X-Forwarded-* headers are trusted")
 
     def __post_init__(self):
         # no API-key requirement here: the keys may come from $CLAAS_API_KEY when the job starts (check_exposure)
@@ -147,16 +141,14 @@ class ServiceSection(ServiceConfig):
 
 @dataclass
 class EvalConfig:
-    """Evaluation of each split checkpoint on every split (M[j, k], docs/math.md §A.4).
+    """``claas.eval``: evaluation of each split checkpoint on every split (M[j, k], docs/math.md §A.4)."""
 
-    ``temperature`` 1.0 evaluates the sampled policy (what the defender serves); 0 is greedy.
-    ``n_samples`` rollouts per scenario; the cell is the mean pass rate over graded steps.
-    """
-
-    enabled: bool = True
-    n_samples: int = 1
-    temperature: float = 1.0
-    max_new_tokens: int | None = None
+    enabled: bool = knob(True, "evaluate every split checkpoint on every split (the matrix M)")
+    n_samples: int = knob(1, "rollouts per scenario; a cell of M is the mean pass rate over graded steps")
+    temperature: float = knob(1.0, "sampling temperature of the evaluation (1.0: the sampled policy the defender "
+                              "serves; 0: greedy)")
+    max_new_tokens: int | None = knob(None, "token budget of one evaluation reply "
+                                      "(null: claas.producer.max_new_tokens)")
 
     def __post_init__(self):
         if self.n_samples < 1:
@@ -167,36 +159,37 @@ class EvalConfig:
 
 @dataclass
 class RppConfig:
-    """EMA reward statistics of REINFORCE++ (docs/math.md §A.3.1 ``ema``)."""
+    """``claas.rpp``: EMA reward statistics of REINFORCE++ (docs/math.md §A.3.1 ``ema``)."""
 
-    beta: float = 0.9
-    b0: float = 0.5
-    v0: float = 0.25
-    v_min: float = 0.01
+    beta: float = knob(0.9, "EMA decay of the reward mean and variance")
+    b0: float = knob(0.5, "initial EMA reward mean (the baseline)")
+    v0: float = knob(0.25, "initial EMA reward variance")
+    v_min: float = knob(0.01, "floor of the variance the advantage is divided by")
 
 
 @dataclass
 class IclConfig:
-    """ICL baseline (CLaaS paper App. A.4): feedback log in the system prompt, FIFO at a token budget."""
+    """``claas.icl``: the ICL baseline (CLaaS paper App. A.4): a feedback log in the system prompt."""
 
-    token_budget: int = 20_000
-    max_quote_chars: int = 500
+    token_budget: int = knob(20_000, "token budget of the feedback log (FIFO beyond it)")
+    max_quote_chars: int = knob(500, "characters of a reply quoted in the log")
 
 
 @dataclass
 class SdpoConfig:
-    """SDPO with an EMA teacher and a generalized JSD (docs/math.md §A.3.3); defaults are the math reference's."""
+    """``claas.sdpo``: SDPO with an EMA teacher and a generalized JSD (docs/math.md §A.3.3)."""
 
-    mode: str = "gjs"                    # "gjs" (reference) | "pg+jsd"
-    alpha: float = 0.5                   # GJS_α: 0 forward KL(T‖S), 1 reverse KL(S‖T), 0.5 JSD
-    topk: int = 100                      # K: the student's top-K (+ one tail bucket)
-    add_tail: bool = True
-    is_clip: float = 2.0                 # w_e = min(ρ[e], is_clip)
-    is_reference: str = "behaviour"      # "behaviour" | "ema_teacher" (ρ against the EMA teacher on x)
-    ratio_mode: str = "geo_mean"         # A.2.2 sequence ratio of the IS weight
-    tau: float = 0.05                    # EMA teacher update rate (teacher_update_rate)
-    jsd_coef: float = 1.0                # λ_JSD of the pg+jsd mode
-    reprompt_success: bool = False       # also reprompt passing steps (success template)
+    mode: str = knob("gjs", "gjs (the reference) | pg+jsd")
+    alpha: float = knob(0.5, "α of GJS_α: 0 forward KL(T‖S), 1 reverse KL(S‖T), 0.5 JSD")
+    topk: int = knob(100, "K: the student's top-K tokens (plus one tail bucket)")
+    add_tail: bool = knob(True, "add the tail bucket (the mass outside the top K)")
+    is_clip: float = knob(2.0, "the IS weight is min(ρ, is_clip)")
+    is_reference: str = knob("behaviour", "the IS ratio's denominator: behaviour | ema_teacher (the EMA teacher on "
+                             "the prompt)")
+    ratio_mode: str = knob("geo_mean", "sequence ratio of the IS weight (docs/math.md §A.2.2): geo_mean | product")
+    tau: float = knob(0.05, "EMA teacher update rate")
+    jsd_coef: float = knob(1.0, "λ_JSD of the pg+jsd mode")
+    reprompt_success: bool = knob(False, "also re-prompt passing steps (success template)")
 
     def __post_init__(self):
         from claas_verl.losses.sdpo import IS_REFERENCES, SDPO_MODES
@@ -219,42 +212,43 @@ class SdpoConfig:
 
 @dataclass
 class ClaasConfig:
-    """Validated ``claas:`` recipe block.
+    """Validated ``claas:`` recipe block: the one home of every ``claas.*`` default and its help text
+    (docs/config.md lists them; ``recipes/claas/common/base.yaml`` repeats the defaults, held equal by
+    ``tests/claas/trainer/test_claas_schema_yaml.py``). Built once per run (:meth:`from_config`), which validates
+    every value; the code below trusts it.
 
-    ``algorithm``: ``reinforce_pp`` | ``ppo`` | ``sdpo`` | ``icl`` | ``no_update``. ``icl`` never updates parameters
-    (feedback goes into the system prompt); ``no_update`` is the plain baseline: the same producers and the same
-    split evaluation, but nothing is inserted into the buffer, no optimizer step runs and no system-prompt memory
-    is kept, so every row of M is the initial policy.
-    ``m``/``b_min``/``b_max``/``a_max``: docs/math.md §A.1 sizes (counted in entries of ``entry_unit``). ``entry_unit``:
-    ``"step"`` (docs/math.md §A.1.5 default) or ``"scenario"`` (one entry per scenario, trained as one multi-turn
-    sequence with the scenario reward ``min_t r_t``; REINFORCE++ / PPO, producer-driven).
-    ``max_updates``: optional cap on optimizer steps (None: the whole split protocol; then the LR schedule may not
-    depend on the step count, see :func:`~claas_verl.claas.trainer.checks.check_schedule_without_step_count`).
-    ``trace``: write ``claas_trace.jsonl`` (one line per update) next to the checkpoints.
-    ``trace_served_weights``: a diagnostic for checking a cluster's weight sync, off in every recipe: after each
-    weight push, every replica's served weights are copied to the trainer and fingerprinted (with its policy version
-    and, on vLLM, its adapter-version state) into the trace, so each push can be seen to change what is served. It
-    costs a full weight transfer per update.
+    ``icl`` never updates parameters (feedback goes into the system prompt); ``no_update`` is the plain baseline:
+    the same producers and split evaluation, but nothing enters the buffer, no optimizer step runs and no
+    system-prompt memory is kept, so every row of M is the initial policy. With ``max_updates`` set the LR schedule
+    may not depend on the step count (:func:`~claas_verl.claas.trainer.checks.check_schedule_without_step_count`).
+    ``trace_served_weights`` (off in every recipe) copies every replica's served weights to the trainer after each
+    push and fingerprints them (with the policy version and, on vLLM, the adapter-version state) into the trace.
     """
 
-    algorithm: str = "reinforce_pp"
-    m: int = 8
-    b_min: int = 16
-    b_max: int = 1000
-    a_max: int = 25
-    entry_unit: str = "step"
-    seed: int = 0
-    max_updates: int | None = None
-    trace: bool = True
-    trace_served_weights: bool = False
-    env: EnvConfig = field(default_factory=EnvConfig)
-    stream: StreamConfig = field(default_factory=StreamConfig)
-    producer: ProducerConfig = field(default_factory=ProducerConfig)
-    eval: EvalConfig = field(default_factory=EvalConfig)
-    rpp: RppConfig = field(default_factory=RppConfig)
-    icl: IclConfig = field(default_factory=IclConfig)
-    sdpo: SdpoConfig = field(default_factory=SdpoConfig)
-    service: ServiceSection = field(default_factory=ServiceSection)
+    algorithm: str = knob("reinforce_pp", "reinforce_pp | ppo | sdpo | icl | no_update (the last two never update "
+                          "parameters)")
+    m: int = knob(8, "M, entries per update (docs/math.md §A.1; the CLaaS paper: 8)")
+    # the CLaaS paper's Chinese rendering's 100 is infeasible with 20 scenarios x <= 4 steps per split (§A.1.8)
+    b_min: int = knob(32, "B_min, the buffer trains only while it holds at least this many entries (M <= B_min)")
+    b_max: int = knob(1000, "B_max, the buffer's capacity; the oldest entry goes beyond it (B_min <= B_max)")
+    a_max: int = knob(25, "A_max, the largest age (updates since it was produced) an entry may reach and still be "
+                      "kept")
+    entry_unit: str = knob("step", "step (one entry per graded step, docs/math.md §A.1.5) | scenario (one multi-turn "
+                           "entry per scenario with reward min_t r_t; REINFORCE++ / PPO)")
+    seed: int = knob(0, "seed of the buffer's sampling")
+    max_updates: int | None = knob(None, "cap on optimizer steps (null: the whole split protocol; the LR schedule "
+                                   "may then not depend on the step count)")
+    trace: bool = knob(True, "write claas_trace.jsonl (one line per update) next to the checkpoints")
+    trace_served_weights: bool = knob(False, "diagnostic, a full weight transfer per update: after each push, "
+                                      "fingerprint every replica's served weights into the trace")
+    env: EnvConfig = knob(help="the scenario environment", factory=EnvConfig)
+    stream: StreamConfig = knob(help="the split stream", factory=StreamConfig)
+    producer: ProducerConfig = knob(help="the rollout producers", factory=ProducerConfig)
+    eval: EvalConfig = knob(help="the split evaluation", factory=EvalConfig)
+    rpp: RppConfig = knob(help="REINFORCE++'s EMA statistics", factory=RppConfig)
+    icl: IclConfig = knob(help="the ICL baseline", factory=IclConfig)
+    sdpo: SdpoConfig = knob(help="SDPO", factory=SdpoConfig)
+    service: ServiceSection = knob(help="the chat API", factory=ServiceSection)
 
     def __post_init__(self):
         if self.algorithm not in ALGORITHMS:
@@ -284,6 +278,16 @@ class ClaasConfig:
         from claas_verl.claas.replay.buffer import validate_replay_sizes
 
         validate_replay_sizes(self.m, self.b_min, self.b_max)
+
+    def unreachable_b_min(self, entries_per_split: int) -> str | None:
+        """A warning when ``b_min`` exceeds the entries one split can produce (docs/math.md §A.1.8: with ``B_min=100``
+        and 20 scenarios x <= 4 steps, training never starts within a split), else None. The sizes themselves were
+        checked when the config was built."""
+        if self.b_min <= entries_per_split:
+            return None
+        return (f"claas.b_min = {self.b_min} exceeds the {entries_per_split} entries one split can produce: training "
+                "will not start within a split and 'train until |B| < b_min' is vacuous (docs/math.md §A.1.8); lower "
+                "claas.b_min")
 
     @property
     def trains(self) -> bool:

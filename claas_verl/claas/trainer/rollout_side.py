@@ -62,7 +62,7 @@ class RolloutSide:
     def __init__(self, config: Any, claas: ClaasConfig, *, tokenizer: Any, llm_server_manager: Any, sampler: Any,
                  resume: rs.ClaasState | None, resume_dir: str | None, warn):
         from claas_verl.claas.envs import ICLFeedbackMemory, make_environment
-        from claas_verl.claas.replay import make_replay_actor, validate_replay_sizes
+        from claas_verl.claas.replay import make_replay_actor
 
         c = claas
         self.env = make_environment(c.env.name, **c.env.kwargs)
@@ -70,11 +70,8 @@ class RolloutSide:
                                       split_size=c.stream.split_size, split_groups=c.stream.split_groups,
                                       group_key=c.stream.group_key)
         per_split = min(self.stream.max_entries_per_split(c.entry_unit))
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            validate_replay_sizes(c.m, c.b_min, c.b_max, expected_entries_per_split=per_split)
-        for w in caught:  # docs/math.md §A.1.8: B_min above what one split can produce
-            msg = str(w.message)
+        msg = c.unreachable_b_min(per_split)  # the sizes were validated once, by ClaasConfig
+        if msg is not None:
             warn(msg)
             warnings.warn(msg, UserWarning, stacklevel=2)
 

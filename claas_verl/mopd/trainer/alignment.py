@@ -1,4 +1,5 @@
-"""Alignment terms on MOPD replay steps: config, shared regions and padded micro-batches (pure torch, no verl).
+"""Alignment terms on MOPD replay steps: shared regions and padded micro-batches (pure torch, no verl); their
+config (:class:`AuxConfig`, ``mopd.signal``) is the config layer's :mod:`claas_verl.mopd.config_signal`.
 
 docs/math.md §B.3-B.7. The driver computes the step regions ONCE from the response ids (:func:`response_regions`) and
 stores them as two 2-D response-layout fields (:data:`REGION_IDS`, :data:`WINDOW`), because ``[B, T, K]``-shaped
@@ -10,123 +11,24 @@ student's batch by :func:`batch_fingerprint`.
 
 from __future__ import annotations
 
-import math
 import zlib
-from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
 
 from claas_verl.align import StepRegions, step_regions
+from claas_verl.mopd.config_signal import (  # noqa: F401 (the config layer owns them; re-exported for the trainer)
+    AUX_STEP_KINDS,
+    COMBINE_VARIANTS,
+    SIGNAL_TERMS,
+    AuxConfig,
+    aux_config,
+)
 
 REGION_IDS = "mopd_region_ids"  # [B, T_r] long: region index on window positions, -1 elsewhere
 WINDOW = "mopd_window"  # [B, T_r] long: 1 on the window W_b (last W valid response tokens)
 AUX_KEY = "mopd_aux"  # non-tensor: the AuxConfig dict of a step that runs the alignment terms
-SIGNAL_TERMS = ("sats", "vr", "hidden")  # names of claas_verl.align.alignment_signals
-COMBINE_VARIANTS = ("fsar", "1:1:1")  # mopd.signal.combine: eq. (10)+(9), or MOPD paper Table 4's 1:1:1
-AUX_STEP_KINDS = ("replay", "recovery")  # new-domain and joint steps never run the alignment terms (docs/math.md §B.6)
 BALANCE_TERM = {"sats": "sats", "vr": "vr", "hidden": "hid"}  # names of claas_verl.align.balanced_backward
-
-
-@dataclass(frozen=True)
-class AuxConfig:
-    """``mopd.signal`` of a recipe (``recipes/mopd/signal/*.yaml``), validated.
-
-    Attributes:
-        terms: enabled alignment terms, a subset of ``("sats", "vr", "hidden")`` in that order.
-        ratio: r of eq. (9) (token : auxiliary gradient norm).
-        rho: ρ of eq. (10) (weight of the hidden-state direction).
-        window: W, the last W valid response tokens (B.3).
-        layers: 0-based layers of every term, or None for all layers.
-        drop_trailing: B.4 [CHOICE] flag: drop a final region that does not end with a separator.
-        kinds: plan step kinds that run the balanced update: replay steps (docs/math.md §B.6). Recovery steps use the
-            token loss only (docs/math.md §B.8, MOPD paper §5); ``aux_kinds: [replay, recovery]`` is an explicit
-            deviation.
-        combine: ``"fsar"`` (eq. 10 then eq. 9) or ``"1:1:1"`` (MOPD paper Table 4: ``g_tok + ‖g_tok‖ĝ_SATS +
-            ‖g_tok‖ĝ_other``, with SATS and exactly one of VR / hidden).
-        target_budget_gib: host RAM per rank for the teacher's alignment targets of a step
-            (``mopd.signal.target_budget_gib``); micro-batches beyond it are streamed
-            (:class:`claas_verl.align.target_store.TeacherTargetStore`).
-    """
-
-    terms: tuple[str, ...] = ()
-    ratio: float = 1.0
-    rho: float = 2.0
-    window: int = 2000
-    layers: tuple[int, ...] | None = None
-    drop_trailing: bool = False
-    kinds: tuple[str, ...] = ("replay",)
-    combine: str = "fsar"
-    target_budget_gib: float = 16.0
-
-    @property
-    def enabled(self) -> bool:
-        return bool(self.terms)
-
-    def applies_to(self, kind: str) -> bool:
-        return self.enabled and kind in self.kinds
-
-    def to_dict(self) -> dict:
-        return {
-            "terms": list(self.terms), "ratio": self.ratio, "rho": self.rho, "window": self.window,
-            "layers": None if self.layers is None else list(self.layers), "drop_trailing": self.drop_trailing,
-            "kinds": list(self.kinds), "combine": self.combine,
-            "target_budget_gib": self.target_budget_gib,
-        }
-
-    @classmethod
-    def from_dict(cls, d: Mapping) -> AuxConfig:
-        """Inverse of :meth:`to_dict` (how the config travels to the workers as non-tensor batch data)."""
-        signal = {t: t in d["terms"] for t in SIGNAL_TERMS}
-        signal.update({k: d[k] for k in ("ratio", "rho", "window", "layers", "drop_trailing", "combine",
-                                             "target_budget_gib")})
-        signal["aux_kinds"] = d["kinds"]
-        return aux_config(signal)
-
-
-def aux_config(signal: Mapping | None) -> AuxConfig:
-    """Parse ``mopd.signal``; a bad value raises ValueError naming the key."""
-    signal = dict(signal or {})
-    schema = AuxConfig()  # an unset key takes the dataclass default: recipes/mopd/signal/kl.yaml repeats them
-    terms = tuple(t for t in SIGNAL_TERMS if signal.get(t))
-    if "vr" in terms and "sats" not in terms:
-        raise ValueError("mopd.signal.vr=true needs mopd.signal.sats=true "
-                         "(docs/math.md §B.5: VR is used only with SATS)")
-    ratio, rho = float(signal.get("ratio", schema.ratio)), float(signal.get("rho", schema.rho))
-    if not (math.isfinite(ratio) and ratio > 0):
-        raise ValueError(f"mopd.signal.ratio must be a finite number > 0 (eq. 9), got {ratio}")
-    if not (math.isfinite(rho) and rho >= 0):
-        raise ValueError(f"mopd.signal.rho must be a finite number >= 0 (eq. 10), got {rho}")
-    window = int(signal.get("window", schema.window))
-    if window < 1:
-        raise ValueError(f"mopd.signal.window must be >= 1 (docs/math.md §B.3 W), got {window}")
-    layers = signal.get("layers", schema.layers)
-    if layers in (None, "all"):
-        layers = None
-    else:
-        try:
-            layers = tuple(sorted({int(x) for x in layers}))
-        except (TypeError, ValueError):
-            raise ValueError(f"mopd.signal.layers must be 'all' or a list of 0-based ids, got {layers!r}") from None
-        if not layers or layers[0] < 0:
-            raise ValueError(f"mopd.signal.layers must be 'all' or non-negative layer ids, got {list(layers)}")
-    kinds = tuple(signal.get("aux_kinds", schema.kinds))
-    bad = [k for k in kinds if k not in AUX_STEP_KINDS]
-    if bad or not kinds:
-        raise ValueError(f"mopd.signal.aux_kinds must be a non-empty subset of {list(AUX_STEP_KINDS)} (plan step kinds "
-                         f"that run the alignment terms; docs/math.md §B.6/B.8: replay only), got {list(kinds)}")
-    combine = str(signal.get("combine", schema.combine))
-    if combine not in COMBINE_VARIANTS:
-        raise ValueError(f"mopd.signal.combine must be one of {list(COMBINE_VARIANTS)}, got {combine!r}")
-    if combine == "1:1:1" and (terms[:1] != ("sats",) or len(terms) != 2):
-        raise ValueError("mopd.signal.combine='1:1:1' (MOPD paper Table 4) needs sats=true "
-                         "and exactly one of vr / hidden; "
-                         f"got terms {list(terms)}")
-    budget = float(signal.get("target_budget_gib", schema.target_budget_gib))
-    if not (math.isfinite(budget) and budget >= 0):
-        raise ValueError(f"mopd.signal.target_budget_gib must be a finite number >= 0 (GiB per rank), got {budget}")
-    return AuxConfig(terms, ratio, rho, window, layers, bool(signal.get("drop_trailing", schema.drop_trailing)), kinds,
-                     combine, budget)
 
 
 def check_layers(cfg: AuxConfig, num_layers: int) -> list[int]:

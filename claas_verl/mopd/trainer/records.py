@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from claas_verl.mopd.config_train import TEACHER_DTYPES, check_teacher_dtype  # noqa: F401 (the config layer's)
 from claas_verl.utils.files import atomic_write_text
 from claas_verl.utils.progress import clock
 
@@ -60,17 +61,6 @@ def check_one_update_per_step(block_size: int, ppo_mini_batch_size, ppo_epochs) 
     if ppo_epochs is None or int(ppo_epochs) != 1:
         raise ValueError(f"actor_rollout_ref.actor.ppo_epochs (mopd.train.ppo_epochs)={ppo_epochs} must be 1: one "
                          "optimizer update per plan step (docs/math.md §B.1)")
-
-
-# mopd.train.teacher_dtype: docs/math.md §B.1 teachers hold fp32 weights and run under bf16 autocast (GPU recipes);
-# "fp32" runs them in plain fp32 (the CPU runtime), "bf16" casts the weights (FSDP param_dtype=bf16)
-TEACHER_DTYPES = ("fp32_bf16_autocast", "fp32", "bf16")
-
-
-def check_teacher_dtype(value) -> str:
-    if value not in TEACHER_DTYPES:
-        raise ValueError(f"mopd.train.teacher_dtype must be one of {list(TEACHER_DTYPES)}, got {value!r}")
-    return str(value)
 
 
 def plan_fingerprint(plan_steps: list[dict]) -> str:
