@@ -27,7 +27,7 @@ SHARED = ("claas_verl.utils", "claas_verl.verl_ext", "claas_verl.sandbox", "claa
 SYSTEMS = ("claas_verl.claas", "claas_verl.mopd")
 # the offline tiny models and data (CPU tests and the benchmark's bundles): only the edge and tiny itself import them
 TINY = "claas_verl.tiny"
-# the edge: the package root, the entry points and their helpers, and tiny itself (modules, not packages: exact names)
+# the edge besides tiny: the package root (it imports both systems), the entry points and their helpers (exact names)
 EDGE = ("claas_verl", "claas_verl.main_claas", "claas_verl.main_mopd", "claas_verl.plan", "claas_verl.paths",
         "claas_verl.config_resolvers")
 
