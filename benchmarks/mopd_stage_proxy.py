@@ -206,7 +206,7 @@ def majority_answer_score(root: Path, domain: str) -> tuple[str, float]:
     that collapsed to one answer scores (``syll``: "Yes", 0.688), so that a stage's gain is read against it."""
     from collections import Counter
 
-    from claas_verl.tiny.gym_score import score_reasoning_gym
+    from claas_verl.mopd.data.gym_score import score_reasoning_gym
 
     answer, _ = Counter(r["extra_info"]["reference"] for r in read_rows(root, domain, "train")).most_common(1)[0]
     test = read_rows(root, domain, "test")

@@ -18,16 +18,13 @@ is imported, so ``get_policy_loss_fn("claas_seq_is")`` works after
 
 from __future__ import annotations
 
-from claas_verl import _moved
+# The edge's job: import both systems. Each system's package schedules its own verl names (losses, advantage
+# estimators) for the moment verl's core_algos module is imported (at once if it already is), without importing
+# verl itself; the verl.plugins entry point imports this package first, so the names exist in every Ray worker too.
+import claas_verl.claas  # noqa: F401  (schedules claas_seq_is, claas_seq_is_product, claas_rpp_ema, ...)
+import claas_verl.mopd  # noqa: F401  (schedules claas_topk_distill)
 from claas_verl.config_resolvers import register_resolvers
-from claas_verl.verl_ext import register_when_verl_loads
 
 __version__ = "0.1.0"
 
-# No verl import here: the registrations run the moment verl's core_algos module is
-# imported (at once if it already is), in this process and, through the verl.plugins
-# entry point, in every Ray worker.
-register_when_verl_loads()
-# the module paths of the previous layout keep importing for one release (claas_verl/_moved.py)
-_moved.install()
 register_resolvers()

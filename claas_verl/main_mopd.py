@@ -140,7 +140,6 @@ def _run(cfg: DictConfig) -> None:
     from verl.trainer.main_ppo import run_ppo
     from verl.utils.config import validate_config
 
-    from claas_verl.mopd.trainer.verl_couplings import mopd_task_runner_class
     from claas_verl.verl_ext.ray_connect import connect_if_cluster_running
     from claas_verl.verl_ext.transfer_queue_env import cap_transfer_queue_threads
 
@@ -153,6 +152,14 @@ def _run(cfg: DictConfig) -> None:
     cap_transfer_queue_threads()  # before Ray starts: its processes inherit it
     connect_if_cluster_running(cfg)  # inside `ray job submit` or after `ray start`; else run_ppo starts Ray
     run_ppo(cfg, task_runner_class=mopd_task_runner_class())
+
+
+def mopd_task_runner_class():
+    """verl's v1 ``TaskRunner`` whose ``run`` first imports the MOPD trainer module (``register_trainer("mopd")``
+    in the runner's own Ray process); see :func:`claas_verl.verl_ext.trainer_base.task_runner_class`."""
+    from claas_verl.verl_ext.trainer_base import task_runner_class
+
+    return task_runner_class("claas_verl.mopd.trainer.trainer")
 
 
 def main() -> None:

@@ -1,21 +1,51 @@
 """Imports inside claas_verl run one way: no module reaches itself again through its imports, and the layers of the
 layout hold (pure math imports neither verl nor Ray nor the glue; shared glue imports neither system; the two
-systems do not import each other).
+systems do not import each other; only the edge imports the offline test models of ``claas_verl.tiny``), and each
+layer imports only the third-party packages its allow-list names.
 
 The graph is read from the source (every ``import``, also those inside functions), so a lazy import that
-only hides a circle at load time is still found; imports under ``if TYPE_CHECKING:`` are not edges.
+only hides a circle at load time is still found; imports under ``if TYPE_CHECKING:`` are not edges. A module named
+by a string is an import too: ``importlib.import_module(...)``, ``import_module(...)`` or ``__import__(...)`` with a
+literal name, verl's ``pkg://claas_verl...`` paths, and any string that is exactly a dotted ``claas_verl`` module
+name (a table of names handed to ``import_module`` in a loop).
 """
 
 import ast
+import re
+import sys
 from pathlib import Path
 
-PACKAGE = Path(__file__).resolve().parents[1] / "claas_verl"
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+PACKAGE = REPO / "claas_verl"
 # the math: torch (numpy) only, no verl, no Ray, nothing of claas_verl but utils (a config reader may take an OmegaConf
 # node)
 PURE = ("claas_verl.losses", "claas_verl.distill", "claas_verl.align", "claas_verl.schedule", "claas_verl.metrics")
 # shared layers below both systems
 SHARED = ("claas_verl.utils", "claas_verl.verl_ext", "claas_verl.sandbox", "claas_verl.preflight", *PURE)
 SYSTEMS = ("claas_verl.claas", "claas_verl.mopd")
+# the offline tiny models and data (CPU tests and the benchmark's bundles): only the edge and tiny itself import them
+TINY = "claas_verl.tiny"
+# the edge besides tiny: the package root (it imports both systems), the entry points and their helpers (exact names)
+EDGE = ("claas_verl", "claas_verl.main_claas", "claas_verl.main_mopd", "claas_verl.plan", "claas_verl.paths",
+        "claas_verl.config_resolvers")
+
+# The third-party packages (top-level names; the standard library is always allowed) each layer may import. A new
+# dependency of a layer is a decision: add it here, and for the math say why in the README's layout section.
+MATH_PACKAGES = {"torch", "numpy"}
+# the math's stated exceptions, each imported inside the one function that needs it (never at module import)
+MATH_EXCEPTIONS = {
+    "claas_verl.schedule.config": {"omegaconf", "pyarrow"},  # ScheduleConfig.from_omegaconf, count_blocks (.parquet)
+    "claas_verl.metrics.plots": {"matplotlib"},  # the figures of the continual metrics
+}
+SHARED_PACKAGES = MATH_PACKAGES | {"verl", "ray", "omegaconf", "hydra", "transformers", "peft", "psutil", "pyarrow",
+                                   "pyseccomp", "transfer_queue"}
+SYSTEM_PACKAGES = SHARED_PACKAGES | {
+    "anyio", "fastapi", "uvicorn", "httpx", "prometheus_client", "openai", "vllm", "safetensors", "pandas", "yaml",
+    "matplotlib", "reasoning_gym", "lm_eval", "evalplus", "math_verify", "nltk",
+    "evaluation_lib"}  # evaluation_lib: IFBench's checker, imported from the checkout that --ifbench-repo names
+EDGE_PACKAGES = SHARED_PACKAGES | {"httpx", "filelock", "reasoning_gym", "tokenizers"}
 
 
 def _module_name(path: Path) -> str:
@@ -32,15 +62,37 @@ def _runtime_nodes(tree: ast.AST):
         yield from _runtime_nodes(node)
 
 
-def imported_names(path: Path) -> set[str]:
-    """Every absolute module name ``path`` imports at run time (``from a import b`` gives ``a`` and ``a.b``)."""
+_IMPORT_CALLS = ("import_module", "__import__")
+_PKG_PATH = re.compile(r"pkg://([A-Za-z_][\w.]*)")
+_MODULE_NAME = re.compile(r"claas_verl(\.[A-Za-z_]\w*)+")
+
+
+def _called_name(node: ast.Call) -> str | None:
+    return getattr(node.func, "attr", getattr(node.func, "id", None))
+
+
+def imported_names_in(source: str) -> set[str]:
+    """Every absolute module name ``source`` imports at run time (``from a import b`` gives ``a`` and ``a.b``), by
+    statement or by string: a literal first argument of ``import_module`` / ``__import__``, ``pkg://`` paths, and
+    strings that are a claas_verl module name and nothing else."""
     targets = set()
-    for node in _runtime_nodes(ast.parse(path.read_text())):
+    for node in _runtime_nodes(ast.parse(source)):
         if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
             targets.update([node.module, *(f"{node.module}.{a.name}" for a in node.names)])
         elif isinstance(node, ast.Import):
             targets.update(a.name for a in node.names)
+        elif (isinstance(node, ast.Call) and _called_name(node) in _IMPORT_CALLS and node.args
+              and isinstance(node.args[0], ast.Constant) and isinstance(node.args[0].value, str)):
+            targets.add(node.args[0].value)
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+            targets.update(_PKG_PATH.findall(node.value))
+            if _MODULE_NAME.fullmatch(node.value):
+                targets.add(node.value)
     return targets
+
+
+def imported_names(path: Path) -> set[str]:
+    return imported_names_in(path.read_text())
 
 
 def import_graph() -> dict[str, set[str]]:
@@ -92,6 +144,24 @@ def _under(module: str, packages) -> bool:
     return any(module == p or module.startswith(p + ".") for p in packages)
 
 
+def test_string_imports_are_imports():
+    """The layering rule cannot be dodged by naming a module in a string."""
+    source = (
+        "import importlib\n"
+        "from importlib import import_module\n"
+        "def f():\n"
+        "    importlib.import_module('claas_verl.a')\n"
+        "    import_module('claas_verl.b')\n"
+        "    __import__('claas_verl.c')\n"
+        "    for name in ('claas_verl.e', 'claas_verl.f.g'):\n"
+        "        importlib.import_module(name)\n"
+        "    return {'path': 'pkg://claas_verl.d.sampler', 'doc': 'run python -m claas_verl.tiny make DIR'}\n"
+    )
+    found = {t for t in imported_names_in(source) if t.startswith("claas_verl")}
+    assert found == {"claas_verl.a", "claas_verl.b", "claas_verl.c", "claas_verl.d.sampler", "claas_verl.e",
+                     "claas_verl.f.g"}
+
+
 def test_pure_math_imports_only_torch_and_utils():
     bad = {}
     for path in PACKAGE.rglob("*.py"):
@@ -117,3 +187,67 @@ def test_layers_hold():
                 if _under(name, (mine,)) and _under(t, (other,)):
                     bad.append(f"{name} -> {t} (one system importing the other)")
     assert bad == [], "\n".join(bad)
+
+
+def test_only_the_edge_imports_the_tiny_models():
+    """Production code (the math, the shared glue, both systems) never depends on the offline test models."""
+    bad = sorted(f"{name} -> {t}" for name, targets in import_graph().items()
+                 if name not in EDGE and not _under(name, (TINY,))
+                 for t in targets if _under(t, (TINY,)))
+    assert bad == [], "\n".join(bad)
+
+
+def _yaml_strings(node):
+    if isinstance(node, dict):
+        for value in node.values():
+            yield from _yaml_strings(value)
+    elif isinstance(node, list):
+        for value in node:
+            yield from _yaml_strings(value)
+    elif isinstance(node, str):
+        yield node
+
+
+def test_no_recipe_loads_code_from_the_tiny_models():
+    """A recipe's reward function, sampler or any other code path it names (a file path or ``pkg://`` module) lives
+    with its system or in the shared glue, also for the tiny recipes."""
+    bad = []
+    for path in sorted((REPO / "recipes").rglob("*.yaml")):
+        for text in _yaml_strings(yaml.safe_load(path.read_text())):
+            if re.search(r"claas_verl[./]tiny[./]\w+\.py|pkg://claas_verl\.tiny", text):
+                bad.append(f"{path.relative_to(REPO)}: {text}")
+    assert bad == [], "\n".join(bad)
+
+
+def _third_party(path: Path) -> set[str]:
+    """The top-level third-party packages ``path`` imports (stdlib, claas_verl and sibling scripts left out)."""
+    local = {p.stem for p in path.parent.glob("*.py")}
+    tops = {t.split(".")[0] for t in imported_names(path)}
+    return {t for t in tops if t not in sys.stdlib_module_names and t != "claas_verl" and t not in local}
+
+
+def test_each_layer_imports_only_its_third_party_packages():
+    bad = {}
+    for path in PACKAGE.rglob("*.py"):
+        name = _module_name(path)
+        if _under(name, PURE):
+            allowed = MATH_PACKAGES | MATH_EXCEPTIONS.get(name, set())
+        elif _under(name, SHARED):
+            allowed = SHARED_PACKAGES
+        elif _under(name, SYSTEMS):
+            allowed = SYSTEM_PACKAGES
+        else:
+            allowed = EDGE_PACKAGES
+        extra = _third_party(path) - allowed
+        if extra:
+            bad[name] = sorted(extra)
+    assert bad == {}, f"third-party imports outside the layer's allow-list (tests/test_import_cycles.py): {bad}"
+
+
+def test_the_math_exceptions_import_lazily():
+    """The math's stated third-party exceptions never load with the module: importing the math stays torch-only."""
+    for name, packages in MATH_EXCEPTIONS.items():
+        path = PACKAGE.joinpath(*name.split(".")[1:]).with_suffix(".py")
+        top_level = {t.split(".")[0] for node in ast.parse(path.read_text()).body
+                     for t in imported_names_in(ast.unparse(node)) if isinstance(node, (ast.Import, ast.ImportFrom))}
+        assert not top_level & packages, f"{name} imports {sorted(top_level & packages)} at module level"

@@ -27,6 +27,12 @@ micro-batch).
   forward (FSDP2 reshards parameters after backward unless ``reshard_after_forward=False``; DDP needs
   ``no_sync()`` around all but the last backward).
 
+It is also the reference of the MOPD actor's own balanced step (``MOPDTrainingWorker.balanced_engine_step``,
+whose token pass must be verl's engine pass, so it cannot call this function):
+``tests/mopd/trainer/test_mopd_balanced_step.py`` checks that step's gradient against ``balanced_backward`` on the
+same micro-batches of a tiny model (and the step under FSDP2 against the unsharded one). A change to either must
+keep the two equal.
+
 Per-term gradient accumulators hold one gradient copy per term (up to 4 on top of the model); on FSDP they are
 sharded like ``param.grad``. The combination is :func:`claas_verl.align.balance.combine_aux` (eq. 10) followed by
 :func:`claas_verl.align.balance.balance` (eq. 9), or ``combine_one_one_one`` (``variant="1:1:1"``).

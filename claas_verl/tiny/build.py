@@ -31,10 +31,9 @@ from claas_verl.tiny.data import (
     MOPD_DOMAINS,
     corpus_texts,
     make_split,
-    stable_seed,
-    write_parquet,
 )
 from claas_verl.tiny.model import DEFAULT_ARCH, check_arch
+from claas_verl.utils.prompt_rows import stable_seed, write_parquet
 
 # Bump whenever the bundle's content changes (architecture, tokenizer, data, experts):
 # ensure_tiny() then rebuilds stale bundles instead of serving them.

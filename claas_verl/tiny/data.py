@@ -9,7 +9,7 @@ and SFT-style warm starts can use).
 Domains:
 
 * the five MOPD domains in the math reference's order (logic, math, code, safety, if), scored by
-  :mod:`claas_verl.tiny.rewards` (``data_source = "claas_tiny/<domain>"``);
+  :mod:`claas_verl.mopd.data.rule_rewards` (``data_source = "claas_tiny/<domain>"``);
 * ``arith``: GSM8K-style word problems with ``data_source = "openai/gsm8k"`` and
   the number as ground truth, so verl's built-in ``default_compute_score`` scores
   them with no custom reward function (used by the CPU GRPO smoke run).
@@ -20,11 +20,11 @@ the same seed always gives the same rows, on every machine and Python version.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import random
 from collections.abc import Callable
-from pathlib import Path
+
+from claas_verl.utils.prompt_rows import stable_seed
 
 MOPD_DOMAINS: tuple[str, ...] = ("logic", "math", "code", "safety", "if")
 ARITH_DOMAIN = "arith"
@@ -34,12 +34,6 @@ GSM8K_DATA_SOURCE = "openai/gsm8k"
 GSM8K_INSTRUCTION = 'Let\'s think step by step and output the final answer after "####".'
 
 SYSTEM_PROMPT = "You are a helpful assistant."
-
-
-def stable_seed(*parts: object) -> int:
-    """A 63-bit seed from a SHA-256 of the parts (Python's ``hash`` is salted per process)."""
-    digest = hashlib.sha256("\x1f".join(str(p) for p in parts).encode("utf-8")).digest()
-    return int.from_bytes(digest[:8], "big") & ((1 << 63) - 1)
 
 
 def data_source_for(domain: str) -> str:
@@ -235,16 +229,6 @@ def _draw(domain: str, split: str, n: int, seed: int, exclude: set[str], remembe
             exclude.add(question)
         rows.append(_row(domain, split, len(rows), question, truth, reference))
     return rows
-
-
-def write_parquet(rows: list[dict], path: Path) -> None:
-    """Write rows with pyarrow (imported here so importing this module stays light)."""
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    path.parent.mkdir(parents=True, exist_ok=True)
-    table = pa.Table.from_pylist(rows)
-    pq.write_table(table, path)
 
 
 # Everyday words for the tokenizer's chat text, so its merges cover ordinary replies and

@@ -111,7 +111,7 @@ def gym_rows(domain: GymDomain, seed: int) -> tuple[list[dict], list[dict]]:
     """
     import reasoning_gym
 
-    from claas_verl.tiny.data import stable_seed
+    from claas_verl.utils.prompt_rows import stable_seed
 
     ds_seed = stable_seed("claas_gym.data", seed, domain.name) % (2**31)
     ds = reasoning_gym.create_dataset(domain.task, size=POOL_SIZE, seed=ds_seed, **domain.config)
@@ -219,8 +219,8 @@ def build_bundle(root: Path, seed: int, domains: tuple[GymDomain, ...] = GYM_DOM
 
     import torch
 
-    from claas_verl.tiny.data import stable_seed, write_parquet
     from claas_verl.tiny.model import build_student, save_model
+    from claas_verl.utils.prompt_rows import stable_seed, write_parquet
 
     missing = [d.name for d in domains if d.name not in NEIGHBOUR_MARKERS]
     if missing:
@@ -352,9 +352,9 @@ def evaluate(model, tok, splits, seed: int, label: str = f"{LOG} accuracy") -> d
     left-padded ``generate`` per domain; a progress line per domain)."""
     import torch
 
-    from claas_verl.tiny.data import stable_seed
-    from claas_verl.tiny.gym_score import score_reasoning_gym
+    from claas_verl.mopd.data.gym_score import score_reasoning_gym
     from claas_verl.tiny.tokenizer import IM_END
+    from claas_verl.utils.prompt_rows import stable_seed
 
     out = {}
     eos = tok.convert_tokens_to_ids(IM_END)

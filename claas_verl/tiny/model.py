@@ -26,8 +26,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from claas_verl.tiny.data import stable_seed
 from claas_verl.utils.progress import Progress
+from claas_verl.utils.prompt_rows import stable_seed
 
 if TYPE_CHECKING:
     import torch

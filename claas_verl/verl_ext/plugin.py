@@ -10,7 +10,7 @@ every Ray worker. Only cheap, safe things happen now:
    moment verl imports the modules they touch;
 3. inside a vLLM process, vLLM's CPU linear layers keep their weights, so verl's in-place full-weight sync
    can load into them (``claas_verl.verl_ext.cpu.vllm_weight_sync``; a no-op on GPUs);
-4. claas_verl's losses are registered (``claas_verl.verl_ext.register_all``) as
+4. claas_verl's losses are registered (each system schedules its own, see ``claas_verl.verl_ext``) as
    soon as ``verl.trainer.ppo.core_algos`` is imported, so the names resolve in
    every worker.
 

@@ -6,8 +6,9 @@ the custom v1 sampler, ``TrainingWorker.set_loss_fn``, ``register`` / ``Dispatch
 Each entry says which code relies on it (``base``: :mod:`claas_verl.verl_ext.trainer_base`, used by both trainers;
 ``claas``; ``mopd``) and why. ``tests/verl_ext/test_trainer_couplings.py`` checks every entry against the installed
 verl (name, source marker, instance assignment) and that every private ``PPOTrainer`` method either trainer
-overrides is listed here; the per-system modules (:mod:`claas_verl.claas.trainer.verl_couplings`,
-:mod:`claas_verl.mopd.trainer.verl_couplings`) hold the shims and expose their system's view of this list.
+overrides is listed here; the trainers override the listed ``PPOTrainer`` methods directly, and the per-system modules
+(:mod:`claas_verl.claas.trainer.verl_couplings`, :mod:`claas_verl.mopd.trainer.verl_couplings`) hold the helpers that
+read private worker and engine attributes and expose their system's view of this list.
 
 This module imports nothing from verl (it is data); :func:`owner_object` imports a listed module only when a test
 looks a name up.

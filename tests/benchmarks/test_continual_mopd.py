@@ -53,9 +53,9 @@ def test_benchmark_jobs_skip_the_trainers_in_run_table():
 def fake_gym(tmp_path_factory):
     """A gym-shaped directory with tiny random models (π0, experts) and the real held-out rows."""
     from claas_verl.tiny import gym
-    from claas_verl.tiny.data import write_parquet
     from claas_verl.tiny.model import build_student, save_model
     from claas_verl.tiny.tokenizer import EOT_TOKEN, IM_END, special_token_ids
+    from claas_verl.utils.prompt_rows import write_parquet
 
     root = tmp_path_factory.mktemp("gym")
     tok = gym.byte_tokenizer()

@@ -165,7 +165,7 @@ def test_replay_cycles_over_the_earlier_domains_every_m_steps(tok):
 def test_the_one_answer_baseline_is_the_share_of_held_out_prompts_with_the_most_common_train_answer(tmp_path):
     # syllogism answers Yes or No: a student that always says the commoner train answer scores exactly the
     # share of held-out prompts with that answer (what the design notes read a syll "gain" against)
-    from claas_verl.tiny.data import write_parquet
+    from claas_verl.utils.prompt_rows import write_parquet
 
     train, test = gym.gym_rows(gym.GymDomain("syll", "syllogism", {}), seed=0)
     paths = gym.GymPaths(tmp_path)

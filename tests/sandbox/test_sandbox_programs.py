@@ -9,6 +9,7 @@ import time
 
 import pytest
 
+from claas_verl.mopd.data.rule_rewards import compute_score
 from claas_verl.sandbox import (
     CallTest,
     GraderPool,
@@ -19,7 +20,6 @@ from claas_verl.sandbox import (
     run_program,
 )
 from claas_verl.sandbox.code_reward import code_reward, extract_program, is_test_spec, parse_tests
-from claas_verl.tiny.rewards import compute_score
 
 # As root (CI, containers) the full sandbox must work, so these tests fail loudly if it does not; as a
 # non-root user on a kernel without unprivileged user namespaces they are skipped, naming what is missing.

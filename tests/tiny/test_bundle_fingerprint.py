@@ -67,9 +67,9 @@ def test_a_directory_without_a_manifest_is_refused_with_the_build_command(tmp_pa
 def test_the_built_gym_bundle_has_a_stable_fingerprint(tmp_path):
     """On a real (reduced) bundle layout: the gym test split and a saved model, fingerprinted twice."""
     from claas_verl.tiny import gym
-    from claas_verl.tiny.data import write_parquet
     from claas_verl.tiny.model import build_student, save_model
     from claas_verl.tiny.tokenizer import EOT_TOKEN, IM_END, special_token_ids
+    from claas_verl.utils.prompt_rows import write_parquet
 
     tok = gym.byte_tokenizer()
     ids = special_token_ids(tok)

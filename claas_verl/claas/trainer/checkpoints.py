@@ -13,26 +13,41 @@ import contextlib
 import dataclasses
 import os
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import ray
 from omegaconf import OmegaConf
 
 from claas_verl.claas.trainer import resume as rs
+from claas_verl.claas.trainer.chat_api import ChatApiWiring
 from claas_verl.claas.trainer.checks import select
 from claas_verl.claas.trainer.config import ClaasConfig
 from claas_verl.claas.trainer.records import RunCounters, RunRecords
+from claas_verl.claas.trainer.rollout_side import RolloutSide
+
+if TYPE_CHECKING:  # the split protocol takes checkpoints through this class: annotation only
+    from claas_verl.claas.trainer.splits import SplitProtocol
 
 
 class ClaasCheckpoints:
     """The resumed checkpoint (``resume``, ``resume_dir``, the run's resume history) and the checkpoint point
-    (``due``, ``in_progress``, ``last_step``). :meth:`attach` hands it the run's parts once they exist."""
+    (``due``, ``in_progress``, ``last_step``).
 
-    def __init__(self, config: Any, claas: ClaasConfig, records: RunRecords, counters: RunCounters):
+    It exists before verl loads a checkpoint (its CLaaS state is read first), so before the rollout side and the
+    split protocol, which are built from that state: those two are arguments of the calls that save or restore
+    them. ``save_verl(k)`` writes verl's part of checkpoint k; ``save_teacher(claas_dir)`` the SDPO teacher (the
+    files written, or None without one)."""
+
+    def __init__(self, config: Any, claas: ClaasConfig, records: RunRecords, counters: RunCounters,
+                 chat: ChatApiWiring, *, save_verl: Callable[[int], None],
+                 save_teacher: Callable[[str], list | None]):
         self.config = config
         self.claas = claas
         self.records = records
         self.counters = counters
+        self.chat = chat
+        self._save_verl = save_verl
+        self._save_teacher = save_teacher
         self.resume: rs.ClaasState | None = None  # the CLaaS state of the checkpoint this run resumes from
         self.resume_dir: str | None = None
         self.resumes: list[dict] = []  # one record per resume of this run's history
@@ -40,25 +55,17 @@ class ClaasCheckpoints:
         self.due = False  # verl's loop asked for a checkpoint; taken at the checkpoint point (on_step_end)
         self.in_progress = False
         self.last_step: int | None = None  # step of the latest verl checkpoint this history wrote or loaded
-        self.side = self.splits = self.chat = None
-        self._save_verl: Callable[[int], None] | None = None
-        self._save_teacher: Callable[[str], list | None] | None = None
-
-    def attach(self, side, splits, chat, *, save_verl: Callable[[int], None],
-               save_teacher: Callable[[str], list | None]) -> None:
-        self.side, self.splits, self.chat = side, splits, chat
-        self._save_verl, self._save_teacher = save_verl, save_teacher
 
     @property
     def out_dir(self) -> str:
         return self.config.trainer.default_local_dir
 
     # ---------------------------------------------------------------- saving
-    def take(self) -> None:
+    def take(self, side: RolloutSide, splits: SplitProtocol) -> None:
         """Checkpoint N = k: the CLaaS state into ``global_step_N/claas/`` first, then verl's part, whose tracker file
         (``latest_checkpointed_iteration.txt``, written last) commits it. See the invariant in resume.py."""
         self.due = False
-        k = int(ray.get(self.side.replay_actor.update_count.remote()))
+        k = int(ray.get(side.replay_actor.update_count.remote()))
         if k != self.counters.updates:
             raise RuntimeError(f"checkpoint point broken: the buffer's k={k} but {self.counters.updates} updates "
                                "were done")
@@ -66,7 +73,7 @@ class ClaasCheckpoints:
         claas_dir = os.path.join(folder, rs.CLAAS_DIR)
         os.makedirs(claas_dir, exist_ok=True)
         teacher = self._save_teacher(claas_dir)  # θ_T changes only inside an update (this thread): no pause needed
-        state = self._capture_state(k, claas_dir, teacher)
+        state = self._capture_state(k, claas_dir, teacher, side, splits)
         if self.last_step != k:  # a split end at the step of a periodic checkpoint re-writes only the state
             self.in_progress = True
             try:
@@ -77,7 +84,7 @@ class ClaasCheckpoints:
         self.records.trace({"event": "checkpoint", "global_steps": k, "path": folder,
                             "buffer_size": state.buffer["size"], "position": dataclasses.asdict(state.position)})
 
-    def at_shutdown(self) -> None:
+    def at_shutdown(self, side: RolloutSide, splits: SplitProtocol) -> None:
         """Service-driven runs: the chat API drains first, so every reward it acknowledged is in the buffer that is
         captured. Then a final checkpoint of the last update (whatever ``trainer.save_freq``, once an update was
         done), or a re-capture of the CLaaS state of that checkpoint (the chats accepted since then are kept;
@@ -85,12 +92,12 @@ class ClaasCheckpoints:
         self.chat.drain(self.records.warn)
         if (not self.claas.producer.enabled and self.claas.trains
                 and (int(select(self.config, "trainer.save_freq", -1)) > 0 or self.counters.updates > 0)):
-            self.take()
+            self.take(side, splits)
 
-    def _capture_state(self, k: int, claas_dir: str, teacher: list | None) -> rs.ClaasState:
+    def _capture_state(self, k: int, claas_dir: str, teacher: list | None, side: RolloutSide,
+                       splits: SplitProtocol) -> rs.ClaasState:
         """Buffer snapshot + state.json, captured with commits paused (producers: their commit lock; chat API: its
         sink drained and gated), so the snapshot, the EMA and the committed-scenario list describe one instant."""
-        side, splits = self.side, self.splits
         producer_driven = self.claas.producer.enabled
         split_size = side.stream.split_size if producer_driven else 0
 
@@ -165,10 +172,11 @@ class ClaasCheckpoints:
                                     f"{self.resume.global_steps}")
         self.last_step = global_steps
 
-    def restore_run_state(self) -> dict:
-        """Trainer-side state of the resumed checkpoint (counters, M rows, stream position) and the record of what the
-        killed run did after it (discarded, re-done), read from the trace before this run appends to it."""
-        r, splits, side = self.resume, self.splits, self.side
+    def restore_run_state(self, side: RolloutSide, splits: SplitProtocol) -> dict:
+        """Trainer-side state of the resumed checkpoint (counters, M rows, stream position) into the run's parts, and
+        the record of what the killed run did after it (discarded, re-done), read from the trace before this run
+        appends to it."""
+        r = self.resume
         self.counters.updates = r.updates
         splits.matrix = [list(row) for row in r.matrix]
         splits.split_records = list(r.split_records)

@@ -11,30 +11,30 @@ import concurrent.futures
 import json
 import os
 import time
-from collections.abc import Callable
 
 import ray
 
 from claas_verl.claas.trainer.chat_api import ChatApiWiring
+from claas_verl.claas.trainer.checkpoints import ClaasCheckpoints
 from claas_verl.claas.trainer.config import ClaasConfig
 from claas_verl.claas.trainer.records import RunCounters, RunRecords
 from claas_verl.claas.trainer.rollout_side import RolloutSide
 
 
 class SplitProtocol:
-    """Which split runs (``idx``, ``complete``), its producers' future, and M's rows with their split records."""
+    """Which split runs (``idx``, ``complete``), its producers' future, and M's rows with their split records.
+
+    A split's end takes checkpoint j through ``checkpoints`` (which records this protocol's position in it)."""
 
     def __init__(self, claas: ClaasConfig, side: RolloutSide, chat: ChatApiWiring, records: RunRecords,
-                 counters: RunCounters, out_dir: str, *, checkpoint: Callable[[], None],
-                 global_steps: Callable[[], int]):
+                 counters: RunCounters, out_dir: str, checkpoints: ClaasCheckpoints):
         self.claas = claas
         self.side = side
         self.chat = chat
         self.records = records
         self.counters = counters
         self.out_dir = out_dir
-        self._checkpoint = checkpoint
-        self._global_steps = global_steps
+        self.checkpoints = checkpoints
         self.future: concurrent.futures.Future | None = None
         self.idx = -1
         self.complete = False  # the current split's rollouts ended and its training ran until |B| < B_min
@@ -45,37 +45,38 @@ class SplitProtocol:
     def stream(self):
         return self.side.stream
 
-    def begin(self, position) -> None:
+    def begin(self, position, global_steps: int) -> None:
         """At the start of verl's loop: continue the split a resumed checkpoint was in, or start the next one."""
         pos = position
         if pos is not None and pos.split >= 0 and not pos.complete:
-            self.start(pos.split, skip=pos.done)  # the split in progress: its uncommitted scenarios
+            self.start(pos.split, global_steps, skip=pos.done)  # the split in progress: its uncommitted scenarios
             return
         if pos is not None and pos.split >= 0 and len(self.matrix) <= pos.split:
             self.record_row(pos.split)  # killed after checkpoint j, before row j of M was evaluated
-        self.start_next()
+        self.start_next(global_steps)
 
-    def start_next(self) -> None:
+    def start_next(self, global_steps: int) -> None:
         if not self.claas.producer.enabled:
             return  # service-driven: no scenario stream
         if self.idx + 1 >= self.stream.num_splits:
             self.idx = self.stream.num_splits
             self.future = None
             return
-        self.start(self.idx + 1)
+        self.start(self.idx + 1, global_steps)
 
-    def start(self, j: int, skip=()) -> None:
+    def start(self, j: int, global_steps: int, skip=()) -> None:
         """Run split j's rollouts in the background, except the global scenario indices in ``skip`` (committed
-        before the checkpoint a resumed run starts from)."""
+        before the checkpoint a resumed run starts from); ``global_steps`` (verl's) goes to the trace."""
         self.idx, self.complete = j, False
         scenarios = self.stream.split(j)
         offset = j * self.stream.split_size
         self.future = self.side.loop.submit(self.side.producer.run_split(scenarios, index_offset=offset, skip=skip))
-        self.records.trace({"event": "split_start", "split": j + 1, "global_steps": self._global_steps(),
+        self.records.trace({"event": "split_start", "split": j + 1, "global_steps": global_steps,
                             "skip": sorted(skip)})
 
-    def advance_until_ready(self) -> bool:
-        """Block until an update is possible (True) or the whole stream is done (False), running split ends.
+    def advance_until_ready(self, global_steps: int) -> bool:
+        """Block until an update is possible (True) or the whole stream is done (False), running split ends
+        (``global_steps``: verl's, for the trace of a split that starts meanwhile).
 
         Event-driven: waits on the replay actor's ``wait_ready`` (an asyncio condition notified by ``add``)
         and on the current split's producer future, whichever completes first.
@@ -106,7 +107,7 @@ class SplitProtocol:
                 if self.claas.trains and ray.get(replay.ready.remote()):
                     return True
                 self._finish()
-                self.start_next()
+                self.start_next(global_steps)
             return False
         finally:
             self.counters.last_wait_s = time.perf_counter() - t0
@@ -120,7 +121,8 @@ class SplitProtocol:
                                    "checkpoint": os.path.join(self.out_dir, f"global_step_{k}") if self.claas.trains
                                    else None})
         if self.claas.trains:
-            self._checkpoint()  # checkpoint j: verl's actor (+critic) and the CLaaS state at global_step_{k}
+            # checkpoint j: verl's actor (+critic) and the CLaaS state at global_step_{k}
+            self.checkpoints.take(self.side, self)
         split_dir = os.path.join(self.out_dir, f"claas_split_{j + 1}")
         os.makedirs(split_dir, exist_ok=True)  # the split's record; the buffer itself is in the checkpoint (resume)
         state = {**self.split_records[-1], "producer": self.side.producer.stats.as_dict(),

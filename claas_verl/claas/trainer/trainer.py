@@ -97,7 +97,8 @@ class ClaasTrainer(VerlSeams, PPOTrainer):
         self.records = RunRecords(out_dir, trace=self.claas.trace)
         self.counters = RunCounters()
         self.chat = ChatApiWiring(self.claas, out_dir)
-        self.ckpt = ClaasCheckpoints(config, self.claas, self.records, self.counters)
+        self.ckpt = ClaasCheckpoints(config, self.claas, self.records, self.counters, self.chat,
+                                     save_verl=self._save_verl_checkpoint, save_teacher=self._save_sdpo_teacher)
         self.side: RolloutSide | None = None  # built in on_init_end, once the replicas serve version 0
         self.splits: SplitProtocol | None = None
         # The stream, not a step count, ends the run: verl's bar would count to the 10**9 placeholder, so it is
@@ -147,12 +148,9 @@ class ClaasTrainer(VerlSeams, PPOTrainer):
                                        llm_server_manager=self.llm_server_manager, sampler=self.sampler,
                                        resume=ckpt.resume, resume_dir=ckpt.resume_dir, warn=self.records.warn)
         side.producer.on_commit = lambda record: self.records.trace({"event": "commit", **record})
-        self.splits = SplitProtocol(self.claas, side, self.chat, self.records, self.counters, out_dir,
-                                    checkpoint=ckpt.take, global_steps=lambda: self.global_steps)
-        ckpt.attach(side, self.splits, self.chat, save_verl=self._save_verl_checkpoint,
-                    save_teacher=self._save_sdpo_teacher)
+        self.splits = SplitProtocol(self.claas, side, self.chat, self.records, self.counters, out_dir, ckpt)
         os.makedirs(out_dir, exist_ok=True)
-        record = ckpt.restore_run_state() if ckpt.resume is not None else None
+        record = ckpt.restore_run_state(side, self.splits) if ckpt.resume is not None else None
         if self.claas.service.enabled:
             self.chat.start(side.generate, self.tokenizer, side.max_model_len,
                             model_path=self.config.actor_rollout_ref.model.path, replay_actor=side.replay_actor,
@@ -179,10 +177,10 @@ class ClaasTrainer(VerlSeams, PPOTrainer):
         cap = self.claas.max_updates
         self.progress = Progress("[claas] training", None if cap is None else cap - self.counters.updates,
                                  unit="updates" if self.counters.updates == 0 else "updates since resume")
-        self.splits.begin(self.ckpt.resume.position if self.ckpt.resume is not None else None)
-        if not self.splits.advance_until_ready():
+        self.splits.begin(self.ckpt.resume.position if self.ckpt.resume is not None else None, self.global_steps)
+        if not self.splits.advance_until_ready(self.global_steps):
             self.stop_before_first_step()  # nothing to train on (e.g. ICL)
-            self.ckpt.at_shutdown()
+            self.ckpt.at_shutdown(self.side, self.splits)
 
     def on_step_end(self):
         c = self.counters
@@ -207,12 +205,12 @@ class ClaasTrainer(VerlSeams, PPOTrainer):
         stop = self.claas.max_updates is not None and c.updates >= self.claas.max_updates
         if self.ckpt.due:  # trainer.save_freq: the checkpoint point (k = N, update N pushed)
             with marked_timer("save_checkpoint", self.timing_raw, color="green"):
-                self.ckpt.take()
+                self.ckpt.take(self.side, self.splits)
         with marked_timer("claas_wait_buffer", self.timing_raw, color="blue"):
-            more = False if stop else self.splits.advance_until_ready()
+            more = False if stop else self.splits.advance_until_ready(self.global_steps)
         if not more:
             self.stop_after_this_step()
-            self.ckpt.at_shutdown()
+            self.ckpt.at_shutdown(self.side, self.splits)
         self.progress.update(**where, buffer=size_before)
         # verl merges these into this step's metrics (_consume_sync_metrics)
         self._pending_sync_metrics = {"claas/evicted_age": evicted, "claas/buffer_size": size_before}

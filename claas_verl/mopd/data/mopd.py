@@ -81,7 +81,7 @@ class OverlapIndex:
 
 
 def _shuffled(n: int, seed: int, domain: str) -> list[int]:
-    from claas_verl.tiny.data import stable_seed
+    from claas_verl.utils.prompt_rows import stable_seed
 
     order = list(range(n))
     random.Random(stable_seed("claas_verl.mopd.data.mopd", seed, domain)).shuffle(order)
@@ -281,7 +281,7 @@ def build(out: str | Path, sources: dict[str, dict], count_tokens: Callable[[lis
     ``sources[domain]``: logic ``{"seed", "tasks"}``; math/code/if ``{"path"}``; safety ``{"harmful",
     "benign"}``. Every domain is checked and converted before any file is written.
     """
-    from claas_verl.tiny.data import write_parquet
+    from claas_verl.utils.prompt_rows import write_parquet
 
     unknown = sorted(set(sources) - set(ABILITY))
     if unknown:

@@ -17,7 +17,8 @@ Use from a recipe (verl loads this file by path)::
   evaluation judges safety with a guard model);
 * ``ultradata/if``: lm-eval's IFEval verifiers (prompt-level strict) when the row carries IFEval instruction ids,
   else 0 (no verifiable constraint);
-* ``claas_tiny/*`` and ``openai/gsm8k``: the tiny rewards, so one path serves tiny and paper recipes.
+* ``claas_tiny/*`` and ``openai/gsm8k``: the rule rewards (:mod:`claas_verl.mopd.data.rule_rewards`), so one path
+  serves tiny and paper recipes.
 """
 
 from __future__ import annotations
@@ -48,11 +49,11 @@ def compute_score(data_source: str, solution_str: str, ground_truth: str, extra_
                   **_verl_kwargs) -> float:
     ds = str(data_source)
     if ds.startswith("claas_tiny/") or ds == "openai/gsm8k":
-        from claas_verl.tiny.rewards import compute_score as tiny
+        from claas_verl.mopd.data.rule_rewards import compute_score as rule_score
 
-        return tiny(ds, solution_str, ground_truth, extra_info)
+        return rule_score(ds, solution_str, ground_truth, extra_info)
     if ds.startswith("reasoning_gym/"):
-        from claas_verl.tiny.gym_score import score_reasoning_gym
+        from claas_verl.mopd.data.gym_score import score_reasoning_gym
 
         return score_reasoning_gym(_after_thinking(solution_str), extra_info)
     if ds == "math_dapo":
@@ -63,9 +64,9 @@ def compute_score(data_source: str, solution_str: str, ground_truth: str, extra_
     if ds == "nvidia/OpenCodeReasoning":
         return float(bool(_FENCE.search(_after_thinking(solution_str))))
     if ds in ("star1/refuse", "star1/comply"):
-        from claas_verl.tiny.rewards import compute_score as tiny
+        from claas_verl.mopd.data.rule_rewards import compute_score as rule_score
 
-        return tiny("claas_tiny/safety", _after_thinking(solution_str), ground_truth, extra_info)
+        return rule_score("claas_tiny/safety", _after_thinking(solution_str), ground_truth, extra_info)
     if ds == "ultradata/if":
         truth = json.loads(ground_truth) if ground_truth else {}
         if not truth.get("instruction_id_list"):

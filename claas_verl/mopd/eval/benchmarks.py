@@ -208,7 +208,7 @@ def load_musr(path: Path) -> list:
 
 def score_musr(item: dict, response: str, sample: int = 0) -> dict:
     """MOPD paper: the last line with "answer:" (any case, thinking included); else a seeded random option."""
-    from claas_verl.tiny.data import stable_seed
+    from claas_verl.utils.prompt_rows import stable_seed
 
     seed = stable_seed("musr", MUSR_FALLBACK_SEED, item["id"], sample)
     choice, from_line = X.musr_choice(response, item["choices"], seed)

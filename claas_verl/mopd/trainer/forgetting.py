@@ -102,7 +102,7 @@ class ForgettingEval:
         try:
             meta = t._balance_batch(meta, metrics={})
             expert = t.teachers.load_expert(t.actor_rollout_wg, domain)
-            t.mopd_student_topk(meta, {})  # reorders the rows (canonical_row_order): read the tags after it
+            t.distill.student_topk(meta, t.actor_rollout_wg)  # reorders the rows (canonical_row_order): tags after
             real = np.array([not tag.get("is_padding", False) for tag in meta.tags])
             Sx, Q, mask, _ = t.distill.teacher_q(meta, t.actor_rollout_wg, expert)
             sel = torch.as_tensor(real)

@@ -47,19 +47,23 @@ from claas_verl.mopd.trainer.distill_step import DistillStep
 from claas_verl.mopd.trainer.forgetting import ForgettingEval
 from claas_verl.mopd.trainer.snapshots import StageSnapshots
 from claas_verl.mopd.trainer.teachers import StageTeachers
-from claas_verl.mopd.trainer.verl_couplings import MOPDTrainerCouplings
 from claas_verl.mopd.trainer.weight_probe import WeightSyncProbe
 from claas_verl.mopd.trainer.workers import MOPDWorker
 from claas_verl.schedule import build_plan
-from claas_verl.verl_ext.trainer_base import swap_actor_worker
+from claas_verl.verl_ext.trainer_base import VerlSeams, swap_actor_worker
 
 logger = logging.getLogger(__name__)
 logger.setLevel(os.getenv("VERL_LOGGING_LEVEL", "INFO"))
 
 
 @register_trainer("mopd")
-class MOPDTrainer(MOPDTrainerCouplings, PPOTrainerSync):
-    """Continual multi-teacher on-policy distillation over a ``claas_verl.schedule`` plan (see module doc)."""
+class MOPDTrainer(VerlSeams, PPOTrainerSync):
+    """Continual multi-teacher on-policy distillation over a ``claas_verl.schedule`` plan (see module doc).
+
+    The private ``PPOTrainer`` methods it overrides are listed, each with its reason, in
+    :mod:`claas_verl.verl_ext.trainer_couplings` (checked against the installed verl by
+    ``tests/mopd/trainer/test_mopd_verl_couplings.py``); ``trainer_mode`` and the checkpoint hooks come from
+    :class:`~claas_verl.verl_ext.trainer_base.VerlSeams`."""
 
     def __init__(self, config):
         self.mopd = MopdConfig.from_config(config)  # before verl's __init__, whose sampler reads it
@@ -84,22 +88,30 @@ class MOPDTrainer(MOPDTrainerCouplings, PPOTrainerSync):
         self.probe = WeightSyncProbe(mopd.weight_sync_probe_tokens)
 
     # ================================================================= verl wiring
-    def mopd_use_worker_class(self):
-        """Every role verl maps to its ActorRolloutRefWorker runs the MOPD worker instead."""
+    def _init_resource_pool_mgr(self):
+        """Every role verl maps to its ActorRolloutRefWorker runs the MOPD worker instead; the pools are checked
+        against the cluster before any placement group exists (an unplaceable pool would wait forever in verl)."""
         from verl.trainer.ppo.utils import Role
 
+        from claas_verl.preflight.placement import check_placement
+
+        super()._init_resource_pool_mgr()
         if Role.Critic in self.role_worker_mapping:
             raise ValueError("continual MOPD trains no critic: drop critic settings (algorithm.adv_estimator=grpo)")
         swap_actor_worker(self, MOPDWorker)
+        check_placement(self.resource_pool_manager)
 
-    # ================================================================= data (called from the couplings)
-    def mopd_tune_sampler(self, sampler):
+    # ================================================================= data
+    def _build_replay_buffer(self):
         """verl's sync sampler sleeps ``poll_interval`` (2 s, not configurable in verl) between looks at the
         step's finished rollouts; it becomes ``mopd.sampler_poll_s``. The samples do not depend on it."""
+        sampler = super()._build_replay_buffer()
         sampler.poll_interval = self.mopd.sampler_poll_s
         return sampler
 
-    def mopd_init_datasets(self):
+    def _init_dataloader(self):
+        """verl's dataloader, plus one dataset per domain (train and held-out) for block lookup."""
+        super()._init_dataloader()
         self.domain_datasets, self.forgetting.datasets = load_domains(self.config, self.mopd, self.plan,
                                                                       self.tokenizer, self.processor)
         if self.total_training_steps > len(self.plan_steps):
@@ -112,7 +124,8 @@ class MOPDTrainer(MOPDTrainerCouplings, PPOTrainerSync):
         gs = self.global_steps if global_step is None else global_step
         return self.plan_steps[S.step_index(gs, len(self.plan_steps))]
 
-    def mopd_block_batch(self, num_prompts: int | None = None):
+    def _next_train_batch(self, num_prompts: int | None = None):
+        """The prompts of a step are the rows of the plan step's block (no sampler)."""
         if num_prompts not in (None, self.block_size):
             raise ValueError(f"the MOPD trainer submits whole blocks of {self.block_size} prompts, not {num_prompts}")
         return block_batch(self.domain_datasets, self.current_step(), self.block_size, self.global_steps)
@@ -155,38 +168,45 @@ class MOPDTrainer(MOPDTrainerCouplings, PPOTrainerSync):
         return self.probe.measure(self.tokenizer, self.checkpoint_manager.replicas, self.actor_rollout_wg)
 
     # ================================================================= the step's math (distill_step)
-    def mopd_student_topk(self, batch, metrics: dict):
+    def _compute_old_log_prob(self, batch, metrics: dict):
+        """The pre-update forward returns the student's top-κ (docs/math.md §B.2.1) through the engine's
+        distillation logits-processor path, which verl's method disables (``compute_loss=False``)."""
         return self.distill.student_topk(batch, self.actor_rollout_wg)
 
-    def mopd_teacher_advantages(self, batch, metrics: dict):
+    def _compute_advantage(self, batch, metrics: dict):
+        """Teacher log-probs at the student's ids, rewards (eq. 4) and per-domain advantages (B.2.2) instead of a
+        verl advantage estimator."""
         return self.distill.teacher_advantages(batch, self.actor_rollout_wg, self.current_step(), self.tokenizer,
                                                metrics)
 
-    def mopd_update_actor(self, batch, metrics: dict):
+    def _update_actor(self, batch, metrics: dict):
+        """One update with the distillation flags (verl's method resets them from ``config.distillation``)."""
         return self.distill.update_actor(batch, self.actor_rollout_wg, self.current_step()["kind"], metrics)
 
     # ================================================================= audit trail
-    def mopd_record_step(self, metrics: dict, global_step: int):
-        step = self.current_step(global_step)
+    def _compute_metrics(self, batch, metrics, timing_raw, global_steps, epoch):
+        """After verl computes a step's metrics, the step is appended to ``steps.jsonl``."""
+        super()._compute_metrics(batch, metrics, timing_raw, global_steps=global_steps, epoch=epoch)
+        step = self.current_step(global_steps)
         metrics["mopd/optimizer_steps_in_stage"] = getattr(self, "_optim_steps", -1)
         # verl zeroes the gradients and skips AdamW when the norm is not finite (it only prints a warning)
         metrics["mopd/update_skipped"] = int(S.skipped_update(metrics))
         if metrics["mopd/update_skipped"]:
-            logger.warning(f"MOPD step {global_step}: non-finite gradient norm, optimizer update skipped")
+            logger.warning(f"MOPD step {global_steps}: non-finite gradient norm, optimizer update skipped")
         # the audit trail keeps verl's per-phase timings and throughput too: where a slow step's time went
         keep = {k: v for k, v in metrics.items() if k.startswith(("mopd/", "actor/", "response_length/mean",
                                                                     "critic/score/mean", "timing_s/", "perf/",
                                                                     "rollout/weight_sync_"))}
-        S.append_step(self.run_dir, global_step, step, keep)
-        print(self.progress.line(global_step, metrics), flush=True)
+        S.append_step(self.run_dir, global_steps, step, keep)
+        print(self.progress.line(global_steps, metrics), flush=True)
 
-    # ================================================================= checkpoints
-    def mopd_after_save(self):
+    # ================================================================= checkpoints (VerlSeams hooks)
+    def after_checkpoint_saved(self):
         gs = self.global_steps
         self._saved_at = gs
         self.snapshots.after_save(gs, self.current_step(gs)["stage"], self.is_stage_end(gs))
 
-    def mopd_after_load(self):
+    def after_checkpoint_loaded(self):
         gs = self.global_steps
         if gs == 0:
             return

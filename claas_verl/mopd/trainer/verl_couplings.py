@@ -1,15 +1,15 @@
-"""EVERY place where the MOPD trainer touches a private verl 0.9.1 name (the list itself, shared with the CLaaS
-trainer and the base both stand on: :mod:`claas_verl.verl_ext.trainer_couplings`).
+"""The MOPD system's view of the private verl 0.9.1 names it touches (the list itself, shared with the CLaaS
+trainer and the base both stand on: :mod:`claas_verl.verl_ext.trainer_couplings`), and the helpers that read
+private attributes of verl's workers and FSDP engine.
 
 verl has no hooks for: choosing each step's prompts from a plan, running a logits processor in the
 pre-update forward, asking a teacher for log-probs at the student's ids, resetting the optimizer, or keeping
-extra resume state. The trainer therefore overrides a few private methods of ``PPOTrainer`` and reads a few
-private attributes of verl's FSDP engine. They are all here, each a thin shim that delegates to a public
-``mopd_*`` method of :class:`claas_verl.mopd.trainer.trainer.MOPDTrainer` (or of the worker), and each is
-listed in :data:`COUPLINGS`; ``tests/mopd/trainer/test_mopd_verl_couplings.py`` fails loudly when a verl
-upgrade moves or renames one of them.
+extra resume state. :class:`claas_verl.mopd.trainer.trainer.MOPDTrainer` therefore overrides a few private
+methods of ``PPOTrainer`` directly (as the CLaaS trainer does), and the functions below read a few private
+attributes of verl's FSDP engine. Each name is listed in :data:`COUPLINGS`;
+``tests/mopd/trainer/test_mopd_verl_couplings.py`` fails loudly when a verl upgrade moves or renames one of them.
 
-Trainer overrides (``verl.trainer.ppo.v1.trainer_base.PPOTrainer``):
+Trainer overrides (``verl.trainer.ppo.v1.trainer_base.PPOTrainer``), all in ``MOPDTrainer``:
 
 * ``trainer_mode`` (attribute): verl reads it as a sync/async switch; registering under ``"mopd"`` would
   silently select the async replay buffer, dataloader refill and TransferQueue checkpointing. The shared base
@@ -45,66 +45,11 @@ from __future__ import annotations
 from copy import deepcopy
 from typing import Any
 
-from claas_verl.verl_ext.trainer_base import VerlSeams, task_runner_class
 from claas_verl.verl_ext.trainer_couplings import couplings_of, instance_attributes_of
 
 # this system's view of the one list in claas_verl.verl_ext.trainer_couplings (the shared base's couplings included)
 COUPLINGS: tuple[tuple[str, str, str], ...] = couplings_of("mopd")
 INSTANCE_ATTRIBUTES: tuple[tuple[str, str], ...] = instance_attributes_of("mopd")
-
-
-class MOPDTrainerCouplings(VerlSeams):
-    """Mixin placed before verl's ``PPOTrainer`` in the MOPD trainer's bases; see the module docstring.
-
-    ``trainer_mode`` ("sync" whatever the registered name) and the checkpoint wrapping come from
-    :class:`~claas_verl.verl_ext.trainer_base.VerlSeams`."""
-
-    # ---- workers
-    def _init_resource_pool_mgr(self):
-        from claas_verl.preflight.placement import check_placement
-
-        super()._init_resource_pool_mgr()
-        self.mopd_use_worker_class()
-        check_placement(self.resource_pool_manager)  # an unplaceable pool would wait forever in verl
-
-    # ---- data
-    def _init_dataloader(self):
-        super()._init_dataloader()
-        self.mopd_init_datasets()
-
-    def _next_train_batch(self, num_prompts: int | None = None):
-        return self.mopd_block_batch(num_prompts)
-
-    def _build_replay_buffer(self):
-        return self.mopd_tune_sampler(super()._build_replay_buffer())
-
-    # ---- the step's math
-    def _compute_old_log_prob(self, batch, metrics: dict):
-        return self.mopd_student_topk(batch, metrics)
-
-    def _compute_advantage(self, batch, metrics: dict):
-        return self.mopd_teacher_advantages(batch, metrics)
-
-    def _update_actor(self, batch, metrics: dict):
-        return self.mopd_update_actor(batch, metrics)
-
-    # ---- checkpoints (wrapped by VerlSeams), audit trail
-    def after_checkpoint_saved(self):
-        self.mopd_after_save()
-
-    def after_checkpoint_loaded(self):
-        self.mopd_after_load()
-
-    def _compute_metrics(self, batch, metrics, timing_raw, global_steps, epoch):
-        super()._compute_metrics(batch, metrics, timing_raw, global_steps=global_steps, epoch=epoch)
-        self.mopd_record_step(metrics, global_steps)
-
-
-# ---------------------------------------------------------------------------------------------- task runner
-def mopd_task_runner_class():
-    """verl's v1 ``TaskRunner`` whose ``run`` first imports the MOPD trainer module (``register_trainer("mopd")``
-    in the runner's own Ray process); see :func:`claas_verl.verl_ext.trainer_base.task_runner_class`."""
-    return task_runner_class("claas_verl.mopd.trainer.trainer")
 
 
 # ---------------------------------------------------------------------------------------------- worker side

@@ -40,10 +40,14 @@ def test_overridden_methods_keep_their_signatures():
     for name, params in expected.items():
         got = list(inspect.signature(getattr(PPOTrainer, name)).parameters)
         assert got == params, f"PPOTrainer.{name} changed its signature to {got}"
-    # every private override of the mixin is a listed coupling
-    overridden = {n for n in vars(vc.MOPDTrainerCouplings) if n.startswith("_") and not n.startswith("__")}
+    # every private verl method the trainer overrides is a listed coupling whose signature is checked above
+    from claas_verl.mopd.trainer.trainer import MOPDTrainer
+
+    overridden = {n for n, v in vars(MOPDTrainer).items()
+                  if n.startswith("_") and not n.startswith("__") and inspect.isfunction(v) and hasattr(PPOTrainer, n)}
     listed = {attr for _, owner, attr in vc.COUPLINGS if owner == "PPOTrainer"}
-    assert overridden <= listed, overridden - listed
+    assert overridden and overridden <= listed, overridden - listed
+    assert overridden <= set(expected), overridden - set(expected)
 
 
 @pytest.mark.parametrize("where,needle", vc.INSTANCE_ATTRIBUTES)
@@ -66,10 +70,9 @@ def test_trainer_mode_switch_is_read_as_sync_and_base_uses_it():
     # the base class branches on the attribute: keeping it "sync" is what keeps sync semantics
     assert 'self.trainer_mode == "sync"' in src and 'self.trainer_mode != "sync"' in src
 
-    class Probe(vc.MOPDTrainerCouplings):
-        pass
+    from claas_verl.mopd.trainer.trainer import MOPDTrainer
 
-    p = Probe()
+    p = MOPDTrainer.__new__(MOPDTrainer)  # no verl __init__: only the attribute's behaviour is looked at
     p.trainer_mode = "mopd"
     assert p.trainer_mode == "sync" and p.registered_mode == "mopd"
 
@@ -103,7 +106,9 @@ def test_task_runner_class_recovers_verl_s_runner():
 
     base = TaskRunnerV1.__ray_metadata__.modified_class.__ray_actor_class__
     assert hasattr(base, "run") and hasattr(base, "init_agent_loop_manager")
-    runner = vc.mopd_task_runner_class()
+    from claas_verl.main_mopd import mopd_task_runner_class
+
+    runner = mopd_task_runner_class()
     assert hasattr(runner, "remote")
 
 
@@ -166,16 +171,19 @@ def test_teacher_precision_follows_mopd_train_teacher_dtype(tiny_dir):
         vc.apply_teacher_dtype(types.SimpleNamespace(), "fp32_bf16_autocast")
 
 
-def test_sampler_poll_interval_comes_from_the_schema():
+def test_sampler_poll_interval_comes_from_the_schema(monkeypatch):
     """verl's sampler keeps its ``poll_interval`` argument; the trainer sets it from ``MopdConfig.sampler_poll_s``
-    (validated there: tests/mopd/test_mopd_config.py)."""
+    (validated there: tests/mopd/test_mopd_config.py) on the sampler verl's ``_build_replay_buffer`` built."""
     from types import SimpleNamespace
 
     from verl.trainer.ppo.v1.replay_buffer import ReplayBuffer
+    from verl.trainer.ppo.v1.trainer_sync import PPOTrainerSync
 
     from claas_verl.mopd.trainer.trainer import MOPDTrainer
 
     assert "poll_interval" in inspect.signature(ReplayBuffer.__init__).parameters
     sampler = SimpleNamespace(poll_interval=2.0)
-    trainer = SimpleNamespace(mopd=SimpleNamespace(sampler_poll_s=0.05))
-    assert MOPDTrainer.mopd_tune_sampler(trainer, sampler) is sampler and sampler.poll_interval == 0.05
+    monkeypatch.setattr(PPOTrainerSync, "_build_replay_buffer", lambda self: sampler, raising=False)
+    trainer = MOPDTrainer.__new__(MOPDTrainer)
+    trainer.mopd = SimpleNamespace(sampler_poll_s=0.05)
+    assert trainer._build_replay_buffer() is sampler and sampler.poll_interval == 0.05

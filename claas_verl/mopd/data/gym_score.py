@@ -1,7 +1,7 @@
 """Reasoning-gym scoring of one reply, offline: the entry is rebuilt from the row's ``extra_info.meta``.
 
-Shared by the tiny gym bundle (its accuracy during the build) and the reward of the MOPD prompt files
-(:mod:`claas_verl.mopd.data.rewards`, which dispatches ``reasoning_gym/<task>`` rows here).
+The reward of the MOPD prompt files (:mod:`claas_verl.mopd.data.rewards`, which dispatches ``reasoning_gym/<task>``
+rows here); the tiny gym bundle (:mod:`claas_verl.tiny.gym`) scores its accuracy during the build with it too.
 """
 
 from __future__ import annotations
