@@ -20,7 +20,7 @@ from omegaconf import OmegaConf
 
 from claas_verl.distill.topk import check_std_floor
 from claas_verl.mopd.trainer.alignment import AuxConfig, aux_config
-from claas_verl.mopd.trainer.records import check_teacher_dtype
+from claas_verl.mopd.trainer.config_checks import check_teacher_dtype
 from claas_verl.preflight.recipe_keys import BASE_YAML, TRAIN_YAML, recipe_key
 from claas_verl.schedule import ScheduleConfig
 

@@ -26,9 +26,9 @@ from claas_verl.distill import (
 )
 from claas_verl.mopd.config import MopdConfig
 from claas_verl.mopd.trainer import fields as F
-from claas_verl.mopd.trainer import records as S
 from claas_verl.mopd.trainer.alignment import AUX_KEY, region_fields
 from claas_verl.mopd.trainer.blocks import canonical_row_order
+from claas_verl.mopd.trainer.config_checks import check_one_update_per_step
 from claas_verl.mopd.trainer.workers import TEACHER_KEY
 from claas_verl.verl_ext.packed_batch import padded
 
@@ -42,7 +42,7 @@ def check_verl_config(mopd: MopdConfig, config) -> None:
             f"{mopd.block_size}: every step trains exactly one block"
         )
     actor = config.actor_rollout_ref.actor
-    S.check_one_update_per_step(mopd.block_size, actor.get("ppo_mini_batch_size"), actor.get("ppo_epochs"))
+    check_one_update_per_step(mopd.block_size, actor.get("ppo_mini_batch_size"), actor.get("ppo_epochs"))
     if mopd.signal.enabled and actor.get("strategy") not in ("fsdp2",):
         raise ValueError(f"mopd.signal enables {list(mopd.signal.terms)}: the balanced update needs "
                          f"actor_rollout_ref.actor.strategy=fsdp2, got {actor.get('strategy')!r}")
