@@ -13,7 +13,7 @@ verl's own function off the CPU platform.
 Public extension points used (no patch): ``PlatformRegistry.register``,
 ``RolloutReplicaRegistry.register``, ``EngineRegistry.register``.
 
-Monkeypatches (each checked by ``tests/verl_ext/test_cpu_patches.py``, which
+Monkeypatches (each checked by ``tests/verl_ext/cpu/test_cpu_patches.py``, which
 fails loudly if a verl upgrade moves the name):
 
 P1. ``verl.workers.rollout.base._ROLLOUT_REGISTRY`` — the rollout-class table
