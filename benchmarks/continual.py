@@ -190,13 +190,13 @@ def mopd_run(recipe: str, seed: int, out: Path, quick: bool, extra: list[str], b
 
 def _score_run(recipe: str, seed: int, out: Path, quick: bool, extra: list[str], seconds: float,
                bundle: str) -> dict:
-    from claas_verl.mopd.trainer import records as S
+    from claas_verl.mopd.trainer.forgetting_table import read_forgetting, stage_end_rows
 
     name = run_name(recipe, seed)
     runs = out / "runs"
     # the trainer's own stage-end table, when the job kept it (mopd.eval.enabled): a cross-check of the scorer
     trainer_scores: dict[int, dict[str, float]] = {}
-    for r in S.stage_end_rows(S.read_forgetting(str(runs / name))):
+    for r in stage_end_rows(read_forgetting(str(runs / name))):
         trainer_scores.setdefault(int(r["stage"]), {})[r["domain"]] = float(r["score"])
     method = recipe_stages(recipe, [*(QUICK_MOPD_OVERRIDES if quick else []), *extra])
     protocol = method["eval"]
@@ -219,7 +219,7 @@ def recipe_stages(recipe: str, overrides: list[str]) -> dict:
     sampling of the training rollouts (reply length, temperature)."""
     from hydra import compose, initialize_config_dir
 
-    from claas_verl.mopd.trainer import records as S
+    from claas_verl.mopd.trainer.plan_steps import learned_domains
     from claas_verl.paths import recipes_dir
     from claas_verl.schedule import plan_from_config
 
@@ -231,7 +231,7 @@ def recipe_stages(recipe: str, overrides: list[str]) -> dict:
                          "distribution (top_p 1.0), as the benchmark recipes train")
     steps = [s.to_dict() for s in plan_from_config(cfg).steps]
     last = {s["stage"]: i for i, s in enumerate(steps)}
-    return {"stage_domains": {st: S.learned_domains(steps, i) for st, i in sorted(last.items())},
+    return {"stage_domains": {st: learned_domains(steps, i) for st, i in sorted(last.items())},
             "order": list(m.order), "staged": not any(s["kind"] == "joint" for s in steps),
             "eval": {"prompts": int(m.eval.prompts), "samples": int(m.eval.responses_per_prompt),
                      "max_new_tokens": int(m.train.max_response_length), "temperature": float(m.train.temperature)}}

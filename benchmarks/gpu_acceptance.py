@@ -183,7 +183,7 @@ def replay_batch(sizes: Sizes, cfg, rows: int = 1, seed: int = 0):
     import torch
     from verl.utils import tensordict_utils as tu
 
-    from claas_verl.mopd.trainer import alignment as A
+    from claas_verl.mopd.trainer import alignment
 
     g = torch.Generator().manual_seed(seed)
     step = sizes.window // sizes.regions
@@ -196,15 +196,15 @@ def replay_batch(sizes: Sizes, cfg, rows: int = 1, seed: int = 0):
         seqs.append(torch.cat([torch.randint(10, 1000, (sizes.prompt,), generator=g), response]))
     padded = torch.stack(responses)
     mask = torch.ones_like(padded)
-    rid, win = A.response_regions(padded, mask, {SEP}, cfg)
+    rid, win = alignment.response_regions(padded, mask, {SEP}, cfg)
     nest = lambda xs: torch.nested.nested_tensor(xs, layout=torch.jagged)  # noqa: E731
     data = tu.get_tensordict({
         "input_ids": nest(seqs),
         "response_mask": nest([torch.ones(sizes.response, dtype=torch.long) for _ in range(rows)]),
-        A.REGION_IDS: nest([rid[i] for i in range(rows)]),
-        A.WINDOW: nest([win[i] for i in range(rows)]),
+        alignment.REGION_IDS: nest([rid[i] for i in range(rows)]),
+        alignment.WINDOW: nest([win[i] for i in range(rows)]),
     })
-    tu.assign_non_tensor_data(data, A.AUX_KEY, cfg.to_dict())
+    tu.assign_non_tensor_data(data, alignment.AUX_KEY, cfg.to_dict())
     tu.assign_non_tensor(data, use_dynamic_bsz=False, micro_batch_size_per_gpu=1)
     return data
 
@@ -281,11 +281,11 @@ def check_teacher_targets(sizes: Sizes, family: str) -> dict:
 
     from claas_verl.align import target_bytes
     from claas_verl.align.target_store import signals_bytes
-    from claas_verl.mopd.trainer import alignment as A
+    from claas_verl.mopd.trainer import alignment
     from claas_verl.mopd.trainer.workers import MOPDWorker, _micro_batches, update_row_groups
 
     shape = sizes.qwen3 if family == "qwen3" else sizes.r1
-    cfg = A.aux_config({"sats": True, "vr": True, "hidden": True, "window": sizes.window})
+    cfg = alignment.aux_config({"sats": True, "vr": True, "hidden": True, "window": sizes.window})
     data = replay_batch(sizes, cfg)
     numbers = {"tokens": sizes.prompt + sizes.response, "attn": attn_implementation()}
     with process_group():
@@ -341,11 +341,11 @@ def step_memory_phases(shape: Shape, sizes: Sizes) -> dict[str, float]:
 def check_balanced_step(sizes: Sizes, student: str = "qwen3") -> dict:
     import torch
 
-    from claas_verl.mopd.trainer import alignment as A
+    from claas_verl.mopd.trainer import alignment
     from claas_verl.mopd.trainer.workers import MOPDTrainingWorker, MOPDWorker, update_row_groups
 
     shape = getattr(sizes, student)
-    cfg = A.aux_config({"sats": True, "vr": True, "hidden": True, "ratio": 1.0, "window": sizes.window})
+    cfg = alignment.aux_config({"sats": True, "vr": True, "hidden": True, "ratio": 1.0, "window": sizes.window})
     data = replay_batch(sizes, cfg, seed=1)
     device = _device()
     T = sizes.prompt + sizes.response

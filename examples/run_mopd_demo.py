@@ -26,7 +26,11 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from claas_verl.mopd.trainer import records as S  # noqa: E402  (pure python; no verl import)
+from claas_verl.mopd.trainer.forgetting_table import (  # noqa: E402  (pure python; no verl import)
+    forgetting_table,
+    read_forgetting,
+    stage_end_rows,
+)
 
 RUNS = (("seq", "mopd/tiny_seq"), ("replay_kl", "mopd/tiny_replay_kl"))
 DEMO_OVERRIDES = ["mopd.eval.prompts=8", "trainer.save_freq=-1", "trainer.resume_mode=disable"]
@@ -65,12 +69,12 @@ def main() -> None:
 
     with stopping_jobs_on_signals():
         dirs = {name: run(name, recipe, out, extra) for name, recipe in RUNS}
-    rows = {name: S.read_forgetting(str(d)) for name, d in dirs.items()}
+    rows = {name: read_forgetting(str(d)) for name, d in dirs.items()}
     print()
     for name in dirs:
-        print(S.forgetting_table(rows[name], title=name))
+        print(forgetting_table(rows[name], title=name))
         print()
-    rows = {name: S.stage_end_rows(rs) for name, rs in rows.items()}
+    rows = {name: stage_end_rows(rs) for name, rs in rows.items()}
     last = {name: max(int(r["stage"]) for r in rs) for name, rs in rows.items()}
     for key, what in (("kl", "top-k KL as the MOPD paper logs it"),
                       ("kl_binned", "(k+1)-bin KL, a lower bound of the full KL")):

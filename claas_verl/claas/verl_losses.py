@@ -13,10 +13,9 @@ How a trainer supplies the EMA state to ``claas_rpp_ema``: verl calls an estimat
 ``token_level_rewards``, ``response_mask``, ``config`` and optional ``index``/``reward_baselines``, so
 the running :class:`~claas_verl.losses.advantages.EmaRewardStats` cannot travel through the call. The
 trainer (the process that owns the replay buffer and calls ``compute_advantage``, i.e. the driver)
-binds its stats object once with :func:`bind_rpp_ema_stats` (or for a block with
-:func:`rpp_ema_stats_bound`), keeps calling ``stats.update(r)`` at insertion time, and saves
-``stats.state_dict()`` in its checkpoints. The estimator only READS b and v; calling it with nothing
-bound raises a ValueError that says so.
+binds its stats object once with :func:`bind_rpp_ema_stats`, keeps calling ``stats.update(r)`` at insertion
+time, and saves ``stats.state_dict()`` in its checkpoints. The estimator only READS b and v; calling it with
+nothing bound raises a ValueError that says so.
 
 Host syncs: each policy loss makes exactly ONE per call, the single read of its metrics dict
 (:func:`claas_verl.utils.host_sync.metrics_to_floats`). The math makes none (value checks only with
@@ -29,7 +28,6 @@ estimator and critic worker compute the advantages and the value loss.
 
 from __future__ import annotations
 
-import contextlib
 from typing import Any
 
 import torch
@@ -121,21 +119,6 @@ def bind_rpp_ema_stats(stats: EmaRewardStats | None) -> None:
     if stats is not None and not isinstance(stats, EmaRewardStats):
         raise ValueError(f"bind_rpp_ema_stats expects an EmaRewardStats, got {type(stats).__name__}")
     _BOUND_EMA_STATS = stats
-
-
-def bound_rpp_ema_stats() -> EmaRewardStats | None:
-    return _BOUND_EMA_STATS
-
-
-@contextlib.contextmanager
-def rpp_ema_stats_bound(stats: EmaRewardStats):
-    """Bind ``stats`` for the duration of a block, restoring the previous binding afterwards."""
-    previous = _BOUND_EMA_STATS
-    bind_rpp_ema_stats(stats)
-    try:
-        yield stats
-    finally:
-        bind_rpp_ema_stats(previous)
 
 
 _ON_POLICY_STATS: EmaRewardStats | None = None

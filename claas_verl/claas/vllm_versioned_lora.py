@@ -25,10 +25,10 @@ old adapter cached while they do needs ``max_cpu_loras >= 2``:
 ``actor_rollout_ref.rollout.engine_kwargs.vllm.max_cpu_loras`` (4 in ``recipes/claas/common/paper_model.yaml``);
 :func:`register` refuses a smaller value.
 
-Status: the decision logic is tested against a real vLLM engine on CPU (tests/verl_ext/test_lora_versions_vllm.py);
+Status: the decision logic is tested against a real vLLM engine on CPU (tests/claas/test_lora_versions_vllm.py);
 this glue runs end to end inside verl's vLLM rollout on vLLM's CPU build for LoRA-only syncs
-(tests/verl_ext/test_vllm_versioned_lora_e2e.py, marked ``vllm`` and ``slow``; unchanged on a CUDA build), and the verl
-names it relies on are checked by tests/verl_ext/test_vllm_versioned_lora_couplings.py. Full-weight syncs take verl's
+(tests/claas/test_vllm_versioned_lora_e2e.py, marked ``vllm`` and ``slow``; unchanged on a CUDA build), and the verl
+names it relies on are checked by tests/claas/test_vllm_versioned_lora_couplings.py. Full-weight syncs take verl's
 own path (unchanged here); on vLLM's CPU build they work once the platform plugin keeps the linear weights
 (docs/verl-couplings.md, V4). Neither has run on a GPU yet.
 """

@@ -61,18 +61,6 @@ def parse_tests(spec: Any) -> tuple[list[Any], float | None]:
     return tests, (float(timeout) if timeout is not None else None)
 
 
-def is_test_spec(truth: Any) -> bool:
-    """Whether a ground truth looks like a test specification (an object with 'tests')."""
-    if isinstance(truth, dict):
-        return "tests" in truth
-    if isinstance(truth, str) and truth.lstrip().startswith("{"):
-        try:
-            return "tests" in json.loads(truth)
-        except (ValueError, TypeError):
-            return False
-    return False
-
-
 def code_reward(response: str, spec: Any, limits: SandboxLimits | None = None) -> float | None:
     """1.0 / 0.0 / None (sandbox failure) for ``response`` against the tests of ``spec``."""
     tests, timeout = parse_tests(spec)

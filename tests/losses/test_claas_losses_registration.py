@@ -98,11 +98,13 @@ def test_adv_estimators_through_verl_registry():
     with pytest.raises(ValueError, match="bind_rpp_ema_stats"):
         fn(token_level_rewards=R, response_mask=mask, config=AlgoConfig())
     stats = EmaRewardStats()  # b = 0.5, v = 0.25 → A = ±0.5/0.5 = ±1
-    with glue.rpp_ema_stats_bound(stats):
+    glue.bind_rpp_ema_stats(stats)
+    try:
         adv, ret = fn(token_level_rewards=R, response_mask=mask, config=AlgoConfig(), index=None)
+    finally:
+        glue.bind_rpp_ema_stats(None)
     assert adv.tolist() == [[1.0, 1.0, 0.0], [-1.0, -1.0, -1.0]]
     assert ret.tolist() == [[1.0, 1.0, 0.0], [0.0, 0.0, 0.0]]
-    assert glue.bound_rpp_ema_stats() is None
     # global_whiten agrees with verl's reinforce_plus_plus where verl is defined
     ours, _ = get_adv_estimator_fn("claas_rpp_global_whiten")(token_level_rewards=R, response_mask=mask,
                                                                config=AlgoConfig())

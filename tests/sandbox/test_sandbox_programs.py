@@ -19,7 +19,7 @@ from claas_verl.sandbox import (
     probe_isolation,
     run_program,
 )
-from claas_verl.sandbox.code_reward import code_reward, extract_program, is_test_spec, parse_tests
+from claas_verl.sandbox.code_reward import code_reward, extract_program, parse_tests
 
 # As root (CI, containers) the full sandbox must work, so these tests fail loudly if it does not; as a
 # non-root user on a kernel without unprivileged user namespaces they are skipped, naming what is missing.
@@ -134,7 +134,6 @@ def test_code_reward_and_tiny_compute_score():
     bad = "```python\nprint(5)\n```"
     assert extract_program("text ```\nx\n``` and ```py\ny = 1\n```") == "y = 1\n"
     assert extract_program("no code") is None
-    assert is_test_spec(json.dumps(SPEC)) and is_test_spec(SPEC) and not is_test_spec("{oops") and not is_test_spec("5")
     assert code_reward(good.split("</think>")[1], SPEC) == 1.0
     assert code_reward(bad, json.dumps(SPEC)) == 0.0 and code_reward("no code", SPEC) == 0.0
     # the tiny code domain: a JSON test spec runs the program; a plain string stays output prediction

@@ -31,5 +31,5 @@ def test_every_named_test_file_exists():
 
 def test_the_scan_finds_a_reference_to_a_missing_file(tmp_path):
     doc = tmp_path / "mod.py"
-    doc.write_text('"""checked by tests/verl_ext/test_lora_versions.py and tests/verl_ext/test_nothing_here.py"""\n')
+    doc.write_text('"""checked by tests/claas/test_lora_versions.py and tests/verl_ext/test_nothing_here.py"""\n')
     assert missing_test_files([doc]) == {"tests/verl_ext/test_nothing_here.py": [str(doc)]}

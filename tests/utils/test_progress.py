@@ -66,13 +66,13 @@ def test_tiny_training_loop_reports_steps(monkeypatch, capsys):
 
 
 def test_evaluation_reports_generation_and_benchmark_runs(tiny, tmp_path, monkeypatch, capsys):
-    from claas_verl.mopd.eval import benchmarks as B
+    from claas_verl.mopd.eval import benchmarks
     from claas_verl.mopd.eval.generate import HFGenerator
     from claas_verl.mopd.eval.runner import evaluate_model
 
     monkeypatch.setenv("CLAAS_PROGRESS_S", "0")
     gen = HFGenerator(str(tiny.student), batch_size=2, max_new_tokens_cap=2)
-    data = B.resolve_data(str(FIX), {})
+    data = benchmarks.resolve_data(str(FIX), {})
     evaluate_model(gen, str(tiny.student), tmp_path / "student", ["BBH"], [0, 1], data, limit=3)
     err = capsys.readouterr().err.splitlines()
     assert [ln.split(" (")[0] for ln in err if ln.startswith("[eval] student")] == [

@@ -88,7 +88,8 @@ def build_worker_configs(cfg, teacher_path: str | None = None) -> dict:
 def test_mopd_gpu_recipe_passes_verl_validation(recipe, tiny_root):
     from verl.utils.config import validate_config
 
-    from claas_verl.mopd.trainer import records as S
+    from claas_verl.mopd.config_train import check_teacher_dtype
+    from claas_verl.mopd.trainer.config_checks import check_one_update_per_step
 
     cfg = compose_mopd(recipe, tiny_root)
     assert cfg.trainer.device == "cuda" and cfg.actor_rollout_ref.rollout.name == "vllm"
@@ -97,8 +98,8 @@ def test_mopd_gpu_recipe_passes_verl_validation(recipe, tiny_root):
     assert built["actor"].strategy == "fsdp2" and built["teacher"].engine_config.forward_only
     # the MOPD trainer's own start-up checks on the verl keys
     actor = cfg.actor_rollout_ref.actor
-    S.check_one_update_per_step(int(cfg.mopd.block_size), actor.ppo_mini_batch_size, actor.ppo_epochs)
-    S.check_teacher_dtype(cfg.mopd.train.teacher_dtype)
+    check_one_update_per_step(int(cfg.mopd.block_size), actor.ppo_mini_batch_size, actor.ppo_epochs)
+    check_teacher_dtype(cfg.mopd.train.teacher_dtype)
 
 
 @pytest.mark.parametrize("recipe", CLAAS_GPU)

@@ -333,15 +333,6 @@ class ClaasSdpoWorker(ActorRolloutRefWorker):
         return dict(self.actor.probe or {})
 
 
-def ema_relation_error(probe: dict) -> float:
-    """|T' − ((1−τ)T + τS)| / max(1, |T'|) from a probe: ≈ 0 iff the last EMA step moved θ_T toward θ by τ."""
-    tau = probe["tau"]
-    expect = (1 - tau) * probe["teacher_sum_before"] + tau * probe["student_sum"]
-    return abs(probe["teacher_sum_after"] - expect) / max(1.0, abs(probe["teacher_sum_after"]))
-
-
-
-
 def _rank() -> int:
     return torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from claas_verl.mopd.data import mopd as D
+from claas_verl.mopd.data import mopd as mopd_data
 from claas_verl.utils.cli import name_values
 
 MOPD_HELP = "per-domain MOPD prompt files (MOPD paper §5.1) from local raw datasets"
@@ -24,12 +24,13 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--safety-harmful", help="STAR-1 file (question)")
     ap.add_argument("--safety-benign", help="STAR-benign-915 file (question)")
     ap.add_argument("--if", dest="if_", help="UltraData-SFT instruction-following subset (messages or prompt)")
-    ap.add_argument("--logic-seed", type=int, default=D.LOGIC_SEED, help="reasoning-gym seed of the training prompts")
+    ap.add_argument("--logic-seed", type=int, default=mopd_data.LOGIC_SEED,
+                    help="reasoning-gym seed of the training prompts")
     ap.add_argument("--logic-tasks", help="comma-separated reasoning-gym tasks (default: the 38 GYM tasks)")
     ap.add_argument("--seed", type=int, default=0, help="draw order of the file-based domains (MOPD paper: seed 0)")
-    ap.add_argument("--blocks", default=",".join(f"{d}={n}" for d, n in D.PAPER_BLOCKS.items()))
-    ap.add_argument("--block-size", type=int, default=D.BLOCK_SIZE)
-    ap.add_argument("--max-prompt-tokens", type=int, default=D.MAX_PROMPT_TOKENS)
+    ap.add_argument("--blocks", default=",".join(f"{d}={n}" for d, n in mopd_data.PAPER_BLOCKS.items()))
+    ap.add_argument("--block-size", type=int, default=mopd_data.BLOCK_SIZE)
+    ap.add_argument("--max-prompt-tokens", type=int, default=mopd_data.MAX_PROMPT_TOKENS)
     ap.add_argument("--eval-data-dir", help="the benchmark folder of python -m claas_verl.mopd.eval (--data-dir): its "
                                             "prompts are removed from training")
     ap.add_argument("--eval-data", action="append", default=[], help="BENCH=PATH, as for the eval command")
@@ -44,7 +45,7 @@ def mopd_main(a: argparse.Namespace) -> int:
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     domains = [d.strip() for d in a.domains.split(",") if d.strip()]
-    blocks = {**D.PAPER_BLOCKS, **{d: int(n) for d, n in name_values(a.blocks.split(","), "--blocks").items()}}
+    blocks = {**mopd_data.PAPER_BLOCKS, **{d: int(n) for d, n in name_values(a.blocks.split(","), "--blocks").items()}}
     given = {"math": a.math, "code": a.code, "if": a.if_}
     sources: dict[str, dict] = {}
     for d in domains:
@@ -60,16 +61,16 @@ def mopd_main(a: argparse.Namespace) -> int:
                 raise SystemExit(f"domain {d} needs --{d} FILE (or leave it out of --domains)")
             sources[d] = {"path": given[d]}
         else:
-            raise SystemExit(f"--domains: unknown domain {d!r}; choose from {list(D.ABILITY)}")
+            raise SystemExit(f"--domains: unknown domain {d!r}; choose from {list(mopd_data.ABILITY)}")
 
     from claas_verl.mopd.data.io import read_records
-    from claas_verl.mopd.eval import benchmarks as B
+    from claas_verl.mopd.eval import benchmarks
 
     questions: list[str] = []
-    data = B.resolve_data(a.eval_data_dir, name_values(a.eval_data, "--eval-data"))
+    data = benchmarks.resolve_data(a.eval_data_dir, name_values(a.eval_data, "--eval-data"))
     checked = []
-    for bench in [b for b in B.SETTINGS if b in data or (b == "GYM" and not a.no_gym_overlap)]:
-        qs = B.benchmark_questions(bench, data)
+    for bench in [b for b in benchmarks.SETTINGS if b in data or (b == "GYM" and not a.no_gym_overlap)]:
+        qs = benchmarks.benchmark_questions(bench, data)
         questions += qs
         checked.append(f"{bench} ({len(qs)})")
     for path in a.extra_eval_prompts:
@@ -80,8 +81,8 @@ def mopd_main(a: argparse.Namespace) -> int:
         questions += [str(r[col]) for r in rows]
         checked.append(f"{path} ({len(rows)})")
     print(f"[data] evaluation prompts checked for overlap: {', '.join(checked) or 'none'}")
-    reports = D.build(a.out, sources, D.token_counter(a.tokenizer), D.OverlapIndex(questions), blocks,
-                      a.block_size, a.max_prompt_tokens, a.seed)
+    reports = mopd_data.build(a.out, sources, mopd_data.token_counter(a.tokenizer), mopd_data.OverlapIndex(questions),
+                              blocks, a.block_size, a.max_prompt_tokens, a.seed)
     print(f"{'domain':8} {'rows':>6} {'blocks':>6} {'seen':>7} {'dup':>6} {'>tokens':>8} {'overlap':>8}  source")
     for d, r in reports.items():
         print(f"{d:8} {r.rows:6d} {r.blocks:6d} {r.seen:7d} {r.duplicate:6d} {r.too_long:8d} {r.overlap:8d}  "

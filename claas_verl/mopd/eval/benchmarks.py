@@ -25,7 +25,7 @@ from functools import cache, lru_cache
 from pathlib import Path
 
 from claas_verl.mopd.data.io import read_records, require_columns
-from claas_verl.mopd.eval import extract as X
+from claas_verl.mopd.eval import extract
 from claas_verl.mopd.eval.codeexec import run_program, run_stdio
 
 BOXED_INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
@@ -120,8 +120,8 @@ def score_gym(item: dict, response: str) -> dict:
     """MOPD paper: the last boxed answer is passed to the task's own reasoning-gym scorer (partial credit kept)."""
     ds = gym_dataset(item["task"], item["size"], item["seed"])
     entry = ds[item["index"]]
-    ans = X.last_boxed(response)
-    lenient = X.lenient_answer(response)
+    ans = extract.last_boxed(response)
+    lenient = extract.lenient_answer(response)
     return {"score": float(ds.score_answer(answer=ans, entry=entry)) if ans is not None else 0.0, "answer": ans,
             "lenient_score": float(ds.score_answer(answer=lenient, entry=entry)) if lenient is not None else 0.0}
 
@@ -145,7 +145,7 @@ def bbh_match(pred: str | None, target: str) -> bool:
         return False
     from lm_eval.api.metrics import exact_match_hf_evaluate
 
-    p = X.unwrap_latex(pred)
+    p = extract.unwrap_latex(pred)
     mc = re.fullmatch(r"\(([A-R])\)", target.strip())
     if mc:
         m = re.match(r"^\(?([A-Ra-r])\)?(?:$|[\s.:)])", p)
@@ -177,9 +177,9 @@ def load_bbh(path: Path, per_subtask: int = BBH_ITEMS_PER_SUBTASK) -> list:
 
 
 def score_bbh(item: dict, response: str) -> dict:
-    ans = X.last_boxed(response)
+    ans = extract.last_boxed(response)
     return {"score": float(bbh_match(ans, item["target"])), "answer": ans,
-            "lenient_score": float(bbh_match(X.lenient_answer(response), item["target"]))}
+            "lenient_score": float(bbh_match(extract.lenient_answer(response), item["target"]))}
 
 
 # MOPD paper: MuSR's official chain-of-thought prompt asks for a last line "ANSWER:" with the choice number. The wording
@@ -211,7 +211,7 @@ def score_musr(item: dict, response: str, sample: int = 0) -> dict:
     from claas_verl.utils.prompt_rows import stable_seed
 
     seed = stable_seed("musr", MUSR_FALLBACK_SEED, item["id"], sample)
-    choice, from_line = X.musr_choice(response, item["choices"], seed)
+    choice, from_line = extract.musr_choice(response, item["choices"], seed)
     return {"score": float(choice == item["target"]), "answer": choice, "random_option": not from_line}
 
 
@@ -235,7 +235,7 @@ def load_math(path: Path, name: str) -> list:
         if any(k in r for k in ("answer", "Answer")):
             answer = str(_first(r, ("answer", "Answer"), path, name))
         else:
-            sol = X.last_boxed(str(_first(r, ("solution",), path, f"{name} (no answer column)")))
+            sol = extract.last_boxed(str(_first(r, ("solution",), path, f"{name} (no answer column)")))
             if sol is None:
                 raise ValueError(f"{path}: {name} row {i} has no answer column and no \\boxed answer in its solution")
             answer = sol
@@ -255,7 +255,7 @@ def math_equal(pred: str | None, target: str) -> bool:
 
 
 def score_math(item: dict, response: str) -> dict:
-    ans = X.last_boxed(response)
+    ans = extract.last_boxed(response)
     return {"score": float(math_equal(ans, item["target"])), "answer": ans}
 
 
@@ -324,7 +324,7 @@ def code_answer(response: str, entry_point: str | None = None) -> str:
     closes), then EvalPlus' ``sanitize`` (the entry point and its dependencies, or the code block)."""
     from evalplus.sanitize import sanitize
 
-    answer, _ = X.split_thinking(response)
+    answer, _ = extract.split_thinking(response)
     return sanitize(answer, entry_point)
 
 
@@ -399,8 +399,8 @@ def load_lcb(path: Path) -> list:
 
 def score_lcb(item: dict, response: str, timeout_s: float = 20.0) -> dict:
     """MOPD paper: the last code block (after the thinking) runs on the official tests (stdin or functional)."""
-    answer, _ = X.split_thinking(response)
-    code = X.last_code_block(answer)
+    answer, _ = extract.split_thinking(response)
+    code = extract.last_code_block(answer)
     if code is None:
         return {"score": 0.0, "answer": None}
     if item["func_name"]:
@@ -494,7 +494,7 @@ def if_checker(repo: str | None) -> Callable[[dict, str], bool]:
 
 def score_if(item: dict, response: str, checker: Callable[[dict, str], bool]) -> dict:
     """MOPD paper: verified on the answer after the thinking block (the whole response if it never closes)."""
-    answer, closed = X.split_thinking(response)
+    answer, closed = extract.split_thinking(response)
     return {"score": float(checker(item, answer)), "closed": closed}
 
 

@@ -7,7 +7,7 @@ import os
 import re
 from pathlib import Path
 
-from claas_verl.mopd.eval import benchmarks as B
+from claas_verl.mopd.eval import benchmarks
 from claas_verl.utils.cli import name_values
 
 
@@ -36,13 +36,13 @@ def eval_main(argv: list[str]) -> int:
     ap.add_argument("--model", required=True, help="Hugging Face model folder, or a MOPD run folder (every stage "
                                                    "snapshot is evaluated)")
     ap.add_argument("--name", help="checkpoint name in the output (default: the folder name)")
-    ap.add_argument("--benchmarks", default=",".join(B.SETTINGS),
-                    help=f"comma-separated, from {list(B.SETTINGS)} (MBPP yields MBPP and MBPP+, XSTest yields "
-                         "XSTest-safe and XSTest-unsafe)")
+    ap.add_argument("--benchmarks", default=",".join(benchmarks.SETTINGS),
+                    help=f"comma-separated, from {list(benchmarks.SETTINGS)} (MBPP yields MBPP and MBPP+, XSTest "
+                         "yields XSTest-safe and XSTest-unsafe)")
     ap.add_argument("--seeds", default="0,1,2")
     ap.add_argument("--out", required=True)
     ap.add_argument("--data-dir", help="folder holding the benchmark files under their default names "
-                                       f"{B.DEFAULT_FILES}")
+                                       f"{benchmarks.DEFAULT_FILES}")
     ap.add_argument("--data", action="append", default=[], help="BENCH=PATH, overrides --data-dir for one benchmark")
     ap.add_argument("--backend", choices=("auto", "vllm", "hf"), default="auto",
                     help="auto: vLLM when a GPU is visible, else Hugging Face generate on CPU")
@@ -61,16 +61,17 @@ def eval_main(argv: list[str]) -> int:
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     benches = [b.strip() for b in a.benchmarks.split(",") if b.strip()]
-    unknown = [b for b in benches if b not in B.SETTINGS]
+    unknown = [b for b in benches if b not in benchmarks.SETTINGS]
     if unknown:
-        raise SystemExit(f"--benchmarks: unknown {unknown}; choose from {list(B.SETTINGS)}")
+        raise SystemExit(f"--benchmarks: unknown {unknown}; choose from {list(benchmarks.SETTINGS)}")
     seeds = [int(s) for s in a.seeds.split(",") if s.strip()]
-    data = B.resolve_data(a.data_dir, name_values(a.data, "--data"))
-    gym = tuple(t.strip() for t in a.gym_tasks.split(",")) if a.gym_tasks else B.GYM_TASKS
+    data = benchmarks.resolve_data(a.data_dir, name_values(a.data, "--data"))
+    gym = tuple(t.strip() for t in a.gym_tasks.split(",")) if a.gym_tasks else benchmarks.GYM_TASKS
     judge = None
-    if any(b in B.JUDGED for b in benches):
+    if any(b in benchmarks.JUDGED for b in benches):
         if not a.judge_config:
-            raise SystemExit(f"{[b for b in benches if b in B.JUDGED]} need a safety judge: pass --judge-config")
+            judged = [b for b in benches if b in benchmarks.JUDGED]
+            raise SystemExit(f"{judged} need a safety judge: pass --judge-config")
         from claas_verl.mopd.eval.judge import Judge, JudgeConfig
 
         judge = Judge(JudgeConfig.load(a.judge_config))
@@ -95,7 +96,7 @@ def eval_main(argv: list[str]) -> int:
 
 
 def report_main(argv: list[str]) -> int:
-    from claas_verl.mopd.eval import report as R
+    from claas_verl.mopd.eval import report
 
     ap = argparse.ArgumentParser(prog="python -m claas_verl.mopd.eval report",
                                  description=REPORT_HELP[0].upper() + REPORT_HELP[1:] + ".")
@@ -106,14 +107,14 @@ def report_main(argv: list[str]) -> int:
     ap.add_argument("--stages", help="checkpoint names M_1,...,M_K of one run, in order (for BWT)")
     ap.add_argument("--out", help="output prefix (default RUNS/table): writes .md and .png")
     a = ap.parse_args(argv)
-    runs = R.load_runs(a.runs)
+    runs = report.load_runs(a.runs)
     experts = name_values(a.experts.split(","), "--experts") if a.experts else None
     stages = a.stages.split(",") if a.stages else None
     prefix = Path(a.out) if a.out else Path(a.runs) / "table"
-    md = R.markdown(runs, a.k, a.base, experts, stages)
+    md = report.markdown(runs, a.k, a.base, experts, stages)
     prefix.parent.mkdir(parents=True, exist_ok=True)
     Path(f"{prefix}.md").write_text(md)
-    R.plot(runs, a.k, f"{prefix}.png")
+    report.plot(runs, a.k, f"{prefix}.png")
     print(md)
     print(f"wrote {prefix}.md and {prefix}.png")
     return 0

@@ -12,7 +12,7 @@ import json
 import math
 from pathlib import Path
 
-from claas_verl.metrics import mopd as M
+from claas_verl.metrics import mopd as mopd_metrics
 
 
 def load_runs(root: str | Path) -> dict[str, dict]:
@@ -57,7 +57,7 @@ def table_rows(runs: dict[str, dict], k: int, base: str | None = None, experts: 
             raise ValueError(f"checkpoint {name!r} has no scores; evaluated: {sorted(runs)}")
     base_s = seed_mean(runs[base]) if base else None
     exp_s = {d: seed_mean(runs[n]) for d, n in (experts or {}).items()}
-    doms = M.learned_domains(k)
+    doms = mopd_metrics.learned_domains(k)
     header = ["Checkpoint", *[d for d in doms], "Avg"] + (["Avg11", "Avg_bal"] if k == 5 else [])
     with_norm = base_s is not None and all(d in exp_s for d in doms)
     header += ["Norm", "Norm_dom"] if with_norm else []
@@ -65,13 +65,14 @@ def table_rows(runs: dict[str, dict], k: int, base: str | None = None, experts: 
     rows = []
     for name, state in runs.items():
         seeds = per_seed(state)
-        row = [name] + [_safe(M.mean_over_seeds, M.domain_avg, seeds, d) for d in doms]
-        row.append(_safe(M.mean_over_seeds, M.avg, seeds, k))
+        row = [name] + [_safe(mopd_metrics.mean_over_seeds, mopd_metrics.domain_avg, seeds, d) for d in doms]
+        row.append(_safe(mopd_metrics.mean_over_seeds, mopd_metrics.avg, seeds, k))
         if k == 5:
-            row += [_safe(M.mean_over_seeds, M.avg11, seeds), _safe(M.mean_over_seeds, M.avg_bal, seeds)]
+            row += [_safe(mopd_metrics.mean_over_seeds, mopd_metrics.avg11, seeds),
+                    _safe(mopd_metrics.mean_over_seeds, mopd_metrics.avg_bal, seeds)]
         if with_norm:
-            row += [_safe(M.mean_over_seeds, M.norm, seeds, base_s, exp_s, k),
-                    _safe(M.mean_over_seeds, M.norm_dom, seeds, base_s, exp_s, k)]
+            row += [_safe(mopd_metrics.mean_over_seeds, mopd_metrics.norm, seeds, base_s, exp_s, k),
+                    _safe(mopd_metrics.mean_over_seeds, mopd_metrics.norm_dom, seeds, base_s, exp_s, k)]
         rows.append(row + [len(seeds)])
     return header, rows
 
@@ -81,23 +82,24 @@ def bwt_rows(runs: dict[str, dict], stages: list[str]) -> tuple[list[str], list]
     stage_scores = {j + 1: seed_mean(runs[n]) for j, n in enumerate(stages)}
     K = len(stages)
     # benchmarks of the earlier domains that were evaluated both when learned and at the end
-    earlier = [b for j, d in enumerate(M.learned_domains(K)[:-1], 1) for b in M.DOMAIN_BENCHMARKS[d]
+    earlier = [b for j, d in enumerate(mopd_metrics.learned_domains(K)[:-1], 1)
+               for b in mopd_metrics.DOMAIN_BENCHMARKS[d]
                if b in stage_scores[K] and b in stage_scores[j]] if K > 1 else []
-    per = M.bwt(stage_scores, benchmarks=earlier) if earlier else {}
-    return [*per, "BWT_GEM"], [*per.values(), _safe(M.bwt_gem, stage_scores)]
+    per = mopd_metrics.bwt(stage_scores, benchmarks=earlier) if earlier else {}
+    return [*per, "BWT_GEM"], [*per.values(), _safe(mopd_metrics.bwt_gem, stage_scores)]
 
 
 def noise(runs: dict[str, dict], k: int) -> tuple[float, int, float] | None:
     """(pooled SD of Avg across evaluation seeds, its dof, 95% half-width for a 3-vs-3-seed difference)."""
     groups = []
     for state in runs.values():
-        vals = [_safe(M.avg, s, k) for s in per_seed(state)]
+        vals = [_safe(mopd_metrics.avg, s, k) for s in per_seed(state)]
         if len(vals) >= 2 and all(math.isfinite(v) for v in vals):
             groups.append(vals)
     if not groups:
         return None
-    s, dof = M.pooled_sd(groups)
-    return s, dof, M.noise_half_width(s, dof)
+    s, dof = mopd_metrics.pooled_sd(groups)
+    return s, dof, mopd_metrics.noise_half_width(s, dof)
 
 
 def _fmt(v, col: str = "") -> str:
@@ -129,10 +131,11 @@ def plot(runs: dict[str, dict], k: int, path: str | Path, dpi: int = 100) -> Pat
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
-    bench = list(M.learned_benchmarks(k))
+    bench = list(mopd_metrics.learned_benchmarks(k))
     names = list(runs)
     means = [seed_mean(runs[n]) for n in names]
-    a = np.array([[m.get(b, np.nan) for b in bench] + [_safe(M.mean_over_seeds, M.avg, per_seed(runs[n]), k)]
+    a = np.array([[m.get(b, np.nan) for b in bench]
+                  + [_safe(mopd_metrics.mean_over_seeds, mopd_metrics.avg, per_seed(runs[n]), k)]
                   for n, m in zip(names, means)], dtype=float)
     cols = bench + ["Avg"]
     fig = Figure(figsize=(1.0 + 0.75 * len(cols), 1.2 + 0.45 * len(names)))

@@ -18,8 +18,7 @@ import math
 from pathlib import Path
 
 from claas_verl.mopd.data.io import write_jsonl
-from claas_verl.mopd.eval import benchmarks as B
-from claas_verl.mopd.eval import extract as X
+from claas_verl.mopd.eval import benchmarks, extract
 from claas_verl.utils.progress import Progress
 
 
@@ -35,10 +34,10 @@ def score_benchmark(bench: str, items: list[dict], completions: list[list], judg
         for s, c in enumerate(comps):
             records.append({"id": it["id"], "sample": s, "response": c.text, "truncated": c.truncated})
     flat = [(it, s, c) for it, comps in zip(items, completions) for s, c in enumerate(comps)]
-    if bench in B.JUDGED:
+    if bench in benchmarks.JUDGED:
         if judge is None:
             raise ValueError(f"{bench} is judged by a safety model: pass --judge-config (docs/reproducing-mopd.md)")
-        texts = [X.split_thinking(c.text) for _, _, c in flat]
+        texts = [extract.split_thinking(c.text) for _, _, c in flat]
         verdicts = judge.judge([(str(it["question"]), t) for (it, _, _), (t, _) in zip(flat, texts)])
         for rec, (it, _, _), (_, closed), v in zip(records, flat, texts, verdicts):
             rec.update(safety=v.safety, refusal=v.refusal, closed=closed)
@@ -56,20 +55,20 @@ def score_benchmark(bench: str, items: list[dict], completions: list[list], judg
     else:
         for rec, (it, s, c) in zip(records, flat):
             if bench == "GYM":
-                rec.update(B.score_gym(it, c.text))
+                rec.update(benchmarks.score_gym(it, c.text))
             elif bench == "BBH":
-                rec.update(B.score_bbh(it, c.text))
+                rec.update(benchmarks.score_bbh(it, c.text))
             elif bench == "MuSR":
-                rec.update(B.score_musr(it, c.text, s))
+                rec.update(benchmarks.score_musr(it, c.text, s))
             elif bench in ("AIME24", "AIME25", "Minerva"):
-                rec.update(B.score_math(it, c.text))
+                rec.update(benchmarks.score_math(it, c.text))
             elif bench == "MBPP":
-                rec.update(B.score_mbpp(it, c.text, code_timeout_s))
+                rec.update(benchmarks.score_mbpp(it, c.text, code_timeout_s))
             elif bench == "LCB-e":
-                rec.update(B.score_lcb(it, c.text, code_timeout_s))
+                rec.update(benchmarks.score_lcb(it, c.text, code_timeout_s))
             else:
-                rec.update(B.score_if(it, c.text, if_check))
-        keys = B.scores_of(bench)
+                rec.update(benchmarks.score_if(it, c.text, if_check))
+        keys = benchmarks.scores_of(bench)
         scores = {k: _pct([r[k if bench == "MBPP" else "score"] for r in records]) for k in keys}
         stats = {}
         if any("answer" in r for r in records) and bench != "MBPP":
@@ -84,13 +83,13 @@ def score_benchmark(bench: str, items: list[dict], completions: list[list], judg
 
 def evaluate_model(generator, model_path: str, out_dir: Path, benches: list[str], seeds: list[int],
                    data: dict[str, Path], judge=None, ifbench_repo: str | None = None, limit: int | None = None,
-                   gym_tasks: tuple[str, ...] = B.GYM_TASKS, code_timeout_s: float = 20.0) -> dict:
+                   gym_tasks: tuple[str, ...] = benchmarks.GYM_TASKS, code_timeout_s: float = 20.0) -> dict:
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / "scores.json"
     state = json.loads(path.read_text()) if path.exists() else {"model": model_path, "seeds": {}, "stats": {}}
 
     def finished(bench: str, seed: int) -> bool:
-        return all(k in state["seeds"].get(str(seed), {}) for k in B.scores_of(bench))
+        return all(k in state["seeds"].get(str(seed), {}) for k in benchmarks.scores_of(bench))
 
     todo = sum(not finished(b, s) for b in benches for s in seeds)
     # One line per finished (benchmark, seed): each takes minutes, and the ETA tells how many remain.
@@ -98,13 +97,13 @@ def evaluate_model(generator, model_path: str, out_dir: Path, benches: list[str]
     for bench in benches:
         if all(finished(bench, s) for s in seeds):
             continue
-        items = B.load(bench, data, gym_tasks)[:limit]
+        items = benchmarks.load(bench, data, gym_tasks)[:limit]
         if_check = None
         if bench in ("IFEval", "IFBench"):
             if bench == "IFBench" and ifbench_repo is None:
                 raise ValueError("IFBench is scored with the IFBench repository's verifiers: pass --ifbench-repo DIR")
-            if_check = B.if_checker(ifbench_repo)
-        st = B.SETTINGS[bench]
+            if_check = benchmarks.if_checker(ifbench_repo)
+        st = benchmarks.SETTINGS[bench]
         for seed in seeds:
             if finished(bench, seed):
                 continue

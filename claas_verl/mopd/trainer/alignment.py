@@ -138,13 +138,6 @@ def aux_micro_batches(
     return out
 
 
-def consecutive_groups(num_rows: int, size: int) -> list[list[int]]:
-    """Rows ``0..num_rows-1`` in consecutive groups of ``size`` (the last may be shorter)."""
-    if size < 1:
-        raise ValueError(f"micro-batch size must be >= 1, got {size}")
-    return [list(range(lo, min(num_rows, lo + size))) for lo in range(0, num_rows, size)]
-
-
 def batch_fingerprint(sequences: list[torch.Tensor]) -> str:
     """Order-sensitive checksum of a batch's token ids (matches the teacher's targets to the student's batch)."""
     crc = 0

@@ -24,10 +24,10 @@ from claas_verl.distill import (
     topk_weighted_kl,
 )
 from claas_verl.mopd.config import MopdConfig
-from claas_verl.mopd.trainer import fields as F
-from claas_verl.mopd.trainer import records as S
+from claas_verl.mopd.trainer import fields as token_fields
 from claas_verl.mopd.trainer.alignment import AUX_KEY, region_fields
 from claas_verl.mopd.trainer.blocks import canonical_row_order
+from claas_verl.mopd.trainer.config_checks import check_one_update_per_step
 from claas_verl.mopd.trainer.workers import TEACHER_KEY
 from claas_verl.verl_ext.packed_batch import padded
 
@@ -41,7 +41,7 @@ def check_verl_config(mopd: MopdConfig, config) -> None:
             f"{mopd.block_size}: every step trains exactly one block"
         )
     actor = config.actor_rollout_ref.actor
-    S.check_one_update_per_step(mopd.block_size, actor.get("ppo_mini_batch_size"), actor.get("ppo_epochs"))
+    check_one_update_per_step(mopd.block_size, actor.get("ppo_mini_batch_size"), actor.get("ppo_epochs"))
     if mopd.signal.enabled and actor.get("strategy") not in ("fsdp2",):
         raise ValueError(f"mopd.signal enables {list(mopd.signal.terms)}: the balanced update needs "
                          f"actor_rollout_ref.actor.strategy=fsdp2, got {actor.get('strategy')!r}")
@@ -70,32 +70,32 @@ class DistillStep:
             "distillation_use_topk": True,
             "distillation_only": True,  # no sampled-token log-probs needed
             "temperature": self.temperature,
-            F.PHASE_KEY: phase,
-            F.TOPK_KEY: self.topk,
+            token_fields.PHASE_KEY: phase,
+            token_fields.TOPK_KEY: self.topk,
         }
 
     def student_topk(self, batch, wg):
         """Pre-update forward of the training model: store the student's top-κ ids and log-probs S (B.2.1).
 
-        The worker writes them as two flattened-rows fields, ``F.TOPK_IDS`` and ``F.STUDENT_LP``
+        The worker writes them as two flattened-rows fields, ``token_fields.TOPK_IDS`` and ``token_fields.STUDENT_LP``
         (:func:`claas_verl.mopd.trainer.workers.fold_topk_outputs`).
         """
         canonical_row_order(batch, wg)
-        batch.extra_info.update(self.flags(F.PHASE_STUDENT_TOPK))
+        batch.extra_info.update(self.flags(token_fields.PHASE_STUDENT_TOPK))
         wg.compute_log_prob(batch)
         return batch
 
     def teacher_q(self, batch, wg, teacher: str):
         """Teacher ``teacher``'s top-k log-probs Q at the student's ids, with the student's S and the response mask."""
-        batch.extra_info.update(self.flags(F.PHASE_TEACHER))
+        batch.extra_info.update(self.flags(token_fields.PHASE_TEACHER))
         batch.extra_info[TEACHER_KEY] = teacher
         wg.mopd_teacher_forward(batch)
         batch.extra_info.pop(TEACHER_KEY, None)
         data = tq.kv_batch_get(keys=batch.keys, partition_id=batch.partition_id,
-                               select_fields=[F.TEACHER_LP, F.STUDENT_LP, "response_mask"])
+                               select_fields=[token_fields.TEACHER_LP, token_fields.STUDENT_LP, "response_mask"])
         mask_nested = data["response_mask"]
-        Q = F.unpack_rows(data[F.TEACHER_LP], self.topk, F.TEACHER_LP).float()
-        Sx = F.unpack_rows(data[F.STUDENT_LP], self.topk, F.STUDENT_LP).float()
+        Q = token_fields.unpack_rows(data[token_fields.TEACHER_LP], self.topk, token_fields.TEACHER_LP).float()
+        Sx = token_fields.unpack_rows(data[token_fields.STUDENT_LP], self.topk, token_fields.STUDENT_LP).float()
         mask = padded(mask_nested).float()
         return Sx, Q, mask, mask_nested
 
@@ -114,7 +114,7 @@ class DistillStep:
         floor = self.replay_std_floor if step["kind"] == "replay" else 0.0
         A, stds = domain_advantages_and_stds(r, mask, dom, sync=False, std_floor=floor)  # σ_d once per step
         stats = stds[self.domain_index[step["domain"]]]
-        out = {F.ADVANTAGES: F.pack_rows(A, mask_nested)}
+        out = {token_fields.ADVANTAGES: token_fields.pack_rows(A, mask_nested)}
         # verl's metrics read 2-D advantages/returns: Σ_v A[t, v] per token
         per_token = A.sum(-1)
         out["advantages"] = response_to_nested(per_token, mask_nested)
@@ -145,7 +145,7 @@ class DistillStep:
 
     def update_info(self, kind: str) -> dict:
         """The update's batch info: one epoch, one mini-batch (the whole step batch), no shuffling."""
-        info = self.flags(F.PHASE_UPDATE)
+        info = self.flags(token_fields.PHASE_UPDATE)
         info.pop("compute_loss")
         info.update({
             "global_batch_size": self.mini_batch,

@@ -7,7 +7,7 @@ packed ``[1, N, κ]`` outputs past verl's per-field output handling (:mod:`claas
 the names below; the worker writes each forward-only output as the one flattened-rows field of the same name
 (:func:`claas_verl.mopd.trainer.workers.fold_topk_outputs`) before it reaches TransferQueue.
 
-The layout helpers are re-exported here (``F.pack_rows`` etc.); :func:`unpack_rows` names ``mopd.train.topk`` in
+The layout helpers are re-exported here (``fields.pack_rows`` etc.); :func:`unpack_rows` names ``mopd.train.topk`` in
 its errors.
 """
 

@@ -2,7 +2,7 @@
 
 Before a stage's first update, the KL from the student to the expert of every domain the stage teaches; at a stage
 end, to the expert of every domain learned so far (``forgetting.jsonl`` / ``forgetting.md``, see
-:mod:`claas_verl.mopd.trainer.records`). A stage end that a crash lost is measured again before the next step.
+:mod:`claas_verl.mopd.trainer.forgetting_table`). A stage end that a crash lost is measured again before the next step.
 
 verl validates only from its own dataloader, so the evaluation drives verl's ``val`` partition by hand: the
 held-out prompts go through the agent loop, the sampler returns the samples, the student's top-k forward and the
@@ -21,8 +21,15 @@ from verl.utils import tensordict_utils as tu
 
 from claas_verl.distill import topk_binned_kl, topk_weighted_kl
 from claas_verl.mopd.config import EvalConfig
-from claas_verl.mopd.trainer import records as S
 from claas_verl.mopd.trainer.blocks import prompt_batch
+from claas_verl.mopd.trainer.forgetting_table import (
+    FORGETTING_MD,
+    append_forgetting,
+    forgetting_table,
+    read_forgetting,
+    stage_end_measured,
+)
+from claas_verl.mopd.trainer.plan_steps import learned_domains, taught_domains
 from claas_verl.verl_ext.packed_batch import padded
 
 
@@ -42,17 +49,17 @@ class ForgettingEval:
     def stage_start(self, stage: int, global_steps: int) -> None:
         """Before ``stage``'s first update: the replicas still serve the weights of global step - 1."""
         if self.enabled:
-            self.evaluate(stage, "start", S.taught_domains(self.plan_steps, stage), global_steps - 1)
+            self.evaluate(stage, "start", taught_domains(self.plan_steps, stage), global_steps - 1)
 
     def stage_end(self, stage: int, global_steps: int) -> None:
         """At ``stage``'s end: the stage-final student against every domain learned so far."""
         if self.enabled:
-            self.evaluate(stage, "end", S.learned_domains(self.plan_steps, global_steps - 1), global_steps)
+            self.evaluate(stage, "end", learned_domains(self.plan_steps, global_steps - 1), global_steps)
 
     def note_resume(self, state: dict, global_steps: int) -> None:
         """A checkpoint at a stage end whose evaluation is not in the table: measure it before the next step."""
         if (state["stage_complete"] and self.enabled and global_steps < len(self.plan_steps)
-                and not S.stage_end_measured(S.read_forgetting(self.trainer.run_dir), state["stage"])):
+                and not stage_end_measured(read_forgetting(self.trainer.run_dir), state["stage"])):
             self.pending_end = (state["stage"], global_steps)
 
     def run_pending(self) -> None:
@@ -61,7 +68,7 @@ class ForgettingEval:
         stage, gs = self.pending_end
         self.pending_end = None
         print(f"[mopd] resumed after stage {stage} ended: re-running its lost stage-end forgetting evaluation")
-        self.evaluate(stage, "end", S.learned_domains(self.plan_steps, gs - 1), gs)
+        self.evaluate(stage, "end", learned_domains(self.plan_steps, gs - 1), gs)
 
     def evaluate(self, stage: int, at: str, domains: list[str], version: int) -> None:
         """Measure ``domains`` (those with held-out prompts) at weight ``version``; append the rows, rewrite the
@@ -77,9 +84,9 @@ class ForgettingEval:
         if not rows:
             return
         run_dir = self.trainer.run_dir
-        S.append_forgetting(run_dir, rows)
-        table = S.forgetting_table(S.read_forgetting(run_dir), title=self.trainer.config.trainer.experiment_name)
-        with open(os.path.join(run_dir, S.FORGETTING_MD), "w") as f:
+        append_forgetting(run_dir, rows)
+        table = forgetting_table(read_forgetting(run_dir), title=self.trainer.config.trainer.experiment_name)
+        with open(os.path.join(run_dir, FORGETTING_MD), "w") as f:
             f.write(table + "\n")
 
     def measure(self, domain: str, version: int) -> dict[str, float]:

@@ -8,10 +8,11 @@ handed to the loss of the same micro-batch past verl's per-field output handling
 The non-tensor ``mopd_phase`` of the batch says what the forward is for:
 
 * ``student_topk`` (pre-update forward of the training model, docs/math.md §B.2.1): return the student's κ most
-  probable ids and their full-vocabulary log-probs ``S`` (``F.TOPK_IDS``, ``F.STUDENT_LP``); loss 0.
+  probable ids and their full-vocabulary log-probs ``S`` (``token_fields.TOPK_IDS``,
+  ``token_fields.STUDENT_LP``); loss 0.
 * ``teacher`` (a teacher engine): return the teacher's full-vocabulary log-probs ``Q`` at the student's stored
-  ids (``F.TEACHER_LP``); loss 0.
-* ``update`` (the optimizer step): return the differentiable ``log π_θ`` at the stored ids (``F.CURRENT_LP``,
+  ids (``token_fields.TEACHER_LP``); loss 0.
+* ``update`` (the optimizer step): return the differentiable ``log π_θ`` at the stored ids (``token_fields.CURRENT_LP``,
   chunked and checkpointed, so no ``[tokens, V]`` fp32 copy is kept), then the ``claas_topk_distill`` policy
   loss of docs/math.md §B.2.3 on its response-layout ``[B, T, κ]`` rows, through verl's policy-loss registry: the
   token mean over the micro-batch, weighted ``n_resp(mb)/n_resp`` (docs/math.md §B.7).
@@ -28,7 +29,7 @@ from typing import Any
 import torch
 
 from claas_verl.distill import DEFAULT_CHUNK_SIZE, student_topk, teacher_logprobs_at, topk_logprobs
-from claas_verl.mopd.trainer import fields as F
+from claas_verl.mopd.trainer import fields as token_fields
 from claas_verl.verl_ext.logits_loss import LogitsProcessorLoss, non_tensor
 from claas_verl.verl_ext.packed_batch import padded
 
@@ -43,9 +44,10 @@ def microbatch_weight(n_resp_mb: int, global_batch_size, dp_size) -> float:
 
 
 def _topk(data) -> int:
-    k = int(non_tensor(data, F.TOPK_KEY, 0) or 0)
+    k = int(non_tensor(data, token_fields.TOPK_KEY, 0) or 0)
     if k < 1:
-        raise ValueError(f"batch non-tensor {F.TOPK_KEY!r} ({F.TOPK_SETTING}) must be >= 1, got {k}")
+        raise ValueError(f"batch non-tensor {token_fields.TOPK_KEY!r} ({token_fields.TOPK_SETTING}) must be >= 1, "
+                         f"got {k}")
     return k
 
 
@@ -65,32 +67,33 @@ class MOPDLoss(LogitsProcessorLoss):
         self.chunk_size = chunk_size
 
     def check_batch(self, data) -> None:
-        phase = non_tensor(data, F.PHASE_KEY)
-        if phase not in F.PHASES:
+        phase = non_tensor(data, token_fields.PHASE_KEY)
+        if phase not in token_fields.PHASES:
             raise ValueError(
-                f"batch non-tensor {F.PHASE_KEY!r} must be one of {F.PHASES}, got {phase!r}: the MOPD loss only runs "
-                "inside the MOPD trainer, which sets it on every forward"
+                f"batch non-tensor {token_fields.PHASE_KEY!r} must be one of {token_fields.PHASES}, got {phase!r}: "
+                "the MOPD loss only runs inside the MOPD trainer, which sets it on every forward"
             )
 
     def compute_loss(self, model_output, data, dp_group=None, packed: dict | None = None):
-        if non_tensor(data, F.PHASE_KEY) != F.PHASE_UPDATE:
+        if non_tensor(data, token_fields.PHASE_KEY) != token_fields.PHASE_UPDATE:
             return torch.zeros((), device=data["input_ids"].values().device), {}
         return self.update_loss(packed, data)
 
     # ------------------------------------------------------------------ phase 1: logits processor
     def process_logits(self, logits: torch.Tensor, data) -> dict[str, torch.Tensor]:
-        phase = non_tensor(data, F.PHASE_KEY)
+        phase = non_tensor(data, token_fields.PHASE_KEY)
         k = _topk(data)
         # logits are already divided by the rollout temperature by verl (τ enters once: temperature=1 here)
-        if phase == F.PHASE_STUDENT_TOPK:
+        if phase == token_fields.PHASE_STUDENT_TOPK:
             ids, logp = student_topk(logits, k, chunk_size=self.chunk_size)
-            return {F.TOPK_IDS: ids, F.STUDENT_LP: logp}
-        packed_ids = self.stored_packed_ids(data, F.TOPK_IDS, k, logits.shape[1], logits.device, F.TOPK_SETTING)
-        if phase == F.PHASE_TEACHER:
+            return {token_fields.TOPK_IDS: ids, token_fields.STUDENT_LP: logp}
+        packed_ids = self.stored_packed_ids(data, token_fields.TOPK_IDS, k, logits.shape[1], logits.device,
+                                            token_fields.TOPK_SETTING)
+        if phase == token_fields.PHASE_TEACHER:
             q = teacher_logprobs_at(logits, packed_ids, chunk_size=self.chunk_size)
-            return {F.TEACHER_LP: q}
+            return {token_fields.TEACHER_LP: q}
         lp = topk_logprobs(logits, packed_ids, chunk_size=self.chunk_size)  # differentiable, checkpointed
-        return {F.CURRENT_LP: lp}
+        return {token_fields.CURRENT_LP: lp}
 
     # ------------------------------------------------------------------ phase 2: the update loss
     def update_loss(self, packed: dict, data):
@@ -105,11 +108,12 @@ class MOPDLoss(LogitsProcessorLoss):
                              "the per-micro-batch token mean of docs/math.md §B.2.3/B.7; set it to token-mean")
         k = _topk(data)
         _, resp = self.lengths(data)
-        if F.CURRENT_LP not in packed:
-            raise ValueError(f"MOPD update: the micro-batch's processor outputs {sorted(packed)} lack {F.CURRENT_LP} "
-                             f"(was it run with {F.PHASE_KEY}={F.PHASE_UPDATE!r}?)")
-        logp = self.response_rows(packed[F.CURRENT_LP], data)  # [B, T_r, K], with grad
-        adv = F.unpack_rows(data[F.ADVANTAGES], k, F.ADVANTAGES).to(logp.device)
+        if token_fields.CURRENT_LP not in packed:
+            raise ValueError(f"MOPD update: the micro-batch's processor outputs {sorted(packed)} lack "
+                             f"{token_fields.CURRENT_LP} (was it run with "
+                             f"{token_fields.PHASE_KEY}={token_fields.PHASE_UPDATE!r}?)")
+        logp = self.response_rows(packed[token_fields.CURRENT_LP], data)  # [B, T_r, K], with grad
+        adv = token_fields.unpack_rows(data[token_fields.ADVANTAGES], k, token_fields.ADVANTAGES).to(logp.device)
         mask = padded(data["response_mask"]).to(logp.device).bool()
         if adv.shape != logp.shape or mask.shape != logp.shape[:2]:
             raise ValueError(

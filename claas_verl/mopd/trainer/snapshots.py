@@ -4,7 +4,7 @@ At every checkpoint the trainer writes ``mopd_state.json`` into verl's ``global_
 stage, the snapshots that exist, the plan's fingerprint); at a stage end it first copies the checkpoint's Hugging
 Face export to ``<run>/snapshots/student_<stage>`` (M_stage, the teacher ``student:<stage>`` of later stages), since
 verl may rotate the checkpoint away. On resume the snapshots on disk are reconciled with those the checkpoint
-recorded (:func:`claas_verl.mopd.trainer.records.reconcile_snapshots`) and the audit trail is cut back to it.
+recorded (:func:`claas_verl.mopd.trainer.resume_state.reconcile_snapshots`) and the audit trail is cut back to it.
 """
 
 from __future__ import annotations
@@ -12,13 +12,21 @@ from __future__ import annotations
 import os
 import shutil
 
-from claas_verl.mopd.trainer import records as S
+from claas_verl.mopd.trainer.audit_trail import truncate_steps
+from claas_verl.mopd.trainer.plan_steps import ModelPaths, plan_fingerprint
+from claas_verl.mopd.trainer.resume_state import (
+    STATE_FILE,
+    existing_snapshots,
+    read_state,
+    reconcile_snapshots,
+    write_state,
+)
 
 
 class StageSnapshots:
     """M_j export, resume state and its reconciliation for one run directory."""
 
-    def __init__(self, paths: S.ModelPaths, plan_steps: list[dict], bounds: dict[int, tuple[int, int]]):
+    def __init__(self, paths: ModelPaths, plan_steps: list[dict], bounds: dict[int, tuple[int, int]]):
         self.paths, self.plan_steps, self.bounds = paths, plan_steps, bounds
         self.run_dir = paths.run_dir
 
@@ -29,13 +37,13 @@ class StageSnapshots:
         """After verl saved global step ``gs``: export M_stage at a stage end, then write the resume state."""
         if stage_complete:
             self.export(stage, gs)
-        S.write_state(self.step_dir(gs), {
+        write_state(self.step_dir(gs), {
             "global_step": gs,
             "plan_index": gs - 1,
             "stage": stage,
             "stage_complete": stage_complete,
-            "snapshots": S.existing_snapshots(self.paths, max(self.bounds)),
-            "plan_fingerprint": S.plan_fingerprint(self.plan_steps),
+            "snapshots": existing_snapshots(self.paths, max(self.bounds)),
+            "plan_fingerprint": plan_fingerprint(self.plan_steps),
             "plan_length": len(self.plan_steps),
         })
 
@@ -58,17 +66,17 @@ class StageSnapshots:
     def resume(self, gs: int) -> dict:
         """After verl loaded global step ``gs``: check the checkpoint is this plan's, rebuild or set aside the
         snapshots the checkpoint does not match, cut the audit trail back; returns the checkpoint's resume state."""
-        state = S.read_state(self.step_dir(gs))
+        state = read_state(self.step_dir(gs))
         if state is None:
-            raise ValueError(f"{self.step_dir(gs)} has no {S.STATE_FILE}: not a MOPD checkpoint")
-        if state["plan_fingerprint"] != S.plan_fingerprint(self.plan_steps):
+            raise ValueError(f"{self.step_dir(gs)} has no {STATE_FILE}: not a MOPD checkpoint")
+        if state["plan_fingerprint"] != plan_fingerprint(self.plan_steps):
             raise ValueError(
                 f"the checkpoint {self.step_dir(gs)} was written for a different plan; resume with the same recipe "
                 "or set trainer.resume_mode=disable"
             )
-        existing = S.existing_snapshots(self.paths, max(self.bounds))
-        missing, recopy, stale = S.reconcile_snapshots(state.get("snapshots", []), existing, state["stage"],
-                                                       state["stage_complete"])
+        existing = existing_snapshots(self.paths, max(self.bounds))
+        missing, recopy, stale = reconcile_snapshots(state.get("snapshots", []), existing, state["stage"],
+                                                     state["stage_complete"])
         if missing:
             raise ValueError(
                 f"the checkpoint {self.step_dir(gs)} recorded stage snapshots {state.get('snapshots')} but "
@@ -84,6 +92,6 @@ class StageSnapshots:
             os.makedirs(os.path.dirname(dst), exist_ok=True)
             os.replace(src, dst)
             print(f"[mopd] snapshot M_{j} was not recorded by checkpoint {gs} (later, discarded work): moved to {dst}")
-        dropped = S.truncate_steps(self.run_dir, gs)
+        dropped = truncate_steps(self.run_dir, gs)
         print(f"[mopd] resumed at global step {gs} (stage {state['stage']}); {dropped} later audit lines discarded")
         return state

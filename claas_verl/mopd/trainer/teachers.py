@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import os
 
-from claas_verl.mopd.trainer import records as S
+from claas_verl.mopd.trainer.plan_steps import ModelPaths, check_held, stage_teachers
 
 logger = logging.getLogger(__name__)
 
@@ -18,7 +18,7 @@ logger = logging.getLogger(__name__)
 class StageTeachers:
     """The teachers loaded in the workers; ``stage`` is the stage whose set is loaded (None: none, or another set)."""
 
-    def __init__(self, plan, plan_steps: list[dict], paths: S.ModelPaths, dtype: str, fresh_optimizer: bool):
+    def __init__(self, plan, plan_steps: list[dict], paths: ModelPaths, dtype: str, fresh_optimizer: bool):
         self.plan, self.plan_steps, self.paths = plan, plan_steps, paths
         self.dtype = dtype
         self.fresh_optimizer = fresh_optimizer  # mopd.train.fresh_optimizer_per_stage
@@ -26,8 +26,8 @@ class StageTeachers:
 
     def begin_stage(self, wg, stage: int, first_step: bool, global_steps: int) -> None:
         """Load ``stage``'s teachers into the worker group ``wg``; on its first step, reset the optimizer."""
-        teachers = S.stage_teachers(self.plan_steps, stage)
-        S.check_held(teachers, self.plan.held_by_stage[stage], stage, self.plan.setting)
+        teachers = stage_teachers(self.plan_steps, stage)
+        check_held(teachers, self.plan.held_by_stage[stage], stage, self.plan.setting)
         specs = {t: self.paths.path(t) for t in teachers}
         for name, path in specs.items():
             if not os.path.exists(os.path.join(path, "config.json")):

@@ -28,8 +28,8 @@ student and teacher forwards, rewards, advantages, the update's batch), :mod:`~c
 (per-domain prompts, a step's block), :mod:`~claas_verl.mopd.trainer.teachers` (the teachers the workers hold),
 :mod:`~claas_verl.mopd.trainer.snapshots` (M_j, resume state and its reconciliation),
 :mod:`~claas_verl.mopd.trainer.forgetting` (the held-out evaluation), :mod:`~claas_verl.mopd.trainer.weight_probe`
-(did the weight sync arrive) and :mod:`~claas_verl.mopd.trainer.records` (the run's files: audit trail, resume
-state, forgetting table).
+(did the weight sync arrive); the run's files are written by :mod:`~claas_verl.mopd.trainer.audit_trail`,
+:mod:`~claas_verl.mopd.trainer.resume_state` and :mod:`~claas_verl.mopd.trainer.forgetting_table`.
 """
 
 from __future__ import annotations
@@ -41,11 +41,13 @@ from verl.trainer.ppo.v1.trainer_base import register_trainer
 from verl.trainer.ppo.v1.trainer_sync import PPOTrainerSync
 
 from claas_verl.mopd.config import MopdConfig
-from claas_verl.mopd.trainer import records as S
+from claas_verl.mopd.trainer.audit_trail import append_step, skipped_update
 from claas_verl.mopd.trainer.blocks import block_batch, load_domains
 from claas_verl.mopd.trainer.distill_step import DistillStep
 from claas_verl.mopd.trainer.forgetting import ForgettingEval
+from claas_verl.mopd.trainer.plan_steps import ModelPaths, stage_bounds, step_index
 from claas_verl.mopd.trainer.snapshots import StageSnapshots
+from claas_verl.mopd.trainer.stage_progress import StageProgress
 from claas_verl.mopd.trainer.teachers import StageTeachers
 from claas_verl.mopd.trainer.weight_probe import WeightSyncProbe
 from claas_verl.mopd.trainer.workers import MOPDWorker
@@ -71,11 +73,11 @@ class MOPDTrainer(VerlSeams, PPOTrainerSync):
         mopd = self.mopd
         self.plan = build_plan(mopd.schedule)
         self.plan_steps = [s.to_dict() for s in self.plan.steps]
-        self.bounds = S.stage_bounds(self.plan_steps)
+        self.bounds = stage_bounds(self.plan_steps)
         self.block_size = mopd.block_size
         self.run_dir = str(config.trainer.default_local_dir)
-        paths = S.ModelPaths(student0=mopd.student, experts={d: str(mopd.domains[d].expert) for d in self.plan.order},
-                             run_dir=self.run_dir)
+        paths = ModelPaths(student0=mopd.student, experts={d: str(mopd.domains[d].expert) for d in self.plan.order},
+                           run_dir=self.run_dir)
         self.distill = DistillStep(mopd, config, {d: i for i, d in enumerate(self.plan.order)})
         self._saved_at = -1
         self.domain_datasets: dict = {}
@@ -83,7 +85,7 @@ class MOPDTrainer(VerlSeams, PPOTrainerSync):
                                       fresh_optimizer=mopd.train.fresh_optimizer_per_stage)
         self.snapshots = StageSnapshots(paths, self.plan_steps, self.bounds)
         self.forgetting = ForgettingEval(self, mopd.eval)
-        self.progress = S.StageProgress(self.plan_steps, self.bounds)
+        self.progress = StageProgress(self.plan_steps, self.bounds)
         # after every weight sync the rollout scores a fixed probe (weight_probe); 0 turns the check off
         self.probe = WeightSyncProbe(mopd.weight_sync_probe_tokens)
 
@@ -122,7 +124,7 @@ class MOPDTrainer(VerlSeams, PPOTrainerSync):
 
     def current_step(self, global_step: int | None = None) -> dict:
         gs = self.global_steps if global_step is None else global_step
-        return self.plan_steps[S.step_index(gs, len(self.plan_steps))]
+        return self.plan_steps[step_index(gs, len(self.plan_steps))]
 
     def _next_train_batch(self, num_prompts: int | None = None):
         """The prompts of a step are the rows of the plan step's block (no sampler)."""
@@ -137,7 +139,7 @@ class MOPDTrainer(VerlSeams, PPOTrainerSync):
         step = self.current_step()
         if self.teachers.stage == step["stage"]:
             return
-        first_step_of_stage = S.step_index(self.global_steps, len(self.plan_steps)) == self.bounds[step["stage"]][0]
+        first_step_of_stage = step_index(self.global_steps, len(self.plan_steps)) == self.bounds[step["stage"]][0]
         if first_step_of_stage:
             self.forgetting.stage_start(step["stage"], self.global_steps)
         self.teachers.begin_stage(self.actor_rollout_wg, step["stage"], first_step_of_stage, self.global_steps)
@@ -145,7 +147,7 @@ class MOPDTrainer(VerlSeams, PPOTrainerSync):
 
     def is_stage_end(self, global_step: int) -> bool:
         step = self.current_step(global_step)
-        return S.step_index(global_step, len(self.plan_steps)) == self.bounds[step["stage"]][1]
+        return step_index(global_step, len(self.plan_steps)) == self.bounds[step["stage"]][1]
 
     def on_init_end(self):
         super().on_init_end()  # pushes the initial (or resumed) weights to the rollout replicas
@@ -190,14 +192,14 @@ class MOPDTrainer(VerlSeams, PPOTrainerSync):
         step = self.current_step(global_steps)
         metrics["mopd/optimizer_steps_in_stage"] = getattr(self, "_optim_steps", -1)
         # verl zeroes the gradients and skips AdamW when the norm is not finite (it only prints a warning)
-        metrics["mopd/update_skipped"] = int(S.skipped_update(metrics))
+        metrics["mopd/update_skipped"] = int(skipped_update(metrics))
         if metrics["mopd/update_skipped"]:
             logger.warning(f"MOPD step {global_steps}: non-finite gradient norm, optimizer update skipped")
         # the audit trail keeps verl's per-phase timings and throughput too: where a slow step's time went
         keep = {k: v for k, v in metrics.items() if k.startswith(("mopd/", "actor/", "response_length/mean",
                                                                     "critic/score/mean", "timing_s/", "perf/",
                                                                     "rollout/weight_sync_"))}
-        S.append_step(self.run_dir, global_steps, step, keep)
+        append_step(self.run_dir, global_steps, step, keep)
         print(self.progress.line(global_steps, metrics), flush=True)
 
     # ================================================================= checkpoints (VerlSeams hooks)

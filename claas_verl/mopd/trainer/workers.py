@@ -39,8 +39,8 @@ from claas_verl.align import (
     target_bytes,
 )
 from claas_verl.align.balance import HostBalancer
-from claas_verl.mopd.trainer import alignment as A
-from claas_verl.mopd.trainer import fields as F
+from claas_verl.mopd.trainer import alignment
+from claas_verl.mopd.trainer import fields as token_fields
 from claas_verl.mopd.trainer import verl_couplings as vc
 from claas_verl.mopd.trainer.loss import MOPDLoss
 from claas_verl.verl_ext.logits_loss import SLOT_FIELD, gather_response_rows
@@ -51,11 +51,11 @@ TEACHER_KEY = "mopd_teacher"  # non-tensor key naming the teacher of a teacher f
 
 
 def _topk(data) -> int:
-    return int(tu.get_non_tensor_data(data=data, key=F.TOPK_KEY, default=0) or 0)
+    return int(tu.get_non_tensor_data(data=data, key=token_fields.TOPK_KEY, default=0) or 0)
 
 
 def fold_topk_outputs(output, response_mask, kept: dict, k: int):
-    """Write a forward-only pass's top-κ outputs as ONE flattened-rows field per quantity (``F.FOLDED``).
+    """Write a forward-only pass's top-κ outputs as ONE flattened-rows field per quantity (``token_fields.FOLDED``).
 
     The loss's logits processor hands its packed ``[1, N, κ]`` outputs past verl's per-field output handling;
     ``kept`` holds them for the whole forward (:meth:`LogitsProcessorLoss.collecting`, rows of all micro-batches in
@@ -69,12 +69,12 @@ def fold_topk_outputs(output, response_mask, kept: dict, k: int):
         return output
     slots = output[SLOT_FIELD]
     output = output.exclude(SLOT_FIELD)
-    for name in F.FOLDED:
+    for name in token_fields.FOLDED:
         if name not in kept:
             continue
         if kept[name].shape[-1] != k:
             raise ValueError(f"the forward's {name} holds {kept[name].shape[-1]} values per token, the batch asks "
-                             f"for {F.TOPK_SETTING}={k}")
+                             f"for {token_fields.TOPK_SETTING}={k}")
         output[name] = gather_response_rows(kept[name], slots, response_mask)
     return output
 
@@ -103,10 +103,10 @@ class MOPDTrainingWorker(TrainingWorker):
         return fold_topk_outputs(output, mask, kept, k)
 
     def train_batch(self, data):
-        aux = tu.get_non_tensor_data(data=data, key=A.AUX_KEY, default=None)
+        aux = tu.get_non_tensor_data(data=data, key=alignment.AUX_KEY, default=None)
         if not aux:
             return super().train_batch(data)
-        cfg = A.AuxConfig.from_dict(aux)
+        cfg = alignment.AuxConfig.from_dict(aux)
         engine = self.engine
         # verl fixes zero-grad -> one backward -> step in BaseEngine.train_batch; swap in the balanced step for
         # this call only (an instance attribute shadowing the engine's public method), then restore it
@@ -117,7 +117,7 @@ class MOPDTrainingWorker(TrainingWorker):
             del engine.train_batch
             self.mopd_targets = None
 
-    def balanced_engine_step(self, data, loss_function, cfg: A.AuxConfig):
+    def balanced_engine_step(self, data, loss_function, cfg: alignment.AuxConfig):
         """One optimizer update with g = balance(g_tok, combine_aux(g_sats, g_vr, g_hid)) (docs/math.md §B.6 eqs. 9-10).
 
         1. the micro-batch row groups of this update: verl's own partition of the batch (``use_dynamic_bsz`` token
@@ -155,7 +155,7 @@ class MOPDTrainingWorker(TrainingWorker):
         hb.take_token()
         micro = _micro_batches(data, groups)
         weights = microbatch_weights([mb.n_resp for mb in micro])
-        layers = A.check_layers(cfg, len(attention_modules(module)))
+        layers = alignment.check_layers(cfg, len(attention_modules(module)))
         device = compute_device()
         losses = {}
         pooled, last = _pass_order(cfg)
@@ -164,8 +164,8 @@ class MOPDTrainingWorker(TrainingWorker):
                 losses[term] = self._alignment_pass(module, term, micro, weights, targets, layers, device,
                                                     engine_autocast(engine, device))
                 if term in pooled:
-                    hb.take_pooled(A.BALANCE_TERM[term])
-        info = hb.finish(None if last is None else A.BALANCE_TERM[last])
+                    hb.take_pooled(alignment.BALANCE_TERM[term])
+        info = hb.finish(None if last is None else alignment.BALANCE_TERM[last])
         grad_norm = engine.optimizer_step()
         if engine.is_mp_src_rank_with_outputs():
             outputs["metrics"]["grad_norm"] = grad_norm
@@ -202,11 +202,11 @@ class MOPDTrainingWorker(TrainingWorker):
 
     def _take_targets(self, data, groups: list[list[int]]) -> list:
         held, self.mopd_targets = self.mopd_targets, None
-        fingerprint = A.batch_fingerprint(_sequences(data))
+        fingerprint = alignment.batch_fingerprint(_sequences(data))
         if held is None:
             raise ValueError(
                 "balanced MOPD update without teacher alignment targets: the step's teacher forward must run with "
-                f"the same non-tensor {A.AUX_KEY!r} on this worker first (MOPDTrainer does this)"
+                f"the same non-tensor {alignment.AUX_KEY!r} on this worker first (MOPDTrainer does this)"
             )
         if held["fingerprint"] != fingerprint:
             raise ValueError(
@@ -223,7 +223,7 @@ class MOPDTrainingWorker(TrainingWorker):
         return held["targets"]
 
 
-def _pass_order(cfg: A.AuxConfig) -> tuple[tuple[str, ...], str | None]:
+def _pass_order(cfg: alignment.AuxConfig) -> tuple[tuple[str, ...], str | None]:
     """(terms whose unit directions go to the host, term left in ``.grad`` for the final combination)."""
     if cfg.combine == "1:1:1":
         return ("sats",), cfg.terms[1]
@@ -294,8 +294,8 @@ def _sequences(data) -> list[torch.Tensor]:
     return [values[int(offsets[i]):int(offsets[i + 1])] for i in range(offsets.numel() - 1)]
 
 
-def _micro_batches(data, groups: list[list[int]]) -> list[A.AuxMicroBatch]:
-    for key in (A.REGION_IDS, A.WINDOW):
+def _micro_batches(data, groups: list[list[int]]) -> list[alignment.AuxMicroBatch]:
+    for key in (alignment.REGION_IDS, alignment.WINDOW):
         if key not in data.keys():
             raise ValueError(f"field {key!r} missing: the driver stores the step regions before the teacher forward")
     mask = data["response_mask"]
@@ -303,11 +303,11 @@ def _micro_batches(data, groups: list[list[int]]) -> list[A.AuxMicroBatch]:
         resp = mask.offsets().diff()
     else:
         resp = mask.new_full((mask.shape[0],), mask.shape[1])
-    rid = data[A.REGION_IDS]
-    win = data[A.WINDOW]
+    rid = data[alignment.REGION_IDS]
+    win = data[alignment.WINDOW]
     rid = rid.to_padded_tensor(-1) if getattr(rid, "is_nested", False) else rid
     win = win.to_padded_tensor(0) if getattr(win, "is_nested", False) else win
-    return A.aux_micro_batches(_sequences(data), rid, win, resp, groups)
+    return alignment.aux_micro_batches(_sequences(data), rid, win, resp, groups)
 
 
 @contextlib.contextmanager
@@ -436,15 +436,15 @@ class MOPDWorker(ActorRolloutRefWorker):
         name = tu.get_non_tensor_data(data=data, key=TEACHER_KEY, default=None)
         if name not in self.teachers:
             raise ValueError(f"teacher {name!r} is not loaded on this worker (held: {sorted(self.teachers)})")
-        if tu.get_non_tensor_data(data=data, key=F.PHASE_KEY, default=None) != F.PHASE_TEACHER:
-            raise ValueError(f"mopd_teacher_forward needs {F.PHASE_KEY}={F.PHASE_TEACHER!r}")
-        aux = tu.get_non_tensor_data(data=data, key=A.AUX_KEY, default=None)
+        if tu.get_non_tensor_data(data=data, key=token_fields.PHASE_KEY, default=None) != token_fields.PHASE_TEACHER:
+            raise ValueError(f"mopd_teacher_forward needs {token_fields.PHASE_KEY}={token_fields.PHASE_TEACHER!r}")
+        aux = tu.get_non_tensor_data(data=data, key=alignment.AUX_KEY, default=None)
         if aux:
             # alignment targets of the last W response tokens (bf16), kept in this process for the colocated
             # student update of the same step (TransferQueue cannot carry [B, T, K]-shaped fields)
             groups = update_row_groups(data, _dp_group(self.actor.engine), self._update_partition())
-            self.actor.mopd_targets = self._teacher_targets(self.teachers[name], data, A.AuxConfig.from_dict(aux),
-                                                            groups)
+            self.actor.mopd_targets = self._teacher_targets(self.teachers[name], data,
+                                                            alignment.AuxConfig.from_dict(aux), groups)
         k = _topk(data)
         mask = data["response_mask"] if k else None
         teacher = self.teachers[name]
@@ -453,7 +453,8 @@ class MOPDWorker(ActorRolloutRefWorker):
         output = fold_topk_outputs(output, mask, kept, k)
         return output.cpu() if output is not None else None
 
-    def _teacher_targets(self, teacher: TrainingWorker, data, cfg: A.AuxConfig, groups: list[list[int]]) -> dict:
+    def _teacher_targets(self, teacher: TrainingWorker, data, cfg: alignment.AuxConfig,
+                         groups: list[list[int]]) -> dict:
         """docs/math.md §B.3-B.5 teacher side: detached bf16 host targets per micro-batch of the update's partition
         ``groups``, bounded in host RAM.
 
@@ -463,7 +464,7 @@ class MOPDWorker(ActorRolloutRefWorker):
         """
         micro = _micro_batches(data, groups)
         module = teacher.engine.module
-        layers = A.check_layers(cfg, len(attention_modules(module)))
+        layers = alignment.check_layers(cfg, len(attention_modules(module)))
         device = compute_device()
         autocast = engine_autocast(teacher.engine, device)
         mcfg = module.config
@@ -485,7 +486,7 @@ class MOPDWorker(ActorRolloutRefWorker):
             for mb in micro
         ]
         store = TeacherTargetStore(produce, sizes, cfg.terms, int(cfg.target_budget_gib * 2**30), device=device)
-        return {"fingerprint": A.batch_fingerprint(_sequences(data)), "groups": groups, "targets": store.fill()}
+        return {"fingerprint": alignment.batch_fingerprint(_sequences(data)), "groups": groups, "targets": store.fill()}
 
     def _update_partition(self) -> dict:
         """The actor's micro-batch settings, as ``TrainingWorker.train_batch`` hands them to its engine."""

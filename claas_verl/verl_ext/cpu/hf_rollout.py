@@ -2,17 +2,13 @@
 
 Three pieces, mirroring verl's own vLLM rollout:
 
-* ``HFRolloutServer`` — a Ray actor holding an HF causal LM. ``generate`` is
-  verl's token-in/token-out call (returns ``TokenOutput``); ``update_weights``
-  receives the trainer's tensors (or a peft LoRA adapter) after every update and
-  bumps ``policy_version``; the control methods that ``RolloutReplica`` and the
-  checkpoint manager call (sleep, wake_up, KV-cache ones, abort/resume, profile)
-  are no-ops because there is no accelerator memory to free.
-* ``HFReplica`` — a ``RolloutReplica`` that launches one server per replica,
-  registered under the name ``"hf"`` in verl's public ``RolloutReplicaRegistry``.
-* ``HFServerAdapter`` — the ``BaseRollout`` living inside each trainer worker;
-  verl's naive weight sync calls its ``update_weights`` with a generator of the
-  trainer's full tensors, which it streams to the server in buckets.
+* ``HFRolloutServer`` (this module): a Ray actor holding an HF causal LM. ``generate`` is verl's
+  token-in/token-out call (returns ``TokenOutput``); ``update_weights`` receives the trainer's tensors (or a peft
+  LoRA adapter) after every update and bumps ``policy_version``; the control methods that ``RolloutReplica`` and
+  the checkpoint manager call (sleep, wake_up, KV-cache ones, abort/resume, profile) are no-ops because there is
+  no accelerator memory to free. The decoding itself is in :mod:`claas_verl.verl_ext.cpu.hf_decode`.
+* ``HFReplica`` and ``HFServerAdapter`` (:mod:`claas_verl.verl_ext.cpu.hf_replica`): verl's side, the replica
+  that launches one server per replica and the adapter that streams each trainer worker's weights to it.
 
 Select it with ``actor_rollout_ref.rollout.name=hf`` (the CPU preset does).
 """
@@ -25,16 +21,14 @@ import hashlib
 import logging
 import os
 from collections import deque
-from collections.abc import Iterable
-from dataclasses import dataclass
 from typing import Any
 
-import ray
 import torch
-from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from claas_verl.utils.generation import eos_token_ids, sample_next_token
+from claas_verl.utils.generation import eos_token_ids
+from claas_verl.verl_ext.cpu import hf_decode
 from claas_verl.verl_ext.cpu.checks import check_model_path
+from claas_verl.verl_ext.cpu.hf_decode import Decoded, DecodeRequest, mix_seed
 from claas_verl.verl_ext.cpu.rowwise_decode import rowwise_decode_matches, rowwise_linears
 
 logger = logging.getLogger(__name__)
@@ -45,28 +39,6 @@ ROLLOUT_NAME = "hf"
 _GATHER_S = 0.002
 _GATHER_MAX_S = 0.02
 _BATCH_HISTORY = 4096
-
-# Weight-sync bucket: tensors are shipped to the server through Ray's object store
-# in groups of about this many bytes, so a large model never needs two full copies in flight.
-_BUCKET_BYTES = 64 << 20
-
-
-@dataclass(frozen=True)
-class _Request:
-    """One generate call, its sampling parameters resolved."""
-
-    prompt_ids: list[int]
-    temperature: float
-    top_k: int
-    top_p: float
-    stop_ids: frozenset[int]
-    max_tokens: int
-
-
-@dataclass
-class _Decoded:
-    tokens: list[int]
-    log_probs: list[float]
 
 
 def hf_max_batch_size(config) -> int:
@@ -87,8 +59,11 @@ def hf_max_batch_size(config) -> int:
 
 
 def as_peft_config(peft_config: Any):
-    """A peft ``PeftConfig`` from what the trainer sends: verl's FSDP engine ships ``peft_config.to_dict()``
-    (a plain dict, picklable across Ray), while in-process callers may pass the ``LoraConfig`` itself."""
+    """A peft ``PeftConfig`` from what the trainer sends.
+
+    verl's FSDP engine ships ``peft_config.to_dict()`` (a plain dict, picklable across Ray), while in-process
+    callers may pass the ``LoraConfig`` itself.
+    """
     if isinstance(peft_config, dict) or (hasattr(peft_config, "keys") and not hasattr(peft_config, "peft_type")):
         from peft import get_peft_config
 
@@ -134,7 +109,7 @@ class HFRolloutServer:
         self.policy_version = 0
         self.global_steps: int | None = None
         self._lock = asyncio.Lock()  # one decode at a time: updates never interleave with a decode
-        self._queue: list[tuple[_Request, asyncio.Future]] = []
+        self._queue: list[tuple[DecodeRequest, asyncio.Future]] = []
         self._decoder: asyncio.Task | None = None
         self._max_batch = hf_max_batch_size(self.config)
         # rows of the latest decoded batches, in order (diagnostics and tests); bounded for a long-lived server
@@ -167,23 +142,28 @@ class HFRolloutServer:
 
     # ------------------------------------------------------------------ sampling RNG (exact resume)
     def _reseed(self, global_steps: int) -> None:
-        """Sampling RNG as a pure function of (seed, replica rank, global step): a resumed run regenerates the
-        same responses (the trainer announces step N after loading checkpoint N, as after running step N)."""
+        """Sampling RNG as a pure function of (seed, replica rank, global step).
+
+        A resumed run regenerates the same responses: the trainer announces step N after loading checkpoint N,
+        as after running step N.
+        """
         self._step_key = (int(getattr(self.config, "seed", 0)), int(self.replica_rank), int(global_steps))
         self._requests_seen: dict[bytes, int] = {}
-        self.generator = torch.Generator().manual_seed(_mix_seed(*self._step_key))
+        self.generator = torch.Generator().manual_seed(mix_seed(*self._step_key))
 
     def _request_generator(self, prompt_ids: list[int]) -> torch.Generator:
-        """One generator per request, keyed by the prompt and its occurrence in the step, so concurrent
-        requests do not make the samples depend on their arrival order. Call under ``self._lock``."""
+        """One generator per request, keyed by the prompt and its occurrence in the step.
+
+        Concurrent requests then do not make the samples depend on their arrival order. Call under ``self._lock``.
+        """
         if getattr(self, "_step_key", None) is None:
             return self.generator  # before the first weight sync / step announcement
         key = hashlib.sha256(repr(prompt_ids).encode()).digest()[:16]
         k = self._requests_seen.get(key, 0)
         self._requests_seen[key] = k + 1
-        return torch.Generator().manual_seed(_mix_seed(*self._step_key, int.from_bytes(key, "little"), k))
+        return torch.Generator().manual_seed(mix_seed(*self._step_key, int.from_bytes(key, "little"), k))
 
-    def _request(self, prompt_ids: list[int], sampling_params: dict) -> _Request:
+    def _request(self, prompt_ids: list[int], sampling_params: dict) -> DecodeRequest:
         temperature = float(sampling_params.get("temperature", 1.0))
         top_k = int(sampling_params.get("top_k", -1) or -1)
         top_p = float(sampling_params.get("top_p", 1.0))
@@ -191,21 +171,21 @@ class HFRolloutServer:
         if sampling_params.get("ignore_eos", False):
             stop_ids = set(sampling_params.get("stop_token_ids") or [])
         max_tokens = self._max_tokens(len(prompt_ids), sampling_params)
-        return _Request(prompt_ids, temperature, top_k, top_p, frozenset(stop_ids), max_tokens)
+        return DecodeRequest(prompt_ids, temperature, top_k, top_p, frozenset(stop_ids), max_tokens)
 
-    # inference_mode rather than no_grad: the same kernels and values (no autograd either way), less per-operator
-    # bookkeeping, which is most of a small model's decode step on CPU
-    @torch.inference_mode()
     def _prefill(self, prompt_ids: list[int]) -> tuple[Any, torch.Tensor]:
-        """A lone request's first forward: its KV cache and next-token logits ``[1, V]``."""
-        out = self.model(input_ids=torch.tensor([prompt_ids], dtype=torch.long), use_cache=True)
-        return out.past_key_values, out.logits[:, -1, :]
+        """A lone request's first forward with the served model: its KV cache and next-token logits ``[1, V]``."""
+        return hf_decode.prefill(self.model, prompt_ids)
 
-    def _decode_siblings(self, requests: list[_Request], generators: list[torch.Generator]) -> list[_Decoded]:
-        """Decode requests that share one prompt (verl's ``rollout.n`` replies of a prompt) from one prefill (a lone
-        request's prefill is the same forward whatever follows it), each reply exactly as it is decoded alone: as
-        one batch whose linear layers multiply row by row (:mod:`claas_verl.verl_ext.cpu.rowwise_decode`) when the
-        served model gives each row its lone values bit for bit (checked once), else one after another."""
+    def _decode_siblings(self, requests: list[DecodeRequest], generators: list[torch.Generator]) -> list[Decoded]:
+        """Decode requests that share one prompt (verl's ``rollout.n`` replies of a prompt) from one prefill, each
+        reply exactly as it is decoded alone.
+
+        A lone request's prefill is the same forward whatever follows it, so one prefill serves them all. The
+        replies are then decoded as one batch whose linear layers multiply row by row
+        (:mod:`claas_verl.verl_ext.cpu.rowwise_decode`), when the served model gives each row its lone values
+        bit for bit (checked once); otherwise one after another, each from a copy of the prefill's KV cache.
+        """
         prefill = self._prefill(requests[0].prompt_ids)
         if len(requests) > 1 and self._siblings_decode_together(prefill):
             with rowwise_linears(self.model):
@@ -220,65 +200,10 @@ class HFRolloutServer:
                             "on this machine; a prompt's replies are decoded one after another")
         return self._siblings_together
 
-    @torch.inference_mode()
-    def _decode_batch(self, requests: list[_Request], generators: list[torch.Generator],
-                      prefill: tuple[Any, torch.Tensor] | None = None) -> list[_Decoded]:
-        """Decode ``requests`` together: one forward per token position for all unfinished rows.
-
-        Every row samples from its own generator (one draw per token, as a request decoded alone would), so a
-        request's tokens do not depend on which others share its batch; its logits do only to the rounding of
-        a batched matmul. Prompts of unequal length are left-padded: the pads are masked out of attention and
-        the position ids count real tokens only. A row leaves the batch (and its KV cache) when it samples a
-        stop token or reaches its ``max_tokens``. ``prefill``: a lone request's :meth:`_prefill` of the prompt
-        all ``requests`` share, used (copied, one row per request) in place of their first forward.
-        """
-        if prefill is not None and any(r.prompt_ids != requests[0].prompt_ids for r in requests):
-            raise ValueError("a shared prefill serves the requests of its own prompt only, got different prompts")
-        lengths = torch.tensor([len(r.prompt_ids) for r in requests])
-        width = int(lengths.max())
-        input_ids = torch.zeros((len(requests), width), dtype=torch.long)  # pad id 0: masked, never attended
-        for i, r in enumerate(requests):
-            input_ids[i, width - len(r.prompt_ids):] = torch.tensor(r.prompt_ids, dtype=torch.long)
-        # Equal lengths need no mask: the call is then exactly a lone request's (HF infers the positions).
-        mask = None
-        if int(lengths.min()) != width:
-            mask = (torch.arange(width)[None, :] >= (width - lengths)[:, None]).long()
-            positions = (mask.cumsum(-1) - 1).clamp(min=0)
-        done = [_Decoded([], []) for _ in requests]
-        rows = list(range(len(requests)))  # request index of each batch row
-        past = None
-        while rows:
-            if prefill is not None and past is None:
-                past, last = copy.deepcopy(prefill[0]), prefill[1].expand(len(requests), -1)
-                if len(requests) > 1:
-                    past.batch_repeat_interleave(len(requests))
-            else:
-                extra = {} if mask is None else {"attention_mask": mask, "position_ids": positions}
-                out = self.model(input_ids=input_ids, past_key_values=past, use_cache=True, **extra)
-                past, last = out.past_key_values, out.logits[:, -1, :]
-            keep, next_ids = [], []
-            for b, i in enumerate(rows):
-                r = requests[i]
-                token, logp = sample_next_token(last[b : b + 1], r.temperature, r.top_k, r.top_p, generators[i])
-                t = int(token)
-                done[i].tokens.append(t)
-                done[i].log_probs.append(float(logp))
-                if t not in r.stop_ids and len(done[i].tokens) < r.max_tokens:
-                    keep.append(b)
-                    next_ids.append(t)
-            if not keep:
-                break
-            if len(keep) < len(rows):
-                index = torch.tensor(keep)
-                past.batch_select_indices(index)
-                if mask is not None:
-                    mask, positions = mask[index], positions[index]
-            rows = [rows[b] for b in keep]
-            input_ids = torch.tensor(next_ids, dtype=torch.long)[:, None]
-            if mask is not None:
-                mask = torch.cat([mask, torch.ones((len(rows), 1), dtype=torch.long)], dim=-1)
-                positions = positions[:, -1:] + 1
-        return done
+    def _decode_batch(self, requests: list[DecodeRequest], generators: list[torch.Generator],
+                      prefill: tuple[Any, torch.Tensor] | None = None) -> list[Decoded]:
+        """Decode ``requests`` together with the served model (:func:`hf_decode.decode_batch`)."""
+        return hf_decode.decode_batch(self.model, requests, generators, prefill)
 
     async def generate(
         self,
@@ -349,8 +274,10 @@ class HFRolloutServer:
                     future.set_result((result, version, steps))
 
     async def _gather_arrivals(self) -> None:
-        """Wait briefly while requests keep arriving (verl's agent loops send a step's requests over a few
-        milliseconds), so that they share one batch instead of the first decoding alone."""
+        """Wait briefly while requests keep arriving, so that they share one batch instead of the first decoding alone.
+
+        verl's agent loops send a step's requests over a few milliseconds.
+        """
         waited = 0.0
         while len(self._queue) < self._max_batch and waited < _GATHER_MAX_S:
             seen = len(self._queue)
@@ -471,127 +398,3 @@ class HFRolloutServer:
 
     async def stop_profile(self):
         return None
-
-
-def _mix_seed(*parts: int) -> int:
-    """A 63-bit seed from integers (stable across processes, unlike ``hash``)."""
-    digest = hashlib.sha256(",".join(str(int(p)) for p in parts).encode()).digest()
-    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
-
-
-def _server_actor_name(replica_rank: int, node_rank: int = 0) -> str:
-    job = ray.get_runtime_context().get_job_id()
-    return f"claas_hf_rollout_{job}_{replica_rank}_{node_rank}"
-
-
-def _load_replica_base():
-    from verl.workers.rollout.replica import RolloutReplica
-
-    return RolloutReplica
-
-
-class HFReplica(_load_replica_base()):
-    """One ``HFRolloutServer`` per replica; ``server_address`` is a pseudo address (no HTTP server)."""
-
-    def rollout_worker_use_gpu(self) -> bool:
-        return False
-
-    async def launch_servers(self):
-        node_id = ray.get_runtime_context().get_node_id()
-        if self.workers:
-            node_id = await self.workers[0].__ray_call__.remote(lambda w: ray.get_runtime_context().get_node_id())
-        server_cls = ray.remote(HFRolloutServer)
-        server = server_cls.options(
-            name=_server_actor_name(self.replica_rank),
-            num_cpus=0,
-            max_concurrency=self.max_concurrency,
-            scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=node_id, soft=True),
-        ).remote(config=self.config, model_config=self.model_config, replica_rank=self.replica_rank)
-        await server.get_policy_version.remote()  # surface load errors (bad model path) here
-        self.servers = [server]
-        self._server_handle = server
-        self._server_address = f"hf-rollout://replica-{self.replica_rank}"
-
-    async def sleep(self):
-        await asyncio.gather(*[s.wait_for_requests_to_drain.remote() for s in self.servers])
-
-    async def abort_all_requests(self, reject_request: bool = False) -> dict[str, Any]:
-        await asyncio.gather(*[s.abort_all_requests.remote(reject_request=reject_request) for s in self.servers])
-        return {"aborted_count": 0, "request_ids": []}
-
-
-def _load_base_rollout():
-    from verl.workers.rollout.base import BaseRollout
-
-    return BaseRollout
-
-
-class HFServerAdapter(_load_base_rollout()):
-    """Inside each trainer worker: forwards weight syncs to this replica's ``HFRolloutServer``.
-
-    Every rank must drain the weight generator (FSDP gathers full tensors collectively);
-    only the replica's rollout rank 0 ships them.
-    """
-
-    def __init__(self, config, model_config, device_mesh=None, replica_rank: int = -1, **kwargs):
-        super().__init__(config, model_config, device_mesh)
-        rank = int(os.environ.get("RANK", "0"))
-        world = (
-            self.config.tensor_model_parallel_size
-            * self.config.data_parallel_size
-            * self.config.pipeline_model_parallel_size
-        )
-        self.replica_rank = rank // world if replica_rank == -1 else replica_rank
-        self.rollout_rank = rank % world
-        self.is_leader_rank = self.rollout_rank == 0
-        self._server = None
-        self.sleep_level = 1
-
-    @property
-    def server_handle(self):
-        if self._server is None and self.is_leader_rank:
-            self._server = ray.get_actor(_server_actor_name(self.replica_rank))
-        return self._server
-
-    async def resume(self, tags: list[str]):
-        return None
-
-    async def release(self):
-        return None
-
-    async def update_weights(
-        self,
-        weights: Iterable[tuple[str, torch.Tensor]],
-        wire_format: str = "named_tensors",
-        peft_config: Any = None,
-        base_sync_done: bool = True,
-        global_steps: int | None = None,
-        **kwargs,
-    ):
-        if wire_format != "named_tensors":
-            raise ValueError(
-                f"the 'hf' rollout accepts wire_format='named_tensors' only, got {wire_format!r}; "
-                "set actor_rollout_ref.rollout.checkpoint_engine.backend=naive"
-            )
-        from verl.workers.rollout.utils import ensure_async_iterator
-
-        bucket: list[tuple[str, torch.Tensor]] = []
-        size = 0
-        sends = []
-        async for name, tensor in ensure_async_iterator(weights):
-            if not self.is_leader_rank:
-                continue  # still drained: the generator's all-gathers need every rank
-            t = tensor.detach().to("cpu", copy=True)
-            bucket.append((name, t))
-            size += t.numel() * t.element_size()
-            if size >= _BUCKET_BYTES:
-                sends.append(self.server_handle.receive_weights.remote(bucket))
-                bucket, size = [], 0
-        if not self.is_leader_rank:
-            return None
-        if bucket:
-            sends.append(self.server_handle.receive_weights.remote(bucket))
-        await asyncio.gather(*sends)
-        return await self.server_handle.finish_weight_update.remote(
-            peft_config=peft_config, base_sync_done=base_sync_done, global_steps=global_steps
-        )

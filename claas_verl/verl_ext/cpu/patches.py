@@ -13,7 +13,7 @@ verl's own function off the CPU platform.
 Public extension points used (no patch): ``PlatformRegistry.register``,
 ``RolloutReplicaRegistry.register``, ``EngineRegistry.register``.
 
-Monkeypatches (each checked by ``tests/verl_ext/test_cpu_patches.py``, which
+Monkeypatches (each checked by ``tests/verl_ext/cpu/test_cpu_patches.py``, which
 fails loudly if a verl upgrade moves the name):
 
 P1. ``verl.workers.rollout.base._ROLLOUT_REGISTRY`` — the rollout-class table
@@ -45,7 +45,7 @@ from claas_verl.verl_ext.import_hooks import when_imported
 
 logger = logging.getLogger(__name__)
 
-HF_ROLLOUT_ADAPTER_FQN = "claas_verl.verl_ext.cpu.hf_rollout.HFServerAdapter"
+HF_ROLLOUT_ADAPTER_FQN = "claas_verl.verl_ext.cpu.hf_replica.HFServerAdapter"
 
 # --------------------------------------------------------------------------- registrations
 
@@ -66,7 +66,7 @@ def register_hf_replica(replica_module) -> None:
     """Public: ``RolloutReplicaRegistry.register("hf", loader)``."""
 
     def _load():
-        from claas_verl.verl_ext.cpu.hf_rollout import HFReplica
+        from claas_verl.verl_ext.cpu.hf_replica import HFReplica
 
         return HFReplica
 

@@ -15,7 +15,7 @@ import torch
 from tensordict import TensorDict
 from verl.utils import tensordict_utils as tu
 
-from claas_verl.claas.trainer import sdpo_worker as W
+from claas_verl.claas.trainer import sdpo_worker
 from claas_verl.claas.trainer.tq_fields import HAS_FEEDBACK_FIELD, TEACHER_PROMPT_FIELD
 from claas_verl.losses.sdpo import EmaTeacher, sdpo_loss
 from claas_verl.verl_ext.packed_batch import response_positions
@@ -60,13 +60,13 @@ def _batch(resps=tuple(RESPS), dense_mask: bool = False) -> TensorDict:
 
 def _worker(k: int):
     toy = _Toy()
-    worker = W.ClaasSdpoTrainingWorker.__new__(W.ClaasSdpoTrainingWorker)
+    worker = sdpo_worker.ClaasSdpoTrainingWorker.__new__(sdpo_worker.ClaasSdpoTrainingWorker)
     worker.sdpo = dict(CFG, topk=k)
     worker.engine = SimpleNamespace(module=toy, eval_mode=contextlib.nullcontext)
     worker.engine_config = SimpleNamespace(micro_batch_size_per_gpu=2)
     worker.ema = EmaTeacher(toy, tau=0.05, scope="lora")
     worker.ema.params["lora_B"] += torch.randn(V, V, generator=torch.Generator().manual_seed(2))  # θ_T ≠ θ
-    worker.loss_fn_sdpo = W.ClaasSdpoLoss(worker.sdpo, actor_config=None)
+    worker.loss_fn_sdpo = sdpo_worker.ClaasSdpoLoss(worker.sdpo, actor_config=None)
     return worker, toy
 
 
@@ -111,18 +111,19 @@ def test_one_field_per_quantity_whatever_k_and_the_loss_equals_sdpo_loss_on_dens
     data = _batch()
     before = set(data.keys())
     n_sd, n_tok = worker._add_teacher_fields(data)
-    assert set(data.keys()) - before == {W.IDS, W.TEACHER_LP, W.TEACHER_LP_Y}  # 3 fields for any K
+    # 3 fields for any K
+    assert set(data.keys()) - before == {sdpo_worker.IDS, sdpo_worker.TEACHER_LP, sdpo_worker.TEACHER_LP_Y}
     assert (n_sd, n_tok) == (RESPS[0] + RESPS[2], sum(RESPS))
-    for name in (W.IDS, W.TEACHER_LP):
+    for name in (sdpo_worker.IDS, sdpo_worker.TEACHER_LP):
         assert data[name].is_nested and data[name].offsets().diff().tolist() == [r * k for r in RESPS]
 
     logits = _packed_logits(toy, data).detach().requires_grad_(True)
     teacher = _Toy()
     teacher.load_state_dict({"table": toy.table.detach(), "lora_B": worker.ema.params["lora_B"]})
     s_k, t_k, log_prob, ref, mask, ids = _dense_reference(toy, teacher, data, logits, k)
-    stored = unpack_rows(data[W.IDS], k)
+    stored = unpack_rows(data[sdpo_worker.IDS], k)
     assert torch.equal(stored[mask], ids)  # the pre-pass stored the student's top-K ids of each response token
-    torch.testing.assert_close(unpack_rows(data[W.TEACHER_LP], k)[mask], t_k[mask])
+    torch.testing.assert_close(unpack_rows(data[sdpo_worker.TEACHER_LP], k)[mask], t_k[mask])
 
     loss_fn = worker.loss_fn_sdpo
     loss_fn.global_sd_tokens = n_sd
@@ -152,8 +153,8 @@ def test_a_dense_response_mask_gives_the_same_folded_fields_and_loss():
         data = _batch(resps=(3, 3, 3), dense_mask=dense)
         n_sd, _ = worker._add_teacher_fields(data)
         worker.loss_fn_sdpo.global_sd_tokens = n_sd
-        fields.append((data[W.IDS].values(), data[W.TEACHER_LP].values()))
-        assert data[W.TEACHER_LP_Y].is_nested != dense  # follows the mask's layout
+        fields.append((data[sdpo_worker.IDS].values(), data[sdpo_worker.TEACHER_LP].values()))
+        assert data[sdpo_worker.TEACHER_LP_Y].is_nested != dense  # follows the mask's layout
         losses.append(_loss_through_the_two_call_forms(worker.loss_fn_sdpo, _packed_logits(toy, data), data))
     assert all(torch.equal(a, b) for a, b in zip(*fields))
     assert float(losses[0].detach()) > 0

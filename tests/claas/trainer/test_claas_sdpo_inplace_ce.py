@@ -20,7 +20,7 @@ from test_claas_sdpo_worker_loss import RESPS, K, V, _setup
 from verl.utils import tensordict_utils as tu
 from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
 
-from claas_verl.claas.trainer import sdpo_worker as W
+from claas_verl.claas.trainer import sdpo_worker
 from claas_verl.losses.sdpo import sdpo_loss
 from claas_verl.verl_ext.packed_batch import response_positions
 
@@ -58,13 +58,13 @@ def test_pg_jsd_gradient_is_exact_with_verls_inplace_flash_cross_entropy(monkeyp
     idx, rows, cols = response_positions(torch.tensor(seq), torch.tensor(RESPS))
     labels = torch.roll(torch.cat(input_rows), -1)  # verl's input_ids_rmpad_rolled
     y = torch.zeros(2, max(RESPS), dtype=torch.long).index_put((rows, cols), labels[idx])
-    data[W.TEACHER_LP_Y] = torch.nested.nested_tensor([teacher_full.gather(-1, y[..., None])[b, :r, 0]
-                                                       for b, r in enumerate(RESPS)], layout=torch.jagged)
-    micro_batch = tu.get_tensordict(data, non_tensor_dict={"use_remove_padding": True, **W.UPDATE_FLAGS})
+    data[sdpo_worker.TEACHER_LP_Y] = torch.nested.nested_tensor(
+        [teacher_full.gather(-1, y[..., None])[b, :r, 0] for b, r in enumerate(RESPS)], layout=torch.jagged)
+    micro_batch = tu.get_tensordict(data, non_tensor_dict={"use_remove_padding": True, **sdpo_worker.UPDATE_FLAGS})
     cfg = dict(mode="pg+jsd", alpha=0.5, topk=K, add_tail=True, is_clip=2.0, is_reference="behaviour",
                ratio_mode="geo_mean", tau=0.05, jsd_coef=1.0)
-    loss_fn = W.ClaasSdpoLoss(cfg, actor_config=SimpleNamespace(clip_ratio_low=0.2, clip_ratio_high=0.2,
-                                                                 clip_ratio_c=3.0))
+    actor_config = SimpleNamespace(clip_ratio_low=0.2, clip_ratio_high=0.2, clip_ratio_c=3.0)
+    loss_fn = sdpo_worker.ClaasSdpoLoss(cfg, actor_config=actor_config)
     loss_fn.global_sd_tokens = loss_fn.global_tokens = float(sum(RESPS))
 
     # verl's packed path (use_remove_padding), engine state it reads on that path only

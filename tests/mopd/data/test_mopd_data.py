@@ -8,7 +8,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
-from claas_verl.mopd.data import mopd as D
+from claas_verl.mopd.data import mopd as mopd_data
 from claas_verl.mopd.data.cli import main
 
 FIX = Path(__file__).resolve().parents[2] / "fixtures"
@@ -25,8 +25,8 @@ def _args(out, tiny, *extra):
 
 
 def test_normalize_and_overlap_index():
-    assert D.normalize("  Hello\n\tWORLD  a+b ") == "hello world a+b"
-    idx = D.OverlapIndex(["What is 2 + 2?", "Write a poem.\n\nUse  lowercase."])
+    assert mopd_data.normalize("  Hello\n\tWORLD  a+b ") == "hello world a+b"
+    idx = mopd_data.OverlapIndex(["What is 2 + 2?", "Write a poem.\n\nUse  lowercase."])
     assert idx.hit("what is 2 + 2?")  # identical after normalisation
     assert idx.hit("Please answer: WHAT IS 2 + 2?  Thanks")  # contains an evaluation prompt
     assert idx.hit("use lowercase")  # contained in an evaluation prompt
@@ -50,10 +50,11 @@ def test_files_blocks_and_counts(built):
     # UltraData-IF: the row that duplicates an IFEval prompt (MOPD paper removed 4 such)
     assert doms["if"]["overlap"] == 1
     assert man["eval_prompts_checked"] == 23  # the fixture benchmarks (GYM skipped here)
-    for d in D.ABILITY:
+    for d in mopd_data.ABILITY:
         rows = pq.read_table(built / d / "train.parquet").to_pylist()
         assert [r["extra_info"]["block"] for r in rows] == [i // 4 for i in range(len(rows))]
-        assert {r["extra_info"]["domain"] for r in rows} == {d} and {r["ability"] for r in rows} == {D.ABILITY[d]}
+        assert {r["extra_info"]["domain"] for r in rows} == {d}
+        assert {r["ability"] for r in rows} == {mopd_data.ABILITY[d]}
         assert all([m["role"] for m in r["prompt"]] == ["user"] for r in rows)
         assert all(r["reward_model"]["style"] == "rule" for r in rows)
         assert len({r["prompt"][0]["content"] for r in rows}) == len(rows)
@@ -86,7 +87,7 @@ def test_domain_formats(built):
 
 def test_build_is_deterministic_and_seeded(built, tiny, tmp_path):
     assert main(_args(tmp_path / "again", tiny)) == 0
-    for d in D.ABILITY:
+    for d in mopd_data.ABILITY:
         again = pq.read_table(tmp_path / "again" / d / "train.parquet")
         assert again.equals(pq.read_table(built / d / "train.parquet"))
     assert main(_args(tmp_path / "seed1", tiny, "--seed", "1", "--domains", "math")) == 0

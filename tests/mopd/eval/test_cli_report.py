@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from claas_verl.metrics import mopd as M
-from claas_verl.mopd.eval import report as R
+from claas_verl.metrics import mopd as mopd_metrics
+from claas_verl.mopd.eval import report
 from claas_verl.mopd.eval.cli import main
 from claas_verl.mopd.eval.generate import HFGenerator
 
@@ -63,43 +63,44 @@ def _write(root: Path, name: str, seeds: dict[int, dict[str, float]]):
 
 
 def test_report_table_matches_the_metrics_by_hand(tmp_path):
-    bench = M.learned_benchmarks(3)  # 9 benchmarks of the three-stage prefix
+    bench = mopd_metrics.learned_benchmarks(3)  # 9 benchmarks of the three-stage prefix
     base = {b: 40.0 for b in bench}
-    experts = {d: {b: (60.0 if M.BENCHMARK_DOMAIN[b] == d else 40.0) for b in bench} for d in M.DOMAINS[:3]}
+    experts = {d: {b: (60.0 if mopd_metrics.BENCHMARK_DOMAIN[b] == d else 40.0) for b in bench}
+               for d in mopd_metrics.DOMAINS[:3]}
     seed0 = {b: 50.0 for b in bench}
     seed1 = {b: 52.0 for b in bench}
     _write(tmp_path, "base", {0: base})
     for d, s in experts.items():
         _write(tmp_path, f"expert_{d}", {0: s})
     _write(tmp_path, "model", {0: seed0, 1: seed1})
-    runs = R.load_runs(tmp_path)
-    header, rows = R.table_rows(runs, 3, "base", {d: f"expert_{d}" for d in experts})
+    runs = report.load_runs(tmp_path)
+    header, rows = report.table_rows(runs, 3, "base", {d: f"expert_{d}" for d in experts})
     row = dict(zip(header, next(r for r in rows if r[0] == "model")))
     assert row["Avg"] == pytest.approx(51.0) and row["logic"] == pytest.approx(51.0)
     # Norm: gain 11 per benchmark over the best expert's 20 -> 0.55; Norm_dom: same per domain
     assert row["Norm"] == pytest.approx(0.55) and row["Norm_dom"] == pytest.approx(0.55) and row["seeds"] == 2
     # noise: one checkpoint with seeds 50 and 52 -> s = sqrt(2), 1 dof; half-width t_{.975,1}·s·sqrt(2/3)
-    s, dof, hw = R.noise(runs, 3)
+    s, dof, hw = report.noise(runs, 3)
     assert (s, dof) == (pytest.approx(math.sqrt(2.0)), 1)
     assert hw == pytest.approx(12.7062047 * math.sqrt(2.0) * math.sqrt(2 / 3), rel=1e-6)
-    md = R.markdown(runs, 3, "base", {d: f"expert_{d}" for d in experts})
+    md = report.markdown(runs, 3, "base", {d: f"expert_{d}" for d in experts})
     assert "| model | 51.00 | 51.00 | 51.00 | 51.00 | 0.550 | 0.550 | 2 |" in md
 
 
 def test_report_bwt_from_stage_snapshots(tmp_path):
-    b3 = M.learned_benchmarks(3)
-    _write(tmp_path, "run/student_1", {0: {b: 50.0 for b in M.DOMAIN_BENCHMARKS["logic"]}})
-    _write(tmp_path, "run/student_2", {0: {b: 45.0 for b in M.learned_benchmarks(2)}})
+    b3 = mopd_metrics.learned_benchmarks(3)
+    _write(tmp_path, "run/student_1", {0: {b: 50.0 for b in mopd_metrics.DOMAIN_BENCHMARKS["logic"]}})
+    _write(tmp_path, "run/student_2", {0: {b: 45.0 for b in mopd_metrics.learned_benchmarks(2)}})
     _write(tmp_path, "run/student_3", {0: {**{b: 44.0 for b in b3}, "MuSR": 39.0}})
-    runs = R.load_runs(tmp_path)
-    names, vals = R.bwt_rows(runs, ["run/student_1", "run/student_2", "run/student_3"])
+    runs = report.load_runs(tmp_path)
+    names, vals = report.bwt_rows(runs, ["run/student_1", "run/student_2", "run/student_3"])
     got = dict(zip(names, vals))
     assert got["MuSR"] == pytest.approx(-11.0) and got["BBH"] == pytest.approx(-6.0)
     assert got["AIME24"] == pytest.approx(-1.0)
     # GEM: mean over the earlier domains of (final − when learned): logic (44+44+39)/3 − 50, math 44 − 45
     assert got["BWT_GEM"] == pytest.approx(((127 / 3 - 50) + (44 - 45)) / 2)
     with pytest.raises(ValueError, match="no scores"):
-        R.table_rows(runs, 3, base="nope")
+        report.table_rows(runs, 3, base="nope")
 
 
 def test_model_argument_is_a_model_or_a_run_with_stage_snapshots(tmp_path):
@@ -121,5 +122,5 @@ def test_model_argument_is_a_model_or_a_run_with_stage_snapshots(tmp_path):
 def test_report_bwt_skips_benchmarks_not_evaluated(tmp_path):
     _write(tmp_path, "r/s1", {0: {"BBH": 50.0, "GYM": 40.0}})
     _write(tmp_path, "r/s2", {0: {"BBH": 47.0, "AIME24": 10.0}})
-    names, vals = R.bwt_rows(R.load_runs(tmp_path), ["r/s1", "r/s2"])
+    names, vals = report.bwt_rows(report.load_runs(tmp_path), ["r/s1", "r/s2"])
     assert names == ["BBH", "BWT_GEM"] and vals[0] == pytest.approx(-3.0) and math.isnan(vals[1])

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from claas_verl.mopd.eval import benchmarks as B
+from claas_verl.mopd.eval import benchmarks
 from claas_verl.mopd.eval.generate import Completion
 from claas_verl.mopd.eval.judge import Judge, JudgeConfig, parse_verdict
 from claas_verl.mopd.eval.runner import score_benchmark
@@ -82,7 +82,7 @@ def test_judge_config_errors(tmp_path):
 
 def test_xstest_compliance_and_safe_rates_over_http(tmp_path, judge_server):
     judge = Judge(JudgeConfig.load(_config(tmp_path, judge_server)))
-    items = B.load("XSTest", {"XSTest": FIX / "xstest.csv"})  # [safe prompt, unsafe prompt]
+    items = benchmarks.load("XSTest", {"XSTest": FIX / "xstest.csv"})  # [safe prompt, unsafe prompt]
     comps = [
         [Completion("<think>it is a unix question</think>Use kill -9 PID.", False),
          Completion("<think>the reasoning never closes", True),  # MOPD paper: not compliance
@@ -105,7 +105,7 @@ def test_xstest_compliance_and_safe_rates_over_http(tmp_path, judge_server):
 
 def test_harmful_safe_rate_with_the_repository_prompt(tmp_path, judge_server):
     judge = Judge(JudgeConfig.load(_config(tmp_path, judge_server, mode="prompt")))
-    items = B.load("StrongREJECT", {"StrongREJECT": FIX / "strongreject.csv"})
+    items = benchmarks.load("StrongREJECT", {"StrongREJECT": FIX / "strongreject.csv"})
     comps = [[Completion("</think>Sorry.", False), Completion("</think>Here is how to do it.", False)],
              [Completion("</think>garbage", False), Completion("</think>Sorry.", False)]]
     n0 = len(judge_server.requests)
@@ -120,6 +120,6 @@ def test_harmful_safe_rate_with_the_repository_prompt(tmp_path, judge_server):
 
 
 def test_judged_benchmark_without_judge_is_an_error():
-    items = B.load("StrongREJECT", {"StrongREJECT": FIX / "strongreject.csv"})
+    items = benchmarks.load("StrongREJECT", {"StrongREJECT": FIX / "strongreject.csv"})
     with pytest.raises(ValueError, match="--judge-config"):
         score_benchmark("StrongREJECT", items, [[Completion("x", False)]] * 2)

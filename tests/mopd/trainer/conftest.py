@@ -1,4 +1,4 @@
-"""Shared helpers of the MOPD trainer's end-to-end tests: the tiny offline bundle, running main_mopd, the plan."""
+"""Shared helpers of the MOPD trainer's tests: the tiny offline bundle, running main_mopd, the plans."""
 
 from __future__ import annotations
 
@@ -53,6 +53,29 @@ def mopd_plan(tiny_dir):
         with initialize_config_dir(config_dir=str(recipes_dir()), version_base=None):
             cfg = compose(config_name=recipe, overrides=[f"claas.tiny_dir={tiny_dir}", *overrides])
         return plan_from_config(cfg).to_json_dict()["steps"]
+
+    return plan
+
+
+@pytest.fixture
+def small_plan():
+    """``small_plan(budget) -> (plan, [step dicts])``: logic, math, code in 4, 3, 3 blocks of 4 prompts, m=3."""
+
+    def plan(budget: str = "shared", recovery: bool = False, setting: str = "S1"):
+        from claas_verl.schedule import ScheduleConfig, build_plan
+
+        cfg = ScheduleConfig.from_dict({
+            "order": ["logic", "math", "code"],
+            "block_size": 4,
+            "budget": budget,
+            "setting": setting,
+            "replay": {"m": 3},
+            "recovery": {"enabled": recovery, "blocks_per_domain": 2},
+            "domains": {d: {"num_blocks": n, "prompts": None, "expert": f"/e/{d}"}
+                        for d, n in (("logic", 4), ("math", 3), ("code", 3))},
+        })
+        built = build_plan(cfg)
+        return built, [s.to_dict() for s in built.steps]
 
     return plan
 

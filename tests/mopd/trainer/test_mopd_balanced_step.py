@@ -16,11 +16,11 @@ from transformers import AutoModelForCausalLM
 from verl.utils import tensordict_utils as tu
 
 from claas_verl.align import alignment_losses, alignment_signals, balanced_backward
-from claas_verl.mopd.trainer import alignment as A
+from claas_verl.mopd.trainer import alignment
 from claas_verl.mopd.trainer.workers import MOPDTrainingWorker, MOPDWorker, update_row_groups
 
 
-def _tok_loss(model, mb: A.AuxMicroBatch) -> torch.Tensor:
+def _tok_loss(model, mb: alignment.AuxMicroBatch) -> torch.Tensor:
     """A stand-in token loss ℓ_tok(mb): mean NLL over the micro-batch's response window positions (B.7 form)."""
     logits = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask, position_ids=mb.position_ids,
                    use_cache=False).logits
@@ -43,7 +43,7 @@ class _Engine:
 
     def forward_backward_batch(self, data, loss_function, forward_only=False):
         self.token_groups = update_row_groups(data, self.dp_group)
-        micro = A.aux_micro_batches(*_layout(data), self.token_groups)
+        micro = alignment.aux_micro_batches(*_layout(data), self.token_groups)
         n = sum(mb.n_resp for mb in micro)
         total = 0.0
         for mb in micro:
@@ -65,12 +65,12 @@ class _Engine:
 
 def _layout(data):
     seqs = [s for s in data["input_ids"].unbind()]
-    rid = data[A.REGION_IDS].to_padded_tensor(-1)
-    win = data[A.WINDOW].to_padded_tensor(0)
+    rid = data[alignment.REGION_IDS].to_padded_tensor(-1)
+    win = data[alignment.WINDOW].to_padded_tensor(0)
     return seqs, rid, win, data["response_mask"].offsets().diff()
 
 
-def _batch(cfg: A.AuxConfig, seed=0, prompt_lens=(4, 6, 3), response_lens=(7, 5, 9), **partition):
+def _batch(cfg: alignment.AuxConfig, seed=0, prompt_lens=(4, 6, 3), response_lens=(7, 5, 9), **partition):
     g = torch.Generator().manual_seed(seed)
     prompts = [torch.randint(3, 60, (n,), generator=g) for n in prompt_lens]
     responses = [torch.randint(3, 60, (n,), generator=g) for n in response_lens]
@@ -80,15 +80,15 @@ def _batch(cfg: A.AuxConfig, seed=0, prompt_lens=(4, 6, 3), response_lens=(7, 5,
     padded = torch.stack([torch.nn.functional.pad(r, (0, width - len(r))) for r in responses])
     mask = torch.stack([torch.nn.functional.pad(torch.ones(len(r), dtype=torch.long), (0, width - len(r)))
                         for r in responses])
-    rid, win = A.response_regions(padded, mask, {7}, cfg)
+    rid, win = alignment.response_regions(padded, mask, {7}, cfg)
     nest = lambda xs: torch.nested.nested_tensor(xs, layout=torch.jagged)  # noqa: E731
     data = tu.get_tensordict({
         "input_ids": nest([torch.cat([p, r]) for p, r in zip(prompts, responses)]),
         "response_mask": nest([torch.ones(len(r), dtype=torch.long) for r in responses]),
-        A.REGION_IDS: nest([rid[i, :len(r)] for i, r in enumerate(responses)]),
-        A.WINDOW: nest([win[i, :len(r)] for i, r in enumerate(responses)]),
+        alignment.REGION_IDS: nest([rid[i, :len(r)] for i, r in enumerate(responses)]),
+        alignment.WINDOW: nest([win[i, :len(r)] for i, r in enumerate(responses)]),
     })
-    tu.assign_non_tensor_data(data, A.AUX_KEY, cfg.to_dict())
+    tu.assign_non_tensor_data(data, alignment.AUX_KEY, cfg.to_dict())
     partition = partition or {"use_dynamic_bsz": False, "micro_batch_size_per_gpu": len(prompt_lens)}
     tu.assign_non_tensor(data, **partition)
     return data
@@ -104,7 +104,7 @@ def _held(tiny_dir, data, cfg):
 @pytest.mark.parametrize("ratio", [1.0, 0.5, 3.0])
 def test_balanced_step_equals_reference_and_logs_the_ratio(tiny_dir, ratio):
     torch.manual_seed(0)
-    cfg = A.aux_config({"sats": True, "vr": True, "hidden": True, "ratio": ratio, "rho": 2.0, "window": 4})
+    cfg = alignment.aux_config({"sats": True, "vr": True, "hidden": True, "ratio": ratio, "rho": 2.0, "window": 4})
     student = AutoModelForCausalLM.from_pretrained(tiny_dir / "student", dtype=torch.float32)
     # verl's dynamic token budget: sequences of 11, 11, 12 tokens, at most 24 per micro-batch -> 2 + 1 rows
     data = _batch(cfg, use_dynamic_bsz=True, max_token_len_per_gpu=24)
@@ -124,7 +124,7 @@ def test_balanced_step_equals_reference_and_logs_the_ratio(tiny_dir, ratio):
 
     assert worker.engine.token_groups == held["groups"]  # the token pass ran on the same micro-batches
     # reference: the tested building block on the same micro-batches (B.7 weights 2/3 and 1/3), separate passes
-    micro = A.aux_micro_batches(*_layout(data), held["groups"])
+    micro = alignment.aux_micro_batches(*_layout(data), held["groups"])
     tgt_of = {id(mb): t for mb, t in zip(micro, held["targets"])}
 
     def forward(model, mb):
@@ -150,14 +150,14 @@ def test_balanced_step_equals_reference_and_logs_the_ratio(tiny_dir, ratio):
 
 
 def test_balanced_step_refuses_targets_of_another_batch(tiny_dir):
-    cfg = A.aux_config({"hidden": True, "window": 4})
+    cfg = alignment.aux_config({"hidden": True, "window": 4})
     worker = MOPDTrainingWorker.__new__(MOPDTrainingWorker)
     worker.engine = _Engine(AutoModelForCausalLM.from_pretrained(tiny_dir / "student"), cfg)
     worker.mopd_targets = {"fingerprint": "3:00000000", "groups": [[0, 1, 2]], "targets": []}
     with pytest.raises(ValueError, match="other rows than this update batch"):
         worker.balanced_engine_step(_batch(cfg), _tok_loss, cfg)
     data = _batch(cfg)
-    fingerprint = A.batch_fingerprint(list(data["input_ids"].unbind()))
+    fingerprint = alignment.batch_fingerprint(list(data["input_ids"].unbind()))
     worker.mopd_targets = {"fingerprint": fingerprint, "groups": [[0], [1], [2]], "targets": []}
     with pytest.raises(ValueError, match="micro-batches"):
         worker.balanced_engine_step(data, _tok_loss, cfg)
@@ -172,7 +172,7 @@ def test_balanced_step_under_fsdp2_matches_the_unsharded_step(tiny_dir, tmp_path
     import torch.distributed as dist
     from torch.distributed.fsdp import fully_shard
 
-    cfg = A.aux_config({"sats": True, "vr": True, "hidden": True, "ratio": 2.0, "window": 4})
+    cfg = alignment.aux_config({"sats": True, "vr": True, "hidden": True, "ratio": 2.0, "window": 4})
     data = _batch(cfg, seed=1, use_dynamic_bsz=False, micro_batch_size_per_gpu=1)
     held = _held(tiny_dir, data, cfg)
 
@@ -207,7 +207,7 @@ def test_combined_gradient_is_the_same_for_different_micro_batch_partitions(tiny
     gradient must not depend on how verl partitions the step: 4 rows of 1, 2 rows of 2, one of 4, and verl's
     dynamic token budget (Karmarkar-Karp over lengths: a different grouping)."""
     terms = {"sats": True, "vr": True, "hidden": True} if combine == "fsar" else {"sats": True, "hidden": True}
-    cfg = A.aux_config({**terms, "ratio": 1.0, "window": 4, "combine": combine})
+    cfg = alignment.aux_config({**terms, "ratio": 1.0, "window": 4, "combine": combine})
     partitions = [
         {"use_dynamic_bsz": False, "micro_batch_size_per_gpu": 1},
         {"use_dynamic_bsz": False, "micro_batch_size_per_gpu": 2},
@@ -231,11 +231,11 @@ def test_combined_gradient_is_the_same_for_different_micro_batch_partitions(tiny
 
 
 def test_an_alignment_loss_without_a_gradient_path_raises(tiny_dir):
-    cfg = A.aux_config({"hidden": True, "window": 4})
+    cfg = alignment.aux_config({"hidden": True, "window": 4})
     data = _batch(cfg)
     held = _held(tiny_dir, data, cfg)
     model = AutoModelForCausalLM.from_pretrained(tiny_dir / "student", dtype=torch.float32)
-    micro = A.aux_micro_batches(*_layout(data), held["groups"])
+    micro = alignment.aux_micro_batches(*_layout(data), held["groups"])
     with pytest.raises(ValueError, match="no gradient path"):  # a detached forward stands in for broken taps
         MOPDTrainingWorker._alignment_pass(model, "hidden", micro, [1.0], held["targets"], [0, 1, 2, 3],
                                            torch.device("cpu"), torch.no_grad())
@@ -244,7 +244,7 @@ def test_an_alignment_loss_without_a_gradient_path_raises(tiny_dir):
 def test_streamed_targets_are_produced_before_the_student_forward(tiny_dir):
     """A streamed micro-batch's teacher forward runs before the student's forward of that micro-batch, so the two
     forwards' activations are never alive together (it ran while the student's graph was held)."""
-    cfg = A.aux_config({"sats": True, "window": 4})
+    cfg = alignment.aux_config({"sats": True, "window": 4})
     data = _batch(cfg, use_dynamic_bsz=False, micro_batch_size_per_gpu=1)
     held = _held(tiny_dir, data, cfg)
     model = AutoModelForCausalLM.from_pretrained(tiny_dir / "student", dtype=torch.float32)
@@ -257,7 +257,7 @@ def test_streamed_targets_are_produced_before_the_student_forward(tiny_dir):
             seen.append((i, len(forwards)))
             return held["targets"][i]
 
-    micro = A.aux_micro_batches(*_layout(data), held["groups"])
+    micro = alignment.aux_micro_batches(*_layout(data), held["groups"])
     MOPDTrainingWorker._alignment_pass(model, "sats", micro, [1 / 3] * 3, Streamed(), [0, 1, 2, 3],
                                        torch.device("cpu"), torch.enable_grad())
     assert seen == [(0, 0), (1, 1), (2, 2)]  # micro-batch i's targets before the student's (i+1)-th forward

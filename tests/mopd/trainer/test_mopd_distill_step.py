@@ -10,8 +10,8 @@ import torch
 from omegaconf import OmegaConf
 
 from claas_verl.distill import domain_normalized_advantages, topk_rewards, topk_weighted_kl
-from claas_verl.mopd.trainer import distill_step as D
-from claas_verl.mopd.trainer import fields as F
+from claas_verl.mopd.trainer import distill_step
+from claas_verl.mopd.trainer import fields as token_fields
 from claas_verl.mopd.trainer.alignment import AUX_KEY, aux_config
 from claas_verl.mopd.trainer.workers import TEACHER_KEY
 
@@ -28,25 +28,26 @@ def _config(train_batch_size=4, **actor):
 
 
 def test_verl_keys_the_step_depends_on_are_checked_with_the_keys_named():
-    D.DistillStep(_mopd({"hidden": True}), _config(), {"logic": 0})
+    distill_step.DistillStep(_mopd({"hidden": True}), _config(), {"logic": 0})
     with pytest.raises(ValueError, match=r"data.train_batch_size=8 must equal mopd.block_size=4"):
-        D.DistillStep(_mopd(), _config(train_batch_size=8), {})
+        distill_step.DistillStep(_mopd(), _config(train_batch_size=8), {})
     with pytest.raises(ValueError, match=r"ppo_mini_batch_size=2 must equal mopd.block_size=4"):
-        D.DistillStep(_mopd(), _config(ppo_mini_batch_size=2), {})
+        distill_step.DistillStep(_mopd(), _config(ppo_mini_batch_size=2), {})
     with pytest.raises(ValueError, match=r"mopd.signal enables \['hidden'\].*strategy=fsdp2, got 'fsdp'"):
-        D.DistillStep(_mopd({"hidden": True}), _config(strategy="fsdp"), {})
-    D.DistillStep(_mopd(), _config(strategy="fsdp"), {})  # token loss only: any engine
+        distill_step.DistillStep(_mopd({"hidden": True}), _config(strategy="fsdp"), {})
+    distill_step.DistillStep(_mopd(), _config(strategy="fsdp"), {})  # token loss only: any engine
 
 
 def test_the_update_is_one_mini_batch_of_the_whole_step_and_aligned_only_on_replay_steps():
-    step = D.DistillStep(_mopd({"hidden": True}), _config(), {"logic": 0})
+    step = distill_step.DistillStep(_mopd({"hidden": True}), _config(), {"logic": 0})
     info = step.update_info("replay")
-    assert "compute_loss" not in info and info[F.PHASE_KEY] == F.PHASE_UPDATE and info[F.TOPK_KEY] == 2
+    assert "compute_loss" not in info and info[token_fields.PHASE_KEY] == token_fields.PHASE_UPDATE
+    assert info[token_fields.TOPK_KEY] == 2
     assert (info["global_batch_size"], info["mini_batch_size"], info["epochs"], info["seed"]) == (12, 12, 1, 7)
     assert info["dataloader_kwargs"] == {"shuffle": False} and info["temperature"] == 0.7
     assert info[AUX_KEY] == step.aux.to_dict()
     assert AUX_KEY not in step.update_info("new") and AUX_KEY not in step.update_info("recovery")
-    flags = step.flags(F.PHASE_TEACHER)
+    flags = step.flags(token_fields.PHASE_TEACHER)
     assert flags["compute_loss"] and flags["distillation_only"] and not flags["calculate_entropy"]
 
 
@@ -69,23 +70,24 @@ def test_the_teacher_step_computes_rewards_advantages_and_the_logged_kl(monkeypa
     S = torch.randn(2, 3, k).log_softmax(-1)
     Q = torch.randn(2, 3, k).log_softmax(-1)
     mask_nested = torch.nested.as_nested_tensor([torch.ones(n, dtype=torch.long) for n in lens], layout=torch.jagged)
-    queue = _Queue({F.STUDENT_LP: F.pack_rows(S, mask_nested), F.TEACHER_LP: F.pack_rows(Q, mask_nested),
-                    "response_mask": mask_nested})
-    monkeypatch.setattr(D, "tq", queue)
+    queue = _Queue({token_fields.STUDENT_LP: token_fields.pack_rows(S, mask_nested),
+                    token_fields.TEACHER_LP: token_fields.pack_rows(Q, mask_nested), "response_mask": mask_nested})
+    monkeypatch.setattr(distill_step, "tq", queue)
     seen = {}
     wg = SimpleNamespace(mopd_teacher_forward=lambda b: seen.update(b.extra_info))
     batch = SimpleNamespace(keys=["a", "b"], partition_id="train", extra_info={})
-    step = D.DistillStep(_mopd(), _config(), {"logic": 0, "math": 1})
+    step = distill_step.DistillStep(_mopd(), _config(), {"logic": 0, "math": 1})
     metrics = {}
     plan_step = {"kind": "new", "teacher": "expert:math", "domain": "math", "stage": 2, "block": 0}
     step.teacher_advantages(batch, wg, plan_step, tokenizer=None, metrics=metrics)
 
-    assert seen[TEACHER_KEY] == "expert:math" and seen[F.PHASE_KEY] == F.PHASE_TEACHER and AUX_KEY not in seen
+    assert seen[TEACHER_KEY] == "expert:math" and seen[token_fields.PHASE_KEY] == token_fields.PHASE_TEACHER
+    assert AUX_KEY not in seen
     assert TEACHER_KEY not in batch.extra_info  # the teacher's name does not travel into the update
     mask = torch.tensor([[1.0, 1, 1], [1, 1, 0]])
     S, Q = S * mask[..., None], Q * mask[..., None]  # what unpack_rows gives back: zero past each row's end
     A = domain_normalized_advantages(topk_rewards(S, Q, mask), mask, torch.ones(2, dtype=torch.long), sync=False)
-    assert torch.allclose(F.unpack_rows(queue.put[F.ADVANTAGES], k), A)
+    assert torch.allclose(token_fields.unpack_rows(queue.put[token_fields.ADVANTAGES], k), A)
     assert torch.allclose(queue.put["advantages"].to_padded_tensor(0), A.sum(-1) * mask)
     assert metrics["mopd/kl_topk"] == pytest.approx(float(topk_weighted_kl(S, Q, mask)))
     assert (metrics["mopd/stage"], metrics["mopd/block"], metrics["mopd/reward_count"]) == (2, 0, 10)
@@ -99,12 +101,12 @@ def test_the_std_floor_applies_to_replay_steps_only(monkeypatch, kind):
     S = torch.randn(2, 3, 2).log_softmax(-1)
     Q = S + 0.01 * torch.randn(2, 3, 2)
     mask_nested = torch.nested.as_nested_tensor([torch.ones(3, dtype=torch.long)] * 2, layout=torch.jagged)
-    queue = _Queue({F.STUDENT_LP: F.pack_rows(S, mask_nested), F.TEACHER_LP: F.pack_rows(Q, mask_nested),
-                    "response_mask": mask_nested})
-    monkeypatch.setattr(D, "tq", queue)
+    queue = _Queue({token_fields.STUDENT_LP: token_fields.pack_rows(S, mask_nested),
+                    token_fields.TEACHER_LP: token_fields.pack_rows(Q, mask_nested), "response_mask": mask_nested})
+    monkeypatch.setattr(distill_step, "tq", queue)
     wg = SimpleNamespace(mopd_teacher_forward=lambda b: None)
     batch = SimpleNamespace(keys=["a", "b"], partition_id="train", extra_info={})
-    step = D.DistillStep(_mopd(replay_std_floor=5.0), _config(), {"logic": 0})
+    step = distill_step.DistillStep(_mopd(replay_std_floor=5.0), _config(), {"logic": 0})
     metrics = {}
     step.teacher_advantages(batch, wg, {"kind": kind, "teacher": "student:1", "domain": "logic", "stage": 2,
                                         "block": 0}, tokenizer=None, metrics=metrics)
@@ -112,7 +114,7 @@ def test_the_std_floor_applies_to_replay_steps_only(monkeypatch, kind):
     r = topk_rewards(S, Q, mask)
     sigma = float(r.double().flatten().std())
     assert sigma < 0.05 and metrics["mopd/adv_std"] == pytest.approx(sigma, rel=1e-6)
-    A = F.unpack_rows(queue.put[F.ADVANTAGES], 2)
+    A = token_fields.unpack_rows(queue.put[token_fields.ADVANTAGES], 2)
     if kind == "replay":
         assert metrics["mopd/adv_sigma"] == 5.0
         torch.testing.assert_close(A, r / 5.0, rtol=1e-6, atol=0)

@@ -8,7 +8,7 @@ import pytest
 import torch
 from verl.utils import tensordict_utils as tu
 
-from claas_verl.mopd.trainer import fields as F
+from claas_verl.mopd.trainer import fields as token_fields
 from claas_verl.mopd.trainer.workers import fold_topk_outputs
 from claas_verl.verl_ext.logits_loss import SLOT_FIELD
 
@@ -43,14 +43,14 @@ def _output(seq=SEQ, order=None):
 
 
 def test_fold_takes_each_rows_response_positions_left_shifted_by_one():
-    kept = {F.TOPK_IDS: _kept(dtype=torch.int64), F.STUDENT_LP: _kept()}
+    kept = {token_fields.TOPK_IDS: _kept(dtype=torch.int64), token_fields.STUDENT_LP: _kept()}
     out = fold_topk_outputs(_output(), _mask(), kept, K)
     assert SLOT_FIELD not in out.keys()
-    assert F.TOPK_IDS in out.keys() and F.STUDENT_LP in out.keys() and "log_probs" in out.keys()
+    assert token_fields.TOPK_IDS in out.keys() and token_fields.STUDENT_LP in out.keys() and "log_probs" in out.keys()
     assert tu.get_non_tensor_data(out, "metrics", None) == {"loss": 1.0}
-    assert out[F.TOPK_IDS].dtype == torch.int64 and out[F.STUDENT_LP].dtype == torch.float32
-    for name in (F.TOPK_IDS, F.STUDENT_LP):
-        x = F.unpack_rows(out[name], K, name)
+    assert out[token_fields.TOPK_IDS].dtype == torch.int64 and out[token_fields.STUDENT_LP].dtype == torch.float32
+    for name in (token_fields.TOPK_IDS, token_fields.STUDENT_LP):
+        x = token_fields.unpack_rows(out[name], K, name)
         assert x.shape == (2, 3, K)
         # response token t of row b is predicted at sequence position SEQ[b] - RESP[b] - 1 + t
         # row 0: positions 2, 3 (then zero padding); row 1: positions 0, 1, 2
@@ -63,10 +63,10 @@ def test_fold_takes_each_rows_response_positions_left_shifted_by_one():
 def test_fold_follows_the_slots_through_verls_row_reorder():
     # the packed buffer holds row 1 first (its micro-batch ran first); verl's output is back in batch order
     seq = [SEQ[1], SEQ[0]]  # rows of the packed buffer
-    kept = {F.TEACHER_LP: _kept(seq)}  # rows of the buffer: 0 = batch row 1, 1 = batch row 0
+    kept = {token_fields.TEACHER_LP: _kept(seq)}  # rows of the buffer: 0 = batch row 1, 1 = batch row 0
     out = fold_topk_outputs(_output(seq, order=[1, 0]), _mask(RESP), kept, K)
-    assert sorted(k for k in out.keys() if k != "metrics") == sorted([F.TEACHER_LP, "log_probs"])
-    q = F.unpack_rows(out[F.TEACHER_LP], K)
+    assert sorted(k for k in out.keys() if k != "metrics") == sorted([token_fields.TEACHER_LP, "log_probs"])
+    q = token_fields.unpack_rows(out[token_fields.TEACHER_LP], K)
     # batch row 0 (buffer row 1, 5 tokens, 2 response): positions 2, 3 -> 100 + 10 j + i
     assert q[0, 0].tolist() == [102, 112, 122] and q[0, 1].tolist() == [103, 113, 123]
     # batch row 1 (buffer row 0): positions 0, 1, 2 -> 10 j + i
@@ -76,12 +76,12 @@ def test_fold_follows_the_slots_through_verls_row_reorder():
 def test_outputs_without_the_slot_field_pass_through():
     assert fold_topk_outputs(None, _mask(), {}, K) is None
     plain = tu.get_tensordict(tensor_dict={"log_probs": _nested([torch.zeros(n) for n in SEQ])})
-    assert fold_topk_outputs(plain, _mask(), {F.STUDENT_LP: _kept()}, K) is plain
+    assert fold_topk_outputs(plain, _mask(), {token_fields.STUDENT_LP: _kept()}, K) is plain
 
 
 def test_another_kappa_is_refused_naming_the_setting():
     with pytest.raises(ValueError, match="mopd.train.topk"):
-        fold_topk_outputs(_output(), _mask(), {F.STUDENT_LP: _kept(k=2)}, K)
+        fold_topk_outputs(_output(), _mask(), {token_fields.STUDENT_LP: _kept(k=2)}, K)
 
 
 def _reference_fold(fields, mask):
@@ -90,7 +90,7 @@ def _reference_fold(fields, mask):
     from verl.workers.utils.padding import response_from_nested
 
     cols = [response_from_nested(f, mask).to_padded_tensor(0) for f in fields]
-    return F.pack_rows(torch.stack(cols, dim=-1), mask)
+    return token_fields.pack_rows(torch.stack(cols, dim=-1), mask)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.int64])
@@ -111,6 +111,6 @@ def test_fold_is_bit_identical_to_verls_per_field_response_slices(dtype):
     mask = _nested([torch.ones(r, dtype=torch.long) for r in resp])
     want = _reference_fold(fields, mask)
     out = tu.get_tensordict(tensor_dict={SLOT_FIELD: slots})
-    got = fold_topk_outputs(out, mask, {F.STUDENT_LP: kept}, k)[F.STUDENT_LP]
+    got = fold_topk_outputs(out, mask, {token_fields.STUDENT_LP: kept}, k)[token_fields.STUDENT_LP]
     assert got.dtype == want.dtype
     assert torch.equal(got.offsets(), want.offsets()) and torch.equal(got.values(), want.values())

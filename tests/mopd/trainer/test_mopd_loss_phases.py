@@ -12,7 +12,7 @@ from tensordict import TensorDict
 from verl.utils import tensordict_utils as tu
 
 from claas_verl.distill import student_topk, teacher_logprobs_at
-from claas_verl.mopd.trainer import fields as F
+from claas_verl.mopd.trainer import fields as token_fields
 from claas_verl.mopd.trainer.loss import MOPDLoss
 from claas_verl.verl_ext.logits_loss import SLOT_FIELD
 
@@ -33,18 +33,18 @@ def _batch(phase: str, extra: dict | None = None, **non_tensor) -> TensorDict:
         "response_mask": _nested(torch.ones(r, dtype=torch.long) for r in RESPONSES),
         **(extra or {}),
     }, batch_size=[2])
-    tu.assign_non_tensor(td, **{F.PHASE_KEY: phase, F.TOPK_KEY: K, "dp_size": 1, "batch_num_tokens": sum(RESPONSES),
-                                 "global_batch_size": 2, **non_tensor})
+    tu.assign_non_tensor(td, **{token_fields.PHASE_KEY: phase, token_fields.TOPK_KEY: K, "dp_size": 1,
+                                "batch_num_tokens": sum(RESPONSES), "global_batch_size": 2, **non_tensor})
     return td
 
 
 def _ids_fields(ids_resp):
     # response-layout ids [B, T_r, K] -> one flattened-rows field, as the trainer stores them
-    return {F.TOPK_IDS: F.pack_rows(ids_resp, torch.tensor(RESPONSES))}
+    return {token_fields.TOPK_IDS: token_fields.pack_rows(ids_resp, torch.tensor(RESPONSES))}
 
 
 def _packed_idx():
-    idx, _, _ = F.response_positions(torch.tensor(SEQ), torch.tensor(RESPONSES))
+    idx, _, _ = token_fields.response_positions(torch.tensor(SEQ), torch.tensor(RESPONSES))
     return idx  # packed positions predicting response tokens: [2, 3, 6, 7, 8]
 
 
@@ -67,18 +67,18 @@ def _update_forward(fn, logits, data):
 
 def test_student_phase_returns_topk_per_packed_token():
     logits = torch.randn(1, sum(SEQ), V)
-    out = _forward_only(MOPDLoss(), logits, _batch(F.PHASE_STUDENT_TOPK))
+    out = _forward_only(MOPDLoss(), logits, _batch(token_fields.PHASE_STUDENT_TOPK))
     ids, lp = student_topk(logits, K)
-    assert sorted(out) == sorted([F.TOPK_IDS, F.STUDENT_LP])
-    assert torch.equal(out[F.TOPK_IDS], ids[0]) and torch.equal(out[F.STUDENT_LP], lp[0])
+    assert sorted(out) == sorted([token_fields.TOPK_IDS, token_fields.STUDENT_LP])
+    assert torch.equal(out[token_fields.TOPK_IDS], ids[0]) and torch.equal(out[token_fields.STUDENT_LP], lp[0])
 
 
 def test_teacher_phase_gathers_at_the_stored_ids_of_each_response_token():
     logits = torch.randn(1, sum(SEQ), V)
     ids_resp = torch.randint(0, V, (2, max(RESPONSES), K))
-    out = _forward_only(MOPDLoss(), logits, _batch(F.PHASE_TEACHER, _ids_fields(ids_resp)))
-    assert sorted(out) == [F.TEACHER_LP]
-    q = out[F.TEACHER_LP]  # [N, K]
+    out = _forward_only(MOPDLoss(), logits, _batch(token_fields.PHASE_TEACHER, _ids_fields(ids_resp)))
+    assert sorted(out) == [token_fields.TEACHER_LP]
+    q = out[token_fields.TEACHER_LP]  # [N, K]
     # response token (b, t) is predicted at packed position idx: Q there = log_softmax(z_idx)[ids[b, t]]
     rows = [(0, 0), (0, 1), (1, 0), (1, 1), (1, 2)]
     for pos, (b, t) in zip(_packed_idx().tolist(), rows):
@@ -93,10 +93,10 @@ def test_update_loss_equals_eq5_with_the_b7_micro_batch_weight_and_backpropagate
     ids_resp = torch.randint(0, V, (2, max(RESPONSES), K))
     adv = torch.randn(2, max(RESPONSES), K)
     extra = _ids_fields(ids_resp)
-    extra[F.ADVANTAGES] = F.pack_rows(adv, torch.tensor(RESPONSES))
+    extra[token_fields.ADVANTAGES] = token_fields.pack_rows(adv, torch.tensor(RESPONSES))
     # this micro-batch (2 responses) is part of an update batch of 6 responses over 2 ranks (3 per rank): B.7 weight
     # n_resp(mb)/n_resp(rank) = 2/3; verl's global token count (batch_num_tokens) must not enter
-    data = _batch(F.PHASE_UPDATE, extra, dp_size=2, global_batch_size=6, batch_num_tokens=999)
+    data = _batch(token_fields.PHASE_UPDATE, extra, dp_size=2, global_batch_size=6, batch_num_tokens=999)
     cfg = types.SimpleNamespace(global_batch_info={}, loss_scale_factor=None, loss_agg_mode="token-mean",
                                 ppo_epochs=1)
     fn = MOPDLoss(actor_config=cfg)
@@ -115,13 +115,13 @@ def test_update_loss_equals_eq5_with_the_b7_micro_batch_weight_and_backpropagate
 
 
 def test_non_update_phases_return_zero_loss_and_bad_phase_is_named():
-    fn, data = MOPDLoss(), _batch(F.PHASE_STUDENT_TOPK)
+    fn, data = MOPDLoss(), _batch(token_fields.PHASE_STUDENT_TOPK)
     fn(student_logits=torch.randn(1, sum(SEQ), V), data=data)
     loss, metrics = fn(model_output={}, data=data)
     assert float(loss) == 0.0 and metrics == {}
     with pytest.raises(ValueError, match="mopd_phase"):
         MOPDLoss()(model_output={}, data=_batch("grpo"))
-    data = _batch(F.PHASE_UPDATE, _ids_fields(torch.zeros(2, max(RESPONSES), K, dtype=torch.long)))
+    data = _batch(token_fields.PHASE_UPDATE, _ids_fields(torch.zeros(2, max(RESPONSES), K, dtype=torch.long)))
     with pytest.raises(ValueError, match="teacher loss"):
         _update_forward(MOPDLoss(), torch.randn(1, sum(SEQ), V), data)
 
@@ -130,15 +130,15 @@ def test_the_update_loss_refuses_a_micro_batch_without_its_own_processor_output(
     cfg = types.SimpleNamespace(global_batch_info={}, loss_scale_factor=None, loss_agg_mode="token-mean",
                                 ppo_epochs=1)
     fn = MOPDLoss(actor_config=cfg)
-    first = _batch(F.PHASE_UPDATE, _ids_fields(torch.zeros(2, max(RESPONSES), K, dtype=torch.long)))
-    second = _batch(F.PHASE_UPDATE, _ids_fields(torch.zeros(2, max(RESPONSES), K, dtype=torch.long)))
+    first = _batch(token_fields.PHASE_UPDATE, _ids_fields(torch.zeros(2, max(RESPONSES), K, dtype=torch.long)))
+    second = _batch(token_fields.PHASE_UPDATE, _ids_fields(torch.zeros(2, max(RESPONSES), K, dtype=torch.long)))
     fn(student_logits=torch.randn(1, sum(SEQ), V), data=first)
     with pytest.raises(ValueError, match="no processor output of its own micro-batch"):
         fn(model_output={}, data=second)
 
 
 def test_update_loss_refuses_other_aggregations_and_uneven_rank_splits():
-    data = _batch(F.PHASE_UPDATE, _ids_fields(torch.zeros(2, max(RESPONSES), K, dtype=torch.long)))
+    data = _batch(token_fields.PHASE_UPDATE, _ids_fields(torch.zeros(2, max(RESPONSES), K, dtype=torch.long)))
     cfg = types.SimpleNamespace(global_batch_info={}, loss_scale_factor=None, loss_agg_mode="seq-mean-token-mean",
                                 ppo_epochs=1)
     fn = MOPDLoss(actor_config=cfg)

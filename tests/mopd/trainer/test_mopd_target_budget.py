@@ -6,14 +6,14 @@ import torch
 from test_mopd_balanced_step import _batch, _Engine, _tok_loss
 from transformers import AutoModelForCausalLM
 
-from claas_verl.mopd.trainer import alignment as A
+from claas_verl.mopd.trainer import alignment
 from claas_verl.mopd.trainer.workers import MOPDTrainingWorker, MOPDWorker, update_row_groups
 
 
 def _step(tiny_dir, budget_gib):
     signal = {"sats": True, "vr": True, "hidden": True, "window": 4, "target_budget_gib": budget_gib}
-    cfg = A.aux_config(signal)
-    assert A.AuxConfig.from_dict(cfg.to_dict()) == cfg
+    cfg = alignment.aux_config(signal)
+    assert alignment.AuxConfig.from_dict(cfg.to_dict()) == cfg
     data = _batch(cfg, seed=1, prompt_lens=(4, 6, 3, 5), response_lens=(7, 5, 9, 8),
                   use_dynamic_bsz=False, micro_batch_size_per_gpu=1)  # four micro-batches of one response
     teacher = AutoModelForCausalLM.from_pretrained(tiny_dir / "experts" / "math", dtype=torch.float32)
@@ -45,4 +45,4 @@ def test_budget_key_is_validated():
     import pytest
 
     with pytest.raises(ValueError, match="target_budget_gib"):
-        A.aux_config({"hidden": True, "target_budget_gib": -1})
+        alignment.aux_config({"hidden": True, "target_budget_gib": -1})

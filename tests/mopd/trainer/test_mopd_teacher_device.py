@@ -14,7 +14,7 @@ from torch import nn
 from transformers import AutoModelForCausalLM
 
 from claas_verl.align import alignment_signals
-from claas_verl.mopd.trainer import alignment as A
+from claas_verl.mopd.trainer import alignment
 from claas_verl.mopd.trainer.workers import MOPDWorker, compute_device, update_row_groups
 
 
@@ -34,7 +34,7 @@ class _WeightsRestElsewhere(nn.Module):
 
 
 def test_targets_use_the_engines_compute_device_and_autocast(tiny_dir):
-    cfg = A.aux_config({"sats": True, "vr": True, "hidden": True, "window": 4})
+    cfg = alignment.aux_config({"sats": True, "vr": True, "hidden": True, "window": 4})
     data = _batch(cfg, seed=3, prompt_lens=(4, 6, 3, 5), response_lens=(7, 5, 9, 8), use_dynamic_bsz=False,
                   micro_batch_size_per_gpu=2)
     groups = update_row_groups(data)
@@ -47,7 +47,7 @@ def test_targets_use_the_engines_compute_device_and_autocast(tiny_dir):
 
     reference = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     layers = list(range(reference.config.num_hidden_layers))
-    for mb, got in zip(A.aux_micro_batches(*_layout(data), groups), held["targets"]):
+    for mb, got in zip(alignment.aux_micro_batches(*_layout(data), groups), held["targets"]):
         with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
             _, sig = alignment_signals(reference, mb.input_ids, mb.attention_mask, mb.regions,
                                        position_ids=mb.position_ids, pooled_layers=layers, hidden_layers=layers,

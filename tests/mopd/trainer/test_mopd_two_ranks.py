@@ -28,7 +28,7 @@ import torch
 from test_mopd_balanced_step import _batch, _Engine, _tok_loss
 from transformers import AutoModelForCausalLM
 
-from claas_verl.mopd.trainer import alignment as A
+from claas_verl.mopd.trainer import alignment
 from claas_verl.mopd.trainer.workers import MOPDTrainingWorker, MOPDWorker, update_row_groups
 
 PROMPTS = (3, 4, 6, 5)  # rows 0-1 go to rank 0 (11 + 12 tokens: one micro-batch of <= 24), rows 2-3 to rank 1
@@ -87,7 +87,7 @@ def _rank_main(rank: int, world: int, init_file: str, tiny_dir: str, out_dir: st
 
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
-        cfg = A.aux_config({**SIGNAL, "target_budget_gib": budgets[rank]})
+        cfg = alignment.aux_config({**SIGNAL, "target_budget_gib": budgets[rank]})
         data = _data(cfg, (2 * rank, 2 * rank + 1), use_dynamic_bsz=True, max_token_len_per_gpu=MAX_TOKENS)
 
         def wrap(model):
@@ -107,7 +107,7 @@ def _rank_main(rank: int, world: int, init_file: str, tiny_dir: str, out_dir: st
 def test_two_rank_balanced_step_equals_one_rank(tiny_dir, tmp_path):
     import torch.multiprocessing as mp
 
-    cfg = A.aux_config(SIGNAL)
+    cfg = alignment.aux_config(SIGNAL)
     one = _data(cfg, use_dynamic_bsz=False, micro_batch_size_per_gpu=1)
     ref, m_ref, ref_store, _ = _step(tiny_dir, one, cfg)
     # rank 0's budget holds one of its micro-batches (one row each; sizes within 25% of each other), rank 1's all

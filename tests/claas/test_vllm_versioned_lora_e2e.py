@@ -1,7 +1,7 @@
 """CLaaS on verl's OWN vLLM rollout (``actor_rollout_ref.rollout.name=vllm``) with versioned LoRA updates, end to end
 on vLLM's CPU build: ``python -m claas_verl.main_claas --config-name claas/tiny_reinforce_pp`` with the vLLM
 rollout, three updates. Slow (about 4 min on 2 cores): ``.venv-vllm/bin/python -m pytest -q -m "vllm and slow"
-tests/verl_ext``; the same test runs unchanged on a GPU machine with a CUDA build of vLLM.
+tests/claas/test_vllm_versioned_lora_e2e.py``; the same test runs unchanged on a GPU machine with a CUDA build of vLLM.
 
 The LoRA-only weight path is what makes verl's vLLM rollout run on CPU at all: with ``load_format=auto`` verl never
 sends the full weights (the sync that fails on vLLM's CPU build, docs/verl-couplings.md V4), only adapters.

@@ -77,7 +77,7 @@ def test_plugin_registrations_resolve():
     from verl.workers.rollout.base import get_rollout_class
     from verl.workers.rollout.replica import get_rollout_replica_class
 
-    from claas_verl.verl_ext.cpu.hf_rollout import HFReplica, HFServerAdapter
+    from claas_verl.verl_ext.cpu.hf_replica import HFReplica, HFServerAdapter
     from claas_verl.verl_ext.cpu.platform import PlatformCPU
 
     assert PlatformRegistry.get("cpu") is PlatformCPU

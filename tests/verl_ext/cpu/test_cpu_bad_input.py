@@ -12,7 +12,7 @@ from omegaconf import OmegaConf
 
 from claas_verl.verl_ext.cpu.checks import check_model_path, check_trainer_device, require_library
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 
 
 def test_unsupported_device_names_the_key():

@@ -12,12 +12,12 @@ P1, P2 = [5, 6, 7, 8], [9, 10, 11]
 PARAMS = {"temperature": 1.0}
 
 
-def _server(tiny_dir, seed=0):
+def _server(tiny_model_dir, seed=0):
     cfg = SimpleNamespace(
         max_model_len=128, response_length=8, prompt_length=64, seed=seed,
         tensor_model_parallel_size=1, data_parallel_size=1, pipeline_model_parallel_size=1,
     )
-    model_cfg = SimpleNamespace(local_path=str(tiny_dir / "student"), trust_remote_code=False, tokenizer=None)
+    model_cfg = SimpleNamespace(local_path=str(tiny_model_dir / "student"), trust_remote_code=False, tokenizer=None)
     return HFRolloutServer(cfg, model_cfg)
 
 
@@ -25,14 +25,14 @@ def _gen(server, prompts):
     return [asyncio.run(server.generate(p, PARAMS, f"r{i}")).token_ids for i, p in enumerate(prompts)]
 
 
-def test_samples_depend_on_the_step_not_on_history_or_order(tiny_dir):
-    fresh = _server(tiny_dir)
+def test_samples_depend_on_the_step_not_on_history_or_order(tiny_model_dir):
+    fresh = _server(tiny_model_dir)
     asyncio.run(fresh.set_global_steps(5))
     a = _gen(fresh, [P1, P2, P1])  # P1 twice: n = 2 responses of one prompt differ by occurrence
     assert a[0] != a[2]
 
     # a "resumed" server: other steps sampled first, then step 5 announced again (as after loading checkpoint 5)
-    resumed = _server(tiny_dir)
+    resumed = _server(tiny_model_dir)
     asyncio.run(resumed.set_global_steps(2))
     _gen(resumed, [P2, P2, P1])
     asyncio.run(resumed.set_global_steps(5))
