@@ -46,6 +46,7 @@ from claas_verl.claas.trainer.tq_fields import HAS_FEEDBACK_FIELD, TEACHER_PROMP
 from claas_verl.distill import topk_logprobs
 from claas_verl.losses.sdpo import EmaTeacher, sdpo_loss
 from claas_verl.losses.seq_is import seq_is_clipped_loss
+from claas_verl.utils.host_sync import metrics_to_floats
 from claas_verl.verl_ext.logits_loss import LogitsProcessorLoss
 from claas_verl.verl_ext.packed_batch import padded
 from claas_verl.verl_ext.topk_fields import pack_row_list, unpack_rows
@@ -200,9 +201,11 @@ class ClaasSdpoLoss(LogitsProcessorLoss):
             )
             loss = pg + c["jsd_coef"] * loss
             metrics.update(pg_metrics)
-            metrics["actor/sdpo_pg_loss"] = float(pg.detach())
-        out = {"sdpo/loss": Metric(value=loss.detach(), aggregation=AggregationType.SUM)}
-        out.update(Metric.from_dict(metrics, aggregation=AggregationType.MEAN))
+            metrics["actor/sdpo_pg_loss"] = pg.detach()
+        # every metric and the loss read in ONE host transfer (verl's Metric would .item() each tensor: one sync each)
+        values = metrics_to_floats({**metrics, "sdpo/loss": loss.detach()})
+        out = {"sdpo/loss": Metric(value=values.pop("sdpo/loss"), aggregation=AggregationType.SUM)}
+        out.update(Metric.from_dict(values, aggregation=AggregationType.MEAN))
         return loss, out
 
 

@@ -125,7 +125,7 @@ class MOPDLoss(LogitsProcessorLoss):
         # The alignment passes of a balanced step use the same micro-batches and weights.
         weight = microbatch_weight(int(resp.shape[0]), data["global_batch_size"], data["dp_size"])
         cfg.global_batch_info["dp_size"] = 1
-        cfg.global_batch_info["batch_num_tokens"] = max(int(mask.sum()), 1)
+        cfg.global_batch_info["batch_num_tokens"] = mask.sum().clamp(min=1)  # a tensor: no host sync (utils.masked)
         cfg.global_batch_info["global_batch_size"] = int(resp.shape[0])
         cfg.global_batch_info["loss_scale_factor"] = cfg.loss_scale_factor
         loss_fn = get_policy_loss_fn("claas_topk_distill")
@@ -134,6 +134,7 @@ class MOPDLoss(LogitsProcessorLoss):
             loss_agg_mode=cfg.loss_agg_mode, config=cfg,
         )
         loss = loss * weight
+        # the registered loss read its metrics in one transfer; the token loss is the only other value (one more)
         metrics = {"mopd/tok_loss": Metric(value=loss.detach(), aggregation=AggregationType.SUM)}
         metrics.update(Metric.from_dict(pg_metrics, aggregation=AggregationType.MEAN))
         return loss, metrics
