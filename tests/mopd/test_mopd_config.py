@@ -24,7 +24,7 @@ def composed(tmp_path_factory) -> dict:
 
     tiny = tmp_path_factory.mktemp("tiny")  # paths only: the domains give num_blocks, nothing is read
     with initialize_config_dir(config_dir=str(recipes_dir()), version_base=None):
-        return {r: compose(config_name=f"mopd/{r}", overrides=[f"claas.tiny_dir={tiny}"]) for r in RECIPES}
+        return {r: compose(config_name=f"mopd/{r}", overrides=[f"tiny_dir={tiny}"]) for r in RECIPES}
 
 
 def _with(cfg, **changes):
