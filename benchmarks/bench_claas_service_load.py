@@ -104,7 +104,8 @@ def main() -> None:
     env = dict(os.environ, CLAAS_OUT_DIR=str(tmp), PYTHONUNBUFFERED="1", CLAAS_API_KEY=KEY, CLAAS_ADMIN_KEY=ADMIN)
     env.setdefault("RAY_raylet_start_wait_time_s", "180")
     log = open(tmp / "job.log", "w")
-    proc = subprocess.Popen([sys.executable, "-m", "claas_verl.main_claas", "--config-name", "claas/service", "scale=tiny",
+    proc = subprocess.Popen([sys.executable, "-m", "claas_verl.main_claas", "--config-name", "claas/service",
+                             "scale=tiny",
                              "claas.service.port=0", f"claas.producer.max_new_tokens={args.max_tokens}"],
                             cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     run_dir = tmp / "claas_tiny_service"

@@ -48,9 +48,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from benchmarks.bench_jobs import job_env, run_job, stopping_jobs_on_signals, tagged  # noqa: E402
-from benchmarks.continual_methods import SPELLINGS, config_name, method_overrides  # noqa: E402
-from benchmarks.continual_report import (  # noqa: E402  (re-exported: the tests and --report-only use them here)
-    PAIRED_BASELINE, _fmt, aggregate, stored_references, summarize, write_report)
+from benchmarks.continual_methods import QUICK_MOPD_OVERRIDES, SPELLINGS, config_name, method_overrides  # noqa: E402
+from benchmarks.continual_report import _fmt, aggregate, stored_references, summarize, write_report  # noqa: E402
 from claas_verl.metrics import benchmark as B  # noqa: E402  (pure python)
 
 MOPD_FULL = ("mopd/gym_seq", "mopd/gym_replay_kl", "mopd/gym_replay_kl_floor", "mopd/gym_replay_kl_experts",
@@ -58,12 +57,6 @@ MOPD_FULL = ("mopd/gym_seq", "mopd/gym_replay_kl", "mopd/gym_replay_kl_floor", "
 MOPD_QUICK = ("mopd/gym_seq", "mopd/gym_replay_kl", "mopd/gym_replay_kl_floor")
 CLAAS_FULL = ("claas/tiny_reinforce_pp", "claas/tiny_ppo", "claas/tiny_sdpo", "claas/tiny_icl",
               "claas/tiny_no_update")
-# --quick: one seed of Seq, Replay-KL as the MOPD paper specifies it (replay toward M_{k-1}, rewards / sigma_d) and the
-# same replay with its sigma floored at 0.3 (mopd.train.replay_std_floor, a deviation; docs/benchmark.md "Replay
-# steps near their teacher"), every stage whole: each stage's gain and the forgetting, side by side. On
-# bundle version 3 a job takes 176-380 s on 2 cores two at a time; docs/benchmark.md "The quick run" has the totals.
-# Version 2's quick run cut the plan (its jobs took 400-500 s); a cut goes here, as key=value overrides.
-QUICK_MOPD_OVERRIDES: list[str] = []
 # 2: every stage-final snapshot scored by claas_verl.mopd.eval.gym_snapshots (48 prompts x 4 samples, exact
 # full-vocabulary KL). Records without it came from the trainer's in-run table, which the CPU runtime group cut to
 # 4 prompts (recipes/mopd/common/base.yaml): they are scored again, not rerun.
@@ -209,8 +202,9 @@ def _score_run(recipe: str, seed: int, out: Path, quick: bool, extra: list[str],
 
 
 def recipe_stages(recipe: str, overrides: list[str]) -> dict:
-    """What the benchmark scores for a method (:mod:`benchmarks.continual_methods`), composed as the trainer composes it (``mopd.*`` overrides included):
-    ``stage_domains`` {stage: domains learned by its end} from the recipe's plan, ``order`` (stage order),
+    """What the benchmark scores for a method (:mod:`benchmarks.continual_methods`), composed as the trainer
+    composes it (``mopd.*`` overrides included): ``stage_domains`` {stage: domains learned by its end} from the
+    recipe's plan, ``order`` (stage order),
     ``staged`` (False for joint MOPD), and ``eval``: prompts x samples of the stage-end evaluation and the
     sampling of the training rollouts (reply length, temperature)."""
     from hydra import compose, initialize_config_dir
@@ -220,8 +214,8 @@ def recipe_stages(recipe: str, overrides: list[str]) -> dict:
     from claas_verl.schedule import plan_from_config
 
     with initialize_config_dir(config_dir=str(recipes_dir()), version_base=None):
-        cfg = compose(config_name=config_name(recipe), overrides=[
-            *method_overrides(recipe), *(o for o in overrides if o.lstrip("+").startswith("mopd."))])
+        mopd_keys = [o for o in overrides if o.lstrip("+").startswith("mopd.")]
+        cfg = compose(config_name=config_name(recipe), overrides=[*method_overrides(recipe), *mopd_keys])
     m = cfg.mopd
     if float(m.train.top_p) != 1.0:
         raise ValueError(f"{recipe}: mopd.train.top_p={m.train.top_p}; the snapshot scorer samples the full "

@@ -26,6 +26,13 @@ SPELLINGS: dict[str, str] = {
     "claas/tiny_no_update": "claas/no_update scale=tiny",
 }
 
+# --quick: one seed of Seq, Replay-KL as the MOPD paper specifies it (replay toward M_{k-1}, rewards / sigma_d) and the
+# same replay with its sigma floored at 0.3 (mopd.train.replay_std_floor, a deviation; docs/benchmark.md "Replay
+# steps near their teacher"), every stage whole: each stage's gain and the forgetting, side by side. On
+# bundle version 3 a job takes 176-380 s on 2 cores two at a time; docs/benchmark.md "The quick run" has the totals.
+# Version 2's quick run cut the plan (its jobs took 400-500 s); a cut goes here, as key=value overrides.
+QUICK_MOPD_OVERRIDES: list[str] = []
+
 # MOPD method labels of the report
 LABELS = {"mopd/gym_seq": "Seq", "mopd/gym_replay_kl": "Replay-KL (shared)",
           "mopd/gym_replay_kl_fixed": "Replay-KL (fixed share)", "mopd/gym_seq_recovery": "Seq + recovery",

@@ -13,7 +13,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from benchmarks.continual_methods import LABELS  # noqa: E402
+from benchmarks.continual_methods import LABELS, QUICK_MOPD_OVERRIDES  # noqa: E402
 from claas_verl.metrics import benchmark as B  # noqa: E402  (pure python)
 
 PAIRED_BASELINE = "mopd/gym_seq"  # every MOPD method is also compared with it seed by seed (results.json "paired")

@@ -86,7 +86,8 @@ def test_tiny_dir_interpolation_follows_the_environment(monkeypatch):
 def test_overrides_reach_the_plan():
     # the three-stage prefix of the paper runs from the five-domain recipe by overriding the order
     assert len(plan_from_config(load("replay_kl", ["mopd.order=[logic,math,code]"]))) == 76
-    assert len(plan_from_config(load("replay_kl", ["mopd/budget=fixed_b7", "mopd.replay.b=3", "mopd/signal=fsar"]))) == 138
+    fixed_b3_fsar = load("replay_kl", ["mopd/budget=fixed_b7", "mopd.replay.b=3", "mopd/signal=fsar"])
+    assert len(plan_from_config(fixed_b3_fsar)) == 138
 
 
 def run_cli(*args, cwd):
@@ -97,7 +98,8 @@ def run_cli(*args, cwd):
 
 def test_cli_json_equals_library_plan_and_errors_name_the_key(tmp_path):
     # one subprocess per behaviour: importing claas_verl is slow on a shared CPU box
-    out = run_cli("--config-name", "mopd/replay_kl_fixed", "scale=tiny", "plan.format=json", "mopd.replay.b=3", cwd=tmp_path)
+    out = run_cli("--config-name", "mopd/replay_kl_fixed", "scale=tiny", "plan.format=json", "mopd.replay.b=3",
+                  cwd=tmp_path)
     assert out.returncode == 0, out.stderr
     doc = json.loads(out.stdout)  # stdout holds the JSON document only
     expected = plan_from_config(load("tiny_replay_kl_fixed", ["mopd.replay.b=3"])).to_json_dict()
@@ -105,6 +107,7 @@ def test_cli_json_equals_library_plan_and_errors_name_the_key(tmp_path):
     assert set(doc["steps"][0]) == {"stage", "kind", "domain", "block", "teacher"}
     assert list(tmp_path.iterdir()) == []  # planning writes no Hydra output folder or log
 
-    bad = run_cli("--config-name", "mopd/seq_recovery", "scale=tiny", "mopd.recovery.blocks_per_domain=2", "mopd.setting=S1", cwd=tmp_path)
+    bad = run_cli("--config-name", "mopd/seq_recovery", "scale=tiny", "mopd.recovery.blocks_per_domain=2",
+                  "mopd.setting=S1", cwd=tmp_path)
     assert bad.returncode == 2 and bad.stdout == ""
     assert "mopd.recovery.enabled" in bad.stderr and "mopd.setting=S2" in bad.stderr

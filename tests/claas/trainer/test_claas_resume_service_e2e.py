@@ -1,4 +1,5 @@
-"""Kill the service-driven CLaaS job (``claas/service scale=tiny``) with SIGKILL after a checkpoint, start the same command
+"""Kill the service-driven CLaaS job (``claas/service scale=tiny``) with SIGKILL after a checkpoint, start the same
+command
 again, and check over HTTP that it continues from that checkpoint (slow: two Ray job start-ups).
 
 Run 1 chats and gives feedback until the trainer has updated and checkpointed (``trainer.save_freq=2``), then records a

@@ -65,7 +65,8 @@ def test_replay_kl_against_seq_with_the_same_seeds(mopd_run, mopd_plan, fast):
     print(f"final students, (kl, kl_binned) to each expert: {final}")
 
 
-@pytest.mark.parametrize("recipe", ["mopd/seq_recovery scale=tiny mopd.recovery.blocks_per_domain=2", "mopd/joint scale=tiny",
+@pytest.mark.parametrize("recipe", ["mopd/seq_recovery scale=tiny mopd.recovery.blocks_per_domain=2",
+                                    "mopd/joint scale=tiny",
                                     "mopd/replay_kl_fixed scale=tiny mopd.replay.b=2"])
 def test_recipe_runs_its_plan(recipe, mopd_run, mopd_plan, fast):
     run_dir, log = mopd_run(recipe, recipe.split()[0].split("/")[1], *fast, "mopd.eval.enabled=false")

@@ -57,7 +57,8 @@ def test_resume_after_a_stage_end_reruns_the_lost_evaluation_and_sets_stale_snap
                                                                                             fast):
     # run 1: stage 1 (steps 1..4) ends; checkpoint 4, snapshot M_1 and the stage-1 end evaluation are written
     fast = tuple(x for x in fast if not x.startswith("trainer.save_freq"))
-    run_dir, _ = mopd_run("mopd/seq scale=tiny", "seq_eval", *fast, "trainer.total_training_steps=4", "trainer.save_freq=-1")
+    run_dir, _ = mopd_run("mopd/seq scale=tiny", "seq_eval", *fast, "trainer.total_training_steps=4",
+                          "trainer.save_freq=-1")
     rows = read_jsonl(run_dir / "forgetting.jsonl")
     assert any(r["stage"] == 1 and r["at"] == "end" for r in rows)
     # a crash right after the checkpoint lost the evaluation; discarded later work left a snapshot M_2 behind

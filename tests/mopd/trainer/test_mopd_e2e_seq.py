@@ -1,4 +1,5 @@
-"""End to end on CPU: ``python -m claas_verl.main_mopd --config-name mopd/seq scale=tiny`` (verl + Ray, 10 steps, 3 stages).
+"""End to end on CPU: ``python -m claas_verl.main_mopd --config-name mopd/seq scale=tiny`` (verl + Ray, 10 steps, 3
+stages).
 
 One short run (shorter responses and fewer held-out prompts than the recipe; the plan is the recipe's), then:
 ``steps.jsonl`` equals the plan step by step (stage, kind, domain, block, teacher), every stage starts with a

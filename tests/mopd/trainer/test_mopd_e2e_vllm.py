@@ -23,7 +23,8 @@ PLAN_KEYS = ("stage", "kind", "domain", "block", "teacher")
 
 @pytest.mark.parametrize("recipe", ["mopd/seq scale=tiny", "mopd/fsar_shared scale=tiny mopd.signal.window=16"])
 def test_tiny_recipe_runs_on_verls_vllm_rollout(recipe, mopd_run, mopd_plan):
-    run_dir, log = mopd_run(recipe, recipe.split()[0].split("/")[1], "actor_rollout_ref.rollout.name=vllm", timeout=1800)
+    run_dir, log = mopd_run(recipe, recipe.split()[0].split("/")[1], "actor_rollout_ref.rollout.name=vllm",
+                            timeout=1800)
     assert "weight_loader" not in log
     steps = [json.loads(x) for x in (run_dir / "steps.jsonl").read_text().splitlines() if x.strip()]
     assert [{k: s[k] for k in PLAN_KEYS} for s in steps] == mopd_plan(recipe)

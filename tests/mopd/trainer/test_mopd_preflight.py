@@ -65,7 +65,8 @@ def test_a_missing_expert_directory_is_named_with_the_tiny_hint(tiny_dir):
 
 def test_which_models_a_plan_loads(tiny_dir):
     with initialize_config_dir(config_dir=str(recipes_dir()), version_base=None):
-        cfg = compose(config_name="mopd/seq_recovery", overrides=["scale=tiny", "mopd.recovery.blocks_per_domain=2", f"tiny_dir={tiny_dir}"])
+        cfg = compose(config_name="mopd/seq_recovery", overrides=["scale=tiny", "mopd.recovery.blocks_per_domain=2",
+                                                                  f"tiny_dir={tiny_dir}"])
     plan = plan_from_config(cfg)
     keys = plan_model_keys(cfg, plan)
     assert keys == ["mopd.student", *(f"mopd.domains.{d}.expert" for d in plan.order)]
