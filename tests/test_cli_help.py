@@ -17,9 +17,9 @@ EXPECTED = {
     "mopd.eval": ["report", "--model"],
     "mopd.merges": ["ties", "average"],
     "tiny": ["make", "info", "gym"],
-    "plan": ["tiny_seq", "replay_kl"],
-    "main_mopd": ["tiny_seq", "replay_kl"],
-    "main_claas": ["tiny_reinforce_pp", "tiny_sdpo"],
+    "plan": ["replay_kl", "scale: gym, paper, tiny"],
+    "main_mopd": ["replay_kl", "scale: gym, paper, tiny"],
+    "main_claas": ["reinforce_pp", "sdpo", "scale: gym, paper, tiny"],
 }
 
 

@@ -208,7 +208,8 @@ def test_report_names_the_command_line_overrides_of_its_runs(monkeypatch):
     text = "\n".join(R.mopd_report(mixed, {"summary": B.summarize(mixed), "references": {}}))
     assert "`mopd.train.replay_std_floor=0.3` (`mopd/gym_replay_kl_fixed` seed 1)." in text
     # a quick run's own plan overrides are the mode's, not the user's
-    monkeypatch.setattr(C, "QUICK_MOPD_OVERRIDES", ["mopd.domains.reverse.num_blocks=8"])
+    for module in (C, R):  # the runner records them, the report leaves them out
+        monkeypatch.setattr(module, "QUICK_MOPD_OVERRIDES", ["mopd.domains.reverse.num_blocks=8"])
     quick = [dict(base, recipe="mopd/gym_seq", quick=True, overrides=C.run_extra(True, []))]
     assert "overrides" not in "\n".join(R.mopd_report(quick, {"summary": B.summarize(quick), "references": {}}))
 
