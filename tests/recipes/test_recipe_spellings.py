@@ -74,3 +74,13 @@ def test_scale_is_one_command_line_choice_with_a_clear_error_for_a_missing_one()
     assert "claas" not in tiny  # MOPD's paths are its own keys (tiny_dir, gym_dir)
     with pytest.raises(Exception, match="claas/scale/gym"):
         _composed(recipes_dir(), "claas/sdpo", ["scale=gym"])
+
+
+def test_the_continual_benchmark_runs_each_method_as_its_old_recipe():
+    """benchmarks/continual.py keeps the old names as its methods' names (the committed results name them)."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+    from benchmarks.continual_methods import SPELLINGS as METHODS
+
+    assert {m: SPELLINGS[m] for m in METHODS} == METHODS
