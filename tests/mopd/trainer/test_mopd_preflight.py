@@ -143,10 +143,14 @@ def test_every_gym_prompt_fits_the_gym_recipes():
         assert lengths[:3] == [_agent_loop_length(tok, m) for m in messages[:3]]
         longest[domain.name] = max(lengths)
     assert longest["palin"] > 256  # the old limit
-    recipes = sorted(p.stem for p in (recipes_dir() / "mopd").glob("gym_*.yaml"))
-    assert len(recipes) == 8  # the continual benchmark's eight methods (benchmarks/continual.py MOPD_FULL)
-    for recipe in recipes:
-        cfg = compose_run(recipe, "cpu")
+    # the continual benchmark's eight methods (benchmarks/continual.py MOPD_FULL), each a recipe at scale=gym
+    sys.path.insert(0, str(REPO))
+    from benchmarks.continual_methods import SPELLINGS
+
+    methods = [s.split() for m, s in SPELLINGS.items() if m.startswith("mopd/")]
+    assert len(methods) == 8 and all("scale=gym" in m for m in methods)
+    for recipe, *spelled in methods:
+        cfg = compose_run(recipe.removeprefix("mopd/"), "cpu", *spelled)
         assert int(cfg.mopd.train.max_prompt_length) >= max(longest.values()), (recipe, longest)
         assert int(cfg.actor_rollout_ref.rollout.prompt_length) == int(cfg.mopd.train.max_prompt_length)
 
