@@ -3,7 +3,7 @@
 Runs the tiny CLaaS stream twice through ``python -m claas_verl.main_claas`` (as a user would):
 
 1. rollout alone: ``claas.algorithm=icl`` with the ICL memory effectively off (no parameter updates);
-2. rollout with training: ``claas/tiny_reinforce_pp`` (producers and the trainer run concurrently);
+2. rollout with training: ``claas/reinforce_pp scale=tiny`` (producers and the trainer run concurrently);
 
 and prints
 

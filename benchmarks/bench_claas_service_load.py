@@ -1,6 +1,6 @@
 """The CLaaS loop under load: 64 concurrent agents chat and give feedback while the trainer updates.
 
-Starts ``python -m claas_verl.main_claas --config-name claas/tiny_service`` (the rollout server, the chat API and
+Starts ``python -m claas_verl.main_claas --config-name claas/service scale=tiny`` (the rollout server, the chat API and
 the trainer in one Ray job, CPU), then runs ``--clients`` concurrent ``openai.AsyncOpenAI`` clients for
 ``--duration-s`` seconds. Each client loops: chat (every 4th one streamed) -> ``POST /v1/feedback`` with a 0/1
 reward (every 5th feedback is ``null``: a grader error, dropped by docs/math.md §A.1.4). It prints
@@ -104,7 +104,8 @@ def main() -> None:
     env = dict(os.environ, CLAAS_OUT_DIR=str(tmp), PYTHONUNBUFFERED="1", CLAAS_API_KEY=KEY, CLAAS_ADMIN_KEY=ADMIN)
     env.setdefault("RAY_raylet_start_wait_time_s", "180")
     log = open(tmp / "job.log", "w")
-    proc = subprocess.Popen([sys.executable, "-m", "claas_verl.main_claas", "--config-name", "claas/tiny_service",
+    proc = subprocess.Popen([sys.executable, "-m", "claas_verl.main_claas", "--config-name", "claas/service",
+                             "scale=tiny",
                              "claas.service.port=0", f"claas.producer.max_new_tokens={args.max_tokens}"],
                             cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     run_dir = tmp / "claas_tiny_service"

@@ -1,10 +1,10 @@
-"""How far is a MOPD trainer step from its compute? The real ``mopd/gym_seq`` job next to the stage proxy.
+"""How far is a MOPD trainer step from its compute? The real ``mopd/seq scale=gym`` job next to the stage proxy.
 
     python benchmarks/bench_mopd_step.py                      # 5 trainer steps and 5 proxy steps, each run twice
     python benchmarks/bench_mopd_step.py --steps 4 --repeats 3 --out DIR
     python benchmarks/bench_mopd_step.py --proxy-only         # only the in-process proxy (seconds)
 
-Trainer: ``python -m claas_verl.main_mopd --config-name mopd/gym_seq`` through its real entry point (Ray, verl's
+Trainer: ``python -m claas_verl.main_mopd --config-name mopd/seq scale=gym`` through its real entry point (Ray, verl's
 v1 sync trainer, FSDP2 on CPU, the ``hf`` rollout, TransferQueue, reward workers) for ``--steps`` steps, with the
 benchmark's own overrides (``benchmarks/continual.py``: no periodic checkpoint, no in-run evaluation). Its phases
 are verl's ``timing_s/*`` metrics (verl's file logger); its wall step is the time between two consecutive
@@ -36,7 +36,8 @@ sys.path.insert(0, str(REPO))
 
 from benchmarks.bench_jobs import job_env, run_job, stopping_jobs_on_signals  # noqa: E402
 
-RECIPE = "mopd/gym_seq"
+RECIPE = "mopd/seq"
+SCALE = "scale=gym"  # the continual benchmark's scale (docs/recipes.md)
 # As in benchmarks/continual.py (RUN_OVERRIDES): what the benchmark's own runs use
 OVERRIDES = ["trainer.save_freq=-1", "trainer.resume_mode=disable", "mopd.eval.enabled=false"]
 # verl's phases in the order a step runs them; the proxy has the ones marked in PROXY_PHASES
@@ -54,7 +55,7 @@ def recipe_sizes(steps: int) -> dict:
     from claas_verl.schedule import plan_from_config
 
     with initialize_config_dir(config_dir=str(recipes_dir()), version_base=None):
-        cfg = compose(config_name=RECIPE)
+        cfg = compose(config_name=RECIPE, overrides=[SCALE])
     plan = [s.to_dict() for s in plan_from_config(cfg).steps][:steps]
     return {"block_size": int(cfg.mopd.block_size), "replies": int(cfg.mopd.train.responses_per_prompt),
             "topk": int(cfg.mopd.train.topk), "lr": float(cfg.mopd.train.lr),
@@ -66,7 +67,7 @@ def trainer_run(out: Path, steps: int, seed: int, sizes: dict, extra: list[str])
     """One ``RECIPE`` job of ``steps`` steps; returns ``{"steps": [per-step dict], "job_s": float}``."""
     name = f"bench_step_{int(time.time() * 1000)}"
     metrics_file = out / f"{name}.metrics.jsonl"
-    cmd = [sys.executable, "-m", "claas_verl.main_mopd", f"--config-name={RECIPE}",
+    cmd = [sys.executable, "-m", "claas_verl.main_mopd", f"--config-name={RECIPE}", SCALE,
            f"trainer.experiment_name={name}", f"trainer.total_training_steps={steps}",
            f"actor_rollout_ref.rollout.seed={seed}", f"actor_rollout_ref.actor.data_loader_seed={seed}",
            "trainer.logger=[console,file]", *OVERRIDES, *extra]
@@ -175,7 +176,7 @@ def main() -> None:
     sizes = recipe_sizes(args.steps)
     out = Path(args.out or tempfile.mkdtemp(prefix="bench_mopd_step_"))
     out.mkdir(parents=True, exist_ok=True)
-    print(f"{RECIPE}: {sizes['block_size']} prompts x {sizes['replies']} replies per step, "
+    print(f"{RECIPE} {SCALE}: {sizes['block_size']} prompts x {sizes['replies']} replies per step, "
           f"kappa {sizes['topk']}; {args.steps} steps per run, {args.repeats} runs each; logs in {out}",
           flush=True)
     proxy_runs = []
@@ -197,7 +198,7 @@ def main() -> None:
     proxy = best(proxy_runs)
     trainer = best(trainer_runs) if trainer_runs else None
     print("\n" + table(trainer, proxy))
-    result = {"recipe": RECIPE, "sizes": sizes, "steps": args.steps, "repeats": args.repeats,
+    result = {"recipe": f"{RECIPE} {SCALE}", "sizes": sizes, "steps": args.steps, "repeats": args.repeats,
               "proxy": proxy, "trainer": trainer}
     if trainer:
         ratio = trainer["wall"] / proxy["wall"]

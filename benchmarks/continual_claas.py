@@ -4,9 +4,9 @@ Every method is a CLaaS recipe run through its real trainer, ``python -m claas_v
 of K = 5 splits of the rule-following environment (CLaaS paper §4: the split protocol of docs/math.md §A.1.6; every
 checkpoint j is
 evaluated on every split k, giving M[j, k]). The methods of the CLaaS paper: ``claas/tiny_reinforce_pp``,
-``claas/tiny_ppo``,
-``claas/tiny_sdpo``, ``claas/tiny_icl`` and the no-update baseline ``claas/tiny_no_update`` (same producers and
-evaluation, the policy never changes).
+``claas/tiny_ppo``, ``claas/tiny_sdpo``, ``claas/tiny_icl`` and the no-update baseline ``claas/tiny_no_update``
+(same producers and evaluation, the policy never changes). These are the methods' names
+(``benchmarks/continual_methods.py``): each runs its recipe at ``scale=tiny``, e.g. ``claas/reinforce_pp scale=tiny``.
 
 The stream (:data:`DESIGN`), chosen so that the tiny random model can learn and forget. Each scenario has one rule:
 ``capital_start`` (the reply starts with a capital letter) or ``lowercase`` (no capital letter anywhere), two
@@ -57,6 +57,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from benchmarks.bench_jobs import job_env, run_job, tagged  # noqa: E402
+from benchmarks.continual_methods import config_name, method_overrides  # noqa: E402
 from claas_verl.metrics.benchmark import mean_half_width, paired_differences, summarize  # noqa: E402  (pure python)
 
 K = 5
@@ -97,13 +98,15 @@ def run_name(recipe: str, seed: int) -> str:
 
 
 def run_overrides(recipe: str, seed: int, quick: bool, stream: str = DEFAULT_STREAM) -> list[str]:
-    """The Hydra overrides of one run (before the user's ``extra``, which win): the K = 5 grouped stream of
+    """The Hydra overrides of one run of ``config_name(recipe)`` (before the user's ``extra``, which win): the
+    method's own (``scale=tiny``: :mod:`benchmarks.continual_methods`), the K = 5 grouped stream of
     :data:`STREAMS` ``[stream]`` (default: :data:`SPLIT_GROUPS` over one-rule scenarios of :data:`RULE_FAMILIES`),
     its sizes and the seed keys."""
     families, groups = stream_rules(stream)
     size = QUICK if quick else FULL
     s = int(size["split_size"])
     return [
+        *method_overrides(recipe),
         f"trainer.experiment_name={run_name(recipe, seed)}",
         f"claas.stream.num_splits={K}",
         f"claas.stream.split_size={s}",
@@ -203,7 +206,7 @@ def claas_run(recipe: str, seed: int, out_dir: Path, quick: bool, extra: list[st
     run_dir = runs / name
     if run_dir.exists():
         shutil.rmtree(run_dir)
-    cmd = [sys.executable, "-m", "claas_verl.main_claas", f"--config-name={recipe}",
+    cmd = [sys.executable, "-m", "claas_verl.main_claas", f"--config-name={config_name(recipe)}",
            *run_overrides(recipe, seed, quick, stream), *extra]
     seconds = run_job(cmd, job_env(CLAAS_OUT_DIR=str(runs)), runs / f"{name}.log", tagged(name, _echo))
     record = record_from_run_dir(recipe, seed, run_dir, seconds)

@@ -9,7 +9,7 @@ skips verl's agent loop (CLaaS rollouts come from its own scenario producers).
 Example (CPU, a few minutes on 2 cores)::
 
     python -m claas_verl.tiny make /tmp/claas_verl_tiny
-    python -m claas_verl.main_claas --config-name claas/tiny_reinforce_pp
+    python -m claas_verl.main_claas --config-name claas/reinforce_pp scale=tiny
 
 Every ``claas.*`` key, its default and meaning: docs/config.md (``--help`` points there).
 """

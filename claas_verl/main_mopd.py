@@ -15,8 +15,8 @@ see :mod:`claas_verl.verl_ext.ray_connect`), and verl's own ``run_ppo`` starts a
 Examples::
 
     python -m claas_verl.tiny make /tmp/claas_verl_tiny          # once, offline
-    python -m claas_verl.main_mopd --config-name mopd/tiny_seq   # 3 tiny stages on CPU
-    python -m claas_verl.main_mopd --config-name mopd/tiny_replay_kl trainer.experiment_name=rkl mopd.train.lr=1e-4
+    python -m claas_verl.main_mopd --config-name mopd/seq scale=tiny   # 3 tiny stages on CPU
+    python -m claas_verl.main_mopd --config-name mopd/replay_kl scale=tiny mopd.train.lr=1e-4
 
 Filled in here (not in YAML, because they are derived): ``data.train_files``/``val_files`` (every domain's
 prompt file), ``trainer.total_training_steps`` (the plan length, unless set lower to stop early),

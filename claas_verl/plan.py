@@ -1,7 +1,7 @@
 """Show the plan of a continual MOPD recipe before anything runs.
 
     python -m claas_verl.plan --config-name mopd/replay_kl [key=value ...]
-    python -m claas_verl.plan --config-name mopd/tiny_seq plan.format=json
+    python -m claas_verl.plan --config-name mopd/seq scale=tiny plan.format=json
 
 Composes the same Hydra config the trainer uses (recipes under ``claas_verl.paths.recipes_dir()``,
 overridable with ``$CLAAS_VERL_RECIPES``, with the verl runtime group ``gpu`` unless the command line names one:

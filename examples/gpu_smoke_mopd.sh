@@ -28,7 +28,7 @@ GPU_SIZES=(
   actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu=4096
 )
 
-python -m claas_verl.main_mopd --config-name mopd/tiny_replay_kl '+verl@_global_=gpu' \
+python -m claas_verl.main_mopd --config-name mopd/replay_kl scale=tiny '+verl@_global_=gpu' \
   trainer.experiment_name="$NAME" trainer.n_gpus_per_node="${N_GPUS:-1}" \
   trainer.total_training_steps=2 trainer.save_freq=-1 trainer.resume_mode=disable \
   mopd.domains.logic.num_blocks=1 mopd.eval.prompts=2 \
@@ -48,7 +48,7 @@ PY
 
 if [ "${SMOKE_FSAR:-1}" != "0" ]; then
   rm -rf "${CLAAS_OUT_DIR:?}/${NAME}_fsar"
-  python -m claas_verl.main_mopd --config-name mopd/tiny_fsar_shared '+verl@_global_=gpu' \
+  python -m claas_verl.main_mopd --config-name mopd/fsar_shared scale=tiny mopd.signal.window=16 '+verl@_global_=gpu' \
     trainer.experiment_name="${NAME}_fsar" trainer.n_gpus_per_node="${N_GPUS:-1}" \
     trainer.save_freq=-1 trainer.resume_mode=disable \
     'mopd.order=[logic,math]' mopd.domains.logic.num_blocks=1 mopd.eval.enabled=false mopd.signal.ratio=2.0 \

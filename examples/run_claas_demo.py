@@ -1,12 +1,13 @@
 """A tiny CLaaS stream on CPU: rollout producers, the replay-buffer actor and the LoRA trainer, then M[j, k].
 
-    python examples/run_claas_demo.py [--recipe claas/tiny_reinforce_pp] [--out DIR] [key=value ...]
+    python examples/run_claas_demo.py [--recipe claas/reinforce_pp] [--scale tiny] [--out DIR] [key=value ...]
 
 Builds the offline tiny model if needed, runs ``python -m claas_verl.main_claas`` (verl + Ray on CPU; the
 built-in rule-following environment, 2 splits), then prints the continual metrics of docs/math.md §A.4 — the matrix
 M[j, k] (checkpoint after split j evaluated on split k), forward transfer, forgetting, final performance —
-and the replay buffer's statistics, and says where the heatmap PNG is. Other recipes: ``claas/tiny_ppo``,
-``claas/tiny_sdpo``, ``claas/tiny_icl``. Extra ``key=value`` arguments are Hydra overrides. The demo starts afresh
+and the replay buffer's statistics, and says where the heatmap PNG is. Other recipes: ``claas/ppo``,
+``claas/sdpo``, ``claas/icl`` (``--scale tiny``, the default, runs them on the tiny CPU model). Extra ``key=value``
+arguments are Hydra overrides. The demo starts afresh
 every time (``trainer.resume_mode=disable``; the recipes themselves resume a killed run: pass
 ``trainer.resume_mode=auto`` to continue an interrupted demo).
 """
@@ -25,7 +26,8 @@ REPO = Path(__file__).resolve().parents[1]
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--recipe", default="claas/tiny_reinforce_pp")
+    ap.add_argument("--recipe", default="claas/reinforce_pp")
+    ap.add_argument("--scale", default="tiny", help="paper | tiny (recipes/claas/scale/)")
     ap.add_argument("--out", default="/tmp/claas_verl_claas_demo")
     args, overrides = ap.parse_known_args(argv)
 
@@ -35,7 +37,8 @@ def main(argv: list[str] | None = None) -> int:
     env = dict(os.environ, CLAAS_OUT_DIR=args.out, PYTHONUNBUFFERED="1")
     if not any(o.lstrip("+~").startswith("trainer.resume_mode=") for o in overrides):
         overrides.append("trainer.resume_mode=disable")  # a demo run starts afresh in its fixed folder
-    cmd = [sys.executable, "-m", "claas_verl.main_claas", f"--config-name={args.recipe}", *overrides]
+    cmd = [sys.executable, "-m", "claas_verl.main_claas", f"--config-name={args.recipe}",
+           f"scale={args.scale}", *overrides]
     print("$", " ".join(cmd), flush=True)
     proc = subprocess.run(cmd, cwd=REPO, env=env)
     if proc.returncode != 0:

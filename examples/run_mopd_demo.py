@@ -5,8 +5,8 @@
 Builds the offline tiny student/experts if needed (``claas_verl.tiny``), then runs, each through
 ``python -m claas_verl.main_mopd`` (verl + Ray on CPU):
 
-1. ``mopd/tiny_seq``: logic -> math -> code, each stage distilled from its expert only;
-2. ``mopd/tiny_replay_kl``: the same, plus one replay step after every 3 new-domain steps taught by the
+1. ``mopd/seq scale=tiny``: logic -> math -> code, each stage distilled from its expert only;
+2. ``mopd/replay_kl scale=tiny``: the same, plus one replay step after every 3 new-domain steps taught by the
    frozen previous-stage student (the MOPD paper's Replay-KL, shared budget m = 3).
 
 Both use the same seeds. At every stage end the trainer measures, on held-out prompts of every domain learned
@@ -32,7 +32,7 @@ from claas_verl.mopd.trainer.forgetting_table import (  # noqa: E402  (pure pyth
     stage_end_rows,
 )
 
-RUNS = (("seq", "mopd/tiny_seq"), ("replay_kl", "mopd/tiny_replay_kl"))
+RUNS = (("seq", "mopd/seq scale=tiny"), ("replay_kl", "mopd/replay_kl scale=tiny"))
 DEMO_OVERRIDES = ["mopd.eval.prompts=8", "trainer.save_freq=-1", "trainer.resume_mode=disable"]
 
 
@@ -45,7 +45,7 @@ def run(name: str, recipe: str, out: Path, extra: list[str]) -> Path:
     (Ctrl-C, SIGTERM, or by its guard after a kill -9), its whole output in ``out/<name>.log``."""
     from benchmarks.bench_jobs import job_env, run_job
 
-    cmd = [sys.executable, "-m", "claas_verl.main_mopd", f"--config-name={recipe}",
+    cmd = [sys.executable, "-m", "claas_verl.main_mopd", f"--config-name={recipe.split()[0]}", *recipe.split()[1:],
            f"trainer.experiment_name={name}", *DEMO_OVERRIDES, *extra]
     print(f"\n=== {name}: {' '.join(cmd[1:])}", flush=True)
     out.mkdir(parents=True, exist_ok=True)

@@ -17,9 +17,9 @@ EXPECTED = {
     "mopd.eval": ["report", "--model"],
     "mopd.merges": ["ties", "average"],
     "tiny": ["make", "info", "gym"],
-    "plan": ["tiny_seq", "replay_kl"],
-    "main_mopd": ["tiny_seq", "replay_kl", "docs/config.md"],
-    "main_claas": ["tiny_reinforce_pp", "tiny_sdpo", "docs/config.md"],
+    "plan": ["replay_kl", "scale: gym, paper, tiny"],
+    "main_mopd": ["replay_kl", "scale: gym, paper, tiny", "docs/config.md"],
+    "main_claas": ["reinforce_pp", "sdpo", "scale: gym, paper, tiny", "docs/config.md"],
     "config_docs": ["--check", "docs/config.md"],
 }
 
@@ -57,7 +57,7 @@ def test_hydra_help_without_recipe_imports_no_verl():
             "import claas_verl.main_claas, claas_verl.main_mopd, claas_verl.plan\n"
             "from claas_verl.main_mopd import runtime_args\n"
             "assert runtime_args(['--help']) == []\n"
-            "assert runtime_args(['--config-name', 'mopd/tiny_seq', '--help'], group='cpu')\n"
+            "assert runtime_args(['--config-name', 'mopd/seq', 'scale=tiny', '--help'], group='cpu')\n"
             "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('verl', 'ray'))\n"
             "assert not bad, bad\n")
     env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}

@@ -54,7 +54,7 @@ def check_plan_models(cfg: DictConfig, plan) -> None:
     problems = [p for k in plan_model_keys(cfg, plan) if (p := model_path_problem(k, _value(cfg, k)))]
     if not problems:
         return
-    tiny = _value(cfg, "claas.tiny_dir")
+    tiny = OmegaConf.select(cfg, "tiny_dir", default=None)  # top-level: recipes/mopd/common/base.yaml
     hint = (f"\n  (tiny recipes: build the models first with `python -m claas_verl.tiny make {tiny}`)"
             if tiny and any(tiny in p for p in problems) else "")
     raise ValueError(f"{len(problems)} model path(s) of the plan cannot be loaded:\n  - " + "\n  - ".join(problems)

@@ -9,7 +9,7 @@ Layout of OUT_DIR (a contract used by tests, recipes and demos)::
 
 ``arch="qwen3"`` (CLI ``--arch qwen3``) builds the same bundle with Qwen3 models, by default into its own
 directory (``$CLAAS_TINY_QWEN3_DIR`` or /tmp/claas_verl_tiny_qwen3); a recipe runs on it with the override
-``claas.tiny_dir=<that directory>``.
+``tiny_dir=<that directory>``.
 
 The bundle is built in a sibling temporary directory and renamed into place, and builds
 are serialised by a file lock, so concurrent pytest workers or Ray processes never see a

@@ -198,7 +198,7 @@ def test_every_method_composes_into_the_grouped_stream(recipe, quick):
     from claas_verl.claas.trainer import ClaasConfig
 
     with initialize_config_dir(config_dir=str(REPO / "recipes"), version_base=None):
-        cfg = compose(config_name=recipe, overrides=CC.run_overrides(recipe, 2, quick))
+        cfg = compose(config_name=CC.config_name(recipe), overrides=CC.run_overrides(recipe, 2, quick))
     c = ClaasConfig.from_config(cfg.claas)
     assert cfg.claas.eval.n_samples == CC.EVAL_SAMPLES
     env = make_environment(c.env.name, **c.env.kwargs)
@@ -237,7 +237,7 @@ def test_compatible_stream_composes_and_its_rules_can_pass_together():
 
     recipe = "claas/tiny_reinforce_pp"
     with initialize_config_dir(config_dir=str(REPO / "recipes"), version_base=None):
-        cfg = compose(config_name=recipe, overrides=CC.run_overrides(recipe, 3, False, "compatible"))
+        cfg = compose(config_name=CC.config_name(recipe), overrides=CC.run_overrides(recipe, 3, False, "compatible"))
     c = ClaasConfig.from_config(cfg.claas)
     env = make_environment(c.env.name, **c.env.kwargs)
     stream = env.stream(seed=c.stream.seed, num_splits=c.stream.num_splits, split_size=c.stream.split_size,

@@ -12,6 +12,7 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
 from benchmarks import continual as C  # noqa: E402
+from benchmarks import continual_report as R  # noqa: E402
 
 ALL = ["reverse", "spell", "palin"]
 
@@ -165,7 +166,7 @@ def test_report_names_the_domains_the_runs_learned():
            "kl_to_expert": {1: {"reverse": 4.0}, 2: {"reverse": 5.0, "spell": 3.0}}, **metrics,
            "eval": {"prompts": 48, "samples": 4, "max_new_tokens": 40, "temperature": 1.0}}
     results = {"summary": B.summarize([run]), "references": {"1:{}": ref}}
-    text = "\n".join(C.mopd_report([run], results))
+    text = "\n".join(R.mopd_report([run], results))
     assert "## MOPD: two reasoning-gym domains, reverse → spell" in text
     assert "| model | reverse | spell |" in text and "expert:palin" not in text
     assert "| 2 | 0.200 (5.000) | 0.000 (3.000) |" in text
@@ -177,7 +178,7 @@ def test_report_names_the_domains_the_runs_learned():
     # seeds are listed in numeric order ("10" used to come before "4")
     runs = [dict(run, seed=seed) for seed in (10, 4, 9)]
     results["references"] = {f"{seed}:{{}}": ref for seed in (10, 4, 9)}
-    assert "mean over seeds 4, 9, 10):" in "\n".join(C.mopd_report(runs, results))
+    assert "mean over seeds 4, 9, 10):" in "\n".join(R.mopd_report(runs, results))
     # a run with no command-line override says nothing about overrides
     assert "overrides" not in text
 
@@ -196,20 +197,21 @@ def test_report_names_the_command_line_overrides_of_its_runs(monkeypatch):
     floor = ["mopd.train.replay_std_floor=0.3"]
     runs = [dict(base, recipe=r, overrides=floor) for r in ("mopd/gym_replay_kl_fixed", "mopd/gym_fsar_shared")]
     results = {"summary": B.summarize(runs), "references": {}}
-    text = "\n".join(C.mopd_report(runs, results))
+    text = "\n".join(R.mopd_report(runs, results))
     assert "Run with the command-line overrides `mopd.train.replay_std_floor=0.3` (every run)." in text
     # runs of one results file with different overrides name their recipes
     mixed = [runs[0], dict(base, recipe="mopd/gym_seq", overrides=[])]
-    text = "\n".join(C.mopd_report(mixed, {"summary": B.summarize(mixed), "references": {}}))
+    text = "\n".join(R.mopd_report(mixed, {"summary": B.summarize(mixed), "references": {}}))
     assert "`mopd.train.replay_std_floor=0.3` (`mopd/gym_replay_kl_fixed`)." in text
     # ... and their seeds when only some runs of a recipe had them
     mixed.append(dict(runs[0], seed=2, overrides=[]))
-    text = "\n".join(C.mopd_report(mixed, {"summary": B.summarize(mixed), "references": {}}))
+    text = "\n".join(R.mopd_report(mixed, {"summary": B.summarize(mixed), "references": {}}))
     assert "`mopd.train.replay_std_floor=0.3` (`mopd/gym_replay_kl_fixed` seed 1)." in text
     # a quick run's own plan overrides are the mode's, not the user's
-    monkeypatch.setattr(C, "QUICK_MOPD_OVERRIDES", ["mopd.domains.reverse.num_blocks=8"])
+    for module in (C, R):  # the runner records them, the report leaves them out
+        monkeypatch.setattr(module, "QUICK_MOPD_OVERRIDES", ["mopd.domains.reverse.num_blocks=8"])
     quick = [dict(base, recipe="mopd/gym_seq", quick=True, overrides=C.run_extra(True, []))]
-    assert "overrides" not in "\n".join(C.mopd_report(quick, {"summary": B.summarize(quick), "references": {}}))
+    assert "overrides" not in "\n".join(R.mopd_report(quick, {"summary": B.summarize(quick), "references": {}}))
 
 
 def test_the_console_shows_each_stage_of_a_job():

@@ -1,5 +1,5 @@
 """CLaaS on verl's OWN vLLM rollout (``actor_rollout_ref.rollout.name=vllm``) with versioned LoRA updates, end to end
-on vLLM's CPU build: ``python -m claas_verl.main_claas --config-name claas/tiny_reinforce_pp`` with the vLLM
+on vLLM's CPU build: ``python -m claas_verl.main_claas --config-name claas/reinforce_pp scale=tiny`` with the vLLM
 rollout, three updates. Slow (about 4 min on 2 cores): ``.venv-vllm/bin/python -m pytest -q -m "vllm and slow"
 tests/claas/test_vllm_versioned_lora_e2e.py``; the same test runs unchanged on a GPU machine with a CUDA build of vLLM.
 
@@ -36,7 +36,7 @@ def test_claas_on_verls_vllm_rollout_switches_adapters_without_a_base_window(tin
     env = dict(os.environ, CLAAS_TINY_DIR=str(tiny.root), CLAAS_OUT_DIR=str(out), PYTHONUNBUFFERED="1",
                RAY_ADDRESS="local")
     env.setdefault("RAY_raylet_start_wait_time_s", "180")
-    cmd = [sys.executable, "-m", "claas_verl.main_claas", "--config-name", "claas/tiny_reinforce_pp",
+    cmd = [sys.executable, "-m", "claas_verl.main_claas", "--config-name", "claas/reinforce_pp", "scale=tiny",
            "actor_rollout_ref.rollout.name=vllm",
            "+actor_rollout_ref.rollout.engine_kwargs.vllm.max_cpu_loras=4", f"claas.max_updates={UPDATES}",
            "claas.eval.enabled=false", "claas.trace_served_weights=true"]

@@ -90,7 +90,7 @@ def _check_upload(temp_dir: Path, planted: tuple[str, ...]) -> None:
 def _check_mopd(run_dir: Path, tiny_root: Path, steps: int | None = None) -> None:
     """``steps.jsonl`` equals the plan (its first ``steps`` steps when ``trainer.total_training_steps`` cut it)."""
     plan = subprocess.run(
-        [sys.executable, "-m", "claas_verl.plan", "--config-name", "mopd/tiny_seq", "plan.format=json"],
+        [sys.executable, "-m", "claas_verl.plan", "--config-name", "mopd/seq", "scale=tiny", "plan.format=json"],
         cwd=REPO, capture_output=True, text=True, check=True, env={**os.environ, "CLAAS_TINY_DIR": str(tiny_root)})
     expected = json.loads(plan.stdout)["steps"]
     assert len(expected) == 10  # tiny_seq: 4 + 3 + 3 blocks
@@ -119,11 +119,11 @@ def test_submit_tiny_mopd_and_claas_to_a_head(ray_nodes, checkout, planted, free
     out = tmp_path / "out"
     address = _head(ray_nodes, free_port, "--num-cpus=16", "--num-gpus=1")
     _submit(ray_nodes, address, checkout, "tiny-seq",
-            "python", "-m", "claas_verl.main_mopd", "--config-name", "mopd/tiny_seq",
+            "python", "-m", "claas_verl.main_mopd", "--config-name", "mopd/seq", "scale=tiny",
             "trainer.experiment_name=tiny_seq_cluster", f"trainer.default_local_dir={out}/tiny_seq", *MOPD_FAST)
     _check_mopd(out / "tiny_seq", tiny_root)
     _submit(ray_nodes, address, checkout, "tiny-rpp",
-            "python", "-m", "claas_verl.main_claas", "--config-name", "claas/tiny_reinforce_pp",
+            "python", "-m", "claas_verl.main_claas", "--config-name", "claas/reinforce_pp", "scale=tiny",
             "trainer.experiment_name=tiny_rpp_cluster", f"trainer.default_local_dir={out}/tiny_rpp",
             "claas.producer.max_new_tokens=8")
     _check_claas(out / "tiny_rpp")
@@ -147,7 +147,7 @@ def test_submit_to_a_two_node_cluster(ray_nodes, checkout, planted, free_port, t
     assert nodes == "[0, 1.0]", nodes  # two live nodes, the logical GPU on the worker
     steps = 3
     _submit(ray_nodes, address, checkout, "tiny-seq-2nodes",
-            "python", "-m", "claas_verl.main_mopd", "--config-name", "mopd/tiny_seq",
+            "python", "-m", "claas_verl.main_mopd", "--config-name", "mopd/seq", "scale=tiny",
             f"trainer.total_training_steps={steps}",
             "trainer.experiment_name=tiny_seq_2nodes", f"trainer.default_local_dir={out}/tiny_seq_2nodes",
             "mopd.train.max_response_length=12", "mopd.eval.enabled=false", "trainer.save_freq=-1")

@@ -4,6 +4,7 @@ frozen; and the code defaults that plain-mapping callers see agree with the reci
 from __future__ import annotations
 
 import dataclasses
+import sys
 from pathlib import Path
 
 import pytest
@@ -12,19 +13,27 @@ from omegaconf import OmegaConf
 from claas_verl.mopd.config import SIGNAL_KEYS, MopdConfig
 
 REPO = Path(__file__).resolve().parents[2]
-RECIPES = sorted(p.stem for p in (REPO / "recipes" / "mopd").glob("*.yaml"))
+sys.path.insert(0, str(REPO / "tests" / "recipes"))
+from recipe_spellings import SPELLINGS  # noqa: E402
+
+# every recipe (paper scale) and every documented spelling of the other scales (docs/recipes.md): "seq",
+# "seq scale=tiny", "seq_recovery scale=tiny mopd.recovery.blocks_per_domain=2", ...
+RECIPES = sorted({p.stem for p in (REPO / "recipes" / "mopd").glob("*.yaml")}
+                 | {s.removeprefix("mopd/") for s in SPELLINGS.values() if s.startswith("mopd/")})
 
 
 @pytest.fixture(scope="module")
 def composed(tmp_path_factory) -> dict:
-    """Every recipe under recipes/mopd, composed as ``python -m claas_verl.plan`` composes it (no runtime group)."""
+    """Every recipe under recipes/mopd at every scale, composed as ``python -m claas_verl.plan`` composes it (no
+    runtime group)."""
     from hydra import compose, initialize_config_dir
 
     from claas_verl.paths import recipes_dir
 
     tiny = tmp_path_factory.mktemp("tiny")  # paths only: the domains give num_blocks, nothing is read
     with initialize_config_dir(config_dir=str(recipes_dir()), version_base=None):
-        return {r: compose(config_name=f"mopd/{r}", overrides=[f"claas.tiny_dir={tiny}"]) for r in RECIPES}
+        return {r: compose(config_name=f"mopd/{r.split()[0]}", overrides=[*r.split()[1:], f"tiny_dir={tiny}"])
+                for r in RECIPES}
 
 
 def _with(cfg, **changes):
@@ -47,9 +56,9 @@ def test_every_mopd_recipe_builds_the_schema(composed):
         assert mopd.block_size == cfg.mopd.block_size and mopd.train.topk == cfg.mopd.train.topk, recipe
         assert set(mopd.order) <= set(mopd.domains), recipe
         assert mopd.signal.enabled == any(cfg.mopd.signal[t] for t in ("sats", "vr", "hidden")), recipe
-    fsar = MopdConfig.from_config(composed["tiny_fsar_shared"])
+    fsar = MopdConfig.from_config(composed["fsar_shared scale=tiny mopd.signal.window=16"])
     assert fsar.signal.terms == ("sats", "vr", "hidden") and fsar.signal.kinds == ("replay",)
-    tiny = MopdConfig.from_config(composed["tiny_seq"])
+    tiny = MopdConfig.from_config(composed["seq scale=tiny"])
     assert tiny.domains["logic"].test_prompts.endswith("data/logic/test.parquet")
     assert (tiny.sampler_poll_s, tiny.weight_sync_probe_tokens, tiny.eval.enabled) == (0.05, 8, True)
     # a path the recipe leaves required (`???`) stays unset here; preflight names it before Ray starts
@@ -81,7 +90,7 @@ def test_every_mopd_recipe_builds_the_schema(composed):
 ])
 def test_a_bad_value_names_its_key(composed, key, value, message):
     with pytest.raises(ValueError, match=message):
-        MopdConfig.from_config(_with(composed["tiny_seq"], **{key: value}))
+        MopdConfig.from_config(_with(composed["seq scale=tiny"], **{key: value}))
 
 
 @pytest.mark.parametrize("key, home", [
@@ -98,7 +107,7 @@ def test_a_bad_value_names_its_key(composed, key, value, message):
 def test_an_unset_key_names_the_yaml_that_sets_it(composed, key, home):
     dotted = key.replace("__", ".")
     with pytest.raises(ValueError, match=rf"mopd.{dotted} is not set: compose {home}"):
-        MopdConfig.from_config(_with(composed["tiny_seq"], **{key: ...}))
+        MopdConfig.from_config(_with(composed["seq scale=tiny"], **{key: ...}))
 
 
 def test_a_config_without_a_mopd_section_is_named():
@@ -107,7 +116,7 @@ def test_a_config_without_a_mopd_section_is_named():
 
 
 def test_the_schema_is_frozen(composed):
-    mopd = MopdConfig.from_config(composed["tiny_fsar_shared"])
+    mopd = MopdConfig.from_config(composed["fsar_shared scale=tiny mopd.signal.window=16"])
     for obj, field in ((mopd, "block_size"), (mopd.train, "topk"), (mopd.eval, "prompts"), (mopd.signal, "window"),
                        (mopd.domains["logic"], "expert")):
         with pytest.raises(dataclasses.FrozenInstanceError):

@@ -94,16 +94,16 @@ def test_the_verl_keys_are_derived_in_the_runtime_group_exactly_as_listed():
 
 @pytest.fixture(scope="module")
 def tiny_seq_cpu(tmp_path_factory):
-    """``mopd/tiny_seq`` composed as main_mopd composes it (recipe + CPU runtime group)."""
+    """``mopd/seq scale=tiny`` composed as main_mopd composes it (recipe + CPU runtime group)."""
     from hydra import compose, initialize_config_dir
 
     from claas_verl.main_mopd import runtime_args
     from claas_verl.paths import recipes_dir
 
     tiny = tmp_path_factory.mktemp("tiny")
-    args = [*runtime_args(["+verl@_global_=cpu"]), "+verl@_global_=cpu", f"claas.tiny_dir={tiny}"]
+    args = [*runtime_args(["+verl@_global_=cpu"]), "+verl@_global_=cpu", "scale=tiny", f"tiny_dir={tiny}"]
     with initialize_config_dir(config_dir=str(recipes_dir()), version_base=None):
-        return compose(config_name="mopd/tiny_seq", overrides=args)
+        return compose(config_name="mopd/seq", overrides=args)
 
 
 def test_the_composed_verl_keys_follow_the_mopd_keys(tiny_seq_cpu):

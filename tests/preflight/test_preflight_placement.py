@@ -25,7 +25,7 @@ def test_verl_names_the_check_reads_still_exist():
 
 
 def test_a_head_with_two_cpus_cannot_hold_one_worker_of_three():
-    """The hang observed: ``ray start --head --num-cpus=2 --num-gpus=1`` and mopd/tiny_seq (one worker)."""
+    """The hang observed: ``ray start --head --num-cpus=2 --num-gpus=1`` and mopd/seq scale=tiny (one worker)."""
     problem = placement_problem({"global_pool": [1]}, 3, {"head": {"CPU": 2, "GPU": 1, "memory": 8 * 2**30}})
     assert problem is not None
     assert "global_pool x 1" in problem and "{CPU: 3, GPU: 1}" in problem
@@ -51,10 +51,10 @@ def test_placement_that_fits_and_the_ways_it_does_not():
 
 
 def test_main_mopd_on_a_cluster_with_too_few_cpus_fails_fast_with_the_numbers(tiny, tmp_path):
-    """A real local Ray cluster of 2 CPUs and mopd/tiny_seq: before, verl's placement group waited forever."""
+    """A real local Ray cluster of 2 CPUs and mopd/seq scale=tiny: before, verl's placement group waited forever."""
     env = dict(os.environ, CLAAS_TINY_DIR=str(tiny.root), CLAAS_OUT_DIR=str(tmp_path), PYTHONUNBUFFERED="1",
                PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
-    cmd = [sys.executable, "-m", "claas_verl.main_mopd", "--config-name=mopd/tiny_seq", "+verl@_global_=cpu",
+    cmd = [sys.executable, "-m", "claas_verl.main_mopd", "--config-name=mopd/seq", "scale=tiny", "+verl@_global_=cpu",
            "trainer.experiment_name=too_small", "ray_kwargs.ray_init.num_cpus=2"]
     try:
         proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)

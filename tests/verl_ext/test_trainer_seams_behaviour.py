@@ -29,7 +29,7 @@ RECIPES = os.path.join(os.path.dirname(__file__), "..", "..", "recipes")
 @pytest.fixture(scope="module")
 def verl_config():
     with initialize_config_dir(config_dir=os.path.abspath(RECIPES), version_base=None):
-        cfg = compose(config_name="claas/tiny_reinforce_pp")
+        cfg = compose(config_name="claas/reinforce_pp", overrides=["scale=tiny"])
     with open_dict(cfg):
         cfg.trainer.logger = []
         cfg.trainer.save_freq = 2

@@ -1,4 +1,4 @@
-"""The no-update baseline (``claas/tiny_no_update``) end to end: the same producers and split evaluation as the
+"""The no-update baseline (``claas/no_update scale=tiny``) end to end: the same producers and split evaluation as the
 training recipes, and provably no policy change: no update, nothing inserted into the buffer, no checkpoint, the
 served policy still version 0. Slow (one Ray job, about a minute on an idle 2-core host)."""
 
@@ -21,7 +21,7 @@ def test_no_update_baseline_evaluates_every_split_without_changing_the_policy(ti
     out = tmp_path / "runs"
     env = dict(os.environ, CLAAS_TINY_DIR=str(tiny.root), CLAAS_OUT_DIR=str(out), PYTHONUNBUFFERED="1")
     env.setdefault("RAY_raylet_start_wait_time_s", "180")
-    cmd = [sys.executable, "-m", "claas_verl.main_claas", "--config-name", "claas/tiny_no_update"]
+    cmd = [sys.executable, "-m", "claas_verl.main_claas", "--config-name", "claas/no_update", "scale=tiny"]
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=1500)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
 

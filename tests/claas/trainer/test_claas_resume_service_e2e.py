@@ -1,4 +1,5 @@
-"""Kill the service-driven CLaaS job (``claas/tiny_service``) with SIGKILL after a checkpoint, start the same command
+"""Kill the service-driven CLaaS job (``claas/service scale=tiny``) with SIGKILL after a checkpoint, start the same
+command
 again, and check over HTTP that it continues from that checkpoint (slow: two Ray job start-ups).
 
 Run 1 chats and gives feedback until the trainer has updated and checkpointed (``trainer.save_freq=2``), then records a
@@ -64,7 +65,7 @@ def test_killed_service_job_resumes_from_its_checkpoint(tmp_path):
     env = dict(os.environ, CLAAS_TINY_DIR=str(ensure_tiny().root), CLAAS_OUT_DIR=str(out), PYTHONUNBUFFERED="1",
                CLAAS_API_KEY=KEY, CLAAS_ADMIN_KEY=ADMIN)
     env.setdefault("RAY_raylet_start_wait_time_s", "180")
-    cmd = [sys.executable, "-m", "claas_verl.main_claas", "--config-name", "claas/tiny_service",
+    cmd = [sys.executable, "-m", "claas_verl.main_claas", "--config-name", "claas/service", "scale=tiny",
            "claas.service.port=0", "trainer.save_freq=2"]
     run_dir = out / "claas_tiny_service"
 

@@ -1,6 +1,7 @@
 """End to end: CLaaS as a live service, as a user runs it (slow: starting the Ray job takes ~2 minutes on 2 cores).
 
-``python -m claas_verl.main_claas --config-name claas/tiny_service`` starts the rollout server, the chat API and the
+``python -m claas_verl.main_claas --config-name claas/service scale=tiny`` starts the rollout server, the chat API
+and the
 trainer in one Ray job. The test talks to it with the real ``openai`` client (plain and streamed), gives feedback on
 every turn until the trainer updated the adapter, and checks that
 
@@ -39,7 +40,8 @@ def test_service_loop_trains_on_chats_and_serves_the_new_adapter(tmp_path):
                CLAAS_API_KEY=KEY, CLAAS_ADMIN_KEY=ADMIN)
     env.setdefault("RAY_raylet_start_wait_time_s", "180")
     log = open(tmp_path / "job.log", "w")
-    proc = subprocess.Popen([sys.executable, "-m", "claas_verl.main_claas", "--config-name", "claas/tiny_service",
+    proc = subprocess.Popen([sys.executable, "-m", "claas_verl.main_claas", "--config-name", "claas/service",
+                             "scale=tiny",
                              "claas.service.port=0", "claas.trace_served_weights=true"],
                             cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
                             start_new_session=True)

@@ -1,6 +1,6 @@
 """End to end: the CLaaS trainer on CPU through Ray, as a user runs it (one short run in the default suite).
 
-``python -m claas_verl.main_claas --config-name claas/tiny_reinforce_pp`` with an IH-Challenge-style JSONL
+``python -m claas_verl.main_claas --config-name claas/reinforce_pp scale=tiny`` with an IH-Challenge-style JSONL
 stream (2 splits × 3 scenarios × 2 turns) in which one scenario's sandboxed grader crashes. Checked from
 the run's own records (``claas_trace.jsonl``, ``continual_metrics.json``, split folders):
 
@@ -64,7 +64,7 @@ def test_tiny_reinforce_pp_stream_end_to_end(tiny_model_dir, tmp_path, tracking_
     env = dict(os.environ, CLAAS_TINY_DIR=str(tiny_model_dir), CLAAS_OUT_DIR=str(out), PYTHONUNBUFFERED="1")
     env.setdefault("RAY_raylet_start_wait_time_s", "180")  # a loaded 2-core host can take a minute to start Ray
     cmd = [
-        sys.executable, "-m", "claas_verl.main_claas", "--config-name", "claas/tiny_reinforce_pp",
+        sys.executable, "-m", "claas_verl.main_claas", "--config-name", "claas/reinforce_pp", "scale=tiny",
         "claas.env.name=ih_challenge", "~claas.env.kwargs", f"+claas.env.kwargs={{path:{stream},max_turns:2}}",
         f"claas.a_max={A_MAX}", f"claas.b_min={B_MIN}", f"claas.m={M}", "claas.trace_served_weights=true",
         *tracking_logs.overrides,

@@ -1,4 +1,4 @@
-"""End to end: ``claas/tiny_sdpo`` on CPU through Ray (3 updates of the rule-following stream).
+"""End to end: ``claas/sdpo scale=tiny`` on CPU through Ray (3 updates of the rule-following stream).
 
 In the default suite: about 75 s on the 2-core host when it is quiet (several minutes when other Ray jobs share
 it). The loss arithmetic it drives is checked in ``test_claas_sdpo_worker_loss.py`` (the packed top-K loss equals
@@ -33,7 +33,7 @@ def test_tiny_sdpo_end_to_end(tmp_path):
     out = tmp_path / "runs"
     env = dict(os.environ, CLAAS_TINY_DIR=str(tiny), CLAAS_OUT_DIR=str(out), PYTHONUNBUFFERED="1")
     env.setdefault("RAY_raylet_start_wait_time_s", "180")
-    cmd = [sys.executable, "-m", "claas_verl.main_claas", "--config-name", "claas/tiny_sdpo",
+    cmd = [sys.executable, "-m", "claas_verl.main_claas", "--config-name", "claas/sdpo", "scale=tiny",
            f"claas.max_updates={UPDATES}", "claas.trace_served_weights=true"]
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=1500)
     log = proc.stdout + proc.stderr

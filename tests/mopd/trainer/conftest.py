@@ -42,16 +42,19 @@ def tiny_qwen3_dir() -> Path:
 
 @pytest.fixture
 def mopd_plan(tiny_dir):
-    """``mopd_plan(recipe) -> [step dicts]``: what ``python -m claas_verl.plan ... plan.format=json`` prints."""
+    """``mopd_plan(spelling) -> [step dicts]``: what ``python -m claas_verl.plan ... plan.format=json`` prints.
 
-    def plan(recipe: str, *overrides: str) -> list[dict]:
+    ``spelling`` is a recipe and its command-line overrides, e.g. ``"mopd/seq scale=tiny"`` (docs/recipes.md)."""
+
+    def plan(spelling: str, *overrides: str) -> list[dict]:
         from hydra import compose, initialize_config_dir
 
         from claas_verl.paths import recipes_dir
         from claas_verl.schedule import plan_from_config
 
         with initialize_config_dir(config_dir=str(recipes_dir()), version_base=None):
-            cfg = compose(config_name=recipe, overrides=[f"claas.tiny_dir={tiny_dir}", *overrides])
+            recipe, *spelled = spelling.split()
+            cfg = compose(config_name=recipe, overrides=[*spelled, f"tiny_dir={tiny_dir}", *overrides])
         return plan_from_config(cfg).to_json_dict()["steps"]
 
     return plan
@@ -82,11 +85,13 @@ def small_plan():
 
 @pytest.fixture
 def mopd_run(tiny_dir, tmp_path):
-    """``mopd_run(recipe, name, *overrides) -> (run_dir, log)``: one ``python -m claas_verl.main_mopd`` job."""
+    """``mopd_run(spelling, name, *overrides) -> (run_dir, log)``: one ``python -m claas_verl.main_mopd`` job
+    (``spelling``: a recipe and its overrides, as ``mopd_plan`` takes it)."""
 
-    def run(recipe: str, name: str, *overrides: str, timeout: int = 900):
+    def run(spelling: str, name: str, *overrides: str, timeout: int = 900):
+        recipe, *spelled = spelling.split()
         env = dict(os.environ, CLAAS_TINY_DIR=str(tiny_dir), CLAAS_OUT_DIR=str(tmp_path), PYTHONUNBUFFERED="1")
-        cmd = [sys.executable, "-m", "claas_verl.main_mopd", f"--config-name={recipe}",
+        cmd = [sys.executable, "-m", "claas_verl.main_mopd", f"--config-name={recipe}", *spelled,
                f"trainer.experiment_name={name}", *overrides]
         proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
         log = proc.stdout + proc.stderr

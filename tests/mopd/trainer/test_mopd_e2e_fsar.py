@@ -1,4 +1,5 @@
-"""FSAR end to end on CPU: ``python -m claas_verl.main_mopd --config-name mopd/tiny_fsar_shared`` shortened to two
+"""FSAR end to end on CPU: ``python -m claas_verl.main_mopd --config-name mopd/fsar_shared scale=tiny
+mopd.signal.window=16`` shortened to two
 domains (1 logic step, then 3 math steps + 1 logic replay step taught by M_1, then 2 recovery steps), with r = 2.
 
 The one-rank run uses the Qwen3 variant of the tiny bundle: per-head q/k norms inside FSDP2-resharded layers, the
@@ -34,11 +35,13 @@ def test_fsar_replay_step_logs_balanced_gradients_at_the_configured_ratio(mopd_r
         qwen3_dir = request.getfixturevalue("tiny_qwen3_dir")
         config = json.loads((qwen3_dir / "student" / "config.json").read_text())
         assert config["model_type"] == "qwen3" and config["head_dim"] >= 32
-        bundle = [f"claas.tiny_dir={qwen3_dir}"]
-    run_dir, log = mopd_run("mopd/tiny_fsar_shared", "fsar", *fast, *SHORT, f"trainer.n_gpus_per_node={ranks}",
+        bundle = [f"tiny_dir={qwen3_dir}"]
+    run_dir, log = mopd_run("mopd/fsar_shared scale=tiny mopd.signal.window=16", "fsar", *fast, *SHORT,
+                            f"trainer.n_gpus_per_node={ranks}",
                             *bundle)
     steps = [json.loads(x) for x in (run_dir / "steps.jsonl").read_text().splitlines() if x.strip()]
-    assert [{k: s[k] for k in PLAN_KEYS} for s in steps] == mopd_plan("mopd/tiny_fsar_shared", *SHORT[:5])
+    assert [{k: s[k] for k in PLAN_KEYS} for s in steps] == mopd_plan(
+        "mopd/fsar_shared scale=tiny mopd.signal.window=16", *SHORT[:5])
     replay = [s for s in steps if s["kind"] == "replay"]
     assert [(s["stage"], s["domain"], s["teacher"]) for s in replay] == [(2, "logic", "student:1")]
     m = replay[0]["metrics"]

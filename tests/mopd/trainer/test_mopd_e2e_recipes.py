@@ -36,11 +36,11 @@ def test_replay_kl_against_seq_with_the_same_seeds(mopd_run, mopd_plan, fast):
     samples). The comparison is printed for the record.
     """
     common = (*fast, "mopd.eval.prompts=8")
-    seq_dir, _ = mopd_run("mopd/tiny_seq", "seq", *common)
-    rkl_dir, log = mopd_run("mopd/tiny_replay_kl", "rkl", *common)
+    seq_dir, _ = mopd_run("mopd/seq scale=tiny", "seq", *common)
+    rkl_dir, log = mopd_run("mopd/replay_kl scale=tiny", "rkl", *common)
     steps = read_jsonl(rkl_dir / "steps.jsonl")
     seq_steps = read_jsonl(seq_dir / "steps.jsonl")
-    assert _as_plan(steps) == mopd_plan("mopd/tiny_replay_kl")
+    assert _as_plan(steps) == mopd_plan("mopd/replay_kl scale=tiny")
     # 1. same seeds: stage 1 (identical plans) is the same computation in both runs, equal up to the order of
     #    float reductions across the two worker processes (observed differences ~1e-7 relative)
     for a, b in zip(seq_steps[:4], steps[:4]):
@@ -65,15 +65,17 @@ def test_replay_kl_against_seq_with_the_same_seeds(mopd_run, mopd_plan, fast):
     print(f"final students, (kl, kl_binned) to each expert: {final}")
 
 
-@pytest.mark.parametrize("recipe", ["mopd/tiny_seq_recovery", "mopd/tiny_joint", "mopd/tiny_replay_kl_fixed"])
+@pytest.mark.parametrize("recipe", ["mopd/seq_recovery scale=tiny mopd.recovery.blocks_per_domain=2",
+                                    "mopd/joint scale=tiny",
+                                    "mopd/replay_kl_fixed scale=tiny mopd.replay.b=2"])
 def test_recipe_runs_its_plan(recipe, mopd_run, mopd_plan, fast):
-    run_dir, log = mopd_run(recipe, recipe.split("/")[1], *fast, "mopd.eval.enabled=false")
+    run_dir, log = mopd_run(recipe, recipe.split()[0].split("/")[1], *fast, "mopd.eval.enabled=false")
     steps = read_jsonl(run_dir / "steps.jsonl")
     plan = mopd_plan(recipe)
     assert _as_plan(steps) == plan
     stages = sorted({s["stage"] for s in plan})
     assert log.count("fresh AdamW state") == len(stages)
-    if recipe.endswith("recovery"):
+    if recipe.split()[0].endswith("recovery"):
         assert "teachers ['student:1', 'student:2', 'student:3']" in log  # recovery from the snapshots
-    if recipe.endswith("joint"):
+    if recipe.split()[0].endswith("joint"):
         assert "teachers ['expert:code', 'expert:logic', 'expert:math']" in log

@@ -15,7 +15,7 @@ pytestmark = pytest.mark.slow
 
 def test_kill_mid_stage_and_resume_runs_the_remaining_plan(mopd_run, mopd_plan, fast):
     # run 1: stops after global step 6 (stage 2 = steps 5..7); checkpoints at 4 (stage end), 5 (save_freq), 6 (last)
-    run_dir, _ = mopd_run("mopd/tiny_seq", "seq", *fast, "trainer.total_training_steps=6", "trainer.save_freq=5")
+    run_dir, _ = mopd_run("mopd/seq scale=tiny", "seq", *fast, "trainer.total_training_steps=6", "trainer.save_freq=5")
     assert [s["global_step"] for s in read_jsonl(run_dir / "steps.jsonl")] == [1, 2, 3, 4, 5, 6]
     # simulate a kill after step 6 ran but before its checkpoint was written
     shutil.rmtree(run_dir / "global_step_6")
@@ -24,11 +24,11 @@ def test_kill_mid_stage_and_resume_runs_the_remaining_plan(mopd_run, mopd_plan, 
     assert state["stage"] == 2 and not state["stage_complete"] and state["snapshots"] == [1]
 
     # run 2: same recipe, full plan, trainer.resume_mode=auto (the recipes' default)
-    run_dir, log = mopd_run("mopd/tiny_seq", "seq", *fast, "trainer.save_freq=5")
+    run_dir, log = mopd_run("mopd/seq scale=tiny", "seq", *fast, "trainer.save_freq=5")
     assert "resumed at global step 5 (stage 2)" in log
     assert "optimizer state kept (resumed mid-stage)" in log
     steps = read_jsonl(run_dir / "steps.jsonl")
-    plan = mopd_plan("mopd/tiny_seq")
+    plan = mopd_plan("mopd/seq scale=tiny")
     assert [{k: s[k] for k in plan[0]} for s in steps] == plan
     assert [s["global_step"] for s in steps] == list(range(1, 11))
     discarded = read_jsonl(run_dir / "steps.discarded.jsonl")
@@ -57,7 +57,8 @@ def test_resume_after_a_stage_end_reruns_the_lost_evaluation_and_sets_stale_snap
                                                                                             fast):
     # run 1: stage 1 (steps 1..4) ends; checkpoint 4, snapshot M_1 and the stage-1 end evaluation are written
     fast = tuple(x for x in fast if not x.startswith("trainer.save_freq"))
-    run_dir, _ = mopd_run("mopd/tiny_seq", "seq_eval", *fast, "trainer.total_training_steps=4", "trainer.save_freq=-1")
+    run_dir, _ = mopd_run("mopd/seq scale=tiny", "seq_eval", *fast, "trainer.total_training_steps=4",
+                          "trainer.save_freq=-1")
     rows = read_jsonl(run_dir / "forgetting.jsonl")
     assert any(r["stage"] == 1 and r["at"] == "end" for r in rows)
     # a crash right after the checkpoint lost the evaluation; discarded later work left a snapshot M_2 behind
@@ -67,7 +68,7 @@ def test_resume_after_a_stage_end_reruns_the_lost_evaluation_and_sets_stale_snap
     state = json.loads((run_dir / "global_step_4" / "mopd_state.json").read_text())
     assert state["stage_complete"] and state["snapshots"] == [1]
 
-    run_dir, log = mopd_run("mopd/tiny_seq", "seq_eval", *fast, "trainer.save_freq=-1")
+    run_dir, log = mopd_run("mopd/seq scale=tiny", "seq_eval", *fast, "trainer.save_freq=-1")
     assert "resumed at global step 4 (stage 1)" in log
     assert "re-running its lost stage-end forgetting evaluation" in log
     assert "snapshot M_2 was not recorded by checkpoint 4" in log
@@ -76,5 +77,5 @@ def test_resume_after_a_stage_end_reruns_the_lost_evaluation_and_sets_stale_snap
     ends = sorted((r["stage"], r["domain"]) for r in rows if r["at"] == "end")
     assert ends == [(1, "logic"), (2, "logic"), (2, "math"), (3, "code"), (3, "logic"), (3, "math")]
     steps = read_jsonl(run_dir / "steps.jsonl")
-    assert [{k: s[k] for k in mopd_plan("mopd/tiny_seq")[0]} for s in steps] == mopd_plan("mopd/tiny_seq")
+    assert [{k: s[k] for k in mopd_plan("mopd/seq scale=tiny")[0]} for s in steps] == mopd_plan("mopd/seq scale=tiny")
     assert (run_dir / "snapshots" / "student_2" / "config.json").exists()  # this run's own M_2

@@ -1,4 +1,5 @@
-"""End to end on CPU: ``python -m claas_verl.main_mopd --config-name mopd/tiny_seq`` (verl + Ray, 10 steps, 3 stages).
+"""End to end on CPU: ``python -m claas_verl.main_mopd --config-name mopd/seq scale=tiny`` (verl + Ray, 10 steps, 3
+stages).
 
 One short run (shorter responses and fewer held-out prompts than the recipe; the plan is the recipe's), then:
 ``steps.jsonl`` equals the plan step by step (stage, kind, domain, block, teacher), every stage starts with a
@@ -24,8 +25,8 @@ from claas_verl.mopd.trainer.weight_probe import CHANGE_KEY, DIFF_KEY
 def test_tiny_seq_runs_the_plan_end_to_end(tiny_dir, mopd_run, mopd_plan, fast, tracking_logs):
     # 8 held-out prompts per domain (FAST has 2), 4 sampled responses each, so that the start/end KL of a stage
     # is not sampling noise
-    run_dir, log = mopd_run("mopd/tiny_seq", "seq", *fast, "mopd.eval.prompts=8", *tracking_logs.overrides)
-    plan = mopd_plan("mopd/tiny_seq")
+    run_dir, log = mopd_run("mopd/seq scale=tiny", "seq", *fast, "mopd.eval.prompts=8", *tracking_logs.overrides)
+    plan = mopd_plan("mopd/seq scale=tiny")
     steps = read_jsonl(run_dir / "steps.jsonl")
     # 1. the audit trail is the plan, step by step (4 logic + 3 math + 3 code new-domain steps)
     assert [{k: s[k] for k in ("stage", "kind", "domain", "block", "teacher")} for s in steps] == plan

@@ -21,9 +21,10 @@ TOL_TOKEN = 1e-4
 PLAN_KEYS = ("stage", "kind", "domain", "block", "teacher")
 
 
-@pytest.mark.parametrize("recipe", ["mopd/tiny_seq", "mopd/tiny_fsar_shared"])
+@pytest.mark.parametrize("recipe", ["mopd/seq scale=tiny", "mopd/fsar_shared scale=tiny mopd.signal.window=16"])
 def test_tiny_recipe_runs_on_verls_vllm_rollout(recipe, mopd_run, mopd_plan):
-    run_dir, log = mopd_run(recipe, recipe.split("/")[1], "actor_rollout_ref.rollout.name=vllm", timeout=1800)
+    run_dir, log = mopd_run(recipe, recipe.split()[0].split("/")[1], "actor_rollout_ref.rollout.name=vllm",
+                            timeout=1800)
     assert "weight_loader" not in log
     steps = [json.loads(x) for x in (run_dir / "steps.jsonl").read_text().splitlines() if x.strip()]
     assert [{k: s[k] for k in PLAN_KEYS} for s in steps] == mopd_plan(recipe)
@@ -39,6 +40,6 @@ def test_tiny_recipe_runs_on_verls_vllm_rollout(recipe, mopd_run, mopd_plan):
           f"min {min(changes):.2e} max {max(changes):.2e}")
     assert all(d < TOL_TOKEN for d in diffs), diffs
     assert all(c > 10 * TOL_TOKEN for c in changes), changes
-    if recipe.endswith("fsar_shared"):  # replay steps ran the balanced update on vLLM's samples
+    if recipe.split()[0].endswith("fsar_shared"):  # replay steps ran the balanced update on vLLM's samples
         replay = [s for s in steps if s["kind"] == "replay"]
         assert replay and all(s["metrics"]["actor/mopd/balance_fallback"] == 0 for s in replay)

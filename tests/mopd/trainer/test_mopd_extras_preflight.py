@@ -19,7 +19,7 @@ GYM_SOURCES = {"spell": "reasoning_gym/spell_backward", "reverse": "reasoning_gy
 
 
 def gym_run(gym_dir, *overrides: str):
-    """``python -m claas_verl.main_mopd --config-name mopd/gym_seq +verl@_global_=cpu`` on prompt files (only the
+    """``python -m claas_verl.main_mopd --config-name mopd/seq scale=gym +verl@_global_=cpu`` on prompt files (only the
     data_source column matters here) under ``gym_dir``."""
     from claas_verl.main_mopd import runtime_args
 
@@ -29,8 +29,8 @@ def gym_run(gym_dir, *overrides: str):
             pd.DataFrame({"data_source": [source] * 2, "prompt": [[{"role": "user", "content": "x"}]] * 2}
                          ).to_parquet(gym_dir / "data" / d / f"{split}.parquet")
     with initialize_config_dir(config_dir=str(recipes_dir()), version_base=None):
-        return compose(config_name="mopd/gym_seq",
-                       overrides=[*runtime_args([], group="cpu"), f"claas.gym_dir={gym_dir}", *overrides])
+        return compose(config_name="mopd/seq",
+                       overrides=["scale=gym", *runtime_args([], group="cpu"), f"gym_dir={gym_dir}", *overrides])
 
 
 def test_gym_recipe_without_reasoning_gym_fails_before_ray(tmp_path, monkeypatch):

@@ -36,7 +36,7 @@ def test_every_model_of_the_paper_plan_is_checked_before_ray_starts(tiny_dir):
     and the rest failed when its stage began, hours in."""
     from claas_verl.main_mopd import finalize_config
 
-    cfg = compose_run("seq", "gpu", f"claas.tiny_dir={tiny_dir}")
+    cfg = compose_run("seq", "gpu", f"tiny_dir={tiny_dir}")
     with open_dict(cfg):
         for d in cfg.mopd.domains:
             cfg.mopd.domains[d].prompts = str(tiny_dir / "data" / "logic" / "train.parquet")
@@ -54,7 +54,7 @@ def test_every_model_of_the_paper_plan_is_checked_before_ray_starts(tiny_dir):
 def test_a_missing_expert_directory_is_named_with_the_tiny_hint(tiny_dir):
     from claas_verl.main_mopd import finalize_config
 
-    cfg = compose_run("tiny_seq", "cpu", f"claas.tiny_dir={tiny_dir}",
+    cfg = compose_run("seq", "cpu", "scale=tiny", f"tiny_dir={tiny_dir}",
                       f"mopd.domains.code.expert={tiny_dir}/experts/nowhere")
     with pytest.raises(ValueError) as err:
         finalize_config(cfg)
@@ -65,7 +65,8 @@ def test_a_missing_expert_directory_is_named_with_the_tiny_hint(tiny_dir):
 
 def test_which_models_a_plan_loads(tiny_dir):
     with initialize_config_dir(config_dir=str(recipes_dir()), version_base=None):
-        cfg = compose(config_name="mopd/tiny_seq_recovery", overrides=[f"claas.tiny_dir={tiny_dir}"])
+        cfg = compose(config_name="mopd/seq_recovery", overrides=["scale=tiny", "mopd.recovery.blocks_per_domain=2",
+                                                                  f"tiny_dir={tiny_dir}"])
     plan = plan_from_config(cfg)
     keys = plan_model_keys(cfg, plan)
     assert keys == ["mopd.student", *(f"mopd.domains.{d}.expert" for d in plan.order)]
@@ -91,7 +92,7 @@ def test_a_prompt_longer_than_max_prompt_length_is_refused_before_ray_starts(tin
     from claas_verl.main_mopd import finalize_config
 
     tok = AutoTokenizer.from_pretrained(str(tiny_dir / "student"))
-    cfg = compose_run("tiny_seq", "cpu", f"claas.tiny_dir={tiny_dir}")
+    cfg = compose_run("seq", "cpu", "scale=tiny", f"tiny_dir={tiny_dir}")
     plan = plan_from_config(cfg)
     rows = {d: plan.num_blocks[d] * int(cfg.mopd.block_size) for d in plan.order}
     longest = {d: max(_agent_loop_length(tok, m) for m in pq.read_table(
@@ -99,11 +100,11 @@ def test_a_prompt_longer_than_max_prompt_length_is_refused_before_ray_starts(tin
     top = max(longest.values())
     worst = [d for d in plan.order if longest[d] == top][0]
 
-    ok = compose_run("tiny_seq", "cpu", f"claas.tiny_dir={tiny_dir}", f"mopd.train.max_prompt_length={top}",
+    ok = compose_run("seq", "cpu", "scale=tiny", f"tiny_dir={tiny_dir}", f"mopd.train.max_prompt_length={top}",
                      "mopd.eval.enabled=false")
     finalize_config(ok)  # a prompt exactly at the limit fits
 
-    cut = compose_run("tiny_seq", "cpu", f"claas.tiny_dir={tiny_dir}", f"mopd.train.max_prompt_length={top - 1}",
+    cut = compose_run("seq", "cpu", "scale=tiny", f"tiny_dir={tiny_dir}", f"mopd.train.max_prompt_length={top - 1}",
                       "mopd.eval.enabled=false")
     with pytest.raises(ValueError) as err:
         finalize_config(cut)
@@ -118,7 +119,7 @@ def test_a_prompt_longer_than_max_prompt_length_is_refused_before_ray_starts(tin
 def test_a_prompt_file_without_the_prompt_key_column_names_the_key_and_the_fix(tiny_dir):
     from claas_verl.main_mopd import finalize_config
 
-    cfg = compose_run("tiny_seq", "cpu", f"claas.tiny_dir={tiny_dir}", "data.prompt_key=question")
+    cfg = compose_run("seq", "cpu", "scale=tiny", f"tiny_dir={tiny_dir}", "data.prompt_key=question")
     with pytest.raises(ValueError) as err:
         finalize_config(cfg)
     msg = str(err.value)
@@ -142,10 +143,14 @@ def test_every_gym_prompt_fits_the_gym_recipes():
         assert lengths[:3] == [_agent_loop_length(tok, m) for m in messages[:3]]
         longest[domain.name] = max(lengths)
     assert longest["palin"] > 256  # the old limit
-    recipes = sorted(p.stem for p in (recipes_dir() / "mopd").glob("gym_*.yaml"))
-    assert len(recipes) == 8  # the continual benchmark's eight methods (benchmarks/continual.py MOPD_FULL)
-    for recipe in recipes:
-        cfg = compose_run(recipe, "cpu")
+    # the continual benchmark's eight methods (benchmarks/continual.py MOPD_FULL), each a recipe at scale=gym
+    sys.path.insert(0, str(REPO))
+    from benchmarks.continual_methods import SPELLINGS
+
+    methods = [s.split() for m, s in SPELLINGS.items() if m.startswith("mopd/")]
+    assert len(methods) == 8 and all("scale=gym" in m for m in methods)
+    for recipe, *spelled in methods:
+        cfg = compose_run(recipe.removeprefix("mopd/"), "cpu", *spelled)
         assert int(cfg.mopd.train.max_prompt_length) >= max(longest.values()), (recipe, longest)
         assert int(cfg.actor_rollout_ref.rollout.prompt_length) == int(cfg.mopd.train.max_prompt_length)
 
@@ -153,12 +158,12 @@ def test_every_gym_prompt_fits_the_gym_recipes():
 # ------------------------------------------------------------------------------------------------ checkpoint disk
 @pytest.mark.parametrize("group", ["cpu", "gpu"])
 def test_checkpoint_defaults_are_bounded(group, tiny_dir):
-    cfg = compose_run("tiny_seq", group, f"claas.tiny_dir={tiny_dir}")
+    cfg = compose_run("seq", group, "scale=tiny", f"tiny_dir={tiny_dir}")
     assert cfg.trainer.max_actor_ckpt_to_keep == 2 and cfg.trainer.save_freq == 5
 
 
 def test_checkpoint_disk_counts_what_verl_writes_and_keeps(tiny_dir):
-    cfg = compose_run("tiny_seq", "gpu", f"claas.tiny_dir={tiny_dir}")
+    cfg = compose_run("seq", "gpu", "scale=tiny", f"tiny_dir={tiny_dir}")
     plan = plan_from_config(cfg)  # stages of 4, 3, 3 steps
     assert checkpoint_steps([s.stage for s in plan.steps], 5) == [4, 5, 7, 10]  # stage ends + every 5th
     assert checkpoint_steps([1, 1, 1], -1) == [3]
@@ -178,7 +183,7 @@ def test_checkpoint_disk_counts_what_verl_writes_and_keeps(tiny_dir):
 def test_plan_prints_the_checkpoint_disk(tiny_dir, tmp_path):
     env = dict(os.environ, CLAAS_TINY_DIR=str(tiny_dir),
                PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
-    out = subprocess.run([sys.executable, "-m", "claas_verl.plan", "--config-name", "mopd/tiny_seq",
+    out = subprocess.run([sys.executable, "-m", "claas_verl.plan", "--config-name", "mopd/seq", "scale=tiny",
                           "trainer.max_actor_ckpt_to_keep=3"], cwd=tmp_path, env=env, capture_output=True,
                          text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]

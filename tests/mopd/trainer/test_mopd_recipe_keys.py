@@ -59,7 +59,7 @@ def mopd_keys(tiny_dir) -> dict[str, set[str]]:
     out = {}
     with initialize_config_dir(config_dir=str(recipes_dir()), version_base=None):
         for recipe in RECIPES:
-            cfg = compose(config_name=f"mopd/{recipe}", overrides=[f"claas.tiny_dir={tiny_dir}"])
+            cfg = compose(config_name=f"mopd/{recipe}", overrides=[f"tiny_dir={tiny_dir}"])
             out[recipe] = set(_leaves(cfg.mopd, "mopd"))
     # the verl runtime groups (chosen by main_mopd) override the CPU precision keys; read their mopd
     # sections directly (composing verl's ppo_trainer costs seconds per recipe)
@@ -106,9 +106,9 @@ def test_gym_recipe_keeps_its_evaluation_size_under_the_runtime_group(tmp_path):
     from claas_verl.main_mopd import runtime_args
     from claas_verl.paths import recipes_dir
 
-    args = [*runtime_args(["+verl@_global_=cpu"]), "+verl@_global_=cpu", f"claas.gym_dir={tmp_path}"]
+    args = [*runtime_args(["+verl@_global_=cpu"]), "+verl@_global_=cpu", f"gym_dir={tmp_path}"]
     with initialize_config_dir(config_dir=str(recipes_dir()), version_base=None):
-        cfg = compose(config_name="mopd/gym_seq", overrides=args)
+        cfg = compose(config_name="mopd/seq", overrides=["scale=gym", *args])
     assert (cfg.mopd.eval.prompts, cfg.mopd.eval.responses_per_prompt) == (48, 4)
     assert cfg.actor_rollout_ref.rollout.val_kwargs.n == 4
     assert cfg.mopd.train.teacher_dtype == "fp32"  # the runtime group's own keys still apply

@@ -152,9 +152,9 @@ def test_teacher_precision_follows_mopd_train_teacher_dtype(tiny_dir):
     from claas_verl.main_mopd import runtime_args
     from claas_verl.paths import recipes_dir
 
-    args = [*runtime_args(["+verl@_global_=gpu"]), "+verl@_global_=gpu", f"claas.tiny_dir={tiny_dir}"]
+    args = [*runtime_args(["+verl@_global_=gpu"]), "+verl@_global_=gpu", f"tiny_dir={tiny_dir}"]
     with initialize_config_dir(config_dir=str(recipes_dir()), version_base=None):
-        cfg = compose(config_name="mopd/tiny_fsar_shared", overrides=args)
+        cfg = compose(config_name="mopd/fsar_shared", overrides=["scale=tiny", "mopd.signal.window=16", *args])
     assert cfg.mopd.train.teacher_dtype == "fp32_bf16_autocast"
     student_mp = cfg.actor_rollout_ref.actor.fsdp_config.mixed_precision
     assert (student_mp.param_dtype, student_mp.reduce_dtype) == ("bf16", "fp32")  # mapped from mopd.train
