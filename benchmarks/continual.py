@@ -219,9 +219,9 @@ def recipe_stages(recipe: str, overrides: list[str]) -> dict:
     sampling of the training rollouts (reply length, temperature)."""
     from hydra import compose, initialize_config_dir
 
+    from claas_verl.mopd.recipe_schedule import plan_from_config
     from claas_verl.mopd.trainer import records as S
     from claas_verl.paths import recipes_dir
-    from claas_verl.schedule import plan_from_config
 
     with initialize_config_dir(config_dir=str(recipes_dir()), version_base=None):
         cfg = compose(config_name=recipe, overrides=[o for o in overrides if o.lstrip("+").startswith("mopd.")])
@@ -537,7 +537,7 @@ def write_report(results: dict, out: Path) -> str:
     lines = ["# Continual benchmark", ""]
     if mopd:
         lines += mopd_report(mopd, results)
-        from claas_verl.metrics.plots import plot_final_bars, plot_stage_accuracy
+        from claas_verl.utils.plots import plot_final_bars, plot_stage_accuracy
 
         by = _by_recipe(mopd)
         order = _order(mopd)

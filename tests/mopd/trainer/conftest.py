@@ -47,8 +47,8 @@ def mopd_plan(tiny_dir):
     def plan(recipe: str, *overrides: str) -> list[dict]:
         from hydra import compose, initialize_config_dir
 
+        from claas_verl.mopd.recipe_schedule import plan_from_config
         from claas_verl.paths import recipes_dir
-        from claas_verl.schedule import plan_from_config
 
         with initialize_config_dir(config_dir=str(recipes_dir()), version_base=None):
             cfg = compose(config_name=recipe, overrides=[f"claas.tiny_dir={tiny_dir}", *overrides])
