@@ -51,8 +51,8 @@ def recipe_sizes(steps: int) -> dict:
     ``RECIPE``, composed as its trainer job composes it."""
     from hydra import compose, initialize_config_dir
 
+    from claas_verl.mopd.recipe_schedule import plan_from_config
     from claas_verl.paths import recipes_dir
-    from claas_verl.schedule import plan_from_config
 
     with initialize_config_dir(config_dir=str(recipes_dir()), version_base=None):
         cfg = compose(config_name=RECIPE, overrides=[SCALE])

@@ -209,9 +209,9 @@ def recipe_stages(recipe: str, overrides: list[str]) -> dict:
     sampling of the training rollouts (reply length, temperature)."""
     from hydra import compose, initialize_config_dir
 
+    from claas_verl.mopd.recipe_schedule import plan_from_config
     from claas_verl.mopd.trainer.plan_steps import learned_domains
     from claas_verl.paths import recipes_dir
-    from claas_verl.schedule import plan_from_config
 
     with initialize_config_dir(config_dir=str(recipes_dir()), version_base=None):
         mopd_keys = [o for o in overrides if o.lstrip("+").startswith("mopd.")]

@@ -389,7 +389,7 @@ def _smooth(values: Sequence[float], window: int) -> list[float]:
 
 def claas_plots(runs: Sequence[Mapping], out_dir: Path) -> list[Path]:
     """PNGs in ``out_dir``: mean M heatmap per method, reward over updates per method, final/forgetting/FWT bars."""
-    from claas_verl.metrics.plots import plot_transfer_heatmap
+    from claas_verl.utils.plots import plot_transfer_heatmap
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)

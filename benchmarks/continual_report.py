@@ -71,7 +71,7 @@ def write_report(results: dict, out: Path) -> str:
     lines = ["# Continual benchmark", ""]
     if mopd:
         lines += mopd_report(mopd, results)
-        from claas_verl.metrics.plots import plot_final_bars, plot_stage_accuracy
+        from claas_verl.utils.plots import plot_final_bars, plot_stage_accuracy
 
         by = _by_recipe(mopd)
         order = _order(mopd)

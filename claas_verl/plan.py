@@ -20,8 +20,8 @@ import sys
 import hydra
 from omegaconf import DictConfig
 
+from claas_verl.mopd.recipe_schedule import plan_from_config
 from claas_verl.paths import recipes_dir
-from claas_verl.schedule import plan_from_config
 
 FORMATS = ("text", "json")
 # Planning writes nothing: no Hydra output folder, no log files, nothing but the plan on stdout.

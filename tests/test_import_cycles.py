@@ -19,8 +19,9 @@ import yaml
 
 REPO = Path(__file__).resolve().parents[1]
 PACKAGE = REPO / "claas_verl"
-# the math: torch (numpy) only, no verl, no Ray, nothing of claas_verl but utils (a config reader may take an OmegaConf
-# node)
+# the math: torch and numpy only, no verl, no Ray, nothing of claas_verl but utils (the MOPD layer reads the recipe and
+# counts prompt files for the planner: claas_verl/mopd/recipe_schedule.py; the glue draws the figures:
+# claas_verl/utils/plots.py)
 PURE = ("claas_verl.losses", "claas_verl.distill", "claas_verl.align", "claas_verl.schedule", "claas_verl.metrics")
 # shared layers below both systems
 SHARED = ("claas_verl.utils", "claas_verl.verl_ext", "claas_verl.sandbox", "claas_verl.preflight", *PURE)
@@ -33,17 +34,12 @@ EDGE = ("claas_verl", "claas_verl.main_claas", "claas_verl.main_mopd", "claas_ve
 
 # The third-party packages (top-level names; the standard library is always allowed) each layer may import. A new
 # dependency of a layer is a decision: add it here, and for the math say why in the README's layout section.
-MATH_PACKAGES = {"torch", "numpy"}
-# the math's stated exceptions, each imported inside the one function that needs it (never at module import)
-MATH_EXCEPTIONS = {
-    "claas_verl.schedule.config": {"omegaconf", "pyarrow"},  # ScheduleConfig.from_omegaconf, count_blocks (.parquet)
-    "claas_verl.metrics.plots": {"matplotlib"},  # the figures of the continual metrics
-}
+MATH_PACKAGES = {"torch", "numpy"}  # numpy: metrics/ and the schedule's block spreading (README, "the math")
 SHARED_PACKAGES = MATH_PACKAGES | {"verl", "ray", "omegaconf", "hydra", "transformers", "peft", "psutil", "pyarrow",
-                                   "pyseccomp", "transfer_queue"}
+                                   "pyseccomp", "transfer_queue", "matplotlib"}
 SYSTEM_PACKAGES = SHARED_PACKAGES | {
     "anyio", "fastapi", "uvicorn", "httpx", "prometheus_client", "openai", "vllm", "safetensors", "pandas", "yaml",
-    "matplotlib", "reasoning_gym", "lm_eval", "evalplus", "math_verify", "nltk",
+    "reasoning_gym", "lm_eval", "evalplus", "math_verify", "nltk",
     "evaluation_lib"}  # evaluation_lib: IFBench's checker, imported from the checkout that --ifbench-repo names
 EDGE_PACKAGES = SHARED_PACKAGES | {"httpx", "filelock", "reasoning_gym", "tokenizers"}
 
@@ -231,7 +227,7 @@ def test_each_layer_imports_only_its_third_party_packages():
     for path in PACKAGE.rglob("*.py"):
         name = _module_name(path)
         if _under(name, PURE):
-            allowed = MATH_PACKAGES | MATH_EXCEPTIONS.get(name, set())
+            allowed = MATH_PACKAGES
         elif _under(name, SHARED):
             allowed = SHARED_PACKAGES
         elif _under(name, SYSTEMS):
@@ -243,11 +239,3 @@ def test_each_layer_imports_only_its_third_party_packages():
             bad[name] = sorted(extra)
     assert bad == {}, f"third-party imports outside the layer's allow-list (tests/test_import_cycles.py): {bad}"
 
-
-def test_the_math_exceptions_import_lazily():
-    """The math's stated third-party exceptions never load with the module: importing the math stays torch-only."""
-    for name, packages in MATH_EXCEPTIONS.items():
-        path = PACKAGE.joinpath(*name.split(".")[1:]).with_suffix(".py")
-        top_level = {t.split(".")[0] for node in ast.parse(path.read_text()).body
-                     for t in imported_names_in(ast.unparse(node)) if isinstance(node, (ast.Import, ast.ImportFrom))}
-        assert not top_level & packages, f"{name} imports {sorted(top_level & packages)} at module level"

@@ -1,5 +1,5 @@
-"""Metrics: CLaaS continual-learning metrics (docs/math.md §A.4), their plots, and MOPD evaluation metrics (docs/math.md
-§B.9)."""
+"""Metrics: CLaaS continual-learning metrics (docs/math.md §A.4) and MOPD evaluation metrics (docs/math.md §B.9), in
+numpy; their figures are drawn by the glue, ``claas_verl/utils/plots.py``."""
 
 from claas_verl.metrics.continual import (
     ContinualMetrics,

@@ -30,7 +30,7 @@ from claas_verl.metrics.matrix import as_matrix
 
 METRICS_JSON = "continual_metrics.json"
 MATRIX_CSV = "continual_matrix.csv"
-HEATMAP_PNG = "continual_matrix.png"
+HEATMAP_PNG = "continual_matrix.png"  # drawn by claas_verl.utils.plots.plot_transfer_heatmap
 
 
 @dataclass(frozen=True)
@@ -104,15 +104,16 @@ def write_matrix_csv(M: Any, path: str | Path) -> Path:
     return path
 
 
-def write_continual_metrics(out_dir: str | Path, M: Any, buffer_stats: dict | None = None, extra: dict | None = None,
-                            heatmap: bool = True, title: str | None = None) -> dict[str, Path]:
-    """Write ``continual_metrics.json``, the CSV of M and (``heatmap=True``) its PNG heatmap into ``out_dir``.
+def write_continual_metrics(out_dir: str | Path, M: Any, buffer_stats: dict | None = None,
+                            extra: dict | None = None) -> dict[str, Path]:
+    """Write ``continual_metrics.json`` and the CSV of M into ``out_dir``.
 
     JSON keys: ``M`` (list of rows), ``K``, ``forward_transfer``, ``forgetting``, ``final``
     (null when NaN, i.e. K = 1), ``buffer_stats`` (the dict given, e.g. the replay
     buffer's statistics including the most updates any entry was used in) and any
     ``extra`` keys (e.g. split ids, seeds, ``average_over_trials`` output).
-    Returns the written paths by kind (``json``, ``csv``, ``png``).
+    Returns the written paths by kind (``json``, ``csv``). The heatmap ``continual_matrix.png`` beside them is
+    drawn by the glue (:func:`claas_verl.utils.plots.plot_transfer_heatmap`), so the math needs no matplotlib.
     """
     a = as_matrix(M)
     if buffer_stats is not None and not isinstance(buffer_stats, dict):
@@ -130,8 +131,4 @@ def write_continual_metrics(out_dir: str | Path, M: Any, buffer_stats: dict | No
     paths = {"json": out_dir / METRICS_JSON, "csv": out_dir / MATRIX_CSV}
     paths["json"].write_text(json.dumps(_json_safe(record), indent=2, allow_nan=False) + "\n")
     write_matrix_csv(a, paths["csv"])
-    if heatmap:
-        from claas_verl.metrics.plots import plot_transfer_heatmap
-
-        paths["png"] = plot_transfer_heatmap(a, out_dir / HEATMAP_PNG, title=title)
     return paths

@@ -30,6 +30,7 @@ from claas_verl.mopd.config_train import (
     check_teacher_dtype,
     check_verl_keys,
 )
+from claas_verl.mopd.recipe_schedule import schedule_from_recipe
 from claas_verl.preflight.recipe_keys import BASE_YAML, recipe_key
 from claas_verl.schedule import ScheduleConfig
 from claas_verl.utils.schema import knob
@@ -123,7 +124,7 @@ class MopdConfig:
                 responses_per_prompt=integer("eval.responses_per_prompt", 1, "sampled responses per held-out prompt"),
             ),
             signal=_signal(mopd),
-            schedule=ScheduleConfig.from_omegaconf(mopd),
+            schedule=schedule_from_recipe(mopd),
         )
         check_verl_keys(cfg, lambda dotted: _plain(cfg, dotted))  # verl keys derived from mopd.*, not set apart
         return built

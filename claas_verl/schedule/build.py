@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Any
 
 from claas_verl.schedule.config import ScheduleConfig
 from claas_verl.schedule.joint import joint_steps
@@ -38,12 +37,6 @@ def build_plan(cfg: ScheduleConfig) -> Plan:
     plan = Plan(steps=tuple(steps), order=cfg.order, num_blocks=nb, setting=cfg.setting)
     check_plan_setting(plan, segment_size=cfg.segment_size)
     return plan
-
-
-def plan_from_config(root: Any) -> Plan:
-    """Plan of a composed recipe (an OmegaConf node with a ``mopd`` section)."""
-    mopd = root.get("mopd") if hasattr(root, "get") else None
-    return build_plan(ScheduleConfig.from_omegaconf(mopd))
 
 
 def allowed_models(plan: Plan, stage: int, segment_size: int | None = None) -> set[str] | None:
@@ -86,4 +79,4 @@ def check_plan_setting(plan: Plan, segment_size: int | None = None) -> None:
             )
 
 
-__all__ = ["build_plan", "plan_from_config", "check_plan_setting", "allowed_models", "Step"]
+__all__ = ["build_plan", "check_plan_setting", "allowed_models", "Step"]

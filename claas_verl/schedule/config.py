@@ -1,22 +1,22 @@
 """Typed, validated MOPD schedule configuration (the ``mopd`` section of a recipe).
 
-Built from a plain mapping or an OmegaConf node; every invalid value raises ``ValueError`` naming the
-full key (``mopd.replay.m`` ...) and what is allowed. Only the keys that decide *which block of which
-domain is trained when, under which teacher* live here (docs/math.md §B.8); the loss/signal/optimizer keys of
-the same section (``mopd.signal.*``, ``mopd.train.*``) belong to the trainer and are not read.
+Built from a plain mapping; every invalid value raises ``ValueError`` naming the full key (``mopd.replay.m`` ...)
+and what is allowed. Only the keys that decide *which block of which domain is trained when, under which teacher*
+live here (docs/math.md §B.8); the loss/signal/optimizer keys of the same section (``mopd.signal.*``,
+``mopd.train.*``) belong to the trainer and are not read. Reading a composed recipe (an OmegaConf node) and counting
+the rows of prompt files is the MOPD layer's job (``claas_verl/mopd/recipe_schedule.py``): this module opens no file
+and imports nothing but the standard library.
 
-Block counts: ``mopd.domains.<d>.num_blocks`` if given, otherwise the rows of the prompt file
-(``.parquet`` or ``.jsonl``) divided by ``mopd.block_size`` and rounded DOWN: a partial last block is
-dropped, because every step of the MOPD paper trains exactly one full block (B.1: 32 prompts per block, and the
-micro-batch weights of B.7 assume it). The summary of a plan does not hide this: see ``count_blocks``.
+Block counts: ``mopd.domains.<d>.num_blocks`` if given, otherwise the rows of the prompt file (counted by the
+caller's ``count_rows``) divided by ``mopd.block_size`` and rounded DOWN: a partial last block is dropped, because
+every step of the MOPD paper trains exactly one full block (B.1: 32 prompts per block, and the micro-batch weights
+of B.7 assume it).
 """
 
 from __future__ import annotations
 
-import json
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from claas_verl.utils.schema import knob
@@ -26,6 +26,8 @@ RECOVERY_TEACHERS = ("snapshots", "experts")
 REPLAY_TEACHERS = ("previous", "experts")
 SETTINGS = ("S1", "S2", "S3")
 MISSING = "???"
+# count_rows(prompts, key) -> the rows of the prompt file ``prompts`` names; ``key`` names the field in its errors
+RowCounter = Callable[[str, str], int]
 
 
 @dataclass(frozen=True)
@@ -82,18 +84,13 @@ class ScheduleConfig:
 
     # ------------------------------------------------------------------ construction
     @classmethod
-    def from_omegaconf(cls, mopd_node: Any) -> ScheduleConfig:
-        """Build from the ``mopd`` node of a composed config (interpolations resolved, ``???`` kept)."""
-        from omegaconf import OmegaConf  # local: the pure schedule math must not need omegaconf
+    def from_dict(cls, mopd: Mapping[str, Any], count_rows: RowCounter | None = None) -> ScheduleConfig:
+        """Build from a plain mapping shaped like the ``mopd`` section; see the module docstring.
 
-        if mopd_node is None:
-            raise ValueError("mopd: the config has no `mopd` section; compose a recipe under recipes/mopd/")
-        data = OmegaConf.to_container(mopd_node, resolve=True, throw_on_missing=False)
-        return cls.from_dict(data)
-
-    @classmethod
-    def from_dict(cls, mopd: Mapping[str, Any], base_dir: str | Path | None = None) -> ScheduleConfig:
-        """Build from a plain mapping shaped like the ``mopd`` section; see the module docstring."""
+        ``count_rows(prompts, key)`` counts the rows of a domain's prompt file when the domain gives no
+        ``num_blocks`` (the MOPD layer passes one that reads ``.parquet`` and ``.jsonl``); without it such a domain
+        is an error that says so.
+        """
         if not isinstance(mopd, Mapping):
             raise ValueError(f"mopd: expected a mapping, got {type(mopd).__name__}")
         block_size = _int(mopd, "block_size", "mopd.block_size", default=ScheduleConfig.block_size, minimum=1)
@@ -106,7 +103,7 @@ class ScheduleConfig:
                 raise ValueError(
                     f"mopd.order: unknown domain {d!r}; mopd.domains defines {sorted(raw_domains)}"
                 )
-        domains = {d: _domain(d, raw_domains[d], block_size, base_dir) for d in order}
+        domains = {d: _domain(d, raw_domains[d], block_size, count_rows) for d in order}
 
         budget = _choice(mopd, "budget", "mopd.budget", BUDGETS, default=ScheduleConfig.budget)
         rep = _section(mopd, "replay")
@@ -219,33 +216,6 @@ class ScheduleConfig:
                 )
 
 
-# ---------------------------------------------------------------------- block counting
-def count_blocks(path: str | Path, block_size: int, key: str = "prompts") -> int:
-    """Full blocks of ``block_size`` prompts in a ``.parquet`` or ``.jsonl`` file (floor; see module doc)."""
-    p = Path(path)
-    if not p.is_file():
-        raise ValueError(f"{key}: prompt file {str(p)!r} does not exist; fix the path or set num_blocks")
-    suffix = p.suffix.lower()
-    if suffix == ".parquet":
-        try:
-            import pyarrow.parquet as pq
-        except ImportError as e:  # pragma: no cover - pyarrow ships with the venv
-            raise ValueError(f"{key}: reading {p.name} needs pyarrow; install it or set num_blocks") from e
-        rows = pq.ParquetFile(p).metadata.num_rows
-    elif suffix in (".jsonl", ".json"):
-        with p.open() as f:
-            if suffix == ".json":
-                data = json.load(f)
-                if not isinstance(data, list):
-                    raise ValueError(f"{key}: {p.name} must hold a JSON list of prompts")
-                rows = len(data)
-            else:
-                rows = sum(1 for line in f if line.strip())
-    else:
-        raise ValueError(f"{key}: cannot count prompts in {p.name!r} (use .parquet or .jsonl, or set num_blocks)")
-    return rows // block_size
-
-
 # ---------------------------------------------------------------------- field helpers
 def _is_missing(v: Any) -> bool:
     return v is None or v == MISSING
@@ -307,7 +277,7 @@ def _name_list(v: Any, key: str) -> tuple[str, ...]:
     return names
 
 
-def _domain(name: str, raw: Any, block_size: int, base_dir: str | Path | None) -> DomainSpec:
+def _domain(name: str, raw: Any, block_size: int, count_rows: RowCounter | None) -> DomainSpec:
     key = f"mopd.domains.{name}"
     if not isinstance(raw, Mapping):
         raise ValueError(f"{key}: expected a mapping with prompts, expert and optional num_blocks, got {raw!r}")
@@ -322,10 +292,13 @@ def _domain(name: str, raw: Any, block_size: int, base_dir: str | Path | None) -
                 f"{key}.num_blocks: not set and {key}.prompts is required (???) to count blocks; "
                 "set one of them"
             )
-        path = Path(prompts)
-        if base_dir is not None and not path.is_absolute():
-            path = Path(base_dir) / path
-        nb = count_blocks(path, block_size, key=f"{key}.prompts")
+        if count_rows is None:
+            raise ValueError(
+                f"{key}.num_blocks: not set, and no row counter was given to count the prompts of "
+                f"{key}.prompts={prompts!r}; set num_blocks, or pass count_rows (the MOPD layer's "
+                "schedule_from_recipe and schedule_from_dict count prompt files)"
+            )
+        nb = count_rows(prompts, f"{key}.prompts") // block_size  # full blocks only (module docstring)
         if nb < 1:
             raise ValueError(
                 f"{key}.prompts: {prompts!r} holds fewer than mopd.block_size={block_size} prompts, "

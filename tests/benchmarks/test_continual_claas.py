@@ -161,7 +161,7 @@ def test_mean_reward_curve_averages_the_seeds_that_reached_each_update():
 def test_record_from_a_run_directory(tmp_path):
     M = [[0.1 * (j + k) for k in range(5)] for j in range(5)]
     write_continual_metrics(tmp_path, M, buffer_stats={"size": 0}, extra={"algorithm": "reinforce_pp", "updates": 2,
-                            "producer": {"mean_reward": 0.25}, "warnings": []}, heatmap=False)
+                            "producer": {"mean_reward": 0.25}, "warnings": []})
     trace = [{"event": "start"}, {"event": "update", "update": 1, "sampled": [{"reward": 1.0}, {"reward": 0.0}]},
              {"event": "split_end", "split": 1}, {"event": "update", "update": 2, "sampled": [{"reward": 1.0}]}]
     (tmp_path / "claas_trace.jsonl").write_text("".join(json.dumps(e) + "\n" for e in trace))
@@ -173,7 +173,7 @@ def test_record_from_a_run_directory(tmp_path):
     assert rec["reward_curve"] == [[1, 0.5], [2, 1.0]]
     assert (rec["updates"], rec["rollout_mean_reward"], rec["seconds"], rec["seed"]) == (2, 0.25, 12.3, 7)
     # a run over another K is refused with the cause
-    write_continual_metrics(tmp_path, [[0.5, 0.5], [0.5, 0.5]], heatmap=False)
+    write_continual_metrics(tmp_path, [[0.5, 0.5], [0.5, 0.5]])
     with pytest.raises(RuntimeError, match="expected 5x5"):
         CC.record_from_run_dir("claas/tiny_reinforce_pp", 7, tmp_path, 1.0)
 

@@ -1,10 +1,8 @@
 """ScheduleConfig validation: every invalid value names its key; settings refuse what they do not keep."""
 
-import json
-
 import pytest
 
-from claas_verl.schedule import ScheduleConfig, build_plan, count_blocks
+from claas_verl.schedule import ScheduleConfig, build_plan
 from claas_verl.schedule.build import check_plan_setting
 from claas_verl.schedule.plan import Plan, Step
 
@@ -119,20 +117,17 @@ def test_extra_domains_outside_order_are_allowed_for_prefix_runs():
     assert len(build_plan(ScheduleConfig.from_dict(cfg))) == 4 + 3 + 1
 
 
-def test_block_count_from_prompt_files_floors_partial_blocks(tmp_path):
-    # 10 jsonl rows / block_size 4 -> 2 full blocks (the partial third block of 2 prompts is dropped)
-    (tmp_path / "math.jsonl").write_text("".join(json.dumps({"prompt": str(i)}) + "\n" for i in range(10)))
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-    pq.write_table(pa.table({"prompt": [str(i) for i in range(12)]}), tmp_path / "logic.parquet")  # 12/4 = 3
-    assert count_blocks(tmp_path / "math.jsonl", 4) == 2
+def test_block_count_floors_the_rows_the_caller_counts():
+    # the planner opens no file: the caller's count_rows(prompts, key) gives the rows, 10 rows / block_size 4 -> 2
+    # full blocks (the partial third block of 2 prompts is dropped)
+    rows = {"logic.parquet": 12, "math.jsonl": 10}
     cfg = ScheduleConfig.from_dict({
         "order": ["logic", "math"], "block_size": 4,
-        "domains": {"logic": {"prompts": "logic.parquet"}, "math": {"prompts": str(tmp_path / "math.jsonl")}},
-    }, base_dir=tmp_path)
+        "domains": {"logic": {"prompts": "logic.parquet"}, "math": {"prompts": "math.jsonl", "num_blocks": None}},
+    }, count_rows=lambda prompts, key: rows[prompts])
     assert cfg.num_blocks == {"logic": 3, "math": 2}
-    with pytest.raises(ValueError, match=r"mopd\.domains\.math\.prompts"):
-        ScheduleConfig.from_dict({"order": ["math"], "block_size": 11,
-                                  "domains": {"math": {"prompts": str(tmp_path / "math.jsonl")}}})
-    with pytest.raises(ValueError, match=r"mopd\.domains\.code\.prompts.*does not exist"):
-        ScheduleConfig.from_dict({"order": ["code"], "domains": {"code": {"prompts": str(tmp_path / "no.jsonl")}}})
+    with pytest.raises(ValueError, match=r"mopd\.domains\.math\.prompts: 'math.jsonl' holds fewer than"):
+        ScheduleConfig.from_dict({"order": ["math"], "block_size": 11, "domains": {"math": {"prompts": "math.jsonl"}}},
+                                 count_rows=lambda prompts, key: rows[prompts])
+    with pytest.raises(ValueError, match=r"mopd\.domains\.math\.num_blocks: not set, and no row counter"):
+        ScheduleConfig.from_dict({"order": ["math"], "domains": {"math": {"prompts": "math.jsonl"}}})

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 from hydra import compose, initialize_config_dir
 
+from claas_verl.mopd.recipe_schedule import plan_from_config
 from claas_verl.paths import recipes_dir
-from claas_verl.schedule import plan_from_config
 
 RECIPES = recipes_dir() / "mopd"
 ALL = sorted(p.stem for p in RECIPES.glob("*.yaml"))

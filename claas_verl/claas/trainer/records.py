@@ -66,6 +66,8 @@ class RunRecords:
                                 algorithm: str, a_max: int) -> None:
         """M (padded with NaN rows when the run stopped early), transfer metrics, buffer statistics."""
         from claas_verl.metrics import write_continual_metrics
+        from claas_verl.metrics.continual import HEATMAP_PNG
+        from claas_verl.utils.plots import plot_transfer_heatmap
 
         K = num_splits
         if len(matrix) != K:
@@ -74,8 +76,8 @@ class RunRecords:
         extra = {**extra, "warnings": self.warnings}
         M = np.array(matrix, dtype=float)
         if np.isfinite(M).all():
-            paths = write_continual_metrics(self.out_dir, M, buffer_stats=buffer_stats, extra=extra,
-                                            title=f"CLaaS {algorithm}: M[j, k]")
+            paths = write_continual_metrics(self.out_dir, M, buffer_stats=buffer_stats, extra=extra)
+            plot_transfer_heatmap(M, Path(self.out_dir) / HEATMAP_PNG, title=f"CLaaS {algorithm}: M[j, k]")
         else:
             # A cell with no gradable step (or an unfinished protocol): record what exists, metrics null.
             self.warn("M has cells without any graded step (or unfinished splits); transfer metrics are not defined")

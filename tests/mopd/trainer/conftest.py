@@ -49,8 +49,8 @@ def mopd_plan(tiny_dir):
     def plan(spelling: str, *overrides: str) -> list[dict]:
         from hydra import compose, initialize_config_dir
 
+        from claas_verl.mopd.recipe_schedule import plan_from_config
         from claas_verl.paths import recipes_dir
-        from claas_verl.schedule import plan_from_config
 
         with initialize_config_dir(config_dir=str(recipes_dir()), version_base=None):
             recipe, *spelled = spelling.split()

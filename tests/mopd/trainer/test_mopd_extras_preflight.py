@@ -11,8 +11,8 @@ import pytest
 from hydra import compose, initialize_config_dir
 
 from claas_verl.mopd.data.extras import missing_reward_modules
+from claas_verl.mopd.recipe_schedule import plan_from_config
 from claas_verl.paths import recipes_dir
-from claas_verl.schedule import plan_from_config
 
 GYM_SOURCES = {"spell": "reasoning_gym/spell_backward", "reverse": "reasoning_gym/letter_jumble",
                "palin": "reasoning_gym/palindrome_generation"}

@@ -13,11 +13,11 @@ import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import open_dict
 
+from claas_verl.mopd.recipe_schedule import plan_from_config
 from claas_verl.paths import recipes_dir
 from claas_verl.preflight.disk import checkpoint_disk, checkpoint_steps
 from claas_verl.preflight.models import model_path_problem, plan_model_keys
 from claas_verl.preflight.runtime import runtime_for_nodes
-from claas_verl.schedule import plan_from_config
 
 REPO = Path(__file__).resolve().parents[3]
 

@@ -1,8 +1,9 @@
-"""PNG heatmap of the checkpoint × split matrix M[j, k] (CLaaS paper Fig. 5; docs/math.md §A.4).
+"""The PNG figures of the continual metrics: the checkpoint × split heatmap of M[j, k] (CLaaS paper Fig. 5;
+docs/math.md §A.4), MOPD's accuracy after every stage and its final-metric bars.
 
-Rendered with matplotlib's object API on an Agg canvas: no display, no pyplot
-state, and the process-wide backend is left untouched. matplotlib is imported
-inside the function so importing :mod:`claas_verl.metrics` stays light.
+The metrics are computed in :mod:`claas_verl.metrics` (numpy only); this shared glue draws them. Rendered with
+matplotlib's object API on an Agg canvas: no display, no pyplot state, and the process-wide backend is left
+untouched. matplotlib is imported inside each function, so importing this module stays light.
 """
 
 from __future__ import annotations
@@ -22,14 +23,10 @@ def plot_transfer_heatmap(M: Any, path: str | Path, title: str | None = None, vm
     Cells above the diagonal are forward transfer, below it retention (CLaaS paper App. B.1).
     Colour scale fixed to [vmin, vmax] (pass rates) so runs are comparable.
     """
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-
     a = as_matrix(M)
     K = a.shape[0]
     side = 1.6 + 0.9 * K
-    fig = Figure(figsize=(side + 1.2, side))
-    FigureCanvasAgg(fig)
+    fig = _figure(side + 1.2, side)
     ax = fig.add_subplot(1, 1, 1)
     im = ax.imshow(a, cmap="viridis", vmin=vmin, vmax=vmax, origin="upper")
     for j in range(K):
