@@ -26,7 +26,7 @@ def plot_transfer_heatmap(M: Any, path: str | Path, title: str | None = None, vm
     a = as_matrix(M)
     K = a.shape[0]
     side = 1.6 + 0.9 * K
-    fig = _figure(side + 1.2, side)
+    fig = new_figure(side + 1.2, side)
     ax = fig.add_subplot(1, 1, 1)
     im = ax.imshow(a, cmap="viridis", vmin=vmin, vmax=vmax, origin="upper")
     for j in range(K):
@@ -41,20 +41,26 @@ def plot_transfer_heatmap(M: Any, path: str | Path, title: str | None = None, vm
     ax.set_ylabel("checkpoint after split j")
     ax.set_title(title or "defender pass rate M[j, k]")
     fig.colorbar(im, ax=ax, fraction=0.046, pad=0.04)
-    fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, format="png", dpi=dpi)
-    return path
+    return save_png(fig, path, dpi)
 
 
-def _figure(width: float, height: float):
+def new_figure(width: float, height: float):
+    """A matplotlib Figure on its own Agg canvas (no pyplot state, the process-wide backend untouched)."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
     fig = Figure(figsize=(width, height))
     FigureCanvasAgg(fig)
     return fig
+
+
+def save_png(fig, path: str | Path, dpi: int = 100) -> Path:
+    """Lay out ``fig`` and write it as a PNG at ``path`` (folders made as needed); returns the path."""
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, format="png", dpi=dpi)
+    return path
 
 
 def accuracy_axis_top(curves: dict[str, dict[int, dict[str, list]]]) -> float:
@@ -71,7 +77,7 @@ def plot_stage_accuracy(curves: dict[str, dict[int, dict[str, list]]], domains: 
     ``curves[method][stage][domain] = [mean, half_width]`` (``claas_verl.metrics.benchmark.mean_stage_scores``);
     a missing half-width (one seed) draws no bar.
     """
-    fig = _figure(4.0 * len(domains) + 0.5, 3.6)
+    fig = new_figure(4.0 * len(domains) + 0.5, 3.6)
     axes = [fig.add_subplot(1, len(domains), i + 1) for i in range(len(domains))]
     stages = sorted({st for by_stage in curves.values() for st in by_stage})
     # one y range for every panel, fitted to the data (small scores stay readable), and each method shifted
@@ -94,18 +100,14 @@ def plot_stage_accuracy(curves: dict[str, dict[int, dict[str, list]]], domains: 
     axes[0].set_ylabel("accuracy (reasoning-gym score)")
     axes[-1].legend(fontsize=7, loc="best")
     fig.suptitle(title)
-    fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, format="png", dpi=dpi)
-    return path
+    return save_png(fig, path, dpi)
 
 
 def plot_final_bars(summary: dict[str, dict[str, list]], keys: tuple[str, ...], path: str | Path,
                     dpi: int = 100) -> Path:
     """One bar panel per metric in ``keys`` (``summary[method][key] = [mean, half_width]``), error bars = the
     seed interval; a method without the metric (``[None, None]``, e.g. joint MOPD's forgetting) gets no bar."""
-    fig = _figure(4.2 * len(keys), 3.8)
+    fig = new_figure(4.2 * len(keys), 3.8)
     methods = list(summary)
     for i, key in enumerate(keys):
         ax = fig.add_subplot(1, len(keys), i + 1)
@@ -120,8 +122,4 @@ def plot_final_bars(summary: dict[str, dict[str, list]], keys: tuple[str, ...], 
         ax.set_xticks(xs, methods, rotation=30, ha="right", fontsize=8)
         ax.set_title(key.replace("_", " "))
         ax.grid(axis="y", alpha=0.3)
-    fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, format="png", dpi=dpi)
-    return path
+    return save_png(fig, path, dpi)

@@ -128,8 +128,8 @@ def markdown(runs: dict[str, dict], k: int, base=None, experts=None, stages=None
 def plot(runs: dict[str, dict], k: int, path: str | Path, dpi: int = 100) -> Path:
     """Heatmap checkpoint × benchmark (seed means, points) with the Avg column, as PNG (Agg canvas)."""
     import numpy as np
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
+
+    from claas_verl.utils.plots import new_figure, save_png
 
     bench = list(mopd_metrics.learned_benchmarks(k))
     names = list(runs)
@@ -138,8 +138,7 @@ def plot(runs: dict[str, dict], k: int, path: str | Path, dpi: int = 100) -> Pat
                   + [_safe(mopd_metrics.mean_over_seeds, mopd_metrics.avg, per_seed(runs[n]), k)]
                   for n, m in zip(names, means)], dtype=float)
     cols = bench + ["Avg"]
-    fig = Figure(figsize=(1.0 + 0.75 * len(cols), 1.2 + 0.45 * len(names)))
-    FigureCanvasAgg(fig)
+    fig = new_figure(1.0 + 0.75 * len(cols), 1.2 + 0.45 * len(names))
     ax = fig.add_subplot(1, 1, 1)
     im = ax.imshow(np.ma.masked_invalid(a), cmap="viridis", vmin=0, vmax=100, aspect="auto")
     for i in range(a.shape[0]):
@@ -151,8 +150,4 @@ def plot(runs: dict[str, dict], k: int, path: str | Path, dpi: int = 100) -> Pat
     ax.set_yticks(range(len(names)), names, fontsize=8)
     ax.set_title(f"scores (points, mean over evaluation seeds), K = {k}")
     fig.colorbar(im, ax=ax, fraction=0.03, pad=0.02)
-    fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, format="png", dpi=dpi)
-    return path
+    return save_png(fig, path, dpi)
