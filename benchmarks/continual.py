@@ -50,7 +50,7 @@ sys.path.insert(0, str(REPO))
 from benchmarks.bench_jobs import job_env, run_job, stopping_jobs_on_signals, tagged  # noqa: E402
 from benchmarks.continual_methods import QUICK_MOPD_OVERRIDES, SPELLINGS, config_name, method_overrides  # noqa: E402
 from benchmarks.continual_report import _fmt, aggregate, stored_references, summarize, write_report  # noqa: E402
-from claas_verl.metrics import benchmark as B  # noqa: E402  (pure python)
+from claas_verl.metrics import benchmark as stats  # noqa: E402  (pure python)
 
 MOPD_FULL = ("mopd/gym_seq", "mopd/gym_replay_kl", "mopd/gym_replay_kl_floor", "mopd/gym_replay_kl_experts",
              "mopd/gym_replay_kl_fixed", "mopd/gym_seq_recovery", "mopd/gym_fsar_shared", "mopd/gym_joint")
@@ -192,7 +192,7 @@ def _score_run(recipe: str, seed: int, out: Path, quick: bool, extra: list[str],
     stage_scores, full_kl = score_stage_snapshots(runs / name, method["stage_domains"], seed, protocol)
     refs = reference_scores(out, seed, protocol, bundle)
     experts = {k: v for k, v in refs.items() if k.startswith("expert:")}
-    metrics = B.run_metrics(stage_scores, method["order"], staged=method["staged"], base=refs["student"],
+    metrics = stats.run_metrics(stage_scores, method["order"], staged=method["staged"], base=refs["student"],
                             experts=experts)
     return {"recipe": recipe, "seed": seed, "kind": "mopd", "quick": quick, "order": method["order"],
             "stage_scores": stage_scores, "kl_to_expert": full_kl, **metrics, "eval": protocol,
@@ -468,7 +468,7 @@ def report_only(results: dict, out: Path) -> int:
         if r.get("kind") == "claas":
             continue
         refs = stored_references(results, r)
-        r.update(B.run_metrics(r["stage_scores"], r["order"], staged=len(r["stage_scores"]) > 1,
+        r.update(stats.run_metrics(r["stage_scores"], r["order"], staged=len(r["stage_scores"]) > 1,
                                base=refs["student"], experts={k: v for k, v in refs.items()
                                                               if k.startswith("expert:")}))
     aggregate(results)

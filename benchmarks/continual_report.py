@@ -14,7 +14,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from benchmarks.continual_methods import LABELS, QUICK_MOPD_OVERRIDES  # noqa: E402
-from claas_verl.metrics import benchmark as B  # noqa: E402  (pure python)
+from claas_verl.metrics import benchmark as stats  # noqa: E402  (pure python)
 
 PAIRED_BASELINE = "mopd/gym_seq"  # every MOPD method is also compared with it seed by seed (results.json "paired")
 
@@ -25,7 +25,7 @@ def aggregate(results: dict) -> None:
     mopd = [r for r in results["runs"] if r.get("kind") != "claas"]
     if any(r["recipe"] == PAIRED_BASELINE for r in mopd):
         results["paired"] = {"baseline": PAIRED_BASELINE,
-                             "differences": B.paired_differences(mopd, PAIRED_BASELINE)}
+                             "differences": stats.paired_differences(mopd, PAIRED_BASELINE)}
     claas = [r for r in results["runs"] if r.get("kind") == "claas"]
     if claas:
         from continual_claas import BASELINE, claas_paired
@@ -45,7 +45,7 @@ def stored_references(results: dict, run: dict) -> dict:
 
 
 def summarize(runs: list[dict]) -> dict:
-    summary = B.summarize([r for r in runs if r.get("kind") != "claas"])
+    summary = stats.summarize([r for r in runs if r.get("kind") != "claas"])
     claas = [r for r in runs if r.get("kind") == "claas"]
     if claas:
         from continual_claas import claas_summary
@@ -75,7 +75,7 @@ def write_report(results: dict, out: Path) -> str:
 
         by = _by_recipe(mopd)
         order = _order(mopd)
-        curves = {LABELS.get(k, k): B.mean_stage_scores(v) for k, v in by.items()}
+        curves = {LABELS.get(k, k): stats.mean_stage_scores(v) for k, v in by.items()}
         plot_stage_accuracy(curves, order, out / "mopd_stage_accuracy.png")
         summ = results["summary"]
         plot_final_bars({LABELS.get(k, k): summ[k] for k in by}, ("min_stage_gain", "final_avg", "forgetting"),
@@ -151,7 +151,7 @@ def mopd_report(runs: list[dict], results: dict) -> list[str]:
     lines += ["", "Per-domain accuracy after each stage (mean ± 95% interval over seeds; the last row of a "
               "recovery run is after recovery):", ""]
     for recipe, rs in _by_recipe(runs).items():
-        cells = B.mean_stage_scores(rs)
+        cells = stats.mean_stage_scores(rs)
         kl = _mean_kl(rs)
         lines += [f"**{LABELS.get(recipe, recipe)}**", "", "| after stage | " + " | ".join(
             f"{d} acc (full-vocabulary KL to E_{d})" for d in order) + " |", "|---|" + "---|" * len(order)]
@@ -188,7 +188,7 @@ def _overrides_note(runs: list[dict]) -> list[str]:
 def learning_table(runs: list[dict], results: dict, order: list[str], refs: list[dict]) -> list[str]:
     """Each domain's gain in its own stage (after the stage − π0) beside the forgetting, π0 and the best expert as
     reference rows: a method that forgets nothing because it learned nothing shows it here."""
-    gains = B.gain_summary(runs)
+    gains = stats.gain_summary(runs)
     if not gains:
         return []
     summ = results["summary"]

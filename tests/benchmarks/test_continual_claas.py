@@ -13,7 +13,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "benchmarks"))
 
-import continual_claas as CC  # noqa: E402
+import continual_claas as claas_bench  # noqa: E402
 
 from claas_verl.metrics.continual import continual_metrics, write_continual_metrics  # noqa: E402
 
@@ -53,7 +53,7 @@ def test_hand_values_match_the_trainer_metrics():
 
 
 def test_summary_means_and_half_widths_by_hand():
-    s = CC.claas_summary(_runs())
+    s = claas_bench.claas_summary(_runs())
     assert list(s) == ["claas/a", "claas/b"]
     a, b = s["claas/a"], s["claas/b"]
     assert a["seeds"] == [1, 2, 3] and b["seeds"] == [1]
@@ -75,19 +75,19 @@ def test_summary_means_and_half_widths_by_hand():
 
 def test_summary_is_order_invariant_and_skips_missing_metrics():
     runs = _runs()
-    s1 = CC.claas_summary(runs)
-    s2 = CC.claas_summary(runs[2::-1] + runs[3:])  # seeds of A in reverse order
-    for k in CC.METRIC_KEYS:
+    s1 = claas_bench.claas_summary(runs)
+    s2 = claas_bench.claas_summary(runs[2::-1] + runs[3:])  # seeds of A in reverse order
+    for k in claas_bench.METRIC_KEYS:
         assert s2["claas/a"][k] == pytest.approx(s1["claas/a"][k])
     runs[1]["forgetting"] = None  # a run whose M had an ungradable cell: its metrics are null
-    s3 = CC.claas_summary(runs)
+    s3 = claas_bench.claas_summary(runs)
     assert s3["claas/a"]["forgetting"][0] == pytest.approx(0.0)  # seeds 1 and 3 only: 0 and 0
     assert s3["claas/a"]["forgetting"][1] == pytest.approx(0.0)
 
 
 def test_report_tables():
     runs = _runs()
-    text = CC.claas_report(runs, CC.claas_summary(runs))
+    text = claas_bench.claas_report(runs, claas_bench.claas_summary(runs))
     hw_final = T_975_2 * math.sqrt(0.0868) / math.sqrt(3)
     row_a = next(line for line in text.splitlines() if line.startswith("| claas/a |"))
     assert f"| 3 | 0.660 ± {hw_final:.3f} | 0.133 ± " in row_a
@@ -110,21 +110,21 @@ def test_report_tables():
 
 def test_group_means_by_hand():
     # identity M with groups a, a, b, b, b: rule a's splits are 1-2, rule b's 3-5
-    g = CC.group_means(M_B, ["a", "a", "b", "b", "b"])
+    g = claas_bench.group_means(M_B, ["a", "a", "b", "b", "b"])
     assert g == {"a": [0.5, 0.5, 0.0, 0.0, 0.0], "b": [0.0, 0.0, 1 / 3, 1 / 3, 1 / 3]}
     # M_S2 (0.8 diagonal, 0.2 above, 0.4 below), the benchmark's own groups (capital_start x2, lowercase x3)
-    g = CC.group_means(M_S2)
+    g = claas_bench.group_means(M_S2)
     assert g["capital_start"] == pytest.approx([0.5, 0.6, 0.4, 0.4, 0.4])
     assert g["lowercase"] == pytest.approx([0.2, 0.2, (0.8 + 0.2 + 0.2) / 3, (0.4 + 0.8 + 0.2) / 3,
                                             (0.4 + 0.4 + 0.8) / 3])
     # a cell nobody could grade is left out of its mean
     holes = [[None, 1.0, 0.5, 0.5, 0.5]] + [[0.0] * 5 for _ in range(4)]
-    assert CC.group_means(holes)["capital_start"][0] == 1.0
+    assert claas_bench.group_means(holes)["capital_start"][0] == 1.0
 
 
 def test_paired_with_the_baseline_by_hand():
     # baseline claas/b has seed 1 only (identity M): A's seed 1 (every cell 0.5) is the one pair
-    out = CC.claas_paired(_runs(), baseline="claas/b")
+    out = claas_bench.claas_paired(_runs(), baseline="claas/b")
     assert list(out) == ["claas/a"] and out["claas/a"]["seeds"] == [1]
     row = out["claas/a"]
     assert row["final_avg"] == [pytest.approx(0.5 - 0.2), None]          # one pair: no interval
@@ -138,16 +138,16 @@ def test_paired_with_the_baseline_by_hand():
     shifted = [dict(r, recipe="claas/base", M=[[v - 0.1 for v in row] for row in r["M"]],
                     final_avg=r["final_avg"] - 0.1, forgetting=r["forgetting"], forward_transfer=r["forward_transfer"])
                for r in _runs() if r["recipe"] == "claas/a" and r["seed"] in (1, 2)]
-    both = CC.claas_paired([r for r in _runs() if r["recipe"] == "claas/a"] + shifted, baseline="claas/base")
+    both = claas_bench.claas_paired([r for r in _runs() if r["recipe"] == "claas/a"] + shifted, baseline="claas/base")
     assert both["claas/a"]["seeds"] == [1, 2]
     m, hw = both["claas/a"]["final_avg"]
     assert m == pytest.approx(0.1) and hw == pytest.approx(0.0, abs=1e-9)
     assert all(v == pytest.approx(0.1) for v, _ in both["claas/a"]["rule_means"]["lowercase"])
     # the report carries the paired table when the baseline ran
-    text = CC.claas_report(_runs(), CC.claas_summary(_runs()))
+    text = claas_bench.claas_report(_runs(), claas_bench.claas_summary(_runs()))
     assert "Paired with no update" not in text  # the hand-made runs have no claas/tiny_no_update
-    runs = _runs() + [dict(r, recipe=CC.BASELINE) for r in _runs() if r["recipe"] == "claas/b"]
-    text = CC.claas_report(runs, CC.claas_summary(runs))
+    runs = _runs() + [dict(r, recipe=claas_bench.BASELINE) for r in _runs() if r["recipe"] == "claas/b"]
+    text = claas_bench.claas_report(runs, claas_bench.claas_summary(runs))
     assert "### Paired with no update, seed by seed" in text
     assert next(line for line in text.splitlines() if line.startswith("| claas/a | 1 |")).startswith(
         "| claas/a | 1 | 0.300 | -1.000 | 0.500 | 0.00 | 0.00 | 0.50 |")
@@ -155,7 +155,7 @@ def test_paired_with_the_baseline_by_hand():
 
 def test_mean_reward_curve_averages_the_seeds_that_reached_each_update():
     runs = [{"reward_curve": [[1, 0.0], [2, 1.0]]}, {"reward_curve": [[1, 1.0], [2, 1.0], [3, 0.5]]}, {}]
-    assert CC.mean_reward_curve(runs) == [[1, 0.5], [2, 1.0], [3, 0.5]]
+    assert claas_bench.mean_reward_curve(runs) == [[1, 0.5], [2, 1.0], [3, 0.5]]
 
 
 def test_record_from_a_run_directory(tmp_path):
@@ -165,7 +165,7 @@ def test_record_from_a_run_directory(tmp_path):
     trace = [{"event": "start"}, {"event": "update", "update": 1, "sampled": [{"reward": 1.0}, {"reward": 0.0}]},
              {"event": "split_end", "split": 1}, {"event": "update", "update": 2, "sampled": [{"reward": 1.0}]}]
     (tmp_path / "claas_trace.jsonl").write_text("".join(json.dumps(e) + "\n" for e in trace))
-    rec = CC.record_from_run_dir("claas/tiny_reinforce_pp", 7, tmp_path, 12.34)
+    rec = claas_bench.record_from_run_dir("claas/tiny_reinforce_pp", 7, tmp_path, 12.34)
     m = continual_metrics(M)
     assert rec["final_avg"] == pytest.approx(m.final) and rec["forgetting"] == pytest.approx(m.forgetting)
     assert rec["forward_transfer"] == pytest.approx(m.forward_transfer)
@@ -175,20 +175,20 @@ def test_record_from_a_run_directory(tmp_path):
     # a run over another K is refused with the cause
     write_continual_metrics(tmp_path, [[0.5, 0.5], [0.5, 0.5]])
     with pytest.raises(RuntimeError, match="expected 5x5"):
-        CC.record_from_run_dir("claas/tiny_reinforce_pp", 7, tmp_path, 1.0)
+        claas_bench.record_from_run_dir("claas/tiny_reinforce_pp", 7, tmp_path, 1.0)
 
 
 def test_overrides_carry_the_seed_and_k():
-    o1, o2 = CC.run_overrides("claas/tiny_ppo", 1, True), CC.run_overrides("claas/tiny_ppo", 2, True)
+    o1, o2 = claas_bench.run_overrides("claas/tiny_ppo", 1, True), claas_bench.run_overrides("claas/tiny_ppo", 2, True)
     for key in ("claas.stream.seed", "claas.seed", "actor_rollout_ref.rollout.seed"):
         assert f"{key}=1" in o1 and f"{key}=2" in o2
     assert "claas.stream.num_splits=5" in o1 and "trainer.experiment_name=claas_tiny_ppo_s2" in o2
     # one scenario pool for every seed: the seed picks which of its scenarios land in which split
-    assert "claas.env.kwargs.seed=0" in o1 and f"claas.env.kwargs.num_scenarios={CC.POOL_SIZE}" in o2
+    assert "claas.env.kwargs.seed=0" in o1 and f"claas.env.kwargs.num_scenarios={claas_bench.POOL_SIZE}" in o2
 
 
 @pytest.mark.parametrize("quick", [True, False])
-@pytest.mark.parametrize("recipe", CC.METHODS)
+@pytest.mark.parametrize("recipe", claas_bench.METHODS)
 def test_every_method_composes_into_the_grouped_stream(recipe, quick):
     """Each method's recipe, composed by Hydra with the benchmark's overrides exactly as ``claas_run`` passes them,
     builds the designed stream: split j holds only one-rule scenarios of SPLIT_GROUPS[j], S per split."""
@@ -198,27 +198,28 @@ def test_every_method_composes_into_the_grouped_stream(recipe, quick):
     from claas_verl.claas.trainer import ClaasConfig
 
     with initialize_config_dir(config_dir=str(REPO / "recipes"), version_base=None):
-        cfg = compose(config_name=CC.config_name(recipe), overrides=CC.run_overrides(recipe, 2, quick))
+        cfg = compose(config_name=claas_bench.config_name(recipe),
+                      overrides=claas_bench.run_overrides(recipe, 2, quick))
     c = ClaasConfig.from_config(cfg.claas)
-    assert cfg.claas.eval.n_samples == CC.EVAL_SAMPLES
+    assert cfg.claas.eval.n_samples == claas_bench.EVAL_SAMPLES
     env = make_environment(c.env.name, **c.env.kwargs)
     stream = env.stream(seed=c.stream.seed, num_splits=c.stream.num_splits, split_size=c.stream.split_size,
                         split_groups=c.stream.split_groups, group_key=c.stream.group_key)
-    size = (CC.QUICK if quick else CC.FULL)["split_size"]
-    for j, group in enumerate(CC.SPLIT_GROUPS):
+    size = (claas_bench.QUICK if quick else claas_bench.FULL)["split_size"]
+    for j, group in enumerate(claas_bench.SPLIT_GROUPS):
         split = stream.split(j)
         assert len(split) == size
         assert all(s.meta["families"] == [group] for s in split)
-        assert all(s.num_turns == (CC.QUICK if quick else CC.FULL)["num_turns"] for s in split)
-    assert len(set(CC.SPLIT_GROUPS)) == 2 and set(CC.SPLIT_GROUPS) == set(CC.RULE_FAMILIES)
+        assert all(s.num_turns == (claas_bench.QUICK if quick else claas_bench.FULL)["num_turns"] for s in split)
+    assert len(set(claas_bench.SPLIT_GROUPS)) == 2 and set(claas_bench.SPLIT_GROUPS) == set(claas_bench.RULE_FAMILIES)
 
 
 def test_compatible_stream_overrides_and_default_unchanged():
-    default = CC.run_overrides("claas/tiny_ppo", 3, False)
-    assert default == CC.run_overrides("claas/tiny_ppo", 3, False, "contradictory")
+    default = claas_bench.run_overrides("claas/tiny_ppo", 3, False)
+    assert default == claas_bench.run_overrides("claas/tiny_ppo", 3, False, "contradictory")
     assert "claas.stream.split_groups=[capital_start,capital_start,lowercase,lowercase,lowercase]" in default
     assert "++claas.env.kwargs.families=[lowercase,capital_start]" in default
-    comp = CC.run_overrides("claas/tiny_ppo", 3, False, "compatible")
+    comp = claas_bench.run_overrides("claas/tiny_ppo", 3, False, "compatible")
     assert ("claas.stream.split_groups=[capital_start,capital_start,end_punctuation,end_punctuation,"
             "end_punctuation]") in comp
     assert "++claas.env.kwargs.families=[capital_start,end_punctuation]" in comp
@@ -226,7 +227,7 @@ def test_compatible_stream_overrides_and_default_unchanged():
     differ = [(a, b) for a, b in zip(default, comp) if a != b]
     assert len(comp) == len(default) and len(differ) == 2
     with pytest.raises(ValueError, match="unknown CLaaS stream 'nope'"):
-        CC.run_overrides("claas/tiny_ppo", 3, False, "nope")
+        claas_bench.run_overrides("claas/tiny_ppo", 3, False, "nope")
 
 
 def test_compatible_stream_composes_and_its_rules_can_pass_together():
@@ -237,15 +238,16 @@ def test_compatible_stream_composes_and_its_rules_can_pass_together():
 
     recipe = "claas/tiny_reinforce_pp"
     with initialize_config_dir(config_dir=str(REPO / "recipes"), version_base=None):
-        cfg = compose(config_name=CC.config_name(recipe), overrides=CC.run_overrides(recipe, 3, False, "compatible"))
+        cfg = compose(config_name=claas_bench.config_name(recipe),
+                      overrides=claas_bench.run_overrides(recipe, 3, False, "compatible"))
     c = ClaasConfig.from_config(cfg.claas)
     env = make_environment(c.env.name, **c.env.kwargs)
     stream = env.stream(seed=c.stream.seed, num_splits=c.stream.num_splits, split_size=c.stream.split_size,
                         split_groups=c.stream.split_groups, group_key=c.stream.group_key)
-    families, groups = CC.STREAMS["compatible"]
+    families, groups = claas_bench.STREAMS["compatible"]
     for j, group in enumerate(groups):
         split = stream.split(j)
-        assert len(split) == CC.FULL["split_size"] and all(s.meta["families"] == [group] for s in split)
+        assert len(split) == claas_bench.FULL["split_size"] and all(s.meta["families"] == [group] for s in split)
         # the reply "Sure." passes every scenario of the stream: no rule forces another to fail
         assert all(s.grade("Sure.", t).reward == 1.0 for s in split for t in range(s.num_turns))
     assert set(groups) == set(families)
@@ -253,22 +255,22 @@ def test_compatible_stream_composes_and_its_rules_can_pass_together():
 
 def test_report_of_the_compatible_stream():
     runs = [dict(r, stream="compatible") for r in _runs()]
-    summary = CC.claas_summary(runs)
+    summary = claas_bench.claas_summary(runs)
     assert set(summary["claas/a"]["rule_means"]) == {"capital_start", "end_punctuation"}
-    text = CC.claas_report(runs, summary)
+    text = claas_bench.claas_report(runs, summary)
     assert ("| checkpoint \\ split | 1 (capital_start) | 2 (capital_start) | 3 (end_punctuation) | "
             "4 (end_punctuation) | 5 (end_punctuation) |") in text
     assert "A reply can pass every rule at once." in text and "contradict" not in text
     row_b = next(line for line in text.splitlines() if line.startswith("| claas/b | `end_punctuation` |"))
     assert row_b.endswith("| 0.00 | 0.00 | 0.33 | 0.33 | 0.33 |")
     with pytest.raises(ValueError, match="different CLaaS streams"):
-        CC.claas_summary(runs[:1] + _runs()[1:])
+        claas_bench.claas_summary(runs[:1] + _runs()[1:])
 
 
 def test_plots_are_written(tmp_path):
     runs = _runs()
     runs[3]["reward_curve"] = []  # a method without updates: drawn as its mean rollout reward
-    paths = CC.claas_plots(runs, tmp_path)
+    paths = claas_bench.claas_plots(runs, tmp_path)
     names = sorted(p.name for p in paths)
     assert names == ["claas_M_claas_a.png", "claas_M_claas_b.png", "claas_final_forgetting_fwt.png",
                      "claas_reward_curve.png"]
@@ -278,10 +280,10 @@ def test_plots_are_written(tmp_path):
 
 @pytest.mark.slow
 def test_quick_claas_run_through_main_claas(tiny, tmp_path):
-    rec = CC.claas_run("claas/tiny_reinforce_pp", 1, tmp_path, quick=True, extra=[])
+    rec = claas_bench.claas_run("claas/tiny_reinforce_pp", 1, tmp_path, quick=True, extra=[])
     assert rec["recipe"] == "claas/tiny_reinforce_pp" and rec["seed"] == 1 and rec["algorithm"] == "reinforce_pp"
     M = rec["M"]
-    assert len(M) == CC.K == 5 and all(len(row) == 5 for row in M)
+    assert len(M) == claas_bench.K == 5 and all(len(row) == 5 for row in M)
     assert all(v is None or 0.0 <= v <= 1.0 for row in M for v in row)
     assert sorted(rec["stage_scores"]) == [1, 2, 3, 4, 5]
     assert rec["updates"] >= 1 and len(rec["reward_curve"]) == rec["updates"]
@@ -292,7 +294,7 @@ def test_quick_claas_run_through_main_claas(tiny, tmp_path):
     run_dir = Path(rec["run_dir"])
     assert run_dir == tmp_path / "runs" / "claas_tiny_reinforce_pp_s1"
     start = json.loads((run_dir / "claas_trace.jsonl").read_text().splitlines()[0])
-    assert start["claas"]["stream"] == {"seed": 1, "num_splits": 5, "split_size": CC.QUICK["split_size"],
-                                        "split_groups": list(CC.SPLIT_GROUPS), "group_key": "families"}
-    assert rec["design"] == CC.DESIGN
+    assert start["claas"]["stream"] == {"seed": 1, "num_splits": 5, "split_size": claas_bench.QUICK["split_size"],
+                                        "split_groups": list(claas_bench.SPLIT_GROUPS), "group_key": "families"}
+    assert rec["design"] == claas_bench.DESIGN
     assert rec["seconds"] > 0

@@ -16,16 +16,16 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
-import continual_claas as CC  # noqa: E402  (the module continual.main imports)
+import continual_claas as claas_bench  # noqa: E402  (the module continual.main imports)
 
-from benchmarks import continual as C  # noqa: E402
+from benchmarks import continual as bench  # noqa: E402
 
 RECIPE = "claas/tiny_no_update"
 
 
 def _record(recipe: str, seed: int, final: float) -> dict:
     M = [[final] * 5 for _ in range(5)]
-    return {"recipe": recipe, "seed": seed, "kind": "claas", "design": CC.DESIGN, "M": M,
+    return {"recipe": recipe, "seed": seed, "kind": "claas", "design": claas_bench.DESIGN, "M": M,
             "stage_scores": {j + 1: {f"split_{k + 1}": final for k in range(5)} for j in range(5)},
             "final_avg": final, "forgetting": 0.0, "forward_transfer": final, "reward_curve": [], "updates": 0,
             "rollout_mean_reward": final, "seconds": 1.0}
@@ -42,8 +42,8 @@ def test_parallel_jobs_overlap_and_a_failure_loses_no_other_run(tmp_path, monkey
             raise RuntimeError("the trainer job died")
         return _record(recipe, seed, 0.25)
 
-    monkeypatch.setattr(CC, "claas_run", job)
-    rc = C.main(["--recipes", RECIPE, "--seeds", "1,2", "--jobs", "2", "--out", str(tmp_path)])
+    monkeypatch.setattr(claas_bench, "claas_run", job)
+    rc = bench.main(["--recipes", RECIPE, "--seeds", "1,2", "--jobs", "2", "--out", str(tmp_path)])
     assert rc == 1 and sorted(calls) == [1, 2]
     saved = json.loads((tmp_path / "results.json").read_text())
     assert [(r["recipe"], r["seed"]) for r in saved["runs"]] == [(RECIPE, 1)]  # the finished run is kept
@@ -52,8 +52,9 @@ def test_parallel_jobs_overlap_and_a_failure_loses_no_other_run(tmp_path, monkey
 
     # the same command again runs only the failed seed
     calls.clear()
-    monkeypatch.setattr(CC, "claas_run", lambda recipe, seed, *a: calls.append(seed) or _record(recipe, seed, 0.75))
-    assert C.main(["--recipes", RECIPE, "--seeds", "1,2", "--jobs", "2", "--out", str(tmp_path)]) == 0
+    monkeypatch.setattr(claas_bench, "claas_run",
+                        lambda recipe, seed, *a: calls.append(seed) or _record(recipe, seed, 0.75))
+    assert bench.main(["--recipes", RECIPE, "--seeds", "1,2", "--jobs", "2", "--out", str(tmp_path)]) == 0
     assert calls == [2]
     saved = json.loads((tmp_path / "results.json").read_text())
     assert sorted((r["seed"], r["final_avg"]) for r in saved["runs"]) == [(1, 0.25), (2, 0.75)]
@@ -66,61 +67,63 @@ def test_claas_records_of_an_older_stream_design_are_run_again(tmp_path, monkeyp
     del old["design"]  # written before the grouped stream (DESIGN 2)
     (tmp_path / "results.json").write_text(json.dumps({"runs": [old]}))
     calls = []
-    monkeypatch.setattr(CC, "claas_run", lambda recipe, seed, *a: calls.append(seed) or _record(recipe, seed, 0.1))
-    assert C.main(["--recipes", RECIPE, "--seeds", "1", "--out", str(tmp_path)]) == 0
+    monkeypatch.setattr(claas_bench, "claas_run",
+                        lambda recipe, seed, *a: calls.append(seed) or _record(recipe, seed, 0.1))
+    assert bench.main(["--recipes", RECIPE, "--seeds", "1", "--out", str(tmp_path)]) == 0
     assert calls == [1]
     runs = json.loads((tmp_path / "results.json").read_text())["runs"]
-    assert [(r["seed"], r["final_avg"], r["design"]) for r in runs] == [(1, 0.1, CC.DESIGN)]
+    assert [(r["seed"], r["final_avg"], r["design"]) for r in runs] == [(1, 0.1, claas_bench.DESIGN)]
 
 
 def test_jobs_must_be_positive(tmp_path):
     with pytest.raises(SystemExit):
-        C.main(["--recipes", RECIPE, "--jobs", "0", "--out", str(tmp_path)])
+        bench.main(["--recipes", RECIPE, "--jobs", "0", "--out", str(tmp_path)])
 
 
 def test_saved_records_count_only_for_the_command_that_made_them():
     bundles = {"mopd": "gym-fp", "claas": "tiny-fp"}
-    full_mopd = {"kind": "mopd", "quick": False, "eval_version": C.EVAL_VERSION,  # written before "overrides"
+    full_mopd = {"kind": "mopd", "quick": False, "eval_version": bench.EVAL_VERSION,  # written before "overrides"
                  "bundle_fingerprint": "gym-fp"}
-    assert C.current_record(full_mopd, quick=False, extra=[], bundles=bundles)
-    assert not C.current_record(full_mopd, quick=False, extra=["mopd.domains.spell.num_blocks=4"], bundles=bundles)
-    assert not C.current_record(full_mopd, quick=True, extra=[], bundles=bundles)
+    assert bench.current_record(full_mopd, quick=False, extra=[], bundles=bundles)
+    assert not bench.current_record(full_mopd, quick=False, extra=["mopd.domains.spell.num_blocks=4"], bundles=bundles)
+    assert not bench.current_record(full_mopd, quick=True, extra=[], bundles=bundles)
     # a quick record of the old 3-domain plan is not a run of today's 2-domain --quick
     old_quick = dict(full_mopd, quick=True)
-    assert not C.current_record(old_quick, quick=True, extra=[], bundles=bundles)
-    new_quick = dict(old_quick, overrides=C.run_extra(True, []))
-    assert C.current_record(new_quick, quick=True, extra=[], bundles=bundles)
-    assert not C.current_record(dict(full_mopd, eval_version=1), quick=False, extra=[], bundles=bundles)
+    assert not bench.current_record(old_quick, quick=True, extra=[], bundles=bundles)
+    new_quick = dict(old_quick, overrides=bench.run_extra(True, []))
+    assert bench.current_record(new_quick, quick=True, extra=[], bundles=bundles)
+    assert not bench.current_record(dict(full_mopd, eval_version=1), quick=False, extra=[], bundles=bundles)
     claas = dict(_record(RECIPE, 1, 0.5), bundle_fingerprint="tiny-fp")
-    assert C.current_record(claas, quick=False, extra=[], bundles=bundles)
-    assert not C.current_record(claas, quick=False, extra=["claas.m=8"], bundles=bundles)
-    assert C.current_record(dict(claas, overrides=["claas.m=8"]), quick=False, extra=["claas.m=8"], bundles=bundles)
+    assert bench.current_record(claas, quick=False, extra=[], bundles=bundles)
+    assert not bench.current_record(claas, quick=False, extra=["claas.m=8"], bundles=bundles)
+    assert bench.current_record(dict(claas, overrides=["claas.m=8"]), quick=False, extra=["claas.m=8"], bundles=bundles)
 
 
 def test_a_record_counts_only_for_the_bundle_it_was_made_with():
     """After a rebuild (another bundle version, seed or directory) a saved run is not this command's run; records
     without a fingerprint (written before it was kept) are not trusted either; a kind this command does not run
     is left as it is."""
-    mopd = {"kind": "mopd", "quick": False, "eval_version": C.EVAL_VERSION, "overrides": [],
+    mopd = {"kind": "mopd", "quick": False, "eval_version": bench.EVAL_VERSION, "overrides": [],
             "bundle_fingerprint": "gym-a"}
-    assert C.current_record(mopd, quick=False, extra=[], bundles={"mopd": "gym-a"})
-    assert not C.current_record(mopd, quick=False, extra=[], bundles={"mopd": "gym-b"})
-    assert not C.current_record({k: v for k, v in mopd.items() if k != "bundle_fingerprint"}, quick=False,
+    assert bench.current_record(mopd, quick=False, extra=[], bundles={"mopd": "gym-a"})
+    assert not bench.current_record(mopd, quick=False, extra=[], bundles={"mopd": "gym-b"})
+    assert not bench.current_record({k: v for k, v in mopd.items() if k != "bundle_fingerprint"}, quick=False,
                                 extra=[], bundles={"mopd": "gym-a"})
     claas = dict(_record(RECIPE, 1, 0.5), bundle_fingerprint="tiny-a")
-    assert not C.current_record(claas, quick=False, extra=[], bundles={"claas": "tiny-b"})
-    assert C.current_record(claas, quick=False, extra=[], bundles={"mopd": "gym-a"})
+    assert not bench.current_record(claas, quick=False, extra=[], bundles={"claas": "tiny-b"})
+    assert bench.current_record(claas, quick=False, extra=[], bundles={"mopd": "gym-a"})
 
 
 def test_a_rebuilt_bundle_reruns_the_saved_runs(tmp_path, monkeypatch):
     calls = []
-    monkeypatch.setattr(CC, "claas_run", lambda recipe, seed, *a: calls.append(seed) or _record(recipe, seed, 0.3))
-    monkeypatch.setattr(C, "bundle_fingerprints", lambda recipes: {"claas": "tiny-a"})
-    assert C.main(["--recipes", RECIPE, "--seeds", "1", "--out", str(tmp_path)]) == 0
-    assert C.main(["--recipes", RECIPE, "--seeds", "1", "--out", str(tmp_path)]) == 0  # same bundle: reused
+    monkeypatch.setattr(claas_bench, "claas_run",
+                        lambda recipe, seed, *a: calls.append(seed) or _record(recipe, seed, 0.3))
+    monkeypatch.setattr(bench, "bundle_fingerprints", lambda recipes: {"claas": "tiny-a"})
+    assert bench.main(["--recipes", RECIPE, "--seeds", "1", "--out", str(tmp_path)]) == 0
+    assert bench.main(["--recipes", RECIPE, "--seeds", "1", "--out", str(tmp_path)]) == 0  # same bundle: reused
     assert calls == [1]
-    monkeypatch.setattr(C, "bundle_fingerprints", lambda recipes: {"claas": "tiny-b"})
-    assert C.main(["--recipes", RECIPE, "--seeds", "1", "--out", str(tmp_path)]) == 0
+    monkeypatch.setattr(bench, "bundle_fingerprints", lambda recipes: {"claas": "tiny-b"})
+    assert bench.main(["--recipes", RECIPE, "--seeds", "1", "--out", str(tmp_path)]) == 0
     assert calls == [1, 1]
     runs = json.loads((tmp_path / "results.json").read_text())["runs"]
     assert [(r["seed"], r["bundle_fingerprint"]) for r in runs] == [(1, "tiny-b")]
@@ -128,10 +131,10 @@ def test_a_rebuilt_bundle_reruns_the_saved_runs(tmp_path, monkeypatch):
 
 def test_a_rerun_with_other_overrides_replaces_the_saved_records(tmp_path, monkeypatch):
     calls = []
-    monkeypatch.setattr(CC, "claas_run", lambda recipe, seed, out, quick, extra, stream: calls.append(extra) or
+    monkeypatch.setattr(claas_bench, "claas_run", lambda recipe, seed, out, quick, extra, stream: calls.append(extra) or
                         dict(_record(recipe, seed, 0.2 if extra else 0.1), overrides=list(extra)))
-    assert C.main(["--recipes", RECIPE, "--seeds", "1", "--out", str(tmp_path)]) == 0
-    assert C.main(["--recipes", RECIPE, "--seeds", "1", "--out", str(tmp_path), "claas.m=8"]) == 0
+    assert bench.main(["--recipes", RECIPE, "--seeds", "1", "--out", str(tmp_path)]) == 0
+    assert bench.main(["--recipes", RECIPE, "--seeds", "1", "--out", str(tmp_path), "claas.m=8"]) == 0
     assert calls == [[], ["claas.m=8"]]
     runs = json.loads((tmp_path / "results.json").read_text())["runs"]
     assert [(r["final_avg"], r["overrides"]) for r in runs] == [(0.2, ["claas.m=8"])]
@@ -143,9 +146,9 @@ def test_claas_runs_train_on_the_tiny_bundle_they_fingerprint(tiny, monkeypatch)
     from claas_verl.tiny.fingerprint import bundle_fingerprint
 
     monkeypatch.setenv("CLAAS_TINY_DIR", str(tiny.root))
-    fps = C.bundle_fingerprints([RECIPE])
+    fps = bench.bundle_fingerprints([RECIPE])
     assert fps == {"claas": bundle_fingerprint(tiny.root)}
-    assert C.os.environ["CLAAS_TINY_DIR"] == str(tiny.root)
+    assert bench.os.environ["CLAAS_TINY_DIR"] == str(tiny.root)
 
 
 @pytest.mark.parametrize(("args", "says"), [
@@ -160,11 +163,11 @@ def test_bad_arguments_are_refused_before_anything_runs(tmp_path, monkeypatch, c
     def no_job(*a, **k):
         raise AssertionError("nothing may run")
 
-    monkeypatch.setattr(C, "bundle_fingerprints", no_job)
-    monkeypatch.setattr(CC, "claas_run", no_job)
+    monkeypatch.setattr(bench, "bundle_fingerprints", no_job)
+    monkeypatch.setattr(claas_bench, "claas_run", no_job)
     argv = ["--recipes", RECIPE, *args] if "--recipes" not in args else args
     with pytest.raises(SystemExit) as exc:
-        C.main([*argv, "--out", str(tmp_path / "out")])
+        bench.main([*argv, "--out", str(tmp_path / "out")])
     assert exc.value.code == 2 and says in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
 
@@ -182,17 +185,17 @@ def test_a_second_benchmark_on_the_same_out_is_refused(tmp_path, monkeypatch, ca
         stdout=subprocess.PIPE, text=True)
     try:
         assert holder.stdout.readline().strip() == "held"
-        monkeypatch.setattr(CC, "claas_run", lambda *a: pytest.fail("the second benchmark may not run a job"))
-        monkeypatch.setattr(C, "bundle_fingerprints", lambda recipes: {"claas": "tiny-a"})
+        monkeypatch.setattr(claas_bench, "claas_run", lambda *a: pytest.fail("the second benchmark may not run a job"))
+        monkeypatch.setattr(bench, "bundle_fingerprints", lambda recipes: {"claas": "tiny-a"})
         with pytest.raises(SystemExit) as exc:
-            C.main(["--recipes", RECIPE, "--seeds", "1", "--out", str(out)])
+            bench.main(["--recipes", RECIPE, "--seeds", "1", "--out", str(out)])
         assert exc.value.code == 2 and "another benchmark is running" in capsys.readouterr().err
         assert not (out / "results.json").exists()
     finally:
         holder.kill()
         holder.wait()
-    monkeypatch.setattr(CC, "claas_run", lambda recipe, seed, *a: _record(recipe, seed, 0.4))
-    assert C.main(["--recipes", RECIPE, "--seeds", "1", "--out", str(out)]) == 0
+    monkeypatch.setattr(claas_bench, "claas_run", lambda recipe, seed, *a: _record(recipe, seed, 0.4))
+    assert bench.main(["--recipes", RECIPE, "--seeds", "1", "--out", str(out)]) == 0
 
 
 @pytest.mark.parametrize(("content", "says"), [
@@ -200,10 +203,10 @@ def test_a_second_benchmark_on_the_same_out_is_refused(tmp_path, monkeypatch, ca
     ('[1, 2]', 'has no "runs" list'),
 ])
 def test_a_damaged_results_file_is_refused_and_kept(tmp_path, monkeypatch, capsys, content, says):
-    monkeypatch.setattr(CC, "claas_run", lambda *a: pytest.fail("nothing may run"))
+    monkeypatch.setattr(claas_bench, "claas_run", lambda *a: pytest.fail("nothing may run"))
     (tmp_path / "results.json").write_text(content)
     with pytest.raises(SystemExit) as exc:
-        C.main(["--recipes", RECIPE, "--seeds", "1", "--out", str(tmp_path)])
+        bench.main(["--recipes", RECIPE, "--seeds", "1", "--out", str(tmp_path)])
     assert exc.value.code == 2 and says in capsys.readouterr().err
     assert (tmp_path / "results.json").read_text() == content
 
@@ -211,7 +214,7 @@ def test_a_damaged_results_file_is_refused_and_kept(tmp_path, monkeypatch, capsy
 def test_an_out_that_is_a_file_is_refused(tmp_path, capsys):
     (tmp_path / "f").write_text("x")
     with pytest.raises(SystemExit):
-        C.main(["--recipes", RECIPE, "--out", str(tmp_path / "f")])
+        bench.main(["--recipes", RECIPE, "--out", str(tmp_path / "f")])
     assert "a file, not a directory" in capsys.readouterr().err
 
 
@@ -222,24 +225,25 @@ def test_an_out_that_is_a_file_is_refused(tmp_path, capsys):
 ])
 def test_default_seeds_per_kind(tmp_path, monkeypatch, args, mopd_seeds, claas_seeds):
     ran = []
-    monkeypatch.setattr(C, "bundle_fingerprints", lambda recipes: {"mopd": "gym-a", "claas": "tiny-a"})
-    monkeypatch.setattr(C, "gym_manifest", lambda: {k: {} for k in ("domains", "accuracy", "accuracy_protocol",
+    monkeypatch.setattr(bench, "bundle_fingerprints", lambda recipes: {"mopd": "gym-a", "claas": "tiny-a"})
+    monkeypatch.setattr(bench, "gym_manifest", lambda: {k: {} for k in ("domains", "accuracy", "accuracy_protocol",
                                                                     "sizes")})
-    monkeypatch.setattr(CC, "claas_run", lambda recipe, seed, *a: ran.append((recipe, seed)) or
+    monkeypatch.setattr(claas_bench, "claas_run", lambda recipe, seed, *a: ran.append((recipe, seed)) or
                         _record(recipe, seed, 0.5))
     def mopd_job(recipe, seed, *a):
         ran.append((recipe, seed))
         raise RuntimeError("not trained here: only which seeds were started is checked")
 
-    monkeypatch.setattr(C, "mopd_run", mopd_job)
-    assert C.main(["--recipes", f"mopd/gym_seq,{RECIPE}", *args, "--out", str(tmp_path)]) == 1  # the MOPD runs "failed"
+    monkeypatch.setattr(bench, "mopd_run", mopd_job)
+    # the MOPD runs "failed"
+    assert bench.main(["--recipes", f"mopd/gym_seq,{RECIPE}", *args, "--out", str(tmp_path)]) == 1
     assert sorted(s for r, s in ran if r == "mopd/gym_seq") == mopd_seeds
     assert sorted(s for r, s in ran if r == RECIPE) == claas_seeds
 
 
 def test_claas_stream_option_reaches_the_runs_and_other_streams_rerun(tmp_path, monkeypatch):
 
-    assert set(CC.STREAMS) == {"contradictory", "compatible"}  # the option's choices
+    assert set(claas_bench.STREAMS) == {"contradictory", "compatible"}  # the option's choices
     (tmp_path / "results.json").write_text(json.dumps({"runs": [_record(RECIPE, 1, 0.9)]}))  # default stream
     calls = []
 
@@ -247,14 +251,15 @@ def test_claas_stream_option_reaches_the_runs_and_other_streams_rerun(tmp_path, 
         calls.append((seed, stream))
         return dict(_record(recipe, seed, 0.4), stream=stream)
 
-    monkeypatch.setattr(CC, "claas_run", job)
-    assert C.main(["--recipes", RECIPE, "--seeds", "1", "--out", str(tmp_path), "--claas-stream", "compatible"]) == 0
+    monkeypatch.setattr(claas_bench, "claas_run", job)
+    assert bench.main(["--recipes", RECIPE, "--seeds", "1", "--out", str(tmp_path),
+                       "--claas-stream", "compatible"]) == 0
     assert calls == [(1, "compatible")]  # the default stream's record is not this command's run
     saved = json.loads((tmp_path / "results.json").read_text())
     assert [(r["final_avg"], r["stream"]) for r in saved["runs"]] == [(0.4, "compatible")]
     assert "3 (end_punctuation)" in (tmp_path / "report.md").read_text()
     rec = saved["runs"][0]
-    assert C.current_record(rec, quick=False, extra=[], bundles={}, stream="compatible")
-    assert not C.current_record(rec, quick=False, extra=[], bundles={})
+    assert bench.current_record(rec, quick=False, extra=[], bundles={}, stream="compatible")
+    assert not bench.current_record(rec, quick=False, extra=[], bundles={})
     with pytest.raises(SystemExit):
-        C.main(["--recipes", RECIPE, "--out", str(tmp_path), "--claas-stream", "mixed"])
+        bench.main(["--recipes", RECIPE, "--out", str(tmp_path), "--claas-stream", "mixed"])
