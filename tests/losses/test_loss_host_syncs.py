@@ -359,6 +359,9 @@ def test_every_registered_advantage_estimator_states_its_sync_count():
     rewards = torch.zeros(B, T)
     rewards[torch.arange(B), mask.sum(-1).long() - 1] = torch.rand(B, generator=g)
     for name, (expected, why) in EXPECTED_ADV_EST_SYNCS.items():
-        with claas_losses.rpp_ema_stats_bound(EmaRewardStats()):
+        claas_losses.bind_rpp_ema_stats(EmaRewardStats())
+        try:
             counter, _ = _syncs(get_adv_estimator_fn(name), rewards, mask, OmegaConf.create({"gamma": 1.0}))
+        finally:
+            claas_losses.bind_rpp_ema_stats(None)
         assert counter.count == expected, f"{name}: {counter.events} (stated {expected}: {why})"
