@@ -45,38 +45,38 @@ class SplitProtocol:
     def stream(self):
         return self.side.stream
 
-    def begin(self, position, global_steps: int) -> None:
+    def begin(self, position) -> None:
         """At the start of verl's loop: continue the split a resumed checkpoint was in, or start the next one."""
         pos = position
         if pos is not None and pos.split >= 0 and not pos.complete:
-            self.start(pos.split, global_steps, skip=pos.done)  # the split in progress: its uncommitted scenarios
+            self.start(pos.split, skip=pos.done)  # the split in progress: its uncommitted scenarios
             return
         if pos is not None and pos.split >= 0 and len(self.matrix) <= pos.split:
             self.record_row(pos.split)  # killed after checkpoint j, before row j of M was evaluated
-        self.start_next(global_steps)
+        self.start_next()
 
-    def start_next(self, global_steps: int) -> None:
+    def start_next(self) -> None:
         if not self.claas.producer.enabled:
             return  # service-driven: no scenario stream
         if self.idx + 1 >= self.stream.num_splits:
             self.idx = self.stream.num_splits
             self.future = None
             return
-        self.start(self.idx + 1, global_steps)
+        self.start(self.idx + 1)
 
-    def start(self, j: int, global_steps: int, skip=()) -> None:
+    def start(self, j: int, skip=()) -> None:
         """Run split j's rollouts in the background, except the global scenario indices in ``skip`` (committed
-        before the checkpoint a resumed run starts from); ``global_steps`` (verl's) goes to the trace."""
+        before the checkpoint a resumed run starts from). The trace's ``global_steps`` is the number of updates
+        done, as in every other trace event (verl's own counter is the next step's, one more)."""
         self.idx, self.complete = j, False
         scenarios = self.stream.split(j)
         offset = j * self.stream.split_size
         self.future = self.side.loop.submit(self.side.producer.run_split(scenarios, index_offset=offset, skip=skip))
-        self.records.trace({"event": "split_start", "split": j + 1, "global_steps": global_steps,
+        self.records.trace({"event": "split_start", "split": j + 1, "global_steps": self.counters.updates,
                             "skip": sorted(skip)})
 
-    def advance_until_ready(self, global_steps: int) -> bool:
-        """Block until an update is possible (True) or the whole stream is done (False), running split ends
-        (``global_steps``: verl's, for the trace of a split that starts meanwhile).
+    def advance_until_ready(self) -> bool:
+        """Block until an update is possible (True) or the whole stream is done (False), running split ends.
 
         Event-driven: waits on the replay actor's ``wait_ready`` (an asyncio condition notified by ``add``)
         and on the current split's producer future, whichever completes first.
@@ -107,7 +107,7 @@ class SplitProtocol:
                 if self.claas.trains and ray.get(replay.ready.remote()):
                     return True
                 self._finish()
-                self.start_next(global_steps)
+                self.start_next()
             return False
         finally:
             self.counters.last_wait_s = time.perf_counter() - t0

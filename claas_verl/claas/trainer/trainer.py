@@ -177,8 +177,8 @@ class ClaasTrainer(VerlSeams, PPOTrainer):
         cap = self.claas.max_updates
         self.progress = Progress("[claas] training", None if cap is None else cap - self.counters.updates,
                                  unit="updates" if self.counters.updates == 0 else "updates since resume")
-        self.splits.begin(self.ckpt.resume.position if self.ckpt.resume is not None else None, self.global_steps)
-        if not self.splits.advance_until_ready(self.global_steps):
+        self.splits.begin(self.ckpt.resume.position if self.ckpt.resume is not None else None)
+        if not self.splits.advance_until_ready():
             self.stop_before_first_step()  # nothing to train on (e.g. ICL)
             self.ckpt.at_shutdown(self.side, self.splits)
 
@@ -207,7 +207,7 @@ class ClaasTrainer(VerlSeams, PPOTrainer):
             with marked_timer("save_checkpoint", self.timing_raw, color="green"):
                 self.ckpt.take(self.side, self.splits)
         with marked_timer("claas_wait_buffer", self.timing_raw, color="blue"):
-            more = False if stop else self.splits.advance_until_ready(self.global_steps)
+            more = False if stop else self.splits.advance_until_ready()
         if not more:
             self.stop_after_this_step()
             self.ckpt.at_shutdown(self.side, self.splits)
