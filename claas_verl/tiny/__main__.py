@@ -12,6 +12,19 @@ from claas_verl.tiny.build import default_dir, make_tiny, read_manifest
 from claas_verl.tiny.model import ARCHS, DEFAULT_ARCH
 
 
+def _cpu_model() -> str:
+    """The CPU's model name (a build's bits may depend on it), as Linux reports it."""
+    try:
+        for line in open("/proc/cpuinfo", encoding="utf-8"):
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    import platform
+
+    return platform.processor() or "unknown CPU"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m claas_verl.tiny", description=__doc__)
     sub = parser.add_subparsers(dest="cmd", required=True)
@@ -26,6 +39,12 @@ def main(argv: list[str] | None = None) -> int:
     gym = sub.add_parser("gym", help="build the continual benchmark's reasoning-gym bundle (about 45 min on 2 cores)")
     gym.add_argument("out_dir", nargs="?", default=None, help="default: $CLAAS_GYM_DIR or /tmp/claas_verl_gym")
     gym.add_argument("--seed", type=int, default=0, help="build seed (data draw, weights); default 0")
+    gym.add_argument("--build", action="store_true",
+                     help="build from scratch even where the repository ships this bundle (benchmarks/bundles/); a "
+                          "bundle rebuilt on another machine may differ in its bits, and results on it are a new "
+                          "measurement")
+    gym.add_argument("--ship", action="store_true",
+                     help="after making the bundle, pack it into benchmarks/bundles/ (archive + fingerprint record)")
     args = parser.parse_args(argv)
 
     if args.cmd == "gym":
@@ -33,11 +52,21 @@ def main(argv: list[str] | None = None) -> int:
 
         t0 = time.time()
         try:
-            paths = ensure_gym(args.out_dir, seed=args.seed)
+            paths = ensure_gym(args.out_dir, seed=args.seed, build=args.build)
         except FileExistsError as err:
             print(f"error: {err}", file=sys.stderr)
             return 2
         m = json.loads(paths.manifest.read_text())
+        if args.ship:
+            import platform
+
+            from claas_verl.tiny.gym import GYM_VERSION
+            from claas_verl.tiny.shipped import pack_bundle
+
+            archive, record = pack_bundle(paths.root, "gym", GYM_VERSION, args.seed,
+                                          f"python -m claas_verl.tiny gym DIR --build --seed {args.seed} on "
+                                          f"{platform.machine()} ({_cpu_model()}), {time.strftime('%Y-%m-%d')}")
+            print(f"packed {archive} and {record}")
         print(f"gym bundle v{m['version']} (seed {m['seed']}) ready at {paths.root} in {time.time() - t0:.1f}s")
         for model, acc in m["accuracy"].items():
             print(f"  {model:>16}: " + "  ".join(f"{d} {v:.3f}" for d, v in acc.items()))

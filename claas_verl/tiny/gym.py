@@ -38,6 +38,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from claas_verl.tiny.shipped import shipped, unpack_shipped
 from claas_verl.utils.progress import Progress, track
 
 GYM_VERSION = "3"  # 3: palin replaces arith; π0 answers by neighbouring rules (2: arith expert 3000 steps)
@@ -160,10 +161,12 @@ def is_current(out_dir: str | os.PathLike, seed: int = 0) -> bool:
     return m.get("version") == GYM_VERSION and m.get("seed") == seed
 
 
-def ensure_gym(out_dir: str | os.PathLike | None = None, seed: int = 0) -> GymPaths:
-    """The bundle at ``out_dir`` (default ``$CLAAS_GYM_DIR`` or /tmp/claas_verl_gym), built first if missing or
-    stale. File-locked and built into a temporary sibling that is renamed into place (like ``ensure_tiny``); a
-    directory there that is not a gym bundle is refused (``FileExistsError``), never replaced."""
+def ensure_gym(out_dir: str | os.PathLike | None = None, seed: int = 0, build: bool = False) -> GymPaths:
+    """The bundle at ``out_dir`` (default ``$CLAAS_GYM_DIR`` or /tmp/claas_verl_gym), made first if missing or
+    stale: unpacked from the repository's shipped copy of this version and seed when there is one
+    (:mod:`claas_verl.tiny.shipped`, fingerprint checked), else built (about 40 minutes on 2 cores); ``build=True``
+    always builds. File-locked and made in a temporary sibling that is renamed into place (like ``ensure_tiny``);
+    a directory there that is not a gym bundle is refused (``FileExistsError``), never replaced."""
     from filelock import FileLock
 
     from claas_verl.tiny.build import refuse_foreign_dir
@@ -180,7 +183,13 @@ def ensure_gym(out_dir: str | os.PathLike | None = None, seed: int = 0) -> GymPa
         tmp = out_dir.with_name(f".{out_dir.name}.build-{os.getpid()}")
         shutil.rmtree(tmp, ignore_errors=True)
         try:
-            build_bundle(tmp, seed)
+            ship = None if build else shipped("gym", GYM_VERSION, seed)
+            if ship is None:
+                build_bundle(tmp, seed)
+            else:
+                print(f"{LOG} unpacking the shipped bundle {ship[0].name} (fingerprint {ship[1]['fingerprint']}) "
+                      f"into {out_dir}", file=sys.stderr, flush=True)
+                unpack_shipped(*ship, tmp)
             if out_dir.exists():
                 shutil.rmtree(out_dir)
             os.replace(tmp, out_dir)

@@ -80,6 +80,7 @@ def test_gym_build_never_replaces_a_directory_that_is_not_a_gym_bundle(tmp_path,
 
     stale = tmp_path / "stale"
     stale.mkdir()
+    monkeypatch.setenv("CLAAS_VERL_BUNDLES", str(tmp_path / "no_shipped_bundles"))  # build, not unpack
     (stale / "manifest.json").write_text(json.dumps({"version": "0", "seed": 0, "base_sft": {}}))
     built = []
     monkeypatch.setattr(gym, "build_bundle", lambda root, seed: built.append(seed) or root.mkdir(parents=True))
