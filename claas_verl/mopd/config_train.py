@@ -21,6 +21,7 @@ from claas_verl.utils.schema import knob
 # "fp32" runs them in plain fp32 (the CPU runtime), "bf16" casts the weights (FSDP param_dtype=bf16)
 TEACHER_DTYPES = ("fp32_bf16_autocast", "fp32", "bf16")
 FSDP_DTYPES = ("bf16", "fp16", "fp32")  # verl's FSDP mixed-precision dtypes
+LR_SCHEDULES = ("constant", "cosine")  # verl's optim.lr_scheduler_type
 
 # mopd.<key> -> the verl keys recipes/mopd/verl/*.yaml derive from it (``${mopd.<key>}``)
 VERL_KEYS = {
@@ -135,7 +136,7 @@ class TrainConfig:
             max_prompt_length=check_int(get("max_prompt_length"), "train.max_prompt_length", 1, length),
             max_response_length=check_int(get("max_response_length"), "train.max_response_length", 1, length),
             lr=_number(get("lr"), "train.lr", 0.0, open_low=True),
-            lr_schedule=str(get("lr_schedule")),
+            lr_schedule=_choice(get("lr_schedule"), "train.lr_schedule", LR_SCHEDULES),
             warmup_steps=check_int(get("warmup_steps"), "train.warmup_steps", 0, "learning-rate warm-up steps"),
             betas=tuple(_number(b, f"train.betas[{i}]", 0.0, 1.0) for i, b in enumerate(betas)),
             weight_decay=_number(get("weight_decay"), "train.weight_decay", 0.0),

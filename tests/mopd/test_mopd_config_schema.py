@@ -131,6 +131,7 @@ def test_a_verl_key_set_apart_from_its_mopd_key_is_refused(tiny_seq_cpu, verl_ke
     ("responses_per_prompt", 0, r"mopd.train.responses_per_prompt=0"),
     ("student_param_dtype", "int8", r"mopd.train.student_param_dtype='int8': choose one of"),
     ("ppo_epochs", 1.5, r"mopd.train.ppo_epochs=1.5"),
+    ("lr_schedule", "linear", r"mopd.train.lr_schedule='linear': choose one of \['constant', 'cosine'\]"),
 ])
 def test_a_bad_train_value_names_its_key(key, value, message):
     yaml = {**_yaml(MOPD / "train" / "paper.yaml", "mopd.train"), key: value}
