@@ -13,7 +13,8 @@ The HTTP layer is :mod:`claas_verl.claas.service.http_app`, the bookkeeping of t
     GET  /metrics                   Prometheus metrics (admin key when keys are configured)
     GET  /v1/models                 OpenAI model list (base + served adapter)
     POST /v1/chat/completions       OpenAI chat completion + a "claas" object (request id, version, record status)
-    POST /v1/feedback               {"request_id", "reward": float|null, "feedback": str|null} (the turn's own key)
+    POST /v1/feedback               {"request_id", "reward": float|null, "feedback": str|null} (the turn's own key;
+                                    with SDPO the text is the teacher context, and text with reward null counts)
     POST /v1/claas/load_adapter     {"lora_path", "policy_version"?}  (admin: trainer -> service hot-reload)
     POST /v1/claas/shutdown         admin: stop intake, drain, end the job
     GET  /v1/claas/stats            a key's own counters; with the admin key, every counter and every key's
@@ -53,6 +54,7 @@ from claas_verl.claas.service.guard import (
 from claas_verl.claas.service.recorder import COUNTERS, behaviour_logprob
 from claas_verl.claas.service.sampling import SamplingParams
 from claas_verl.claas.service.streaming import StreamStart, TokenDelta
+from claas_verl.claas.service.teacher import SdpoTeacherContext
 from claas_verl.claas.service.templating import normalize_messages
 from claas_verl.claas.service.turns import TurnLedger
 
@@ -79,15 +81,18 @@ class ChatService:
         grader: optional reward callback (see :mod:`claas_verl.claas.service.grading`); without one, rewards come from
             ``POST /v1/feedback``.
         config: :class:`ServiceConfig`.
+        teacher: SDPO's teacher-context builder
+            (:class:`~claas_verl.claas.service.teacher.SdpoTeacherContext`; a job with ``claas.algorithm=sdpo``
+            passes one): feedback text becomes the entry's teacher context, also with reward null.
     """
 
     def __init__(self, backend: ChatBackend, sink: Any, grader: Grader | None = None,
                  config: ServiceConfig | None = None, extra_stats: Callable[[], dict] | None = None,
-                 on_shutdown: Callable[[], None] | None = None):
+                 on_shutdown: Callable[[], None] | None = None, teacher: SdpoTeacherContext | None = None):
         self.backend = backend
         self.config = config or ServiceConfig()
         cfg = self.config
-        self.turns = TurnLedger(sink, cfg, grader)
+        self.turns = TurnLedger(sink, cfg, grader, teacher=teacher)
         self.recorder = self.turns.recorder
         self.buffer_share = self.turns.buffer_share
         self.reloads = 0
@@ -223,6 +228,7 @@ class ChatService:
         ctx = self._context(body, headers or {})
         ctx["owner"] = owner
         kwargs = template_kwargs(body.get("chat_template_kwargs"), self.config.template_kwargs)
+        ctx["template_kwargs"] = kwargs  # SDPO renders the turn's teacher context with the same template arguments
         if "chat_template" in body or "tools" in body:
             raise ValueError("'chat_template' and 'tools' are not accepted: the service renders every chat with the "
                              "policy's own template (tool calls are not recorded)")

@@ -10,7 +10,9 @@ One assistant turn becomes one :class:`~claas_verl.claas.replay.ReplayEntry` (en
 
 The reward comes from a grader (immediately) or from ``POST /v1/feedback``; until then the turn waits in a bounded
 pending table. Reward ``None`` (grader error) drops the turn before it reaches the buffer (docs/math.md §A.1.4); so do a
-pending turn's timeout and the table's overflow (its oldest turn goes). Every outcome is counted.
+pending turn's timeout and the table's overflow (its oldest turn goes). Every outcome is counted. (With SDPO the
+service turns feedback text sent with reward ``None`` into an entry before it gets here:
+:mod:`~claas_verl.claas.service.teacher`.)
 """
 
 from __future__ import annotations
@@ -72,8 +74,9 @@ class TurnRecord:
     policy_version: int
     domain: str | None = None
     metadata: dict = field(default_factory=dict)
-    messages: list = field(default_factory=list)  # for the grader
+    messages: list = field(default_factory=list)  # for the grader, and SDPO's teacher context
     text: str = ""
+    template_kwargs: dict | None = None  # the chat's template arguments (SDPO renders its teacher context with them)
     owner: str = "local"  # id of the API key that created the turn: only it may give the turn's feedback
 
     def nbytes(self) -> int:
@@ -180,9 +183,10 @@ class TrajectoryRecorder:
                     for o in owners}
 
     # ------------------------------------------------------------------ outcomes
-    def finish(self, record: TurnRecord, reward: float | None, feedback: str | None
+    def finish(self, record: TurnRecord, reward: float | None, feedback: str | None, metadata: dict | None = None
                ) -> tuple[str, str | None, concurrent.futures.Future | None]:
-        """Turn ``record`` into an entry with ``reward`` and submit it: ``(status, reason, ack)``.
+        """Turn ``record`` into an entry with ``reward`` (and ``metadata`` added to the turn's own, e.g. SDPO's
+        teacher context) and submit it: ``(status, reason, ack)``.
 
         ``("submitted", None, ack)``: ``ack`` resolves to the number of entries the buffer accepted (see
         :mod:`~claas_verl.claas.service.sinks`); ``("dropped", reason, None)``: reward None (docs/math.md §A.1.4);
@@ -202,7 +206,7 @@ class TrajectoryRecorder:
                 reward=reward,
                 feedback=feedback,
                 domain=record.domain,
-                metadata=record.metadata,
+                metadata={**record.metadata, **(metadata or {})},
                 P=record.policy_version,
             )
         except (ValueError, OverflowError) as exc:

@@ -19,6 +19,7 @@ from claas_verl.claas.service.guard import validate_reward
 from claas_verl.claas.service.recorder import TrajectoryRecorder, TurnRecord, behaviour_logprob, unrecordable_reason
 from claas_verl.claas.service.sampling import SamplingParams, training_violations, violation_message
 from claas_verl.claas.service.sinks import make_sink
+from claas_verl.claas.service.teacher import TEACHER_IDS_KEY, TEXT_ONLY_KEY, SdpoTeacherContext
 
 #: Retry-After of feedback refused for the buffer share: room comes from other keys' entries or the next policy
 #: update, neither of which the service can time
@@ -32,11 +33,16 @@ class TurnLedger:
         sink: a ``ReplayBuffer``, a ``ReplayBufferActor`` handle or a sink object (see ``make_sink``).
         config: the service's :class:`~claas_verl.claas.service.config.ServiceConfig` (pending bounds, grading, share).
         grader: optional reward callback; without one, turns wait for ``POST /v1/feedback``.
+        teacher: SDPO only (:class:`~claas_verl.claas.service.teacher.SdpoTeacherContext`): each turn keeps its
+            messages until its feedback, and feedback text becomes the entry's teacher context; feedback text with
+            reward null is then an entry too (text-only feedback, see :mod:`~claas_verl.claas.service.teacher`).
     """
 
-    def __init__(self, sink: Any, config: ServiceConfig, grader: Grader | None = None):
+    def __init__(self, sink: Any, config: ServiceConfig, grader: Grader | None = None,
+                 teacher: SdpoTeacherContext | None = None):
         self.config = config
         self.grader = grader
+        self.teacher = teacher
         self.recorder = TrajectoryRecorder(make_sink(sink), max_pending=config.max_pending,
                                            pending_ttl_s=config.pending_ttl_s,
                                            max_pending_per_key=config.max_pending_per_key,
@@ -89,14 +95,17 @@ class TurnLedger:
         if ctx["client_metadata"]:
             metadata["client"] = ctx["client_metadata"]
         graded = self.grader is not None
+        keep_texts = graded or self.teacher is not None  # the grader's input / the SDPO teacher context's
         record = TurnRecord(
             request_id=request_id, scenario_id=scenario_id, step_idx=ctx["step_idx"],
             prompt_ids=np.asarray(gen.prompt_ids, dtype=np.int32),
             response_ids=np.asarray(gen.response_ids, dtype=np.int32),
             behaviour_logprob=behaviour_logprob(gen.token_logprobs), policy_version=gen.policy_version,
             domain=ctx["domain"], metadata=metadata, owner=owner,
-            # the texts are the grader's input only: a turn waiting for feedback keeps its tokens, not its texts
-            messages=messages if graded else [], text=gen.text if graded else "",
+            # the texts are the grader's input, and SDPO's teacher context is built from the messages; otherwise a
+            # turn waiting for feedback keeps its tokens, not its texts
+            messages=messages if keep_texts else [], text=gen.text if graded else "",
+            template_kwargs=ctx.get("template_kwargs") if self.teacher is not None else None,
         )
         if not graded:
             if not self.recorder.hold(record):
@@ -119,7 +128,7 @@ class TurnLedger:
         except Exception as exc:  # any grader failure is a grader error: reward None (docs/math.md §A.1.4)
             self.recorder.count("dropped_grader_error", owner=record.owner)
             return "dropped", f"grader error ({exc!r}): never used for training (docs/math.md §A.1.4)"
-        reserved = reward is not None and self.buffer_share.enabled
+        reserved = reward is not None and self.buffer_share.enabled  # a grader's reward None is a grader error
         if reserved and await self._share_refused(record.owner):
             # a graded turn has no client to retry it: dropped, counted
             self.recorder.count("dropped_buffer_share", owner=record.owner)
@@ -151,22 +160,39 @@ class TurnLedger:
                 "policy updates have made room")
 
     async def _settle(self, record: TurnRecord, reward: float | None, feedback: str | None,
-                      reserved: bool = False) -> tuple[str, str | None]:
+                      reserved: bool = False, text_only: bool = False) -> tuple[str, str | None]:
         """Submit ``record`` with its reward and wait for the buffer: ``("accepted", None)`` once it is in the
         buffer, ``("refused", why)`` when the buffer refused it, ``Unavailable`` when the write failed or was not
         acknowledged within ``ack_timeout_s`` (each counted). ``reserved``: a buffer-share reservation of the owner
-        to end with the outcome."""
+        to end with the outcome. ``text_only``: SDPO feedback text with reward null (stored with reward 0, marked).
+        With SDPO an accepted turn whose feedback gives no teacher context says why in ``reason``."""
         status = None
         try:
-            status, reason = await self._submit(record, reward, feedback)
-            return status, reason
+            metadata, note = None, None
+            if self.teacher is not None and (reward is not None or text_only):
+                metadata, note = await self._teacher_metadata(record, reward, feedback, text_only)
+                if text_only:
+                    reward = 0.0
+            status, reason = await self._submit(record, reward, feedback, metadata)
+            return status, reason if status != "accepted" else note
         finally:
             if reserved:
                 self.buffer_share.release(record.owner, accepted=status == "accepted")
 
-    async def _submit(self, record: TurnRecord, reward: float | None, feedback: str | None
-                      ) -> tuple[str, str | None]:
-        status, reason, ack = self.recorder.finish(record, reward, feedback)
+    async def _teacher_metadata(self, record: TurnRecord, reward: float | None, feedback: str | None,
+                                text_only: bool) -> tuple[dict, str | None]:
+        """The SDPO entry metadata of ``record`` (teacher context ids, text-only mark) and why its feedback gives no
+        signal (None: it does). Rendering blocks (Jinja): off the event loop."""
+        ids = await asyncio.to_thread(self.teacher.prompt_ids, record.messages, feedback,
+                                      None if text_only else reward, record.template_kwargs)
+        metadata = {TEACHER_IDS_KEY: ids} if ids is not None else {}
+        if text_only:
+            metadata[TEXT_ONLY_KEY] = True
+        return metadata, None if ids is not None else self.teacher.unused_reason(feedback, reward)
+
+    async def _submit(self, record: TurnRecord, reward: float | None, feedback: str | None,
+                      metadata: dict | None = None) -> tuple[str, str | None]:
+        status, reason, ack = self.recorder.finish(record, reward, feedback, metadata)
         if ack is None:
             return status, reason
         try:
@@ -203,8 +229,11 @@ class TurnLedger:
             raise ValueError(f"'feedback' must be a string or null, got {type(text).__name__}")
         if text is not None and len(text) > self.config.max_message_chars:
             raise LimitError(f"'feedback' has {len(text)} characters; at most {self.config.max_message_chars}")
+        # SDPO: feedback text without a reward is still an entry (its teacher context is the signal); without SDPO, or
+        # without text, reward null drops the turn (docs/math.md §A.1.4)
+        text_only = reward is None and bool(text) and self.teacher is not None
         reserved = False
-        if reward is not None and self.buffer_share.enabled and self.recorder.owns(request_id, owner):
+        if (reward is not None or text_only) and self.buffer_share.enabled and self.recorder.owns(request_id, owner):
             if await self._share_refused(owner):  # refused before the turn is taken: it stays pending for a retry
                 self.recorder.count("rejected_buffer_share", owner=owner)
                 raise LimitError(self._share_message(), 429, SHARE_RETRY_S)
@@ -214,7 +243,7 @@ class TurnLedger:
             if reserved:
                 self.buffer_share.release(owner, accepted=False)
             return {"request_id": request_id, "status": "unknown", "reason": self.recorder.unknown_reason(request_id)}
-        status, reason = await self._settle(record, reward, text, reserved=reserved)
+        status, reason = await self._settle(record, reward, text, reserved=reserved, text_only=text_only)
         return {"request_id": request_id, "status": status, "reason": reason}
 
     def share_stats(self) -> dict:

@@ -52,6 +52,7 @@ class ClaasCheckpoints:
         self.resume_dir: str | None = None
         self.resumes: list[dict] = []  # one record per resume of this run's history
         self.teacher_ema_steps: int | None = None  # EMA steps of the SDPO teacher restored at a resume
+        self.teacher_restored: dict | None = None  # ... and rank 0's sha256 of its tensors (and of the student LoRA)
         self.due = False  # verl's loop asked for a checkpoint; taken at the checkpoint point (on_step_end)
         self.in_progress = False
         self.last_step: int | None = None  # step of the latest verl checkpoint this history wrote or loaded
@@ -191,6 +192,7 @@ class ClaasCheckpoints:
                   "buffer_size": r.buffer["size"], "buffer_uids": r.buffer["uids"], "ema": r.ema,
                   "position": dataclasses.asdict(r.position), "regenerate": regenerate,
                   "discarded": discarded, "sdpo_teacher_ema_steps": self.teacher_ema_steps,
+                  "sdpo_teacher": self.teacher_restored,
                   "path": os.path.dirname(self.resume_dir)}
         self.resumes = [*r.resumes, {k: v for k, v in record.items() if k not in ("event", "buffer_uids")}]
         d = discarded or {}

@@ -271,10 +271,7 @@ class ClaasConfig:
                              "scenario producers nor the chat API nothing would ever reach the buffer")
         if self.service.enabled and self.algorithm == "no_update":
             raise ValueError("claas.service.enabled with claas.algorithm=no_update: the chat API's feedback would "
-                             "never update anything; use reinforce_pp or ppo behind the API")
-        if self.service.enabled and self.algorithm == "sdpo":
-            raise ValueError("claas.service.enabled with claas.algorithm=sdpo: the chat API does not build SDPO's "
-                             "re-prompted teacher context yet; use reinforce_pp or ppo behind the API")
+                             "never update anything; use reinforce_pp, ppo or sdpo behind the API")
         from claas_verl.claas.replay.buffer import validate_replay_sizes
 
         validate_replay_sizes(self.m, self.b_min, self.b_max)

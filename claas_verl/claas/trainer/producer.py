@@ -33,6 +33,7 @@ from typing import Any
 from claas_verl.claas.envs.base import Grade, Scenario
 from claas_verl.claas.replay.entry import ReplayEntry, ScenarioEntry
 from claas_verl.claas.replay.store import send_format
+from claas_verl.claas.service.teacher import TEACHER_IDS_KEY
 
 # (request_id, prompt_ids, sampling_params) -> object with token_ids, log_probs, extra_fields (verl's TokenOutput)
 GenerateFn = Callable[[str, list, dict], Awaitable[Any]]
@@ -346,7 +347,7 @@ class RolloutProducer:
             feedback=rec.grade.feedback,
             P=rec.version,
             metadata={"scenario": scenario.scenario_id,
-                      **({"teacher_prompt_ids": rec.teacher_prompt_ids} if rec.teacher_prompt_ids else {})},
+                      **({TEACHER_IDS_KEY: rec.teacher_prompt_ids} if rec.teacher_prompt_ids else {})},
         )
 
     async def _produce_one(self, scenario: Scenario, index: int, sem: asyncio.Semaphore) -> None:

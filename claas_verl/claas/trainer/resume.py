@@ -266,6 +266,22 @@ def discarded_since(trace: Iterable[Mapping], global_steps: int) -> dict:
     }
 
 
+def tensors_sha256(named: Mapping[str, Any]) -> str:
+    """sha256 over named tensors (sorted names; each name, dtype, shape and raw bytes): equal iff every tensor is equal
+    byte for byte. A sharded tensor counts with its local shard (what one rank saves and restores)."""
+    import hashlib
+
+    import torch
+
+    h = hashlib.sha256()
+    for name in sorted(named):
+        t = named[name]
+        t = (t.to_local() if hasattr(t, "to_local") else t).detach().cpu().contiguous()
+        h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
+        h.update(t.view(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
 def save_teacher_state(ema: Any, probe: Mapping | None, claas_dir: str, rank: int) -> str:
     """Write an SDPO ``EmaTeacher`` (``state_dict``: τ, EMA step count, this rank's local shards) and the worker's probe
     counters to ``claas_dir/sdpo_teacher_rank<rank>.pt`` (temporary file, fsync, rename); return the path."""

@@ -24,6 +24,7 @@ import numpy as np
 import ray
 
 from claas_verl.claas.replay.store import fetch_entries
+from claas_verl.claas.service.teacher import TEACHER_IDS_KEY
 from claas_verl.claas.trainer.tq_fields import entry_fields, entry_tag, replay_key
 
 
@@ -41,7 +42,7 @@ class ClaasReplaySampler:
         self.replay = None
         self.data_source = "claas"
         self.sdpo = False
-        self.last_sample: list[dict] = []  # (uid, P, reward, seq) of the most recent draw, for traces and tests
+        self.last_sample: list[dict] = []  # (uid, P, reward, seq, scenario[, sd]) of the latest draw (traces, tests)
 
     def bind(self, replay_actor: Any, data_source: str = "claas", sdpo: bool = False) -> None:
         self.replay = replay_actor
@@ -68,7 +69,9 @@ class ClaasReplaySampler:
         tags = [entry_tag(e) for e in entries]
         tq.kv_batch_put(keys=keys, partition_id=partition_id, fields=fields, tags=tags)
         self.last_sample = [{"uid": e.uid, "P": int(e.P), "reward": float(e.reward), "seq": int(e.seq),
-                             "scenario": int(e.scenario_id)} for e in entries]
+                             "scenario": int(e.scenario_id),
+                             # SDPO: whether the entry has a teacher context (sd_mask = 1)
+                             **({"sd": bool(e.metadata.get(TEACHER_IDS_KEY))} if self.sdpo else {})} for e in entries]
         # Policy-version lag of the sampled entries: updates done before this one minus the serving version.
         lag = np.array([(global_steps - 1) - int(e.P) for e in entries], dtype=float)
         metrics = {

@@ -321,14 +321,19 @@ class ClaasSdpoWorker(ActorRolloutRefWorker):
         return save_teacher_state(self.actor.ema, self.actor.probe, claas_dir, _rank())
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
-    def claas_sdpo_load(self, claas_dir: str) -> int:
-        """Resume: restore this rank's EMA teacher from ``claas_dir``; returns its EMA step count."""
-        from claas_verl.claas.trainer.resume import load_teacher_state
+    def claas_sdpo_load(self, claas_dir: str) -> dict:
+        """Resume: restore this rank's EMA teacher from ``claas_dir``. Returns its EMA step count and the sha256 of the
+        restored teacher tensors and of the student's LoRA tensors as loaded (fp32, the teacher's dtype): a teacher
+        that was not restored would be the student's copy (``claas_sdpo_setup``), so the two must differ."""
+        from claas_verl.claas.trainer.resume import load_teacher_state, tensors_sha256
 
         if self.actor.ema is None:
             raise ValueError("the SDPO EMA teacher is not set up (claas_sdpo_setup was not called)")
         self.actor.probe = load_teacher_state(self.actor.ema, claas_dir, _rank())
-        return self.actor.ema.num_updates
+        module = vc.engine_module(self.actor.engine)
+        student = {n: p.detach().float() for n, p in module.named_parameters() if n in self.actor.ema.params}
+        return {"ema_steps": self.actor.ema.num_updates, "teacher_sha256": tensors_sha256(self.actor.ema.params),
+                "student_lora_sha256": tensors_sha256(student)}
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def claas_sdpo_probe(self) -> dict:

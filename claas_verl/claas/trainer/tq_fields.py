@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from claas_verl.claas.replay.entry import ReplayEntry, ScenarioEntry
+from claas_verl.claas.service.teacher import TEACHER_IDS_KEY  # x' in entry metadata (producers and chat API fill it)
 
 TEACHER_PROMPT_FIELD = "sdpo_teacher_prompt_ids"
 HAS_FEEDBACK_FIELD = "sdpo_has_feedback"
@@ -54,7 +55,7 @@ def entry_fields(entry: ReplayEntry, data_source: str = "claas", sdpo: bool = Fa
     rm_scores[-1] = float(entry.reward)
     input_ids = torch.cat([prompts, responses])
     version = int(entry.P) if entry.P is not None else None
-    teacher = entry.metadata.get("teacher_prompt_ids") if entry.metadata else None
+    teacher = entry.metadata.get(TEACHER_IDS_KEY) if entry.metadata else None
     sdpo_fields = {} if not sdpo else {
         # SDPO teacher context x' (docs/math.md §A.3.3) as a 1-D field per entry, and sd_mask (1 iff feedback exists).
         # Without feedback the student prompt stands in (never read: sd_mask = 0 drops the row).

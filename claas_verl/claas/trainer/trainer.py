@@ -30,7 +30,8 @@ The hooks:
   event-driven, for the next update to be possible and runs the split protocol in between.
 
 SDPO (``claas.algorithm=sdpo``, docs/math.md §A.3.3): the producers also render each failed step's teacher context
-x' (the last user turn re-prompted with the verifier feedback), which travels with the entry; the actor roles run
+x' (the last user turn re-prompted with the verifier feedback), and the chat API each turn's from the user's feedback
+text (:mod:`claas_verl.claas.service.teacher`), which travels with the entry; the actor roles run
 :class:`~claas_verl.claas.trainer.sdpo_worker.ClaasSdpoWorker` (EMA teacher over the LoRA adapter, teacher top-K
 log-probs on x' before each update, ``sdpo_loss`` in the update, EMA step after an applied finite step).
 
@@ -51,6 +52,7 @@ from omegaconf import OmegaConf
 from verl.trainer.ppo.v1.trainer_base import PPOTrainer, register_trainer
 from verl.utils.debug import marked_timer
 
+from claas_verl.claas.service.teacher import TEXT_ONLY_KEY
 from claas_verl.claas.trainer import verl_couplings as vc
 from claas_verl.claas.trainer.chat_api import ChatApiWiring
 from claas_verl.claas.trainer.checkpoints import ClaasCheckpoints
@@ -135,7 +137,9 @@ class ClaasTrainer(VerlSeams, PPOTrainer):
             # θ_T = θ⁰: the EMA teacher copies the LoRA adapter before any update (docs/math.md §A.3.3)
             vc.actor_worker_group(self).claas_sdpo_setup(dataclasses.asdict(self.claas.sdpo))
             if self.ckpt.resume is not None:  # θ_T of checkpoint N (θ of N was loaded by verl's _load_checkpoint)
-                self.ckpt.teacher_ema_steps = vc.actor_worker_group(self).claas_sdpo_load(self.ckpt.resume_dir)[0]
+                restored = vc.actor_worker_group(self).claas_sdpo_load(self.ckpt.resume_dir)[0]  # rank 0's
+                self.ckpt.teacher_ema_steps = restored["ema_steps"]
+                self.ckpt.teacher_restored = restored
                 logger.info("SDPO EMA teacher restored (%s EMA steps)", self.ckpt.teacher_ema_steps)
         # Serve the initial weights (version 0) before any rollout, as verl's sync trainer does.
         self.checkpoint_manager.update_weights(self.global_steps)
@@ -259,15 +263,16 @@ class ClaasTrainer(VerlSeams, PPOTrainer):
 
     # ------------------------------------------------------------------ chat API callbacks
     def _on_chat_accepted(self, entries: list, accepted: int) -> None:
-        """docs/math.md §A.3.1: the EMA sees every reward the buffer accepted, at insertion time (as the producers do).
-        The trace's commit line lets a resume count the entries accepted after its checkpoint."""
+        """docs/math.md §A.3.1: the EMA sees every reward the buffer accepted, at insertion time (as the producers do);
+        an SDPO text-only entry carries no reward of the user's (stored as 0, marked) and is skipped. The trace's commit
+        line lets a resume count the entries accepted after its checkpoint."""
         self.records.trace({"event": "commit", "scenario": None, "accepted": accepted})
         if self.side.ema is None:
             return
         if accepted != len(entries):
             raise RuntimeError(f"the buffer accepted {accepted} of {len(entries)} entries of one chat write; "
                                "the chat API writes one entry per call")
-        self.side.ema.update_many(e.reward for e in entries)
+        self.side.ema.update_many(e.reward for e in entries if not e.metadata.get(TEXT_ONLY_KEY))
 
     def _chat_extra_stats(self) -> dict:
         out = {"buffer": self.side.buffer_stats(), "updates": self.counters.updates, "resumes": self.ckpt.resumes,

@@ -37,15 +37,16 @@ def big_buffer() -> ReplayBuffer:
 
 
 @contextlib.contextmanager
-def running_service(backend, sink, grader=None, **config):
+def running_service(backend, sink, grader=None, teacher=None, **config):
     """A ChatService over ``backend`` served by uvicorn on 127.0.0.1 (free port); yields (service, url).
+    ``teacher``: SDPO's teacher-context builder (``SdpoTeacherContext``), as a job with ``claas.algorithm=sdpo`` has.
 
     Adapter loads over HTTP need ``ADMIN`` and a path under the temp directory unless the test overrides them."""
     config.setdefault("admin_key", ADMIN)
     if not config.get("api_keys"):
         config.setdefault("allow_keyless", True)  # a loopback test service: keyless by explicit opt-in
     config.setdefault("adapter_root", tempfile.gettempdir())
-    service = ChatService(backend, sink, grader=grader, config=ServiceConfig(**config))
+    service = ChatService(backend, sink, grader=grader, config=ServiceConfig(**config), teacher=teacher)
     server = ServiceThread(build_app(service)).start()
     try:
         yield service, server.url

@@ -74,8 +74,9 @@ def test_service_recipes_run_the_chat_api_as_the_only_source(name):
     assert cfg.actor_rollout_ref.rollout.name == ("hf" if name.endswith("scale=tiny") else "vllm")
     with pytest.raises(ValueError, match="nothing would ever reach the buffer"):
         ClaasConfig.from_config({"producer": {"enabled": False}})
-    with pytest.raises(ValueError, match="chat API does not build SDPO"):
-        ClaasConfig.from_config({"algorithm": "sdpo", "service": {"enabled": True}})
+    # SDPO works behind the chat API (the feedback text is the teacher context: claas_verl/claas/service/teacher.py)
+    sdpo = ClaasConfig.from_config({"algorithm": "sdpo", "producer": {"enabled": False}, "service": {"enabled": True}})
+    assert sdpo.service.enabled and sdpo.algorithm == "sdpo"
     with pytest.raises(ValueError, match="claas.service.reward"):
         ClaasConfig.from_config({"service": {"reward": "float"}})
 
