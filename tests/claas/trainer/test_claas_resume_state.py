@@ -317,6 +317,21 @@ def test_sdpo_teacher_state_round_trip(tmp_path):
         rs.load_teacher_state(EmaTeacher(wide), str(tmp_path), rank=0)
 
 
+def test_teacher_fingerprint_sees_every_bit_of_every_tensor():
+    """The resumed worker reports ``tensors_sha256`` of its restored teacher (the service SDPO end-to-end test compares
+    it with the saved file's): equal for equal bytes, different for one ulp, another name, dtype or shape."""
+    teacher = EmaTeacher(_Lora(0), tau=0.1)
+    saved = {n: t.clone() for n, t in teacher.params.items()}
+    assert rs.tensors_sha256(teacher.params) == rs.tensors_sha256(saved)
+    ulp = {**saved, "lora_A": saved["lora_A"].clone()}
+    ulp["lora_A"].view(-1)[0] = torch.nextafter(ulp["lora_A"].view(-1)[0], torch.tensor(float("inf")))
+    renamed = {"lora_a" if n == "lora_A" else n: t for n, t in saved.items()}
+    half = {n: t.half() for n, t in saved.items()}
+    reshaped = {n: t.reshape(-1) for n, t in saved.items()}
+    prints = {rs.tensors_sha256(x) for x in (saved, ulp, renamed, half, reshaped)}
+    assert len(prints) == 5
+
+
 # ---------------------------------------------------------------------------------------------- chat API writes
 def test_chat_api_writes_pause_and_drain_for_a_capture():
     import concurrent.futures

@@ -94,6 +94,32 @@ def test_no_feedback_rows_give_zero_loss_and_gradient():
     assert float(loss) == 0.0 and (g is None or float(g.abs().max()) == 0.0)
 
 
+def test_a_row_without_feedback_contributes_nothing_beside_one_with_feedback():
+    """sd_mask per row: a chat turn without feedback text (row 1) gets no gradient, the row with text (row 0) does,
+    and the loss equals the one over row 0 alone (the token mean over the sd tokens, docs/math.md §A.3.3)."""
+    seq, input_rows, logits, teacher_full, behaviour, data = _setup(seed=3)
+    data[HAS_FEEDBACK_FIELD] = torch.tensor([1, 0])
+    cfg = dict(mode="gjs", alpha=0.5, topk=K, add_tail=True, is_clip=2.0, is_reference="behaviour",
+               ratio_mode="geo_mean", tau=0.05, jsd_coef=1.0)
+    loss_fn = sdpo_worker.ClaasSdpoLoss(cfg, actor_config=None)
+    loss_fn.global_sd_tokens = float(RESPS[0])
+    loss, _ = loss_fn(model_output=_model_output(loss_fn, logits, data, input_rows, seq), data=data)
+    (g,) = torch.autograd.grad(loss, logits)
+    assert float(loss.detach()) > 0
+    assert float(g[0, : seq[0]].abs().max()) > 0 and float(g[0, seq[0]:].abs().max()) == 0.0
+
+    idx, rows, cols = response_positions(torch.tensor(seq), torch.tensor(RESPS))
+    s_full = torch.zeros(2, max(RESPS), V).index_put((rows, cols), torch.log_softmax(logits[0, idx], -1))
+    labels = torch.roll(torch.cat(input_rows), -1)
+    log_prob = torch.zeros(2, max(RESPS)).index_put((rows, cols), s_full[rows, cols].gather(
+        -1, labels[idx][:, None]).squeeze(-1))
+    mask = torch.zeros(2, max(RESPS), dtype=torch.bool).index_put((rows, cols), torch.tensor(True))
+    ref = torch.zeros(2, max(RESPS)).index_put((rows, cols), torch.cat(behaviour))
+    expected, _ = sdpo_loss(s_full[:1], teacher_full[:1], log_prob[:1], ref[:1], mask[:1], torch.tensor([1]),
+                            topk=K, is_clip=2.0, ratio_mode="geo_mean")
+    assert float(loss.detach()) == pytest.approx(float(expected.detach()), rel=1e-5, abs=1e-7)
+
+
 @pytest.mark.parametrize("mode,is_reference", [("pg+jsd", "behaviour"), ("gjs", "ema_teacher")])
 def test_pg_jsd_and_teacher_is_reference_match_sdpo_loss(mode, is_reference):
     from types import SimpleNamespace
