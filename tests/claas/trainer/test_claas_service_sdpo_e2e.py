@@ -34,11 +34,13 @@ from claas_verl.claas.envs.rule_following import CapitalStartRule
 
 REPO = Path(__file__).resolve().parents[3]
 UPDATES = 3
-RULE = "Start your reply with a capital letter."
+RULE = "Start your reply with a capital letter."  # the feedback text, and the rule-following grader that checks it
+GRADER = CapitalStartRule()
 TRAIN_PROMPTS = [f"tell me something about {w}" for w in
                  ("rivers", "bread", "trains", "owls", "glass", "maps", "tea", "snow", "clocks", "bees")]
-PROBE_PROMPTS = [f"say a few words about {w}" for w in ("mountains", "paper", "boats", "cats", "salt", "stars")]
-PROBE_SAMPLES = 3  # replies per probe prompt (sampled at τ = 1, as the service serves them)
+PROBE_PROMPTS = [f"say a few words about {w}" for w in
+                 ("mountains", "paper", "boats", "cats", "salt", "stars", "shoes", "music")]
+PROBE_SAMPLES = 4  # replies per probe prompt (sampled at τ = 1, as the service serves them)
 
 pytestmark = pytest.mark.slow
 
@@ -80,7 +82,6 @@ def _kill_group(proc: subprocess.Popen) -> None:
 
 def _probe(client) -> tuple[float, list[str], list[int]]:
     """Pass rate of the rule over served replies to the held-out probes (not recorded: they never train)."""
-    rule = CapitalStartRule()
     texts, versions = [], []
     for prompt in PROBE_PROMPTS:
         for _ in range(PROBE_SAMPLES):
@@ -89,7 +90,7 @@ def _probe(client) -> tuple[float, list[str], list[int]]:
             assert r.model_extra["claas"]["record"] == "not_recorded"
             texts.append(r.choices[0].message.content or "")
             versions.append(r.model_extra["claas"]["policy_version"])
-    return sum(rule.violation(t) is None for t in texts) / len(texts), texts, versions
+    return sum(GRADER.violation(t) is None for t in texts) / len(texts), texts, versions
 
 
 def _feedback(i: int) -> tuple[float | None, str | None]:
@@ -195,7 +196,7 @@ def test_feedback_text_is_the_teacher_context_of_the_sdpo_updates(sdpo_service_r
 def test_served_policy_moves_toward_the_feedback(sdpo_service_run):
     run = sdpo_service_run
     before, after = run["before"][0], run["after"][0]
-    print(f"capital-start pass rate of served replies on {len(PROBE_PROMPTS)} held-out probes x {PROBE_SAMPLES}: "
+    print(f"{GRADER.family} pass rate of served replies on {len(PROBE_PROMPTS)} held-out probes x {PROBE_SAMPLES}: "
           f"before {before:.3f}, after {after:.3f} ({len(run['turns'])} feedback turns, {UPDATES}+ updates)")
     if not run["reads_feedback"]:
         pytest.skip("the model of feedback_model() cannot read feedback in context: no movement to expect")
