@@ -86,7 +86,7 @@ def _kill_group(proc: subprocess.Popen) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("recipe", ["tiny_reinforce_pp", "tiny_sdpo"])
+@pytest.mark.parametrize("recipe", ["reinforce_pp", "sdpo"])
 def test_killed_run_resumes_with_the_same_state(recipe, tiny_model_dir, tmp_path):
     _kill_and_resume(recipe, tiny_model_dir, tmp_path, split=SPLIT)
 
@@ -95,7 +95,7 @@ def test_killed_run_resumes_with_the_same_state(recipe, tiny_model_dir, tmp_path
 def test_killed_two_rank_run_resumes_with_the_same_state(tiny_model_dir, tmp_path):
     """The same checks with two training ranks (two logical GPUs, gloo): verl shards each update over both ranks,
     and checkpoint N and its restore cover both ranks' actor shards."""
-    _kill_and_resume("tiny_reinforce_pp", tiny_model_dir, tmp_path, split=TWO_RANK_SPLIT, ranks=2)
+    _kill_and_resume("reinforce_pp", tiny_model_dir, tmp_path, split=TWO_RANK_SPLIT, ranks=2)
 
 
 def _kill_and_resume(recipe: str, tiny_model_dir: Path, tmp_path: Path, split: int, ranks: int = 1) -> None:
@@ -104,7 +104,7 @@ def _kill_and_resume(recipe: str, tiny_model_dir: Path, tmp_path: Path, split: i
     out = tmp_path / "runs"
     env = dict(os.environ, CLAAS_TINY_DIR=str(tiny_model_dir), CLAAS_OUT_DIR=str(out), PYTHONUNBUFFERED="1")
     env.setdefault("RAY_raylet_start_wait_time_s", "180")
-    cmd = [sys.executable, "-m", "claas_verl.main_claas", "--config-name", f"claas/{recipe}",
+    cmd = [sys.executable, "-m", "claas_verl.main_claas", "--config-name", f"claas/{recipe}", "scale=tiny",
            "claas.env.name=ih_challenge", "~claas.env.kwargs", f"+claas.env.kwargs={{path:{stream},max_turns:2}}",
            f"claas.stream.split_size={split}", "claas.producer.max_concurrent_scenarios=1", "trainer.save_freq=1",
            f"trainer.n_gpus_per_node={ranks}", "claas.b_min=4", "claas.m=4", "claas.a_max=2"]
@@ -188,7 +188,7 @@ def _kill_and_resume(recipe: str, tiny_model_dir: Path, tmp_path: Path, split: i
             uids_of.setdefault(s["scenario"], set()).add(s["uid"])
     assert all(len(u) <= 2 for u in uids_of.values()), uids_of  # 2 turns: at most 2 entries per generation
 
-    if recipe == "tiny_sdpo":
+    if recipe == "sdpo":
         import torch
 
         teacher = torch.load(claas_dir / "sdpo_teacher_rank0.pt", weights_only=False)
@@ -200,7 +200,7 @@ def _kill_and_resume(recipe: str, tiny_model_dir: Path, tmp_path: Path, split: i
     assert metrics["updates"] == n + len(steps)
     assert len(metrics["resumes"]) == 1 and metrics["resumes"][0]["global_steps"] == n
 
-    if recipe == "tiny_reinforce_pp" and ranks == 1:
+    if recipe == "reinforce_pp" and ranks == 1:
         # the same folder with another setting: refused, naming the key, nothing loaded
         bad = subprocess.run([*cmd[:-1], "claas.a_max=3"], cwd=REPO, env=env, capture_output=True,
                              text=True, timeout=1500)
