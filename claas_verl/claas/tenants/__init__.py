@@ -1,0 +1,7 @@
+"""Tenants of CLaaS: one continually trained adapter per tenant behind one API.
+
+``config`` the tenant schema and the key -> tenant directory; ``scheduler`` which tenant the trainer updates next;
+``adapters`` each tenant's adapter lineage, weight digest and the store that keeps idle tenants off the accelerator;
+``memory`` the bytes one tenant rests in; ``verify`` the check that a reloaded adapter serves what was trained. The
+replay side is :mod:`claas_verl.claas.replay.partitions`. Nothing here is wired into the HTTP API yet.
+"""
