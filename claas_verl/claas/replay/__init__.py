@@ -3,8 +3,8 @@
 ``ReplayEntry``/``ScenarioEntry`` (entries), ``PackedEntries`` (columnar wire format of a batch of steps),
 ``EntryRef``/``RefBatch`` (entries held by reference: tokens in Ray's object store),
 ``put_batch``/``send_format``/``fetch_entries`` (producer and trainer side of the reference path; Ray imported on call),
-``ReplayBuffer`` (plain class, no Ray), ``PartitionedReplay`` (one ``ReplayBuffer`` per tenant) and, imported lazily so that
-``import claas_verl.claas.replay`` never pulls in Ray, ``AsyncReplayBuffer`` (the asyncio actor body) and
+``ReplayBuffer`` (plain class, no Ray), ``PartitionedReplay`` (one ``ReplayBuffer`` per tenant) and, imported
+lazily so that ``import claas_verl.claas.replay`` never pulls in Ray, ``AsyncReplayBuffer`` (the asyncio actor body) and
 ``ReplayBufferActor``/``make_replay_actor`` (the Ray actor).
 """
 
