@@ -9,6 +9,11 @@ event loop keeps serving). The model, the adapter and the policy version are rea
 starts, and ``load_adapter`` takes the same lock, so a reload waits for the running request and the version
 recorded for a response is always the one whose weights produced it.
 
+Verified reloads: ``load_adapter(path, probe=ReloadProbe(ids, accept))`` loads the new adapter next to the served
+one, scores the probe tokens with it (teacher-forced, :func:`~claas_verl.claas.tenants.verify.probe_token_logprobs`)
+and serves it only if ``accept`` says so; otherwise the new adapter is dropped, the previous version stays served and
+:class:`~claas_verl.claas.service.backend.AdapterRejected` is raised.
+
 Streaming: the generation thread hands every sampled token to the event loop as it is sampled (a
 :class:`~claas_verl.claas.service.streaming.TokenDelta` with its incrementally decoded text); the final
 :class:`~claas_verl.claas.service.backend.Generation` is built from the same token ids and log-probs as a non-streamed
@@ -22,7 +27,7 @@ import os
 import threading
 from collections.abc import Callable
 
-from claas_verl.claas.service.backend import ChatBackend, Generation, next_version
+from claas_verl.claas.service.backend import AdapterRejected, ChatBackend, Generation, next_version
 from claas_verl.claas.service.sampling import SamplingParams
 from claas_verl.claas.service.streaming import IncrementalDetokenizer, StreamStart, TokenDelta
 from claas_verl.claas.service.templating import render_prompt_ids
@@ -142,11 +147,11 @@ class HFBackend(ChatBackend):
         finally:
             stop.set()  # a consumer that leaves early (client disconnect) ends the generation at the next token
 
-    async def load_adapter(self, path, version=None) -> int:
+    async def load_adapter(self, path, version=None, probe=None) -> int:
         def work():
             with self._lock:
                 new = next_version(self._version, version)
-                self._load_adapter_locked(str(path), new)
+                self._load_adapter_locked(str(path), new, probe)
                 return new
 
         return await asyncio.to_thread(work)
@@ -199,19 +204,45 @@ class HFBackend(ChatBackend):
         return Generation(prompt_ids=list(prompt_ids), response_ids=tokens, token_logprobs=logps, text=text,
                           finish_reason=finish, policy_version=version, model=model_name)
 
-    def _load_adapter_locked(self, path: str, version: int) -> None:
+    def _load_adapter_locked(self, path: str, version: int, probe=None) -> None:
         from peft import PeftModel
 
         if not os.path.isfile(os.path.join(path, "adapter_config.json")):
             raise ValueError(f"lora_path {path!r} is not a peft adapter directory (no adapter_config.json)")
         name = f"v{version}"
-        if self._adapter is None:
+        first = self._adapter is None
+        if first:
             self.model = PeftModel.from_pretrained(self.model, path, adapter_name=name).eval()
         else:
-            old = self._adapter
             self.model.load_adapter(path, adapter_name=name)
             self.model.set_adapter(name)
-            self.model.delete_adapter(old)  # only the served adapter is kept: no memory growth over updates
             self.model.eval()
+        if probe is not None:
+            self._verify_locked(name, first, probe)
+        if not first:
+            self.model.delete_adapter(self._adapter)  # only the served adapter is kept: no memory growth
         self._adapter = name
         self._version = version
+
+    def _verify_locked(self, name: str, first: bool, probe) -> None:
+        """Score ``probe.ids`` with the just-loaded adapter ``name``; drop it (the previous adapter, or the base
+        model, is served again) unless ``probe.accept`` takes the scores."""
+        from claas_verl.claas.tenants.verify import probe_token_logprobs
+
+        try:
+            accepted = probe.accept(probe_token_logprobs(self.model, probe.ids))
+        except BaseException:
+            self._drop_locked(name, first)
+            raise
+        if not accepted:
+            self._drop_locked(name, first)
+            raise AdapterRejected(f"the adapter loaded as {name} failed the serving probe; "
+                                  f"still serving {self.served_model} (policy version {self._version})")
+
+    def _drop_locked(self, name: str, first: bool) -> None:
+        if first:
+            self.model = self.model.unload().eval()  # the base model again, its LoRA layers removed
+        else:
+            self.model.set_adapter(self._adapter)
+            self.model.delete_adapter(name)
+            self.model.eval()

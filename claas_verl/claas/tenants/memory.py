@@ -71,9 +71,12 @@ def memory_table(rank: int, target_modules) -> str:
         lines.append(f"| {label} | " + " | ".join(fmt(rows[n]) for n in names) + " |")
 
     row(f"LoRA parameters (r = {rank}, {target_modules})", lambda r: f"{r['params']:,}")
-    row("at rest, host memory: fp32 adapter + AdamW moments", lambda r: f"{r['rest'] / GIB:.3f} GiB")
-    row("during its update, accelerator: + fp32 gradient (all ranks together)", lambda r: f"{r['update'] / GIB:.3f} GiB")
-    row("served, per adapter slot (bf16)", lambda r: f"{r['served'] / GIB:.3f} GiB")
+    def gib(key):
+        return lambda r: f"{r[key] / GIB:.3f} GiB"
+
+    row("at rest, host memory: fp32 adapter + AdamW moments", gib("rest"))
+    row("during its update, accelerator: + fp32 gradient (all ranks together)", gib("update"))
+    row("served, per adapter slot (bf16)", gib("served"))
     return "\n".join(lines)
 
 
