@@ -23,6 +23,7 @@ request. Closing the stream early (the client went away) stops the generation af
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import threading
 from collections.abc import Callable
@@ -107,12 +108,13 @@ class HFBackend(ChatBackend):
             max_tokens = min(max_tokens, room)
         return prompt_ids, max_tokens
 
-    async def generate(self, messages, params: SamplingParams, chat_template_kwargs=None) -> Generation:
+    async def generate(self, messages, params: SamplingParams, chat_template_kwargs=None,
+                       tenant: str | None = None) -> Generation:
         # rendering runs Jinja and the tokenizer: off the event loop, so one request never stalls the others
         prompt_ids, max_tokens = await asyncio.to_thread(self._prepare, messages, params, chat_template_kwargs)
-        return await asyncio.to_thread(self._generate_locked, prompt_ids, params, max_tokens)
+        return await asyncio.to_thread(self._generate_locked, prompt_ids, params, max_tokens, tenant=tenant)
 
-    async def stream(self, messages, params: SamplingParams, chat_template_kwargs=None):
+    async def stream(self, messages, params: SamplingParams, chat_template_kwargs=None, tenant: str | None = None):
         prompt_ids, max_tokens = await asyncio.to_thread(self._prepare, messages, params, chat_template_kwargs)
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
@@ -126,7 +128,7 @@ class HFBackend(ChatBackend):
 
         def work() -> None:
             try:
-                gen = self._generate_locked(prompt_ids, params, max_tokens, emit=emit, stop=stop)
+                gen = self._generate_locked(prompt_ids, params, max_tokens, emit=emit, stop=stop, tenant=tenant)
                 if gen is not None:
                     emit(gen)
             except BaseException as exc:  # handed to the consumer, raised there
@@ -157,44 +159,56 @@ class HFBackend(ChatBackend):
         return await asyncio.to_thread(work)
 
     # ------------------------------------------------------------------ internals (called with the lock held)
+    def _serve_locked(self, tenant: str | None):
+        """``(policy version, model name, context around the forward passes)`` of one request of ``tenant``. This
+        backend serves one adapter to everyone (``tenant`` None); ``TenantHFBackend`` serves one per tenant."""
+        if tenant is not None:
+            raise ValueError(f"this backend serves one adapter to every key; tenant {tenant!r} needs a TenantHFBackend")
+        return self._version, self.served_model, contextlib.nullcontext()
+
     def _generate_locked(self, prompt_ids: list[int], params: SamplingParams, max_tokens: int,
                          emit: Callable[[object], None] | None = None,
-                         stop: threading.Event | None = None) -> Generation | None:
+                         stop: threading.Event | None = None, tenant: str | None = None) -> Generation | None:
         """Sample one response; with ``emit``, also hand a StreamStart and one TokenDelta per token to it as they are
         sampled. Returns None if ``stop`` was set before the end (the partial response is not a Generation)."""
-        torch = self._torch
         with self._lock:
-            version, model_name = self._version, self.served_model
-            detok = None
-            if emit is not None:
-                emit(StreamStart(policy_version=version, model=model_name))
-                detok = IncrementalDetokenizer(self.tokenizer)
-            generator = self._generator
-            if params.seed is not None:
-                generator = torch.Generator().manual_seed(int(params.seed))
-            tokens: list[int] = []
-            logps: list[float] = []
-            finish = "length"
-            with torch.no_grad():
-                input_ids = torch.tensor([prompt_ids], dtype=torch.long)
-                past = None
-                for _ in range(max_tokens):
-                    if stop is not None and stop.is_set():
-                        self.stopped_early += 1
-                        return None
-                    out = self.model(input_ids=input_ids, past_key_values=past, use_cache=True)
-                    past = out.past_key_values
-                    token, logp = self._sample(out.logits[:, -1, :], params.temperature, params.top_k,
-                                               params.top_p, generator)
-                    tokens.append(int(token))
-                    logps.append(float(logp))
-                    if detok is not None:
-                        emit(TokenDelta(text=detok.push([tokens[-1]]), token_ids=(tokens[-1],),
-                                        logprobs=(logps[-1],)))
-                    if int(token) in self.eos_token_ids:
-                        finish = "stop"  # the EOS token stays in the response: it carries mask 1 (docs/math.md §0)
-                        break
-                    input_ids = token[:, None]
+            version, model_name, scope = self._serve_locked(tenant)
+            with scope:
+                return self._sample_locked(prompt_ids, params, max_tokens, emit, stop, version, model_name)
+
+    def _sample_locked(self, prompt_ids, params, max_tokens, emit, stop, version, model_name) -> Generation | None:
+        """The generation loop (the lock held, the request's adapter selected)."""
+        torch = self._torch
+        detok = None
+        if emit is not None:
+            emit(StreamStart(policy_version=version, model=model_name))
+            detok = IncrementalDetokenizer(self.tokenizer)
+        generator = self._generator
+        if params.seed is not None:
+            generator = torch.Generator().manual_seed(int(params.seed))
+        tokens: list[int] = []
+        logps: list[float] = []
+        finish = "length"
+        with torch.no_grad():
+            input_ids = torch.tensor([prompt_ids], dtype=torch.long)
+            past = None
+            for _ in range(max_tokens):
+                if stop is not None and stop.is_set():
+                    self.stopped_early += 1
+                    return None
+                out = self.model(input_ids=input_ids, past_key_values=past, use_cache=True)
+                past = out.past_key_values
+                token, logp = self._sample(out.logits[:, -1, :], params.temperature, params.top_k,
+                                           params.top_p, generator)
+                tokens.append(int(token))
+                logps.append(float(logp))
+                if detok is not None:
+                    emit(TokenDelta(text=detok.push([tokens[-1]]), token_ids=(tokens[-1],),
+                                    logprobs=(logps[-1],)))
+                if int(token) in self.eos_token_ids:
+                    finish = "stop"  # the EOS token stays in the response: it carries mask 1 (docs/math.md §0)
+                    break
+                input_ids = token[:, None]
         if detok is None:
             text = self.tokenizer.decode(tokens, skip_special_tokens=True)
         else:
