@@ -76,3 +76,24 @@ def test_tenant_name_lists_are_checked():
     for bad, msg in (([], "no tenants"), (["a", "a"], "named twice"), (["a/b"], "not a tenant name")):
         with pytest.raises(ValueError, match=msg):
             check_tenant_names(bad, "w")
+
+
+def test_the_operator_guides_example_is_a_valid_configuration():
+    import re
+    from pathlib import Path
+
+    import yaml
+
+    page = (Path(__file__).resolve().parents[3] / "docs/service.md").read_text()
+    section = page[page.index("## Tenants"):]
+    example = yaml.safe_load(re.search(r"```yaml\n(.*?)```", section, re.S).group(1))
+    d = TenantDirectory(example["claas"]["service"]["tenants"])
+    assert d.names == ("alice", "bob") and d.tenant_of("sk-alice-2") == "alice"
+    assert d["bob"].rate_limit_per_s == 2.0 and d["alice"].b_max == 64
+    c = TenantConfig(api_keys=("k",))  # the guide's table of defaults is the schema's
+    for row in (f"| `b_min`, `b_max`, `a_max` | {c.b_min}, {c.b_max}, {c.a_max} |",
+                f"| `max_pending` | {c.max_pending} |",
+                f"| `rate_limit_per_s`, `rate_limit_burst` | null, {c.rate_limit_burst} |",
+                f"| `max_buffer_share` | {c.max_buffer_share} |"):
+        assert row in section, row
+    assert c.rate_limit_per_s is None
