@@ -140,7 +140,8 @@ class VersionedLoRAEngine:
 
 
 def check_rollout_config(config: Any) -> None:
-    """``ValueError`` naming the key unless the vLLM rollout can keep an old adapter while a new one is served."""
+    """``ValueError`` naming the key unless the vLLM rollout can keep an old adapter while a new one is served (and
+    cache every adapter a batch may hold, when ``max_loras`` is raised)."""
     engine_kwargs = (config.actor_rollout_ref.rollout.get("engine_kwargs") or {}).get("vllm") or {}
     cpu_loras = engine_kwargs.get("max_cpu_loras")
     if cpu_loras is None or int(cpu_loras) < MIN_CPU_LORAS:
@@ -148,3 +149,30 @@ def check_rollout_config(config: Any) -> None:
             f"actor_rollout_ref.rollout.engine_kwargs.vllm.max_cpu_loras must be >= {MIN_CPU_LORAS} (got {cpu_loras}): "
             "a LoRA update keeps the old adapter loaded until its running requests end (recipes/claas/common/"
             "paper_model.yaml sets 4)")
+    max_loras = engine_kwargs.get("max_loras")
+    if max_loras is not None:
+        if isinstance(max_loras, bool) or not isinstance(max_loras, int) or max_loras < 1:
+            raise ValueError(f"actor_rollout_ref.rollout.engine_kwargs.vllm.max_loras must be an int >= 1, "
+                             f"got {max_loras!r}")
+        if int(cpu_loras) < max_loras:
+            raise ValueError(f"actor_rollout_ref.rollout.engine_kwargs.vllm.max_cpu_loras={cpu_loras} is below "
+                             f"max_loras={max_loras}: vLLM caches at least the adapters one batch holds")
+
+
+def lift_max_loras(args: Any, engine_kwargs: Any) -> bool:
+    """Set the vLLM server arguments' ``max_loras`` to ``engine_kwargs["max_loras"]`` when LoRA is on and the
+    recipe asks for more than the arguments hold; True if it raised it.
+
+    verl 0.9.1 merges ``engine_kwargs.vllm`` into the server arguments and then overwrites ``max_loras`` with 1
+    (``vLLMHttpServer.launch_server``), so a batch holds one adapter: a new version's requests wait until the old
+    one's finish, and tenants would take turns. The server applies this to the parsed arguments it hands to
+    ``run_server``/``run_headless`` (docs/verl-couplings.md, "Tenants and verl's one-adapter engines")."""
+    wanted = (engine_kwargs or {}).get("max_loras")
+    if wanted is None or not getattr(args, "enable_lora", False):
+        return False
+    if isinstance(wanted, bool) or not isinstance(wanted, int) or wanted < 1:
+        raise ValueError(f"actor_rollout_ref.rollout.engine_kwargs.vllm.max_loras must be an int >= 1, got {wanted!r}")
+    if wanted <= int(getattr(args, "max_loras", 1) or 1):
+        return False
+    args.max_loras = wanted
+    return True

@@ -20,10 +20,12 @@ resets the prefix cache under them. Three thin subclasses change that, without c
   verl's ``vllm`` rollout replica (``RolloutReplicaRegistry``). The CLaaS trainer calls it for LoRA-adapter runs.
 
 vLLM configuration: verl hard-codes ``max_loras=1`` (one adapter per batch), so requests of the new adapter wait
-until the old adapter's running requests finish (a stall during each switch, never a base-model reply). Keeping the
-old adapter cached while they do needs ``max_cpu_loras >= 2``:
-``actor_rollout_ref.rollout.engine_kwargs.vllm.max_cpu_loras`` (4 in ``recipes/claas/common/paper_model.yaml``);
-:func:`register` refuses a smaller value.
+until the old adapter's running requests finish (a stall during each switch, never a base-model reply).
+``actor_rollout_ref.rollout.engine_kwargs.vllm.max_loras`` lifts it: :class:`ClaasVLLMHttpServer` sets it on the
+parsed server arguments verl hands to ``run_server``/``run_headless`` (:func:`~claas_verl.claas.lora_versions.
+lift_max_loras`; not yet run end to end). Keeping the old adapter cached while its requests end needs
+``max_cpu_loras >= 2`` (and ``>= max_loras``): ``actor_rollout_ref.rollout.engine_kwargs.vllm.max_cpu_loras`` (4 in
+``recipes/claas/common/paper_model.yaml``); :func:`register` refuses a smaller value.
 
 Status: the decision logic is tested against a real vLLM engine on CPU (tests/claas/test_lora_versions_vllm.py);
 this glue runs end to end inside verl's vLLM rollout on vLLM's CPU build for LoRA-only syncs
@@ -42,6 +44,7 @@ from claas_verl.claas.lora_versions import (
     LORA_ID_BASE,
     VersionedLoRAEngine,
     check_rollout_config,
+    lift_max_loras,
     lora_name,
     next_lora_id,
 )
@@ -103,6 +106,19 @@ class ClaasVLLMHttpServer(_server_base()):
         if self.lora_as_adapter and getattr(self, "engine", None) is not None:
             self.engine = VersionedLoRAEngine(self.engine)
         return out
+
+    def _lift_max_loras(self, args) -> None:
+        engine_kwargs = self.config.get("engine_kwargs", {}).get(self._get_engine_kwargs_key(), {}) or {}
+        if lift_max_loras(args, engine_kwargs):
+            logger.info("claas: vLLM serves up to %d adapters per batch (verl sets 1)", args.max_loras)
+
+    async def run_server(self, args):
+        self._lift_max_loras(args)
+        return await super().run_server(args)
+
+    async def run_headless(self, args):
+        self._lift_max_loras(args)
+        return await super().run_headless(args)
 
     async def claas_lora_state(self) -> dict:
         """:meth:`VersionedLoRAEngine.state` plus the adapter ids the engine holds (``loaded``); {} without LoRA."""

@@ -58,6 +58,15 @@ def check_sampler_poll(poll) -> float:
     return float(poll)
 
 
+def check_probe_tolerance(value) -> float | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value < float("inf"):
+        raise ValueError(f"mopd.weight_sync_max_abs_diff={value!r}: give the largest accepted served-vs-trained "
+                         f"log-prob difference in nats (> 0; {BASE_YAML} sets 0.5), or null to only log it")
+    return float(value)
+
+
 @dataclass(frozen=True)
 class DomainConfig:
     """``mopd.domains.<d>``: one domain of the stream (None: unset; preflight names a required path before Ray)."""
@@ -91,6 +100,10 @@ class MopdConfig:
     weight_sync_probe_tokens: int = knob(8, "after every weight sync the rollout and the trainer score a fixed "
                                          "probe of this many tokens (rollout/weight_sync_max_abs_logprob_diff, "
                                          "~1e-5 when the update arrived); 0: off")
+    weight_sync_max_abs_diff: float | None = knob(0.5, "the job stops (ServedWeightsMismatch) when a replica's "
+                                                  "probe log-probs differ from the trainer's by more than this "
+                                                  "(nats, max and mean over the probe); bf16 rollouts: 0.06-0.13; "
+                                                  "null: only log the metric")
     train: TrainConfig = knob(help="optimizer, sampling and precision", factory=TrainConfig)
     eval: EvalConfig = knob(help="the forgetting evaluation", factory=EvalConfig)
     signal: AuxConfig = knob(help="the alignment terms (keys: SignalSection)", factory=AuxConfig)
@@ -116,6 +129,7 @@ class MopdConfig:
             sampler_poll_s=check_sampler_poll(recipe_key(mopd, "sampler_poll_s")),
             weight_sync_probe_tokens=integer("weight_sync_probe_tokens", 0,
                                              "tokens of the weight-sync probe, 0 to turn it off"),
+            weight_sync_max_abs_diff=check_probe_tolerance(recipe_key(mopd, "weight_sync_max_abs_diff")),
             domains=MappingProxyType({str(d): _domain(domains[d]) for d in domains}),
             train=TrainConfig.from_mapping(lambda name: recipe_key(mopd, f"train.{name}", TRAIN_YAML)),
             eval=EvalConfig(

@@ -28,6 +28,13 @@ COUPLINGS = [
     ("vllm_async_server.py", r"def lora_as_adapter\(self\)", "versioned serving only for LoRA adapters"),
     ("vllm_async_server.py", r"self\.server_class = ray\.remote\(vLLMHttpServer\)", "ClaasVLLMReplica's servers"),
     ("vllm_async_server.py", r'"max_loras": 1', "verl's one-adapter batches (new requests wait for the old ones)"),
+    ("vllm_async_server.py", r"\*\*engine_kwargs,[\s\S]*args\.update\(lora_args\)",
+     "engine_kwargs.vllm.max_loras is overwritten by verl's 1 (lift_max_loras puts it back)"),
+    ("vllm_async_server.py", r"build_cli_args_from_config\(args\)[\s\S]*await self\.run_server\(server_args\)"
+     r"[\s\S]*await self\.run_headless\(server_args\)",
+     "the parsed arguments reach run_server / run_headless, where lift_max_loras applies"),
+    ("vllm_async_server.py", r"async def run_server\(self, args: argparse\.Namespace\)", "overridden: max_loras"),
+    ("vllm_async_server.py", r"async def run_headless\(self, args: argparse\.Namespace\)", "overridden: max_loras"),
     ("vllm_rollout.py", r"server_handle\.clear_kv_cache\.remote\(\)", "called right after every weight sync"),
 ]
 
@@ -50,3 +57,27 @@ def test_max_cpu_loras_is_required():
     for bad in ({}, {"max_cpu_loras": 1}):
         with pytest.raises(ValueError, match="engine_kwargs.vllm.max_cpu_loras"):
             check_rollout_config(cfg(bad))
+
+
+def test_max_loras_from_the_recipe_replaces_verls_one():
+    import argparse
+
+    from omegaconf import OmegaConf
+
+    from claas_verl.claas.lora_versions import check_rollout_config, lift_max_loras
+
+    args = argparse.Namespace(enable_lora=True, max_loras=1)  # what verl's launch_server parsed
+    assert lift_max_loras(args, {"max_loras": 4, "max_cpu_loras": 6}) and args.max_loras == 4
+    assert not lift_max_loras(args, {"max_loras": 2})  # never lowered
+    assert not lift_max_loras(args, {}) and args.max_loras == 4
+    off = argparse.Namespace(enable_lora=False, max_loras=1)
+    assert not lift_max_loras(off, {"max_loras": 4}) and off.max_loras == 1  # no LoRA: nothing to lift
+    with pytest.raises(ValueError, match="max_loras must be an int >= 1"):
+        lift_max_loras(argparse.Namespace(enable_lora=True, max_loras=1), {"max_loras": 0})
+
+    def cfg(vllm_kwargs):
+        return OmegaConf.create({"actor_rollout_ref": {"rollout": {"engine_kwargs": {"vllm": vllm_kwargs}}}})
+
+    check_rollout_config(cfg({"max_cpu_loras": 4, "max_loras": 4}))
+    with pytest.raises(ValueError, match="max_cpu_loras=3 is below max_loras=4"):
+        check_rollout_config(cfg({"max_cpu_loras": 3, "max_loras": 4}))

@@ -61,6 +61,7 @@ def test_every_mopd_recipe_builds_the_schema(composed):
     tiny = MopdConfig.from_config(composed["seq scale=tiny"])
     assert tiny.domains["logic"].test_prompts.endswith("data/logic/test.parquet")
     assert (tiny.sampler_poll_s, tiny.weight_sync_probe_tokens, tiny.eval.enabled) == (0.05, 8, True)
+    assert tiny.weight_sync_max_abs_diff == 0.5  # the check acts by default
     # a path the recipe leaves required (`???`) stays unset here; preflight names it before Ray starts
     assert MopdConfig.from_config(composed["seq"]).domains["code"].expert is None
 
@@ -75,6 +76,9 @@ def test_every_mopd_recipe_builds_the_schema(composed):
     ("block_size", 0, r"mopd.block_size=0: prompts per block \(an integer >= 1\)"),
     ("weight_sync_probe_tokens", -1, r"mopd.weight_sync_probe_tokens=-1: .*0 to turn it off"),
     ("weight_sync_probe_tokens", None, r"mopd.weight_sync_probe_tokens=None"),
+    ("weight_sync_max_abs_diff", 0, r"mopd.weight_sync_max_abs_diff=0: .*\(> 0; recipes/mopd/common/base.yaml sets "
+                                    r"0.5\), or null to only log it"),
+    ("weight_sync_max_abs_diff", "tight", r"mopd.weight_sync_max_abs_diff='tight'"),
     ("train__topk", 0, r"mopd.train.topk=0"),
     ("train__teacher_dtype", "fp16", r"mopd.train.teacher_dtype must be one of"),
     ("train__fresh_optimizer_per_stage", "yes", r"mopd.train.fresh_optimizer_per_stage='yes'.*true or false"),
@@ -96,6 +100,7 @@ def test_a_bad_value_names_its_key(composed, key, value, message):
 @pytest.mark.parametrize("key, home", [
     ("sampler_poll_s", "recipes/mopd/common/base.yaml"),
     ("weight_sync_probe_tokens", "recipes/mopd/common/base.yaml"),
+    ("weight_sync_max_abs_diff", "recipes/mopd/common/base.yaml"),
     ("eval__prompts", "recipes/mopd/common/base.yaml"),
     ("train__teacher_dtype", "recipes/mopd/train/paper.yaml"),
     ("train__fresh_optimizer_per_stage", "recipes/mopd/train/paper.yaml"),

@@ -3,8 +3,8 @@
 ``ReplayEntry``/``ScenarioEntry`` (entries), ``PackedEntries`` (columnar wire format of a batch of steps),
 ``EntryRef``/``RefBatch`` (entries held by reference: tokens in Ray's object store),
 ``put_batch``/``send_format``/``fetch_entries`` (producer and trainer side of the reference path; Ray imported on call),
-``ReplayBuffer`` (plain class, no Ray) and, imported lazily so that
-``import claas_verl.claas.replay`` never pulls in Ray, ``AsyncReplayBuffer`` (the asyncio actor body) and
+``ReplayBuffer`` (plain class, no Ray), ``PartitionedReplay`` (one ``ReplayBuffer`` per tenant) and, imported
+lazily so that ``import claas_verl.claas.replay`` never pulls in Ray, ``AsyncReplayBuffer`` (the asyncio actor body) and
 ``ReplayBufferActor``/``make_replay_actor`` (the Ray actor).
 """
 
@@ -17,6 +17,7 @@ from claas_verl.claas.replay.entry import (
     aggregate_scenario_reward,
 )
 from claas_verl.claas.replay.packed import PackedEntries, wire_format
+from claas_verl.claas.replay.partitions import PartitionedReplay
 from claas_verl.claas.replay.refs import BatchHandle, EntryRef, RefBatch
 from claas_verl.claas.replay.snapshot import load_snapshot, save_snapshot
 from claas_verl.claas.replay.store import fetch_entries, put_batch, send_format
@@ -29,6 +30,7 @@ __all__ = [
     "ENTRY_UNITS",
     "EntryRef",
     "PackedEntries",
+    "PartitionedReplay",
     "RefBatch",
     "SCENARIO_REWARD_AGGS",
     "ReplayBuffer",

@@ -17,6 +17,12 @@ holding it: that lock is the "one lock shared by the two processes" of docs/math
 entry evicted by ``on_update`` or FIFO can never be sampled afterwards, and the ``P`` and ``k`` a sample sees belong to
 one state). ``wait_ready`` parks on a future that ``add`` resolves thread-safely, so waiting costs nothing.
 
+Tenants: with ``partitions`` (``{tenant: {b_min, b_max, a_max}}``) the actor keeps one buffer per tenant
+(:mod:`claas_verl.claas.replay.partitions`): every buffer call takes ``tenant=`` and touches that tenant's partition
+only (its own FIFO, age clock ``k`` counted in its own updates, RNG); ``ready_tenants``/``wait_any_ready`` tell the
+trainer's scheduler which tenants can be updated. Without ``partitions`` there is one implicit partition and
+``tenant`` may be left out: the single-tenant API is unchanged.
+
 Restarts: build the actor with :func:`make_replay_actor` (or ``ReplayBufferActor.options(max_restarts=...)``). When
 ``snapshot_path`` is given, the constructor loads the snapshot if the file exists, so an actor restarted by Ray
 (same constructor arguments) resumes from its last snapshot; ``snapshot_every_s`` adds periodic snapshots (taken
@@ -34,11 +40,12 @@ import warnings
 
 import ray
 
-from claas_verl.claas.replay.buffer import ReplayBuffer
+from claas_verl.claas.replay.partitions import PartitionedReplay
 from claas_verl.claas.replay.refs import RefBatch
 from claas_verl.claas.replay.snapshot import load_snapshot, save_snapshot
 
 CONSUMER_GROUP = "consumer"
+_ANY = object()  # a waiter for any tenant's readiness (wait_any_ready)
 _CONSUMER_CONCURRENCY = 16  # concurrent consumer calls (parked waiters count); the trainer makes one at a time
 
 
@@ -53,35 +60,37 @@ class AsyncReplayBuffer:
     Arguments as in :class:`ReplayBuffer` plus ``snapshot_path`` (file to resume from at construction and to save
     to by default), ``snapshot_every_s`` (periodic saves), ``adopt`` (take ownership of the object-store buffers of
     entries held by reference; only when Ray is initialised) and ``adopt_every_s`` (how long a new buffer may stay
-    owned by its producer). As a Ray actor, build it with :func:`make_replay_actor` or
-    ``ReplayBufferActor.options(...).remote(...)``.
+    owned by its producer), and ``partitions`` (one buffer per tenant, instead of ``b_max``/``b_min``/``a_max``). As a
+    Ray actor, build it with :func:`make_replay_actor` or ``ReplayBufferActor.options(...).remote(...)``.
     """
 
     def __init__(
         self,
-        b_max: int,
-        b_min: int,
-        a_max: int,
+        b_max: int | None = None,
+        b_min: int | None = None,
+        a_max: int | None = None,
         seed: int | None = None,
         entry_unit: str = "step",
         snapshot_path: str | None = None,
         snapshot_every_s: float | None = None,
         adopt: bool = True,
         adopt_every_s: float = 0.05,
+        partitions: dict | None = None,
     ):
         if snapshot_every_s is not None and (snapshot_path is None or not snapshot_every_s > 0):
             raise ValueError("snapshot_every_s needs a snapshot_path and must be > 0")
         if not adopt_every_s > 0:
             raise ValueError(f"adopt_every_s must be > 0, got {adopt_every_s!r}")
-        self._buffer = ReplayBuffer(b_max, b_min, a_max, seed, entry_unit=entry_unit)
-        self._lock = threading.Lock()  # guards _buffer and the bookkeeping below; never held across an await
+        self._replay = PartitionedReplay(b_max, b_min, a_max, seed, entry_unit, partitions)
+        self._lock = threading.Lock()  # guards _replay and the bookkeeping below; never held across an await
         self._snapshot_path = snapshot_path
         self._snapshot_every_s = snapshot_every_s
         self._restored = False
         if snapshot_path is not None and os.path.exists(snapshot_path):
-            self._buffer.load_state_dict(load_snapshot(snapshot_path))
+            self._replay.load_state_dict(load_snapshot(snapshot_path))
             self._restored = True
-        self._waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future]] = []
+        # parked wait_ready / wait_any_ready calls: (loop, future, tenant or _ANY)
+        self._waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future, object]] = []
         self._save_lock = threading.Lock()  # one writer at a time, so an older state never replaces a newer one
         self._changes = 0  # bumped by every mutation; periodic snapshots skip when unchanged
         self._saved_changes = 0
@@ -118,11 +127,20 @@ class AsyncReplayBuffer:
                     self._last_snapshot_error = repr(exc)
 
     def _wake_waiters_locked(self) -> None:
-        """Resolve every parked ``wait_ready`` (each on its own loop, thread-safely). Call with the lock held."""
-        if self._waiters and self._buffer.ready():
-            for loop, fut in self._waiters:
+        """Resolve every parked waiter whose tenant (or, for ``wait_any_ready``, any tenant) is ready, each on its
+        own loop, thread-safely. Call with the lock held."""
+        if not self._waiters:
+            return
+        ready = set(self._replay.ready_tenants())
+        if not ready:
+            return
+        keep = []
+        for loop, fut, tenant in self._waiters:
+            if tenant is _ANY or self._replay.part(tenant).ready():
                 loop.call_soon_threadsafe(_resolve, fut)
-            self._waiters.clear()
+            else:
+                keep.append((loop, fut, tenant))
+        self._waiters = keep
 
     def _adopt_pending(self) -> None:
         with self._lock:
@@ -161,12 +179,12 @@ class AsyncReplayBuffer:
                 self._adopted_batches += len(group)
 
     # ------------------------------------------------------------------ buffer API
-    async def add(self, entries) -> int:
-        """``ReplayBuffer.add``: all-or-nothing validation, returns the number accepted. A
-        :class:`~claas_verl.claas.replay.refs.RefBatch` is stored by reference."""
+    async def add(self, entries, tenant: str | None = None) -> int:
+        """``ReplayBuffer.add`` into ``tenant``'s partition: all-or-nothing validation, returns the number accepted.
+        A :class:`~claas_verl.claas.replay.refs.RefBatch` is stored by reference."""
         self._start_background()
         with self._lock:
-            accepted = self._buffer.add(entries)
+            accepted = self._replay.part(tenant).add(entries)
             self._changes += 1
             self._wake_waiters_locked()
             schedule = False
@@ -178,91 +196,129 @@ class AsyncReplayBuffer:
         return accepted
 
     @ray.method(concurrency_group=CONSUMER_GROUP)
-    async def sample(self, m: int) -> list:
-        """``ReplayBuffer.sample``: ``m`` distinct entries, uniform; ``ValueError`` when not ready. Entries held by
+    async def sample(self, m: int, tenant: str | None = None) -> list:
+        """``ReplayBuffer.sample`` of ``tenant``'s partition: ``m`` distinct entries of that tenant only, uniform;
+        ``ValueError`` when not ready. Entries held by
         reference come back as EntryRefs (``store.fetch_entries`` turns them into entries)."""
         self._start_background()
         with self._lock:
-            out = self._buffer.sample(m)
+            out = self._replay.part(tenant).sample(m)
             self._changes += 1
         return out
 
     @ray.method(concurrency_group=CONSUMER_GROUP)
-    async def wait_ready(self, timeout_s: float | None = None) -> bool:
-        """Block (without polling) until ``len >= b_min`` or ``timeout_s`` passes; return ``ready()``."""
+    async def wait_ready(self, timeout_s: float | None = None, tenant: str | None = None) -> bool:
+        """Block (without polling) until ``tenant``'s partition holds ``b_min`` entries or ``timeout_s`` passes;
+        return its ``ready()``."""
         self._start_background()
+        with self._lock:
+            part = self._replay.part(tenant)  # an unknown tenant raises before parking
+        await self._park(timeout_s, tenant, part.ready)
+        with self._lock:
+            return part.ready()
+
+    @ray.method(concurrency_group=CONSUMER_GROUP)
+    async def wait_any_ready(self, timeout_s: float | None = None) -> list[str]:
+        """Block until at least one tenant's partition is ready or ``timeout_s`` passes; return the ready tenants
+        (in partition order; empty on timeout)."""
+        self._start_background()
+        await self._park(timeout_s, _ANY, lambda: bool(self._replay.ready_tenants()))
+        with self._lock:
+            return self._replay.ready_tenants()
+
+    async def _park(self, timeout_s: float | None, tenant, is_ready) -> None:
         loop = asyncio.get_running_loop()
         fut = loop.create_future()
         with self._lock:
-            if self._buffer.ready():
-                return True
-            self._waiters.append((loop, fut))
+            if is_ready():
+                return
+            self._waiters.append((loop, fut, tenant))
         try:
             await asyncio.wait_for(fut, timeout_s)
         except asyncio.TimeoutError:
             pass
         with self._lock:
             self._waiters = [w for w in self._waiters if w[1] is not fut]
-            return self._buffer.ready()
 
     @ray.method(concurrency_group=CONSUMER_GROUP)
-    async def sample_when_ready(self, m: int, timeout_s: float | None = None) -> list | None:
+    async def sample_when_ready(self, m: int, timeout_s: float | None = None,
+                                tenant: str | None = None) -> list | None:
         """Wait for readiness then sample under the same lock acquisition that checks it (an ``on_update`` in
         between cannot make it sample an unready buffer); ``None`` on timeout."""
         loop = asyncio.get_running_loop()
         deadline = None if timeout_s is None else loop.time() + timeout_s
         while True:
             left = None if deadline is None else max(0.0, deadline - loop.time())
-            if not await self.wait_ready(left):
+            if not await self.wait_ready(left, tenant):
                 return None
             with self._lock:
-                if self._buffer.ready():
-                    out = self._buffer.sample(m)
+                part = self._replay.part(tenant)
+                if part.ready():
+                    out = part.sample(m)
                     self._changes += 1
                     return out
 
     @ray.method(concurrency_group=CONSUMER_GROUP)
-    async def on_update(self) -> int:
-        """``ReplayBuffer.on_update``: ``k += 1``, age eviction; returns the number evicted (evicted entries held
+    async def on_update(self, tenant: str | None = None) -> int:
+        """``ReplayBuffer.on_update`` of ``tenant``'s partition (its ``k += 1`` and its age eviction; no other
+        tenant's clock moves); returns the number evicted (evicted entries held
         by reference drop their object-store buffers once no batch row and no sampled copy refers to them)."""
         self._start_background()
         with self._lock:
-            evicted = self._buffer.on_update()
+            evicted = self._replay.part(tenant).on_update()
             self._changes += 1
         return evicted
 
     @ray.method(concurrency_group=CONSUMER_GROUP)
-    async def ready(self) -> bool:
+    async def ready(self, tenant: str | None = None) -> bool:
         with self._lock:
-            return self._buffer.ready()
+            return self._replay.part(tenant).ready()
 
     @ray.method(concurrency_group=CONSUMER_GROUP)
-    async def size(self) -> int:
+    async def ready_tenants(self) -> list[str]:
+        """Tenants whose partition holds at least its ``b_min`` entries (partition order)."""
         with self._lock:
-            return len(self._buffer)
+            return self._replay.ready_tenants()
 
     @ray.method(concurrency_group=CONSUMER_GROUP)
-    async def update_count(self) -> int:
-        with self._lock:
-            return self._buffer.update_count
+    async def tenants(self) -> list[str]:
+        """The partitions' tenant names (``["default"]`` for the implicit one)."""
+        return list(self._replay.names)
 
-    async def entries(self) -> list:
-        """Stored entries in insertion order (EntryRefs for those held by reference)."""
+    @ray.method(concurrency_group=CONSUMER_GROUP)
+    async def size(self, tenant: str | None = None) -> int:
         with self._lock:
-            return self._buffer.entries()
+            return len(self._replay.part(tenant))
 
-    async def summary(self) -> dict:
-        """``k``, size and the stored uids in insertion order, from one state (what a checkpoint records)."""
+    @ray.method(concurrency_group=CONSUMER_GROUP)
+    async def update_count(self, tenant: str | None = None) -> int:
         with self._lock:
-            return {"k": self._buffer.update_count, "size": len(self._buffer),
-                    "uids": [e.uid for e in self._buffer.entries()]}
+            return self._replay.part(tenant).update_count
 
-    async def stats(self) -> dict:
-        """``ReplayBuffer.stats`` plus snapshot and reference bookkeeping (``stored_nbytes`` counts the token bytes
-        of the stored rows, wherever they live; ``ref_batches`` the object-store buffers the buffer refers to)."""
+    async def entries(self, tenant: str | None = None) -> list:
+        """Stored entries of ``tenant`` in insertion order (EntryRefs for those held by reference)."""
         with self._lock:
-            stats = self._buffer.stats()
-            ref_batches = len(self._buffer.batch_handles())
+            return self._replay.part(tenant).entries()
+
+    async def summary(self, tenant: str | None = None) -> dict:
+        """``k``, size and the stored uids of ``tenant`` in insertion order, from one state (what a checkpoint
+        records)."""
+        with self._lock:
+            part = self._replay.part(tenant)
+            return {"k": part.update_count, "size": len(part), "uids": [e.uid for e in part.entries()]}
+
+    async def stats(self, tenant: str | None = None) -> dict:
+        """``ReplayBuffer.stats`` of ``tenant``'s partition plus snapshot and reference bookkeeping
+        (``stored_nbytes`` counts the token bytes of the stored rows, wherever they live; ``ref_batches`` the
+        object-store buffers the buffer refers to). A partitioned actor asked without a tenant answers the
+        bookkeeping, ``size`` summed over tenants and ``tenants``: each partition's stats."""
+        with self._lock:
+            if tenant is None and not self._replay.implicit:
+                per = {n: b.stats() for n, b in self._replay.items()}
+                stats = {"size": self._replay.total_size(), "tenants": per}
+            else:
+                stats = self._replay.part(tenant).stats()
+            ref_batches = sum(len(b.batch_handles()) for _, b in self._replay.items())
         return {
             **stats,
             "ref_batches": ref_batches,
@@ -276,9 +332,10 @@ class AsyncReplayBuffer:
         }
 
     async def state_dict(self) -> dict:
-        """The buffer's state; entries held by reference stay EntryRefs (``save`` writes full entries)."""
+        """The buffer's state (every partition's); entries held by reference stay EntryRefs (``save`` writes full
+        entries)."""
         with self._lock:
-            return self._buffer.state_dict()
+            return self._replay.state_dict()
 
     async def close(self) -> None:
         """Stop periodic snapshots (standalone use: call before the event loop ends)."""
@@ -292,8 +349,9 @@ class AsyncReplayBuffer:
 
         with self._save_lock:
             with self._lock:
-                state, changes = self._buffer.state_dict(), self._changes  # captured atomically
-            written = save_snapshot(path, materialize_state(state))  # tokens fetched outside the lock
+                state, changes = self._replay.state_dict(), self._changes  # captured atomically
+            # tokens fetched outside the lock
+            written = save_snapshot(path, self._replay.map_states(state, materialize_state))
             with self._lock:
                 if path == self._snapshot_path:
                     self._saved_changes = max(self._saved_changes, changes)
@@ -312,7 +370,7 @@ class AsyncReplayBuffer:
         """Replace the contents with the snapshot at ``path`` (config must match; unchanged on error)."""
         state = await asyncio.get_running_loop().run_in_executor(None, load_snapshot, path)
         with self._lock:
-            self._buffer.load_state_dict(state)
+            self._replay.load_state_dict(state)
             self._changes += 1
             self._wake_waiters_locked()
 
@@ -325,9 +383,9 @@ ReplayBufferActor = ray.remote(
 
 
 def make_replay_actor(
-    b_max: int,
-    b_min: int,
-    a_max: int,
+    b_max: int | None = None,
+    b_min: int | None = None,
+    a_max: int | None = None,
     *,
     seed: int | None = None,
     entry_unit: str = "step",
@@ -339,6 +397,7 @@ def make_replay_actor(
     name: str | None = None,
     namespace: str | None = None,
     lifetime: str | None = None,
+    partitions: dict | None = None,
 ):
     """Create a :data:`ReplayBufferActor` handle.
 
@@ -348,7 +407,7 @@ def make_replay_actor(
     may safely retry it itself. Arguments are validated here, in the caller, so mistakes raise ``ValueError``
     immediately rather than as a Ray actor-creation failure.
     """
-    ReplayBuffer(b_max, b_min, a_max, seed, entry_unit=entry_unit)  # validate sizes eagerly
+    PartitionedReplay(b_max, b_min, a_max, seed, entry_unit, partitions)  # validate sizes eagerly
     if snapshot_every_s is not None and (snapshot_path is None or not snapshot_every_s > 0):
         raise ValueError("snapshot_every_s needs a snapshot_path and must be > 0")
     if max_restarts != 0 and snapshot_path is None:
@@ -373,4 +432,5 @@ def make_replay_actor(
         snapshot_path=os.path.abspath(snapshot_path) if snapshot_path else None,
         snapshot_every_s=snapshot_every_s,
         adopt=adopt,
+        partitions=None if partitions is None else {n: dict(s) for n, s in partitions.items()},
     )

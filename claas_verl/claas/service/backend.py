@@ -33,6 +33,11 @@ class BackendError(RuntimeError):
     """The inference backend failed (unreachable, bad response); the HTTP layer answers 502."""
 
 
+class AdapterRejected(ValueError):
+    """A reloaded adapter failed its serving probe (:mod:`claas_verl.claas.tenants.verify`): the backend dropped it
+    and still serves the previous version."""
+
+
 @dataclass(frozen=True)
 class Generation:
     """One sampled response.
@@ -99,7 +104,10 @@ class ChatBackend(abc.ABC):
         """Serve the LoRA adapter at ``path`` from now on as policy ``version`` (default: current + 1).
 
         Requests already running finish with the weights and version they started with. Returns the new version.
-        ``version`` must be greater than the current one (versions count updates; they never go back).
+        ``version`` must be greater than the current one (versions count updates; they never go back). A backend
+        that verifies reloads also takes ``probe`` (a :class:`~claas_verl.claas.tenants.verify.ReloadProbe`): it
+        scores the probe with the new adapter before serving it and raises :class:`AdapterRejected` (keeping the
+        previous version) when the probe's ``accept`` refuses it.
         """
 
     def model_names(self) -> list[str]:

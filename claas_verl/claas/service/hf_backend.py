@@ -9,6 +9,11 @@ event loop keeps serving). The model, the adapter and the policy version are rea
 starts, and ``load_adapter`` takes the same lock, so a reload waits for the running request and the version
 recorded for a response is always the one whose weights produced it.
 
+Verified reloads: ``load_adapter(path, probe=ReloadProbe(ids, accept))`` loads the new adapter next to the served
+one, scores the probe tokens with it (teacher-forced, :func:`~claas_verl.claas.tenants.verify.probe_token_logprobs`)
+and serves it only if ``accept`` says so; otherwise the new adapter is dropped, the previous version stays served and
+:class:`~claas_verl.claas.service.backend.AdapterRejected` is raised.
+
 Streaming: the generation thread hands every sampled token to the event loop as it is sampled (a
 :class:`~claas_verl.claas.service.streaming.TokenDelta` with its incrementally decoded text); the final
 :class:`~claas_verl.claas.service.backend.Generation` is built from the same token ids and log-probs as a non-streamed
@@ -18,11 +23,12 @@ request. Closing the stream early (the client went away) stops the generation af
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import threading
 from collections.abc import Callable
 
-from claas_verl.claas.service.backend import ChatBackend, Generation, next_version
+from claas_verl.claas.service.backend import AdapterRejected, ChatBackend, Generation, next_version
 from claas_verl.claas.service.sampling import SamplingParams
 from claas_verl.claas.service.streaming import IncrementalDetokenizer, StreamStart, TokenDelta
 from claas_verl.claas.service.templating import render_prompt_ids
@@ -102,12 +108,13 @@ class HFBackend(ChatBackend):
             max_tokens = min(max_tokens, room)
         return prompt_ids, max_tokens
 
-    async def generate(self, messages, params: SamplingParams, chat_template_kwargs=None) -> Generation:
+    async def generate(self, messages, params: SamplingParams, chat_template_kwargs=None,
+                       tenant: str | None = None) -> Generation:
         # rendering runs Jinja and the tokenizer: off the event loop, so one request never stalls the others
         prompt_ids, max_tokens = await asyncio.to_thread(self._prepare, messages, params, chat_template_kwargs)
-        return await asyncio.to_thread(self._generate_locked, prompt_ids, params, max_tokens)
+        return await asyncio.to_thread(self._generate_locked, prompt_ids, params, max_tokens, tenant=tenant)
 
-    async def stream(self, messages, params: SamplingParams, chat_template_kwargs=None):
+    async def stream(self, messages, params: SamplingParams, chat_template_kwargs=None, tenant: str | None = None):
         prompt_ids, max_tokens = await asyncio.to_thread(self._prepare, messages, params, chat_template_kwargs)
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
@@ -121,7 +128,7 @@ class HFBackend(ChatBackend):
 
         def work() -> None:
             try:
-                gen = self._generate_locked(prompt_ids, params, max_tokens, emit=emit, stop=stop)
+                gen = self._generate_locked(prompt_ids, params, max_tokens, emit=emit, stop=stop, tenant=tenant)
                 if gen is not None:
                     emit(gen)
             except BaseException as exc:  # handed to the consumer, raised there
@@ -142,54 +149,66 @@ class HFBackend(ChatBackend):
         finally:
             stop.set()  # a consumer that leaves early (client disconnect) ends the generation at the next token
 
-    async def load_adapter(self, path, version=None) -> int:
+    async def load_adapter(self, path, version=None, probe=None) -> int:
         def work():
             with self._lock:
                 new = next_version(self._version, version)
-                self._load_adapter_locked(str(path), new)
+                self._load_adapter_locked(str(path), new, probe)
                 return new
 
         return await asyncio.to_thread(work)
 
     # ------------------------------------------------------------------ internals (called with the lock held)
+    def _serve_locked(self, tenant: str | None):
+        """``(policy version, model name, context around the forward passes)`` of one request of ``tenant``. This
+        backend serves one adapter to everyone (``tenant`` None); ``TenantHFBackend`` serves one per tenant."""
+        if tenant is not None:
+            raise ValueError(f"this backend serves one adapter to every key; tenant {tenant!r} needs a TenantHFBackend")
+        return self._version, self.served_model, contextlib.nullcontext()
+
     def _generate_locked(self, prompt_ids: list[int], params: SamplingParams, max_tokens: int,
                          emit: Callable[[object], None] | None = None,
-                         stop: threading.Event | None = None) -> Generation | None:
+                         stop: threading.Event | None = None, tenant: str | None = None) -> Generation | None:
         """Sample one response; with ``emit``, also hand a StreamStart and one TokenDelta per token to it as they are
         sampled. Returns None if ``stop`` was set before the end (the partial response is not a Generation)."""
-        torch = self._torch
         with self._lock:
-            version, model_name = self._version, self.served_model
-            detok = None
-            if emit is not None:
-                emit(StreamStart(policy_version=version, model=model_name))
-                detok = IncrementalDetokenizer(self.tokenizer)
-            generator = self._generator
-            if params.seed is not None:
-                generator = torch.Generator().manual_seed(int(params.seed))
-            tokens: list[int] = []
-            logps: list[float] = []
-            finish = "length"
-            with torch.no_grad():
-                input_ids = torch.tensor([prompt_ids], dtype=torch.long)
-                past = None
-                for _ in range(max_tokens):
-                    if stop is not None and stop.is_set():
-                        self.stopped_early += 1
-                        return None
-                    out = self.model(input_ids=input_ids, past_key_values=past, use_cache=True)
-                    past = out.past_key_values
-                    token, logp = self._sample(out.logits[:, -1, :], params.temperature, params.top_k,
-                                               params.top_p, generator)
-                    tokens.append(int(token))
-                    logps.append(float(logp))
-                    if detok is not None:
-                        emit(TokenDelta(text=detok.push([tokens[-1]]), token_ids=(tokens[-1],),
-                                        logprobs=(logps[-1],)))
-                    if int(token) in self.eos_token_ids:
-                        finish = "stop"  # the EOS token stays in the response: it carries mask 1 (docs/math.md §0)
-                        break
-                    input_ids = token[:, None]
+            version, model_name, scope = self._serve_locked(tenant)
+            with scope:
+                return self._sample_locked(prompt_ids, params, max_tokens, emit, stop, version, model_name)
+
+    def _sample_locked(self, prompt_ids, params, max_tokens, emit, stop, version, model_name) -> Generation | None:
+        """The generation loop (the lock held, the request's adapter selected)."""
+        torch = self._torch
+        detok = None
+        if emit is not None:
+            emit(StreamStart(policy_version=version, model=model_name))
+            detok = IncrementalDetokenizer(self.tokenizer)
+        generator = self._generator
+        if params.seed is not None:
+            generator = torch.Generator().manual_seed(int(params.seed))
+        tokens: list[int] = []
+        logps: list[float] = []
+        finish = "length"
+        with torch.no_grad():
+            input_ids = torch.tensor([prompt_ids], dtype=torch.long)
+            past = None
+            for _ in range(max_tokens):
+                if stop is not None and stop.is_set():
+                    self.stopped_early += 1
+                    return None
+                out = self.model(input_ids=input_ids, past_key_values=past, use_cache=True)
+                past = out.past_key_values
+                token, logp = self._sample(out.logits[:, -1, :], params.temperature, params.top_k,
+                                           params.top_p, generator)
+                tokens.append(int(token))
+                logps.append(float(logp))
+                if detok is not None:
+                    emit(TokenDelta(text=detok.push([tokens[-1]]), token_ids=(tokens[-1],),
+                                    logprobs=(logps[-1],)))
+                if int(token) in self.eos_token_ids:
+                    finish = "stop"  # the EOS token stays in the response: it carries mask 1 (docs/math.md §0)
+                    break
+                input_ids = token[:, None]
         if detok is None:
             text = self.tokenizer.decode(tokens, skip_special_tokens=True)
         else:
@@ -199,19 +218,45 @@ class HFBackend(ChatBackend):
         return Generation(prompt_ids=list(prompt_ids), response_ids=tokens, token_logprobs=logps, text=text,
                           finish_reason=finish, policy_version=version, model=model_name)
 
-    def _load_adapter_locked(self, path: str, version: int) -> None:
+    def _load_adapter_locked(self, path: str, version: int, probe=None) -> None:
         from peft import PeftModel
 
         if not os.path.isfile(os.path.join(path, "adapter_config.json")):
             raise ValueError(f"lora_path {path!r} is not a peft adapter directory (no adapter_config.json)")
         name = f"v{version}"
-        if self._adapter is None:
+        first = self._adapter is None
+        if first:
             self.model = PeftModel.from_pretrained(self.model, path, adapter_name=name).eval()
         else:
-            old = self._adapter
             self.model.load_adapter(path, adapter_name=name)
             self.model.set_adapter(name)
-            self.model.delete_adapter(old)  # only the served adapter is kept: no memory growth over updates
             self.model.eval()
+        if probe is not None:
+            self._verify_locked(name, first, probe)
+        if not first:
+            self.model.delete_adapter(self._adapter)  # only the served adapter is kept: no memory growth
         self._adapter = name
         self._version = version
+
+    def _verify_locked(self, name: str, first: bool, probe) -> None:
+        """Score ``probe.ids`` with the just-loaded adapter ``name``; drop it (the previous adapter, or the base
+        model, is served again) unless ``probe.accept`` takes the scores."""
+        from claas_verl.claas.tenants.verify import probe_token_logprobs
+
+        try:
+            accepted = probe.accept(probe_token_logprobs(self.model, probe.ids))
+        except BaseException:
+            self._drop_locked(name, first)
+            raise
+        if not accepted:
+            self._drop_locked(name, first)
+            raise AdapterRejected(f"the adapter loaded as {name} failed the serving probe; "
+                                  f"still serving {self.served_model} (policy version {self._version})")
+
+    def _drop_locked(self, name: str, first: bool) -> None:
+        if first:
+            self.model = self.model.unload().eval()  # the base model again, its LoRA layers removed
+        else:
+            self.model.set_adapter(self._adapter)
+            self.model.delete_adapter(name)
+            self.model.eval()

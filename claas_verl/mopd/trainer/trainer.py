@@ -87,7 +87,7 @@ class MOPDTrainer(VerlSeams, PPOTrainerSync):
         self.forgetting = ForgettingEval(self, mopd.eval)
         self.progress = StageProgress(self.plan_steps, self.bounds)
         # after every weight sync the rollout scores a fixed probe (weight_probe); 0 turns the check off
-        self.probe = WeightSyncProbe(mopd.weight_sync_probe_tokens)
+        self.probe = WeightSyncProbe(mopd.weight_sync_probe_tokens, mopd.weight_sync_max_abs_diff)
 
     # ================================================================= verl wiring
     def _init_resource_pool_mgr(self):

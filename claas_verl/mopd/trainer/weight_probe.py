@@ -11,6 +11,12 @@ same tokens. Two metrics per step (``rollout/`` in the step's metrics and ``step
 - ``rollout/weight_sync_max_abs_logprob_change = max_{replica, j} |served_j - served_j^prev|``: how far the served
   top-1 log-probabilities moved since the previous sync (``served_j`` is the maximum of the next-token log-softmax,
   a continuous function of the weights); 0 means the rollout still serves the previous weights.
+
+The check acts (``mopd.weight_sync_max_abs_diff``, on by default): when ``max_{replica, j} |served_j - trained_j|``
+or its mean exceeds the tolerance, a log line names both numbers and the job stops with
+:class:`~claas_verl.metrics.served_check.ServedWeightsMismatch` (its message carries them too): training on while
+the rollout samples from other weights than the trainer's would make every importance ratio wrong. ``null`` only
+logs the metrics.
 """
 
 from __future__ import annotations
@@ -18,6 +24,8 @@ from __future__ import annotations
 import uuid
 
 import ray
+
+from claas_verl.metrics.served_check import ProbeTolerance, ServedCheckAlarm
 
 DIFF_KEY = "rollout/weight_sync_max_abs_logprob_diff"
 CHANGE_KEY = "rollout/weight_sync_max_abs_logprob_change"
@@ -61,14 +69,22 @@ def probe_metrics(served: list[tuple[list[int], list[float]]], trained: list[lis
 
 class WeightSyncProbe:
     """``mopd.weight_sync_probe_tokens`` long probe scored after every weight sync (0 turns it off); keeps the
-    previous sync's served log-probs for the change metric."""
+    previous sync's served log-probs for the change metric; ``max_abs_diff`` (nats, None: log only) stops the job
+    at the first sync whose served log-probs differ from the trainer's by more (max or mean over the probe)."""
 
-    def __init__(self, tokens: int):
+    def __init__(self, tokens: int, max_abs_diff: float | None = None):
         if tokens < 0:
             raise ValueError(f"mopd.weight_sync_probe_tokens={tokens}: give the probe's length in tokens "
                              "(0 turns the weight-sync check off)")
         self.tokens = tokens
         self.previous: list[list[float]] | None = None
+        self.alarm = None if max_abs_diff is None else ServedCheckAlarm(
+            ProbeTolerance(max_abs=max_abs_diff, mean_abs=max_abs_diff), 1, "mopd weight sync")
+
+    def check(self, served: list[tuple[list[int], list[float]]], trained: list[list[float]]) -> None:
+        """Stop the job (``ServedWeightsMismatch``) when the served probe log-probs are not the trained ones."""
+        if self.alarm is not None:
+            self.alarm.check("the rollout replicas", [logps for _, logps in served], trained)
 
     def measure(self, tokenizer, replicas, wg) -> dict[str, float]:
         """Score the probe on every rollout replica and in the trainer's student (worker group ``wg``)."""
@@ -77,4 +93,5 @@ class WeightSyncProbe:
         trained = wg.mopd_probe_logprobs(ids, [tokens for tokens, _ in served])[0]
         metrics = probe_metrics(served, trained, self.previous)
         self.previous = [logps for _, logps in served]
+        self.check(served, trained)
         return metrics

@@ -20,13 +20,13 @@ def test_wait_ready_blocks_without_polling_then_wakes_on_add():
     async def main():
         buf = AsyncReplayBuffer(b_max=10, b_min=3, a_max=1)
         calls = {"n": 0}
-        real_ready = buf._buffer.ready
+        real_ready = buf._replay.part(None).ready
 
         def counting_ready():
             calls["n"] += 1
             return real_ready()
 
-        buf._buffer.ready = counting_ready
+        buf._replay.part(None).ready = counting_ready
         waiter = asyncio.create_task(buf.wait_ready(5.0))
         await asyncio.sleep(0.2)
         assert not waiter.done()

@@ -178,7 +178,8 @@ def _batch(tag, n, versions, rewards, by_ref):
 def test_concurrent_add_sample_update_is_linearizable_against_the_model(b_min, extra, a_max, seed):
     b_max = b_min + extra
     buf = AsyncReplayBuffer(b_max, b_min, a_max, seed=seed)
-    buf._buffer = _LoggingBuffer(b_max, b_min, a_max, seed=seed)
+    logged = _LoggingBuffer(b_max, b_min, a_max, seed=seed)
+    buf._replay._parts[buf._replay.names[0]] = logged  # the implicit partition, logging every call
     rng = random.Random(seed)
     plans = [[(rng.randint(1, 3), rng.random() < 0.5) for _ in range(12)] for _ in range(2)]
     errors = []
@@ -222,7 +223,7 @@ def test_concurrent_add_sample_update_is_linearizable_against_the_model(b_min, e
     assert not errors, errors
 
     ref = ReferenceBuffer(b_max, b_min, a_max)
-    for op in buf._buffer.log:
+    for op in logged.log:
         if op[0] == "add":
             assert ref.add(op[1]) == op[2]
         elif op[0] == "sample":
@@ -234,8 +235,8 @@ def test_concurrent_add_sample_update_is_linearizable_against_the_model(b_min, e
             ref.record_sample({uid for uid, _ in op[1]})
         else:
             assert ref.on_update() == op[1]
-    assert [(e.uid, e.P) for e in buf._buffer.entries()] == [(it["uid"], it["P"]) for it in ref.items]
-    s = buf._buffer.stats()
+    assert [(e.uid, e.P) for e in logged.entries()] == [(it["uid"], it["P"]) for it in ref.items]
+    s = logged.stats()
     assert (s["inserted"], s["evicted_fifo"], s["evicted_age"], s["update_count"]) == (
         ref.inserted, ref.evicted_fifo, ref.evicted_age, 6)
     assert s["uses_at_eviction"] == dict(ref.uses_at_eviction) and s["max_uses"] <= a_max + 1

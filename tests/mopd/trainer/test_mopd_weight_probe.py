@@ -34,3 +34,21 @@ def test_a_negative_probe_length_names_the_key_and_zero_turns_the_probe_off():
         WeightSyncProbe(-1)
     off = WeightSyncProbe(0)
     assert off.tokens == 0 and off.previous is None
+
+
+def test_a_served_probe_that_is_not_the_trained_one_stops_the_job(caplog):
+    import logging
+
+    from claas_verl.metrics.served_check import ServedWeightsMismatch
+    from claas_verl.mopd.trainer.weight_probe import WeightSyncProbe
+
+    served = [([3, 4], [-1.0, -2.0]), ([3, 5], [-1.0, -2.5])]
+    probe = WeightSyncProbe(8, 0.5)
+    probe.check(served, [[-1.0, -2.00002], [-1.00001, -2.5]])  # rounding only: accepted
+    with caplog.at_level(logging.ERROR, logger="claas_verl.metrics.served_check"):
+        # replica 2 serves other weights: 0.7 nat apart on its second token
+        with pytest.raises(ServedWeightsMismatch, match=r"mopd weight sync: .*max \|served - trained\| = 0.7 nat "
+                                                          r"\(tolerance 0.5\)"):
+            probe.check(served, [[-1.0, -2.0], [-1.0, -1.8]])
+    assert "do not match the trained ones" in caplog.text
+    WeightSyncProbe(8, None).check(served, [[0.0, 0.0], [0.0, 0.0]])  # null: the metrics are only logged

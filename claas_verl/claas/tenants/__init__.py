@@ -1,0 +1,9 @@
+"""Tenants of CLaaS: one continually trained adapter per tenant behind one API.
+
+``config`` the tenant schema and the key -> tenant directory; ``scheduler`` which tenant the trainer updates next;
+``adapters`` each tenant's adapter lineage, weight digest and the store that keeps idle tenants off the accelerator;
+``memory`` the bytes one tenant rests in; ``verify`` the check that a reloaded adapter serves what was trained;
+``serving`` every tenant's served adapter at once over a bounded adapter cache. The replay side is
+:mod:`claas_verl.claas.replay.partitions`, the HF engine side :mod:`claas_verl.claas.service.hf_tenants`. Nothing
+here is wired into the HTTP API or the trainer yet.
+"""
