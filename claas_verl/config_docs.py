@@ -57,7 +57,10 @@ def claas_rows() -> list[tuple[str, str, Any, str]]:
     def job_set(owner: type, name: str) -> bool:
         return issubclass(owner, ServiceSection) and name in JOB_SET_SERVICE_FIELDS
 
-    return list(schema_rows(ClaasConfig, "claas", skip=job_set))
+    from claas_verl.claas.tenants.config import TenantConfig
+
+    return [*schema_rows(ClaasConfig, "claas", skip=job_set),
+            *schema_rows(TenantConfig, "claas.service.tenants.<t>")]
 
 
 def mopd_rows() -> list[tuple[str, str, Any, str]]:

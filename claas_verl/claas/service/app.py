@@ -25,6 +25,13 @@ Request metadata (body ``metadata`` object, or headers; the body wins): ``scenar
 
 Every turn belongs to the API key that created it: only that key can give its feedback (another key gets 404, as
 for an unknown id). Feedback is answered ``accepted`` only once the replay buffer acknowledged the entry.
+
+Tenants (``config.tenants``): each key belongs to one tenant, and each tenant has its own
+:class:`~claas_verl.claas.service.turns.TurnLedger` (pending table, grading queue, buffer share, counters) writing
+its own replay partition, its own rate limit, and its own served adapter (the backend takes ``tenant=``, e.g.
+:class:`~claas_verl.claas.service.hf_tenants.TenantHFBackend`). Every reply's ``claas`` object names the ``tenant``,
+the ``policy_version`` and the ``adapter_sha256`` that served it. The admin key belongs to no tenant: it reads every
+tenant's stats and loads adapters (naming the tenant), but does not chat.
 """
 
 import asyncio
@@ -39,6 +46,7 @@ import uuid
 from collections.abc import AsyncIterator, Callable, Mapping
 from typing import Any
 
+from claas_verl.claas.service import views
 from claas_verl.claas.service.backend import BackendError, ChatBackend, Generation
 from claas_verl.claas.service.config import REWARD_MODES, ServiceConfig, check_exposure
 from claas_verl.claas.service.errors import AuthError, LimitError, Unavailable
@@ -51,12 +59,13 @@ from claas_verl.claas.service.guard import (
     template_kwargs,
     validate_reward,
 )
-from claas_verl.claas.service.recorder import COUNTERS, behaviour_logprob
+from claas_verl.claas.service.recorder import behaviour_logprob
 from claas_verl.claas.service.sampling import SamplingParams
 from claas_verl.claas.service.streaming import StreamStart, TokenDelta
 from claas_verl.claas.service.teacher import SdpoTeacherContext
 from claas_verl.claas.service.templating import normalize_messages
 from claas_verl.claas.service.turns import TurnLedger
+from claas_verl.claas.tenants.config import DEFAULT_TENANT
 
 # what callers import from here; each is defined in the module whose job it is
 __all__ = ["REWARD_MODES", "AuthError", "ChatService", "LimitError", "ServiceConfig", "Unavailable",
@@ -92,23 +101,73 @@ class ChatService:
         self.backend = backend
         self.config = config or ServiceConfig()
         cfg = self.config
-        self.turns = TurnLedger(sink, cfg, grader, teacher=teacher)
-        self.recorder = self.turns.recorder
-        self.buffer_share = self.turns.buffer_share
+        self.directory = cfg.directory
+        self.multi_tenant = not self.directory.implicit
+        self._grader = grader
+        if self.multi_tenant:
+            # one ledger per tenant, each with the tenant's quotas and a sink into the tenant's replay partition
+            self.ledgers = {t: TurnLedger(sink, self._tenant_service_config(t), grader, teacher=teacher, tenant=t)
+                            for t in self.directory.names}
+            self.turns = self.recorder = self.buffer_share = None  # no service-wide ledger: see ledgers
+        else:
+            self.turns = TurnLedger(sink, cfg, grader, teacher=teacher)
+            self.ledgers = {DEFAULT_TENANT: self.turns}
+            self.recorder = self.turns.recorder
+            self.buffer_share = self.turns.buffer_share
         self.reloads = 0
         self.extra_stats = extra_stats
         self.on_shutdown = on_shutdown
         self.shutdown_requested = threading.Event()
         self.rate_limiter = RateLimiter(cfg.rate_limit_per_s, cfg.rate_limit_burst) if cfg.rate_limit_per_s else None
-        self._key_ids = {k: key_id(k) for k in cfg.api_keys}
+        self.tenant_limiters = {t: RateLimiter(c.rate_limit_per_s, c.rate_limit_burst) for t in self.directory.names
+                                if self.multi_tenant and (c := self.directory[t]).rate_limit_per_s}
+        self._key_ids = {k: key_id(k) for k in cfg.accepted_keys}
+        self._owner_tenant = {kid: self.directory.tenant_of(k) for k, kid in self._key_ids.items()}
         self._accepting = True  # False once intake stopped (shutdown): chat and feedback answer 503
         self._active = 0  # chat/feedback requests inside the service
         self._idle = threading.Condition()
 
     @property
     def grader(self) -> Grader | None:
-        return self.turns.grader
+        return self._grader
 
+    # ------------------------------------------------------------------ tenants
+    def _tenant_service_config(self, tenant: str) -> ServiceConfig:
+        """The service's settings with ``tenant``'s quotas: its pending bound (the per-key bound within it) and its
+        keys' buffer share of its partition."""
+        t, cfg = self.directory[tenant], self.config
+        per_key = min(cfg.max_pending_per_key or t.max_pending, t.max_pending)
+        return dataclasses.replace(cfg, tenants=None, api_keys=t.api_keys, max_pending=t.max_pending,
+                                   max_pending_per_key=per_key, max_buffer_share=t.max_buffer_share)
+
+    def tenant_of(self, owner: str) -> str:
+        """The tenant of caller ``owner`` (a key id); the single-tenant service answers :data:`DEFAULT_TENANT`.
+        ``AuthError`` 403 for the admin key of a multi-tenant service (it belongs to no tenant)."""
+        if not self.multi_tenant:
+            return DEFAULT_TENANT
+        tenant = self._owner_tenant.get(owner)
+        if tenant is None:
+            raise AuthError(403, "the admin key belongs to no tenant: chat and give feedback with a tenant's key")
+        return tenant
+
+    def ledger(self, tenant: str) -> TurnLedger:
+        return self.ledgers[tenant]
+
+    def _backend_kw(self, tenant: str) -> dict:
+        """The backend call's tenant argument (a single-tenant backend takes none)."""
+        return {"tenant": tenant} if self.multi_tenant else {}
+
+    def served_version(self, tenant: str) -> int:
+        """The version ``tenant``'s new requests get."""
+        if self.multi_tenant:
+            return self.backend.served_version(tenant)
+        return self.backend.policy_version
+
+    def adapter_sha256(self, tenant: str, version: int) -> str | None:
+        """SHA-256 (:func:`~claas_verl.claas.tenants.adapters.adapter_digest`) of the adapter ``tenant`` is served
+        at ``version``; None for the base model (version 0) or a backend that does not report digests."""
+        digest = getattr(self.backend, "adapter_sha256", None)
+        return None if digest is None else digest(tenant if self.multi_tenant else None, version)
     # ------------------------------------------------------------------ auth
     def authorize(self, headers: Mapping[str, str], admin: bool = False) -> str:
         """The caller's id (``key-<hash>`` of its API key, ``"admin"``, or ``"local"`` on a keyless service);
@@ -123,7 +182,7 @@ class ChatService:
             if not token or not hmac.compare_digest(token.encode(), self.config.admin_key.encode()):
                 raise AuthError(401, "this endpoint needs the admin key: Authorization: Bearer <admin key>")
             return "admin"
-        if not self.config.api_keys:
+        if not self.config.accepted_keys:
             return "local"
         owner = None
         for key, kid in self._key_ids.items():
@@ -138,14 +197,26 @@ class ChatService:
         return owner
 
     def rate_limit(self, owner: str) -> None:
-        """``LimitError`` 429 (with the seconds to wait) when ``owner`` is over its request rate."""
-        if self.rate_limiter is None or owner == "admin":
+        """``LimitError`` 429 (with the seconds to wait) when ``owner`` is over its request rate, or its tenant over
+        the tenant's."""
+        if owner == "admin":
             return
-        wait = self.rate_limiter.acquire(owner)
-        if wait > 0:
-            self.recorder.count("rate_limited", owner=owner)
-            raise LimitError(f"rate limit of {self.config.rate_limit_per_s:g} requests/s per API key (bursts of "
-                             f"{self.config.rate_limit_burst}) exceeded; retry after {wait:.2f}s", 429, wait)
+        tenant = self.tenant_of(owner)
+        recorder = self.ledgers[tenant].recorder
+        if self.rate_limiter is not None:
+            wait = self.rate_limiter.acquire(owner)
+            if wait > 0:
+                recorder.count("rate_limited", owner=owner)
+                raise LimitError(f"rate limit of {self.config.rate_limit_per_s:g} requests/s per API key (bursts of "
+                                 f"{self.config.rate_limit_burst}) exceeded; retry after {wait:.2f}s", 429, wait)
+        limiter = self.tenant_limiters.get(tenant)
+        if limiter is not None:
+            wait = limiter.acquire(tenant)
+            if wait > 0:
+                recorder.count("rate_limited", owner=owner)
+                raise LimitError(f"tenant {tenant!r} is over its rate limit of {limiter.rate:g} requests/s (bursts of "
+                                 f"{limiter.burst:g}, claas.service.tenants.{tenant}.rate_limit_per_s); retry after "
+                                 f"{wait:.2f}s", 429, wait)
 
     # ------------------------------------------------------------------ intake and drain
     @property
@@ -227,14 +298,16 @@ class ChatService:
         self._check_message_sizes(messages)
         ctx = self._context(body, headers or {})
         ctx["owner"] = owner
+        ctx["tenant"] = self.tenant_of(owner)
+        ledger = self.ledgers[ctx["tenant"]]
         kwargs = template_kwargs(body.get("chat_template_kwargs"), self.config.template_kwargs)
         ctx["template_kwargs"] = kwargs  # SDPO renders the turn's teacher context with the same template arguments
         if "chat_template" in body or "tools" in body:
             raise ValueError("'chat_template' and 'tools' are not accepted: the service renders every chat with the "
                              "policy's own template (tool calls are not recorded)")
-        if ctx["record"] and self.turns.grading_full():
-            self.recorder.count("rejected_busy", owner=ctx["owner"])
-            raise LimitError(f"{self.turns.grading} turns are waiting for the grader (at most "
+        if ctx["record"] and ledger.grading_full():
+            ledger.recorder.count("rejected_busy", owner=ctx["owner"])
+            raise LimitError(f"{ledger.grading} turns are waiting for the grader (at most "
                              f"{self.config.max_grading}); retry shortly", 429, 1.0)
         return params, messages, ctx, kwargs
 
@@ -244,9 +317,10 @@ class ChatService:
         with self.intake():
             params, messages, ctx, kwargs = self._prepare(body, headers, owner)
             request_id = f"chatcmpl-{uuid.uuid4().hex}"
-            gen = await self.backend.generate(messages, params, kwargs)
-            self.recorder.count("served", owner=owner)
-            status, reason = await self.turns.record(request_id, gen, params, messages, ctx)
+            gen = await self.backend.generate(messages, params, kwargs, **self._backend_kw(ctx["tenant"]))
+            ledger = self.ledgers[ctx["tenant"]]
+            ledger.recorder.count("served", owner=owner)
+            status, reason = await ledger.record(request_id, gen, params, messages, ctx)
             return self._response(request_id, gen, params, status, reason, ctx)
 
     async def chat_stream(self, body: dict, headers: Mapping[str, str] | None = None, owner: str = "local"
@@ -269,7 +343,7 @@ class ChatService:
             raise Unavailable("the service is shutting down and takes no new chats or feedback", 30.0)
         params, messages, ctx, kwargs = self._prepare(body, headers, owner)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        events = self.backend.stream(messages, params, kwargs)
+        events = self.backend.stream(messages, params, kwargs, **self._backend_kw(ctx["tenant"]))
         try:
             start = await anext(events)
         except StopAsyncIteration:
@@ -287,8 +361,10 @@ class ChatService:
         import anyio  # starlette's dependency (the HTTP layer); its cancel scopes are what cancel a response
 
         created = int(time.time())
-        head = {"request_id": request_id, "policy_version": start.policy_version, "scenario_id": ctx["scenario_id"],
-                "step_idx": ctx["step_idx"]}
+        head = {"request_id": request_id, "tenant": ctx["tenant"], "policy_version": start.policy_version,
+                "adapter_sha256": self.adapter_sha256(ctx["tenant"], start.policy_version),
+                "scenario_id": ctx["scenario_id"], "step_idx": ctx["step_idx"]}
+        ledger = self.ledgers[ctx["tenant"]]
 
         def chunk(delta: dict, finish: str | None = None, logprobs: dict | None = None, claas: dict = head,
                   **extra) -> str:
@@ -315,8 +391,8 @@ class ChatService:
                     yield chunk({"content": event.text}, logprobs=logprobs)
             if gen is None:
                 raise BackendError("the backend's stream ended without the complete response")
-            self.recorder.count("served", owner=ctx["owner"])
-            status, reason = await self.turns.record(request_id, gen, params, messages, ctx)
+            ledger.recorder.count("served", owner=ctx["owner"])
+            status, reason = await ledger.record(request_id, gen, params, messages, ctx)
             outcome = status
             response = self._response(request_id, gen, params, status, reason, ctx)
             yield chunk({}, gen.finish_reason, claas=response["claas"], usage=response["usage"])
@@ -324,7 +400,7 @@ class ChatService:
             yield "data: [DONE]\n\n"
         except Exception as exc:  # noqa: BLE001 - a disconnect is a BaseException (CancelledError/GeneratorExit)
             # after the 200 and the first chunk, an error can only be an event (the openai client raises APIError)
-            self.recorder.count("dropped_stream_error", owner=ctx["owner"])
+            ledger.recorder.count("dropped_stream_error", owner=ctx["owner"])
             delivered = True
             yield f"data: {json.dumps({'error': {'message': str(exc), 'type': 'backend_error', 'code': 502}})}\n\n"
         finally:
@@ -333,8 +409,8 @@ class ChatService:
                 # generation still running is stopped and never recorded; a complete turn waiting for feedback is
                 # withdrawn (no feedback can come for a reply the client did not get). A turn handed to a grader
                 # or already settled keeps its outcome: the grader needs no client.
-                if outcome is None or (outcome == "pending_feedback" and self.recorder.withdraw(request_id)):
-                    self.recorder.count("dropped_disconnected", owner=ctx["owner"])
+                if outcome is None or (outcome == "pending_feedback" and ledger.recorder.withdraw(request_id)):
+                    ledger.recorder.count("dropped_disconnected", owner=ctx["owner"])
             # shielded: a response cancelled by its disconnect must still close the backend stream
             with anyio.CancelScope(shield=True):
                 await events.aclose()
@@ -361,7 +437,9 @@ class ChatService:
                       "total_tokens": n_prompt + len(gen.response_ids)},
             "claas": {
                 "request_id": request_id,
+                "tenant": ctx["tenant"],
                 "policy_version": gen.policy_version,
+                "adapter_sha256": self.adapter_sha256(ctx["tenant"], gen.policy_version),
                 "record": status,
                 "reason": reason,
                 "scenario_id": ctx["scenario_id"],
@@ -376,7 +454,8 @@ class ChatService:
         """``POST /v1/feedback``: reward (and feedback text) for ``owner``'s pending turn; status ``accepted`` once the
         buffer holds the entry (``unknown``: no such turn of this key)."""
         with self.intake():
-            return await self.turns.feedback(body, owner)
+            # another tenant's request id is not in this tenant's ledger: "unknown" (404), as another key's turn
+            return await self.ledgers[self.tenant_of(owner)].feedback(body, owner)
 
     def adapter_path(self, path: str) -> str:
         """``path`` resolved (symlinks included) if it lies inside ``config.adapter_root``; ``AuthError`` 403 else."""
@@ -397,61 +476,56 @@ class ChatService:
                                  "loaded); save the adapter as adapter_model.safetensors")
         return real
 
-    async def load_adapter(self, path: str, version: int | None = None) -> dict:
-        """Serve the LoRA adapter at ``path`` as ``version`` (default current + 1); in-flight requests keep theirs."""
+    async def load_adapter(self, path: str, version: int | None = None, tenant: str | None = None,
+                           probe=None) -> dict:
+        """Serve the LoRA adapter at ``path`` as ``version`` (default current + 1); in-flight requests keep theirs.
+        A multi-tenant service needs ``tenant`` (only that tenant's serving slot changes); ``probe`` (a
+        :class:`~claas_verl.claas.tenants.verify.ReloadProbe`) verifies the new adapter before it is served."""
         if version is not None:
             version = bounded_int(version, "policy_version")
-        new = await self.backend.load_adapter(path, version)
+        kw = {} if probe is None else {"probe": probe}
+        if self.multi_tenant:
+            if tenant not in self.directory.names:
+                raise ValueError(f"'tenant' must name the tenant whose adapter this is; tenants: "
+                                 f"{list(self.directory.names)}")
+            kw["tenant"] = tenant
+        elif tenant not in (None, DEFAULT_TENANT):
+            raise ValueError(f"this service has no tenants; 'tenant' must be absent, got {tenant!r}")
+        new = await self.backend.load_adapter(path, version, **kw)
         self.reloads += 1
-        return {"policy_version": new, "model": self.backend.served_model}
+        t = tenant if self.multi_tenant else DEFAULT_TENANT
+        return {"tenant": t, "policy_version": new, "adapter_sha256": self.adapter_sha256(t, new),
+                "model": self.backend.served_model}
 
-    def load_adapter_sync(self, path: str, version: int | None = None) -> dict:
+    def load_adapter_sync(self, path: str, version: int | None = None, tenant: str | None = None,
+                          probe=None) -> dict:
         """:meth:`load_adapter` from a thread with no running event loop (e.g. a trainer's update thread)."""
-        return asyncio.run(self.load_adapter(path, version))
+        return asyncio.run(self.load_adapter(path, version, tenant, probe))
 
     def stats(self) -> dict:
-        """The admin view: recorder counters, a ``turns`` summary (recorded, pending, completed, expired, dropped by
-        reason), per-key counters under ``keys``, the served version, and whatever ``extra_stats`` adds (the
-        training job: buffer statistics and updates)."""
-        rec = self.recorder.stats()
-        dropped = {name[len("dropped_"):]: rec[name] for name in COUNTERS if name.startswith("dropped_")}
-        dropped.update({name: rec[name] for name in COUNTERS if name.startswith("rejected_")})
-        out = {**rec, "policy_version": self.backend.policy_version, "model": self.backend.served_model,
-               "reloads": self.reloads, "accepting": self._accepting, "keys": self.recorder.key_stats(),
-               "buffer_share": self.turns.share_stats(),
-               "turns": {"served": rec["served"], "recorded": rec["pending"] + rec["graded"],
-                         "pending": rec["pending_now"], "completed": rec["submitted"],
-                         "accepted": rec["accepted"], "expired": rec["dropped_timeout"],
-                         "dropped": dropped}}
-        if self.extra_stats is not None:
-            out.update(self.extra_stats())
-        return out
+        """The admin view (:func:`~claas_verl.claas.service.views.admin_stats`)."""
+        return views.admin_stats(self)
+
+    def tenant_stats(self, tenant: str) -> dict:
+        """One tenant's view (:func:`~claas_verl.claas.service.views.tenant_stats`)."""
+        return views.tenant_stats(self, tenant)
 
     def user_stats(self, owner: str) -> dict:
-        """The view of one API key: its own counters and pending turns, its buffer share, the served model and
-        version."""
-        share = self.turns.share_stats()
-        return {"key_id": owner, "policy_version": self.backend.policy_version, "model": self.backend.served_model,
-                **self.recorder.key_stats(owner)[owner],
-                "buffer_share": {"max": share["max"], "limit": share["limit"], "held": share["held"].get(owner, 0)}}
+        """The view of one API key (:func:`~claas_verl.claas.service.views.user_stats`)."""
+        return views.user_stats(self, owner)
 
     def metrics_snapshot(self) -> dict:
-        """What :class:`~claas_verl.claas.service.metrics.ServiceMetrics` exports (blocking: the job's extra stats)."""
-        rec = self.recorder.stats()
-        extra = self.extra_stats() if self.extra_stats is not None else {}
-        buffer = extra.get("buffer")
-        if buffer is None and hasattr(self.recorder.sink, "buffer"):
-            buffer = self.recorder.sink.buffer.stats()
-        return {"counts": {name: rec[name] for name in COUNTERS}, "keys": self.recorder.key_stats(),
-                "buffer_share_held": self.buffer_share.held() if self.buffer_share.enabled else None,
-                "pending_now": rec["pending_now"], "pending_bytes": rec["pending_bytes"],
-                "policy_version": self.backend.policy_version, "buffer": buffer, "updates": extra.get("updates"),
-                "last_update_unix": extra.get("last_update_unix")}
+        """What :class:`~claas_verl.claas.service.metrics.ServiceMetrics` exports
+        (:func:`~claas_verl.claas.service.views.metrics_snapshot`; blocking: the job's extra stats)."""
+        return views.metrics_snapshot(self)
 
     def healthy(self) -> bool:
         """Whether the replay buffer answers (blocking: call it off the event loop)."""
-        probe = getattr(self.recorder.sink, "healthy", None)
-        return True if probe is None else bool(probe())
+        for ledger in self.ledgers.values():
+            probe = getattr(ledger.recorder.sink, "healthy", None)
+            if probe is not None and not probe():
+                return False
+        return True
 
     def request_shutdown(self) -> None:
         """Stop intake (503 from now on), then tell the owner (a training job drains and takes its final
@@ -464,13 +538,14 @@ class ChatService:
     async def sweep_forever(self) -> None:
         while True:
             await asyncio.sleep(self.config.sweep_interval_s)
-            self.recorder.sweep()
+            for ledger in self.ledgers.values():
+                ledger.recorder.sweep()
 
     async def drain(self, timeout_s: float = 30.0) -> None:
         """Stop intake, then settle what is left (:meth:`TurnLedger.drain`: gradings, writes in flight, pending
         turns; whatever cannot finish is counted ``dropped_shutdown``)."""
         self.stop_intake()
-        await self.turns.drain(timeout_s)
+        await asyncio.gather(*(ledger.drain(timeout_s) for ledger in self.ledgers.values()))
 
 
 def _logprob_items(token_ids, logprobs) -> list[dict]:

@@ -83,16 +83,17 @@ class ChatBackend(abc.ABC):
                        ) -> Generation:
         """Sample one response to ``messages`` with ``params``; ``ValueError`` for a request the backend refuses."""
 
-    async def stream(self, messages: list[dict], params: SamplingParams, chat_template_kwargs: dict | None = None
-                     ) -> AsyncIterator[StreamStart | TokenDelta | Generation]:
+    async def stream(self, messages: list[dict], params: SamplingParams, chat_template_kwargs: dict | None = None,
+                     **tenant) -> AsyncIterator[StreamStart | TokenDelta | Generation]:
         """Sample one response and yield it as it is generated: a :class:`StreamStart`, :class:`TokenDelta` events,
         then the complete :class:`Generation` (what :meth:`generate` returns for the same sampled tokens).
 
         Errors before the :class:`StreamStart` are the request's errors (``ValueError``: refused; ``BackendError``).
         Closing the iterator early (``aclose``: the client went away) stops the generation where the backend can.
-        This default generates the whole response first and yields it as a single delta.
+        This default generates the whole response first and yields it as a single delta. ``tenant`` (a
+        multi-tenant backend's ``tenant=``) is passed on to :meth:`generate`.
         """
-        gen = await self.generate(messages, params, chat_template_kwargs)
+        gen = await self.generate(messages, params, chat_template_kwargs, **tenant)
         yield StreamStart(policy_version=gen.policy_version, model=gen.model)
         if gen.response_ids or gen.text:
             yield TokenDelta(text=gen.text, token_ids=tuple(gen.response_ids),

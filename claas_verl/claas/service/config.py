@@ -1,8 +1,10 @@
 """Settings of the chat service (:class:`ServiceConfig`) and the exposure check of the address it listens on."""
 
 from dataclasses import dataclass
+from typing import Any
 
 from claas_verl.claas.service.guard import DEFAULT_TEMPLATE_KWARGS, LOOPBACK_HOSTS, bounded_int
+from claas_verl.claas.tenants.config import TenantDirectory
 from claas_verl.utils.schema import knob
 
 REWARD_MODES = ("binary", "unit")
@@ -53,9 +55,30 @@ class ServiceConfig:
                                   "in a job: claas.producer.max_new_tokens)")
     default_max_tokens: int | None = knob(None, "max_tokens of a request that gives none (null: the backend's "
                                           "default)")
+    tenants: dict[str, Any] | None = knob(None, "tenants: name -> {api_keys, b_min, b_max, a_max, max_pending, "
+                                          "rate_limit_per_s, rate_limit_burst, max_buffer_share} (rows "
+                                          "claas.service.tenants.<t>.*); each tenant's keys see only its own turns, "
+                                          "buffer partition and adapter; with tenants, api_keys must be empty (every "
+                                          "key names its tenant); null: one implicit tenant 'default' holds every "
+                                          "key")
+
+    @property
+    def directory(self) -> TenantDirectory:
+        """The :class:`~claas_verl.claas.tenants.config.TenantDirectory` of ``tenants`` (built by
+        :func:`check_service_fields`; implicit when no tenants are configured)."""
+        found = self.__dict__.get("_directory")
+        if found is None:
+            found = TenantDirectory(self.tenants)
+            object.__setattr__(self, "_directory", found)
+        return found
+
+    @property
+    def accepted_keys(self) -> tuple[str, ...]:
+        """Every key the chat endpoints accept: ``api_keys``, or with tenants every tenant's keys."""
+        return tuple(self.api_keys or ()) + self.directory.api_keys()
 
     def __post_init__(self):
-        if not self.api_keys and not self.allow_keyless:
+        if not self.accepted_keys and not self.allow_keyless:
             raise ValueError("no API keys: set api_keys (claas.service.api_keys or CLAAS_API_KEY), or opt in to a "
                              "keyless loopback service with allow_keyless=True")
         check_service_fields(self)
@@ -101,12 +124,48 @@ def check_service_fields(cfg: ServiceConfig, where: str = "") -> None:
     # frozen dataclasses: normalize in place (YAML gives lists)
     object.__setattr__(cfg, "template_kwargs", tuple(cfg.template_kwargs or ()))
     object.__setattr__(cfg, "api_keys", keys)
+    object.__setattr__(cfg, "_directory", check_tenants(cfg, where))
+
+
+def check_tenants(cfg: ServiceConfig, where: str = "") -> TenantDirectory:
+    """The tenant directory of ``cfg.tenants``; ``ValueError`` naming ``<where>tenants.<t>.<field>``.
+
+    The key rule: with tenants, every key belongs to exactly one tenant, so ``api_keys`` must be empty (a key listed
+    there as well as under a tenant is named as such), and the admin key is no tenant's key (it sees every tenant,
+    and chats or gives feedback as none)."""
+    tenants = cfg.tenants
+    if tenants is not None and not isinstance(tenants, dict):
+        try:  # an OmegaConf node from a recipe
+            from omegaconf import DictConfig, OmegaConf
+
+            if isinstance(tenants, DictConfig):
+                tenants = OmegaConf.to_container(tenants, resolve=True)
+                object.__setattr__(cfg, "tenants", tenants)
+        except ImportError:  # pragma: no cover - omegaconf ships with the project
+            pass
+    directory = TenantDirectory(tenants or None, where=f"{where}tenants.")
+    if directory.implicit:
+        return directory
+    both = [k for k in cfg.api_keys if directory.tenant_of(k) is not None]
+    if both:
+        raise ValueError(f"{where}api_keys: {len(both)} key(s) also listed under {where}tenants.<t>.api_keys (the "
+                         "keys are not shown); with tenants every key belongs to exactly one tenant: list it under "
+                         "its tenant only")
+    if cfg.api_keys:
+        raise ValueError(f"{where}api_keys must be empty when {where}tenants is set: a key outside every tenant "
+                         f"would have no adapter, buffer or quota; list each key under its tenant's api_keys")
+    if cfg.admin_key is not None and directory.tenant_of(cfg.admin_key) is not None:
+        raise ValueError(f"{where}admin_key is also a key of tenant {directory.tenant_of(cfg.admin_key)!r}; the "
+                         "admin key must belong to no tenant")
+    if cfg.allow_keyless:
+        raise ValueError(f"{where}allow_keyless cannot be combined with {where}tenants: a tenant is a set of keys")
+    return directory
 
 
 def check_exposure(host: str, config: ServiceConfig) -> None:
     """Refuse to serve without API keys on anything but a loopback address (anyone could feed the trainer), and
     without keys unless keyless mode was opted in to."""
-    if config.api_keys:
+    if config.accepted_keys:
         return
     if host not in LOOPBACK_HOSTS:
         raise ValueError(f"the chat service would listen on {host!r} without API keys; set claas.service.api_keys "

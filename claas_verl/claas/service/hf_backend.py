@@ -77,6 +77,7 @@ class HFBackend(ChatBackend):
         self._lock = threading.Lock()
         self._version = int(policy_version)
         self._adapter: str | None = None
+        self._digest: str | None = None  # adapter_digest of the served adapter file (None: the base model)
         self.stopped_early = 0  # generations stopped before their end because the stream was closed
         if adapter_path is not None:
             self._load_adapter_locked(str(adapter_path), self._version)
@@ -92,6 +93,11 @@ class HFBackend(ChatBackend):
 
     def model_names(self) -> list[str]:
         return sorted({self.model_name, self.served_model})
+
+    def adapter_sha256(self, tenant: str | None, version: int) -> str | None:
+        """The digest of the adapter served at ``version`` while it is the served one (None: the base model or a
+        replaced version; the single-tenant backend keeps only its served adapter)."""
+        return self._digest if tenant is None and int(version) == self._version else None
 
     def _prepare(self, messages, params: SamplingParams, chat_template_kwargs) -> tuple[list[int], int]:
         unsupported = params.non_default_processing()
@@ -223,6 +229,10 @@ class HFBackend(ChatBackend):
 
         if not os.path.isfile(os.path.join(path, "adapter_config.json")):
             raise ValueError(f"lora_path {path!r} is not a peft adapter directory (no adapter_config.json)")
+        from claas_verl.claas.tenants.adapters import adapter_file_digest
+
+        digest = adapter_file_digest(path) if os.path.isfile(os.path.join(path, "adapter_model.safetensors")) \
+            else None
         name = f"v{version}"
         first = self._adapter is None
         if first:
@@ -237,6 +247,7 @@ class HFBackend(ChatBackend):
             self.model.delete_adapter(self._adapter)  # only the served adapter is kept: no memory growth
         self._adapter = name
         self._version = version
+        self._digest = digest
 
     def _verify_locked(self, name: str, first: bool, probe) -> None:
         """Score ``probe.ids`` with the just-loaded adapter ``name``; drop it (the previous adapter, or the base

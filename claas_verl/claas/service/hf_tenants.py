@@ -11,7 +11,9 @@ the previous one.
 Generation runs one request at a time under the backend's lock (as :class:`HFBackend`); the adapter of the request
 is selected under that lock, so concurrent tenants never see each other's weights.
 
-Not wired into the HTTP API yet: the chat service's handlers do not pass a tenant to the backend.
+The chat service passes each request's tenant (from its API key) when it is configured with tenants. Each served
+version's adapter digest (:func:`~claas_verl.claas.tenants.adapters.adapter_file_digest`) is kept for the replies'
+``adapter_sha256``.
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ class TenantHFBackend(HFBackend):
         self._peft_names: dict[str, str] = {}  # cache name -> PEFT adapter name (PEFT names cannot hold '.')
         self._next_peft = 0
         self.cache = TenantAdapterCache(tenants, max_loaded_adapters, self._load_named, self._unload_named)
+        self._digests: dict[tuple[str, int], str] = {}  # (tenant, version) -> adapter digest, every version served
 
     # ------------------------------------------------------------------ what is served
     @property
@@ -56,6 +59,10 @@ class TenantHFBackend(HFBackend):
 
     def served_version(self, tenant: str) -> int:
         return self.cache.served(tenant)[1]
+
+    def adapter_sha256(self, tenant: str | None, version: int) -> str | None:
+        """The digest of the adapter ``tenant`` was served at ``version`` (None: version 0, the base model)."""
+        return self._digests.get((tenant, int(version)))
 
     def tenant_model_name(self, tenant: str, version: int) -> str:
         return self.model_name if version == 0 else f"{self.model_name}-{tenant}-v{version}"
@@ -75,11 +82,15 @@ class TenantHFBackend(HFBackend):
             raise ValueError(f"lora_path {path!r} is not a peft adapter directory (no adapter_config.json)")
 
         def work() -> int:
+            from claas_verl.claas.tenants.adapters import adapter_file_digest
+
+            digest = adapter_file_digest(path)  # before the lock: a file read, not the engine
             with self._lock:
                 new = next_version(self.served_version(tenant), version)
                 name = self.cache.stage(tenant, new, path)
                 if probe is not None:
                     self._verify_staged_locked(tenant, new, name, probe)
+                self._digests[(tenant, new)] = digest
                 self.cache.commit(tenant, new)
                 return new
 

@@ -100,7 +100,7 @@ def build_app(service: "ChatService"):
 
     def door(request: Request, admin: bool) -> str:
         """The checks every guarded request passes; returns the caller's id."""
-        if not cfg.api_keys:
+        if not cfg.accepted_keys:
             why = keyless_origin_error(request.headers)
             if why is not None:
                 raise AuthError(403, why)
@@ -172,7 +172,7 @@ def build_app(service: "ChatService"):
                             content={"ready": reason is None, "reason": reason})
 
     @app.get("/metrics")
-    @guarded("metrics", admin=bool(cfg.api_keys))
+    @guarded("metrics", admin=bool(cfg.accepted_keys))
     async def prometheus(request: Request, owner: str):
         body, ctype = await asyncio.to_thread(metrics.render)
         return Response(content=body, media_type=ctype)
@@ -214,7 +214,7 @@ def build_app(service: "ChatService"):
         path = body.get("lora_path") if isinstance(body, dict) else None
         if not isinstance(path, str) or not path:
             raise ValueError("'lora_path' must be the path of a peft adapter directory")
-        return await service.load_adapter(service.adapter_path(path), body.get("policy_version"))
+        return await service.load_adapter(service.adapter_path(path), body.get("policy_version"), body.get("tenant"))
 
     @app.post("/v1/claas/shutdown")
     @guarded("shutdown", admin=True)
@@ -225,7 +225,7 @@ def build_app(service: "ChatService"):
     @app.get("/v1/claas/stats")
     @guarded("stats")
     async def stats(request: Request, owner: str):
-        if owner == "admin" or not cfg.api_keys:  # a keyless (loopback) service has one user: its operator
+        if owner == "admin" or not cfg.accepted_keys:  # a keyless (loopback) service has one user: its operator
             return await asyncio.to_thread(service.stats)
         return await asyncio.to_thread(service.user_stats, owner)
 

@@ -15,6 +15,9 @@ Series::
     claas_buffer_entries, claas_buffer_capacity   the replay buffer (when the sink or the job reports it)
     claas_updates_total, claas_last_update_timestamp_seconds   trainer updates (training job only)
     claas_request_seconds{endpoint}            latency histogram per endpoint (chat: to the first byte of a stream)
+    claas_tenant_turns_total{tenant, outcome}  turns by tenant (drops and refusals included, by their counter name)
+    claas_tenant_pending_turns{tenant}         a tenant's turns awaiting feedback
+    claas_tenant_policy_version{tenant}        the version a tenant's new requests are served with
 """
 
 from __future__ import annotations
@@ -91,5 +94,21 @@ class _Collector:
         ):
             if value is not None:
                 yield GaugeMetricFamily(name, doc, value=float(value))
+        tenants = snap.get("tenants") or {}
+        if tenants:
+            t_turns = CounterMetricFamily("claas_tenant_turns", "Turns by tenant and outcome (every counter)",
+                                          labels=["tenant", "outcome"])
+            t_pending = GaugeMetricFamily("claas_tenant_pending_turns", "Turns of a tenant awaiting feedback",
+                                          labels=["tenant"])
+            t_version = GaugeMetricFamily("claas_tenant_policy_version", "Version a tenant's new requests get",
+                                          labels=["tenant"])
+            for tenant, view in tenants.items():
+                for name, value in view["counts"].items():
+                    t_turns.add_metric([tenant, name], value)
+                t_pending.add_metric([tenant], view["pending_now"])
+                t_version.add_metric([tenant], view["policy_version"])
+            yield t_turns
+            yield t_pending
+            yield t_version
         if snap.get("updates") is not None:
             yield CounterMetricFamily("claas_updates", "Trainer updates", value=float(snap["updates"]))

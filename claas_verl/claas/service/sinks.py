@@ -77,9 +77,11 @@ class ActorSink:
     entry per call, so ``n_accepted`` is 0 or 1.
     """
 
-    def __init__(self, handle, on_accepted: Callable[[list, int], None] | None = None):
+    def __init__(self, handle, on_accepted: Callable[[list, int], None] | None = None, tenant: str | None = None):
         self.handle = handle
         self.on_accepted = on_accepted
+        self.tenant = tenant  # the replay partition written, sized and asked (None: the actor's implicit one)
+        self._tenant_kw = {} if tenant is None else {"tenant": tenant}
         self.callback_errors = 0  # on_accepted raised (last_error holds the latest)
         self._lock = threading.Lock()
         self._done = threading.Condition(self._lock)
@@ -94,7 +96,7 @@ class ActorSink:
         out: concurrent.futures.Future = concurrent.futures.Future()
         try:
             batch = send_format(self.handle, entries)  # Ray actor: steps put into the object store once, by reference
-            ref = self.handle.add.remote(batch)
+            ref = self.handle.add.remote(batch, **self._tenant_kw)
         except Exception as exc:  # refused before sending, or the actor is gone: the future carries the failure
             with self._lock:
                 self._counts["submitted"] += n
@@ -150,7 +152,7 @@ class ActorSink:
         if size is None or not hasattr(size, "remote"):
             return True
         try:
-            size.remote().future().result(timeout=timeout_s)
+            size.remote(**self._tenant_kw).future().result(timeout=timeout_s)
             answer = True
         except Exception:  # noqa: BLE001 - dead, unreachable or too slow: all mean "cannot take entries now"
             answer = False
@@ -161,8 +163,13 @@ class ActorSink:
         """``(entries held, capacity b_max)`` of the actor's buffer (blocking: call it off the event loop; the
         capacity is asked once). Raises when the actor does not answer within ``timeout_s``."""
         if self._b_max is None:
-            self._b_max = int(self.handle.stats.remote().future().result(timeout=timeout_s)["b_max"])
-        return int(self.handle.size.remote().future().result(timeout=timeout_s)), self._b_max
+            stats = self.handle.stats.remote(**self._tenant_kw).future().result(timeout=timeout_s)
+            self._b_max = int(stats["b_max"])
+        return int(self.handle.size.remote(**self._tenant_kw).future().result(timeout=timeout_s)), self._b_max
+
+    def for_tenant(self, tenant: str) -> ActorSink:
+        """A sink into ``tenant``'s partition of the same actor, with the same ``on_accepted``."""
+        return type(self)(self.handle, on_accepted=self.on_accepted, tenant=tenant)
 
     def stats(self) -> dict:
         with self._lock:
@@ -170,11 +177,28 @@ class ActorSink:
                     "errors": self._counts["errors"], "in_flight": self._in_flight}
 
 
-def make_sink(target: Any):
+def make_sink(target: Any, tenant: str | None = None):
     """A sink for ``target``: a ``ReplayBuffer``, a Ray actor handle, or an object already implementing
-    ``submit`` (returning a future of the accepted count) / ``flush`` / ``stats`` (``healthy`` optional)."""
-    from claas_verl.claas.replay.buffer import ReplayBuffer
+    ``submit`` (returning a future of the accepted count) / ``flush`` / ``stats`` (``healthy`` optional).
 
+    ``tenant`` (a multi-tenant service): the sink writes that tenant's partition only. ``target`` must then be
+    partitioned: a :class:`~claas_verl.claas.replay.partitions.PartitionedReplay`, a replay actor built with
+    ``partitions``, or a sink object with ``for_tenant(tenant)``; one plain buffer shared by every tenant is refused
+    (one tenant's feedback would train another's adapter)."""
+    from claas_verl.claas.replay.buffer import ReplayBuffer
+    from claas_verl.claas.replay.partitions import PartitionedReplay
+
+    if isinstance(target, PartitionedReplay):
+        return LocalBufferSink(target.part(tenant))
+    if tenant is not None:
+        if isinstance(target, ReplayBuffer) or not (hasattr(target, "for_tenant")
+                                                    or hasattr(getattr(target, "add", None), "remote")):
+            raise ValueError(f"a multi-tenant service needs a replay sink partitioned by tenant (a PartitionedReplay, "
+                             f"a replay actor built with partitions, or a sink with for_tenant); got "
+                             f"{type(target).__name__}, which every tenant would share")
+        if hasattr(target, "for_tenant"):
+            return target.for_tenant(tenant)
+        return ActorSink(target, tenant=tenant)
     if isinstance(target, ReplayBuffer):
         return LocalBufferSink(target)
     if all(hasattr(target, m) for m in ("submit", "flush", "stats")):

@@ -36,14 +36,17 @@ class TurnLedger:
         teacher: SDPO only (:class:`~claas_verl.claas.service.teacher.SdpoTeacherContext`): each turn keeps its
             messages until its feedback, and feedback text becomes the entry's teacher context; feedback text with
             reward null is then an entry too (text-only feedback, see :mod:`~claas_verl.claas.service.teacher`).
+        tenant: a multi-tenant service's ledger of one tenant (its sink writes that tenant's replay partition only;
+            ``config`` carries the tenant's quotas); None: the single-tenant service.
     """
 
     def __init__(self, sink: Any, config: ServiceConfig, grader: Grader | None = None,
-                 teacher: SdpoTeacherContext | None = None):
+                 teacher: SdpoTeacherContext | None = None, tenant: str | None = None):
         self.config = config
+        self.tenant = tenant  # a multi-tenant service's ledger of one tenant: its turns, pending table and partition
         self.grader = grader
         self.teacher = teacher
-        self.recorder = TrajectoryRecorder(make_sink(sink), max_pending=config.max_pending,
+        self.recorder = TrajectoryRecorder(make_sink(sink, tenant), max_pending=config.max_pending,
                                            pending_ttl_s=config.pending_ttl_s,
                                            max_pending_per_key=config.max_pending_per_key,
                                            max_pending_bytes=config.max_pending_bytes)

@@ -48,6 +48,17 @@ def adapter_digest(tensors: Mapping[str, torch.Tensor]) -> str:
     return h.hexdigest()
 
 
+def adapter_file_digest(path: str) -> str:
+    """:func:`adapter_digest` of the peft adapter directory ``path`` (its ``adapter_model.safetensors``): what a
+    serving engine loads, named by the bytes it reads."""
+    from safetensors.torch import load_file
+
+    file = os.path.join(str(path), "adapter_model.safetensors")
+    if not os.path.isfile(file):
+        raise ValueError(f"{path!r} holds no adapter_model.safetensors: save the adapter with safe_serialization")
+    return adapter_digest(load_file(file))
+
+
 def _to_cpu(obj):
     """A deep copy of ``obj`` with every tensor copied to host memory (never a view of a device tensor)."""
     if isinstance(obj, torch.Tensor):

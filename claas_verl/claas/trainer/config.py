@@ -131,6 +131,11 @@ class ServiceSection(ServiceConfig):
                 raise ValueError(f"claas.service.{name} is set by the job itself (see JOB_SET_SERVICE_FIELDS); "
                                  f"remove it from the recipe")
         check_service_fields(self, "claas.service.")
+        if not self.directory.implicit:
+            raise ValueError("claas.service.tenants: a training job does not yet train one adapter per tenant (its "
+                             "trainer updates one adapter from one buffer); serve tenants with the standalone "
+                             "service (ChatService with a TenantHFBackend and a partitioned replay buffer), or "
+                             "remove claas.service.tenants")
 
     def service_config(self, **job: Any) -> ServiceConfig:
         """The standalone :class:`ServiceConfig` of this section, with the values the job resolves at start

@@ -43,7 +43,7 @@ def running_service(backend, sink, grader=None, teacher=None, **config):
 
     Adapter loads over HTTP need ``ADMIN`` and a path under the temp directory unless the test overrides them."""
     config.setdefault("admin_key", ADMIN)
-    if not config.get("api_keys"):
+    if not config.get("api_keys") and not config.get("tenants"):
         config.setdefault("allow_keyless", True)  # a loopback test service: keyless by explicit opt-in
     config.setdefault("adapter_root", tempfile.gettempdir())
     service = ChatService(backend, sink, grader=grader, config=ServiceConfig(**config), teacher=teacher)

@@ -100,7 +100,8 @@ def test_tokens_reach_the_client_while_the_model_generates(backend):
     assert text == plain.choices[0].message.content
     # The claas object: request id and serving version on every chunk, the full object on the last one.
     heads = [c.model_extra["claas"] for c in chunks[:-1]]
-    assert all(h == {"request_id": rid, "policy_version": 0, "scenario_id": None, "step_idx": None} for h in heads)
+    assert all(h == {"request_id": rid, "tenant": "default", "policy_version": 0, "adapter_sha256": None,
+                    "scenario_id": None, "step_idx": None} for h in heads)
     full = final.model_extra["claas"]
     assert (full["request_id"], full["policy_version"], full["record"], full["n_tokens"]) == (
         rid, 0, "pending_feedback", n_tokens)
