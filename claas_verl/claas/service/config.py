@@ -159,6 +159,9 @@ def check_tenants(cfg: ServiceConfig, where: str = "") -> TenantDirectory:
                          "admin key must belong to no tenant")
     if cfg.allow_keyless:
         raise ValueError(f"{where}allow_keyless cannot be combined with {where}tenants: a tenant is a set of keys")
+    if cfg.max_buffer_share != 1.0:
+        raise ValueError(f"{where}max_buffer_share applies to the one shared buffer; with {where}tenants each tenant "
+                         f"has its own partition: set {where}tenants.<t>.max_buffer_share instead")
     return directory
 
 

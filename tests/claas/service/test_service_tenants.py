@@ -28,6 +28,7 @@ def test_tenants_build_the_directory_and_every_tenant_key_is_accepted():
     ({"api_keys": ("sk-other",)}, "api_keys must be empty when tenants is set"),
     ({"admin_key": BOB}, "admin_key is also a key of tenant 'bob'"),
     ({"allow_keyless": True}, "allow_keyless cannot be combined with tenants"),
+    ({"max_buffer_share": 0.5}, r"set tenants.<t>.max_buffer_share instead"),
 ])
 def test_the_key_rule_is_refused_by_field(extra, match):
     with pytest.raises(ValueError, match=match):
