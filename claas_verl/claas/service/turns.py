@@ -93,6 +93,8 @@ class TurnLedger:
             self.recorder.count("rejected_unrecordable", owner=owner)
             return "rejected", f"not recorded: {why}"
         metadata = {"request_id": request_id, "model": gen.model, "finish_reason": gen.finish_reason}
+        if self.tenant is not None:
+            metadata["tenant"] = self.tenant  # the partition it is written to says so too; the entry carries it
         if ctx["scenario_key"] is not None:
             metadata["scenario"] = ctx["scenario_key"]
         if ctx["client_metadata"]:

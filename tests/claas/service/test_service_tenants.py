@@ -64,7 +64,7 @@ def test_each_key_is_served_recorded_and_trained_in_its_own_tenant():
         assert a["claas"]["policy_version"] == 0 and a["claas"]["adapter_sha256"] is None  # the base model
         assert feedback(url, a["id"], 1, ALICE).json()["status"] == "accepted"
         assert feedback(url, b["id"], 0, BOB).json()["status"] == "accepted"
-        assert [e.uid for e in replay.part("alice").entries()] == [a["id"]]
+        assert [(e.uid, e.metadata["tenant"]) for e in replay.part("alice").entries()] == [(a["id"], "alice")]
         assert [(e.uid, e.reward) for e in replay.part("bob").entries()] == [(b["id"], 0.0)]
 
         # a reload of bob's adapter changes bob's replies only
