@@ -105,6 +105,7 @@ class ChatService:
         self.multi_tenant = not self.directory.implicit
         self._grader = grader
         if self.multi_tenant:
+            self._check_tenant_backend()
             # one ledger per tenant, each with the tenant's quotas and a sink into the tenant's replay partition
             self.ledgers = {t: TurnLedger(sink, self._tenant_service_config(t), grader, teacher=teacher, tenant=t)
                             for t in self.directory.names}
@@ -139,6 +140,20 @@ class ChatService:
         per_key = min(cfg.max_pending_per_key or t.max_pending, t.max_pending)
         return dataclasses.replace(cfg, tenants=None, api_keys=t.api_keys, max_pending=t.max_pending,
                                    max_pending_per_key=per_key, max_buffer_share=t.max_buffer_share)
+
+    def _check_tenant_backend(self) -> None:
+        """A multi-tenant service needs a backend that serves one adapter per tenant (``served_version(tenant)``,
+        ``tenant=`` on generate/stream/load_adapter) and knows every configured tenant."""
+        served = getattr(self.backend, "served_version", None)
+        if not callable(served):
+            raise ValueError(f"claas.service.tenants needs a backend that serves one adapter per tenant (e.g. "
+                             f"TenantHFBackend); {type(self.backend).__name__} serves one adapter to every key")
+        for tenant in self.directory.names:
+            try:
+                served(tenant)
+            except (KeyError, ValueError) as exc:
+                raise ValueError(f"claas.service.tenants.{tenant}: the backend does not serve this tenant ({exc}); "
+                                 "build it with every configured tenant") from None
 
     def tenant_of(self, owner: str) -> str:
         """The tenant of caller ``owner`` (a key id); the single-tenant service answers :data:`DEFAULT_TENANT`.

@@ -55,6 +55,8 @@ class TenantScripted(ChatBackend):
         return max(self.versions.values())
 
     def served_version(self, tenant):
+        if tenant not in self.versions:
+            raise ValueError(f"unknown tenant {tenant!r}")
         return self.versions[tenant]
 
     def adapter_sha256(self, tenant, version):

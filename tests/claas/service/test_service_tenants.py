@@ -48,9 +48,17 @@ def test_a_bad_tenant_field_is_named_with_its_yaml_path():
         ServiceSection(tenants=TENANTS)
 
 
-def test_a_multi_tenant_service_refuses_a_buffer_every_tenant_would_share():
+def test_a_multi_tenant_service_refuses_a_buffer_or_a_backend_every_tenant_would_share():
+    from claas_verl.claas.service import ChatService
+
     with pytest.raises(ValueError, match="needs a replay sink partitioned by tenant"):
         make_sink(big_buffer(), tenant="alice")
+    with pytest.raises(ValueError, match="needs a replay sink partitioned by tenant"):
+        ChatService(TenantScripted(TENANTS), big_buffer(), config=ServiceConfig(tenants=TENANTS))
+    with pytest.raises(ValueError, match="Scripted serves one adapter to every key"):
+        ChatService(Scripted(), partitions(), config=ServiceConfig(tenants=TENANTS))
+    with pytest.raises(ValueError, match=r"tenants.bob: the backend does not serve this tenant"):
+        ChatService(TenantScripted({"alice": 0}), partitions(), config=ServiceConfig(tenants=TENANTS))
 
 
 # ---------------------------------------------------------------------------------------------- routing over HTTP
