@@ -90,6 +90,10 @@ def test_the_operator_guides_example_is_a_valid_configuration():
     d = TenantDirectory(example["claas"]["service"]["tenants"])
     assert d.names == ("alice", "bob") and d.tenant_of("sk-alice-2") == "alice"
     assert d["bob"].rate_limit_per_s == 2.0 and d["alice"].b_max == 64
+    from claas_verl.claas.service import ServiceConfig
+
+    service = example["claas"]["service"]  # the example is a service configuration the key rule accepts
+    assert ServiceConfig(**service).directory.names == ("alice", "bob")
     c = TenantConfig(api_keys=("k",))  # the guide's table of defaults is the schema's
     for row in (f"| `b_min`, `b_max`, `a_max` | {c.b_min}, {c.b_max}, {c.a_max} |",
                 f"| `max_pending` | {c.max_pending} |",
