@@ -78,6 +78,7 @@ class OpenAIBackend(ChatBackend):
         # the old adapter, which happens on the event loop, and must not block it on HTTP.
         self._unloader = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="claas-unload")
         self._reload_lock = threading.Lock()
+        self._digests: dict[int, str] = {}  # version -> adapter digest of the file loaded as it
         self.unload_errors: list[str] = []
         self.unloaded: list[str] = []
         if adapter_path is not None:
@@ -154,8 +155,18 @@ class OpenAIBackend(ChatBackend):
             new = next_version(self.policy_version, version)
             name = f"{self.lora_prefix}-v{new}"
             self.lora.load(name, path)
+            digest = _file_digest(path)
+            if digest is not None:
+                self._digests[new] = digest
+                for old in sorted(self._digests)[:-_DIGESTS_KEPT]:
+                    del self._digests[old]
             self._switch.switch(name, new)
             return new
+
+    def adapter_sha256(self, tenant: str | None, version: int) -> str | None:
+        """The digest of the adapter file loaded as ``version`` (the last few versions; None: the base model, or a
+        path this process cannot read, e.g. on the vLLM server's own disk)."""
+        return self._digests.get(int(version)) if tenant is None else None
 
     async def aclose(self) -> None:
         await self._http.aclose()
@@ -303,3 +314,17 @@ def _parse_token_id(token: str) -> int | None:
         except ValueError:
             return None
     return None
+
+
+_DIGESTS_KEPT = 64  # versions whose adapter digest is remembered (requests in flight may still be on an older one)
+
+
+def _file_digest(path: str) -> str | None:
+    """:func:`~claas_verl.claas.tenants.adapters.adapter_file_digest` of ``path`` when it is readable here."""
+    import os
+
+    if not os.path.isfile(os.path.join(path, "adapter_model.safetensors")):
+        return None
+    from claas_verl.claas.tenants.adapters import adapter_file_digest
+
+    return adapter_file_digest(path)

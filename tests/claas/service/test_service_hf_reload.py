@@ -50,11 +50,16 @@ def test_reload_increments_version_and_later_entries_carry_it(tiny, tmp_path):
         # buffer clamps a version ahead of its k, so the test keeps the two in step like the trainer does.)
         buf.on_update()
         out = client.load_adapter(adapter1)
-        assert out == {"policy_version": 1, "model": "claas-hf-lora-v1"}
+        from claas_verl.claas.tenants.adapters import adapter_file_digest
+
+        digest = adapter_file_digest(adapter1)  # the reply names the weights that served it
+        assert out == {"tenant": "default", "policy_version": 1, "adapter_sha256": digest, "model": "claas-hf-lora-v1"}
+        assert r0["claas"]["adapter_sha256"] is None
         assert client.health()["policy_version"] == 1
         assert sorted(m["id"] for m in client.models()["data"]) == ["claas-hf", "claas-hf-lora-v1"]
         r1 = client.chat(USER, max_tokens=5)
         assert r1["claas"]["policy_version"] == 1 and r1["model"] == "claas-hf-lora-v1"
+        assert r1["claas"]["adapter_sha256"] == digest
         # An explicit version (the trainer's update count) may jump, never go back.
         for _ in range(4):
             buf.on_update()

@@ -187,13 +187,24 @@ def test_hot_reload_switches_adapter_and_unloads_the_old_one(fake, tmp_path):
     with running_service(backend, buf) as (_, url), ClaasServiceClient(url, admin_key=ADMIN) as client:
         r0 = client.chat(USER)
         buf.on_update()  # the trainer's step k=1, then it publishes version 1
-        assert client.load_adapter(str(tmp_path / "step1")) == {"policy_version": 1, "model": "claas-v1"}
+        # no adapter file this process can read (the fake server's path): no digest to name
+        assert client.load_adapter(str(tmp_path / "step1")) == {"tenant": "default", "policy_version": 1,
+                                                                "adapter_sha256": None, "model": "claas-v1"}
         assert fake.loads == [{"lora_name": "claas-v1", "lora_path": str(tmp_path / "step1")}]
         r1 = client.chat(USER)
         buf.on_update()
+        import torch
+        from safetensors.torch import save_file
+
+        from claas_verl.claas.tenants.adapters import adapter_digest
+
+        (tmp_path / "step2").mkdir()  # an adapter file readable here: the reply names its digest
+        weights = {"base_model.model.lora_A.weight": torch.arange(6, dtype=torch.float32).reshape(2, 3)}
+        save_file(weights, str(tmp_path / "step2" / "adapter_model.safetensors"))
         assert client.load_adapter(str(tmp_path / "step2"))["model"] == "claas-v2"
         _wait_unloaded(fake, "claas-v1")  # base is never unloaded
         r2 = client.chat(USER)
+        assert r2["claas"]["adapter_sha256"] == adapter_digest(weights) and r1["claas"]["adapter_sha256"] is None
         for r in (r0, r1, r2):
             client.feedback(r["id"], 1.0)
         assert sorted(m["id"] for m in client.models()["data"]) == ["base", "claas-v2"]
@@ -275,7 +286,8 @@ def test_concurrent_reloads_are_serialised(fake, tmp_path):
         assert sorted(x["lora_name"] for x in fake.loads) == ["claas-v1", "claas-v2", "claas-v3"]
         _wait_unloaded(fake, "claas-v1", "claas-v2")
         # From a thread with no event loop (a trainer's update thread), the synchronous form.
-        assert service.load_adapter_sync(str(tmp_path / "a4")) == {"policy_version": 4, "model": "claas-v4"}
+        assert service.load_adapter_sync(str(tmp_path / "a4")) == {"tenant": "default", "policy_version": 4,
+                                                                   "adapter_sha256": None, "model": "claas-v4"}
         assert httpx.get(f"{url}/health").json()["policy_version"] == 4
 
 
