@@ -15,7 +15,8 @@ The HTTP layer is :mod:`claas_verl.claas.service.http_app`, the bookkeeping of t
     POST /v1/chat/completions       OpenAI chat completion + a "claas" object (request id, version, record status)
     POST /v1/feedback               {"request_id", "reward": float|null, "feedback": str|null} (the turn's own key;
                                     with SDPO the text is the teacher context, and text with reward null counts)
-    POST /v1/claas/load_adapter     {"lora_path", "policy_version"?}  (admin: trainer -> service hot-reload)
+    POST /v1/claas/load_adapter     {"lora_path", "policy_version"?, "tenant"?}  (admin: trainer -> service
+                                    hot-reload; with tenants, "tenant" names the one slot that changes)
     POST /v1/claas/shutdown         admin: stop intake, drain, end the job
     GET  /v1/claas/stats            a key's own counters; with the admin key, every counter and every key's
 

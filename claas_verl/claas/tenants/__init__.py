@@ -5,5 +5,6 @@
 ``memory`` the bytes one tenant rests in; ``verify`` the check that a reloaded adapter serves what was trained;
 ``serving`` every tenant's served adapter at once over a bounded adapter cache. The replay side is
 :mod:`claas_verl.claas.replay.partitions`, the HF engine side :mod:`claas_verl.claas.service.hf_tenants`. Nothing
-here is wired into the HTTP API or the trainer yet.
+here is wired into the trainer yet; the chat service (:mod:`claas_verl.claas.service.app`) routes each key to its
+tenant's ledger, partition and adapter.
 """

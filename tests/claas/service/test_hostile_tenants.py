@@ -114,3 +114,17 @@ def test_a_tenant_cannot_reload_or_evict_another_tenants_adapter():
             assert r.status_code == 401
         assert backend.versions == {"alice": 0, "bob": 0}
         assert chat(url, BOB).json()["claas"]["policy_version"] == 0
+
+
+def test_the_buffer_share_holds_between_the_keys_of_one_tenant_only():
+    tenants = {"alice": {**TENANTS["alice"], "b_max": 4, "max_buffer_share": 0.5}, "bob": dict(TENANTS["bob"])}
+    replay = partitions(tenants)
+    with running_service(TenantScripted(tenants), replay, tenants=tenants) as (_, url):
+        assert feedback(url, chat(url, ALICE).json()["id"], 1, ALICE).json()["status"] == "accepted"
+        for _ in range(3):  # alice's second key fills the rest of her partition (free space is usable)
+            assert feedback(url, chat(url, ALICE_2).json()["id"], 1, ALICE_2).json()["status"] == "accepted"
+        # ALICE_2 holds 3 of 4 > her share of 2: her next entry would push ALICE's out of their partition
+        refused = feedback(url, chat(url, ALICE_2).json()["id"], 1, ALICE_2)
+        assert refused.status_code == 429 and "share of the replay buffer" in refused.json()["error"]["message"]
+        for _ in range(6):  # bob's partition is his own: alice's share never limits him
+            assert feedback(url, chat(url, BOB).json()["id"], 1, BOB).json()["status"] == "accepted"
