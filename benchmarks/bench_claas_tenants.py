@@ -1,8 +1,8 @@
 """Serving several CLaaS tenants against one tenant under the same total load, over real HTTP (tiny model, CPU).
 
-Each configuration runs ``--clients`` concurrent clients (threads), each sending ``--requests`` chats of
-exactly ``--tokens`` sampled tokens (EOS off), recorded and rewarded (feedback into the replay buffer), through the chat API on
-127.0.0.1:
+Each configuration runs ``--clients`` concurrent clients (threads), each sending ``--requests`` chats of exactly
+``--tokens`` sampled tokens (EOS off), recorded and rewarded (feedback into the replay buffer), through the chat API
+on 127.0.0.1:
 
 * ``1 tenant``: the single-tenant service over ``HFBackend`` serving one LoRA adapter, every client with its own key;
 * ``N tenants, all loaded``: ``claas.service.tenants`` with one tenant per client, ``TenantHFBackend`` with room for
