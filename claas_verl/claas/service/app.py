@@ -169,6 +169,18 @@ class ChatService:
     def ledger(self, tenant: str) -> TurnLedger:
         return self.ledgers[tenant]
 
+    def model_names(self, owner: str) -> list[str]:
+        """``GET /v1/models`` for ``owner``: with tenants, the base model and the caller's own tenant's served model
+        (never another tenant's name or version); the admin and a single-tenant service see the backend's list."""
+        if not self.multi_tenant or owner == "admin":
+            return self.backend.model_names()
+        tenant = self.tenant_of(owner)
+        names = {self.backend.served_model}
+        own = getattr(self.backend, "tenant_model_name", None)
+        if own is not None:
+            names.add(own(tenant, self.served_version(tenant)))
+        return sorted(names)
+
     def _backend_kw(self, tenant: str) -> dict:
         """The backend call's tenant argument (a single-tenant backend takes none)."""
         return {"tenant": tenant} if self.multi_tenant else {}

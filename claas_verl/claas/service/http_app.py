@@ -182,7 +182,7 @@ def build_app(service: "ChatService"):
     async def models(request: Request, owner: str):
         now = int(time.time())
         return {"object": "list", "data": [{"id": name, "object": "model", "created": now, "owned_by": "claas"}
-                                           for name in service.backend.model_names()]}
+                                           for name in service.model_names(owner)]}
 
     @app.post("/v1/chat/completions")
     @guarded("chat", limited=True)

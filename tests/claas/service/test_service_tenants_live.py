@@ -56,6 +56,10 @@ def test_each_tenant_is_served_its_own_adapter_and_an_evicted_one_comes_back(tin
             expect = recompute_token_logprobs(models[t], prompt, ids)  # the tenant's own adapter, not the base
             assert max(abs(u - v) for u, v in zip(served, expect)) < 1e-4, t
         assert backend.cache.counts["reloads"] >= 1  # a's adapter was loaded again for its request
+        models = httpx.get(f"{url}/v1/models", headers=auth(KEYS["a"])).json()["data"]
+        assert [m["id"] for m in models] == ["claas-hf", "claas-hf-a-v1"]  # its own served model, no other tenant's
+        admin = httpx.get(f"{url}/v1/models", headers=auth(ADMIN)).json()["data"]
+        assert {m["id"] for m in admin} == {"claas-hf", "claas-hf-a-v1", "claas-hf-b-v1", "claas-hf-c-v1"}
 
 
 def _params():
