@@ -47,9 +47,11 @@ ENV_READER_DIR = "CLAAS_TINY_READER_DIR"
 READER_MANIFEST_MARKER = "instruction_reading"  # a key only the reader bundle's manifest has
 LOG = "[tiny reader]"
 BUILD_SEED_BASE = 1000  # build-time scenario seeds 1000 + i; the stream's generator seed is 0
-SCENARIOS_PER_FAMILY = 64
+SCENARIOS_PER_FAMILY = 32
 SAMPLES_PER_TURN = 8
-SFT = dict(lr=1e-3, batch_size=32)  # constant learning rate, gradient norm clipped at 1
+# Constant learning rate, gradient norm clipped at 1. Batches of 8: ICL's feedback block makes a third of the examples
+# ~900 tokens long, and a batch of 32 took 8.8 s a step on the shared 2-core machine.
+SFT = dict(lr=1e-3, batch_size=8)
 STEPS_GRID = (50, 100, 200, 400, 800)  # the plan's N; the smallest that meets every gate is shipped
 READER_SFT_STEPS: int | None = None  # the N chosen by the plan's rule (measure_grid), set once measured
 
@@ -128,7 +130,7 @@ def ensure_reader(directory: str | os.PathLike | None = None, seed: int = 0, bui
 # ----------------------------------------------------------------------------- build data
 
 
-def build_scenarios(seed: int, per_family: int = SCENARIOS_PER_FAMILY):
+def build_scenarios(seed: int, per_family: int | None = None):
     """One-rule scenarios at generator seeds ``1000 + i`` (``i``: scenario number; its family
     ``ALL_FAMILIES[i % 9]``), with the stream's number of turns. ``seed`` (the build seed) shifts nothing: the
     scenarios are the plan's, the build seed changes the sampling and the fine-tune."""
@@ -136,7 +138,7 @@ def build_scenarios(seed: int, per_family: int = SCENARIOS_PER_FAMILY):
     from claas_verl.tiny.reader_measure import TURNS
 
     del seed
-    n = per_family * len(ALL_FAMILIES)
+    n = (SCENARIOS_PER_FAMILY if per_family is None else per_family) * len(ALL_FAMILIES)
     return [make_rule_scenario(BUILD_SEED_BASE + i, 0, TURNS, 1, 1, (ALL_FAMILIES[i % len(ALL_FAMILIES)],))
             for i in range(n)]
 
@@ -175,10 +177,11 @@ def sft_mix(thirds: dict[str, list]) -> list:
 
 
 def sft_checkpoints(model, examples: Sequence, steps: Sequence[int], seed: int, pad_token_id: int,
-                    on_checkpoint: Callable[[int], None]) -> None:
+                    on_checkpoint: Callable[[int], None], stop: Callable[[int], bool] = lambda n: False) -> None:
     """AdamW on the reply tokens at a constant ``SFT["lr"]`` (gradient norm clipped at 1), batches of
     ``SFT["batch_size"]`` drawn by a generator seeded with ``seed``; ``on_checkpoint(n)`` after step n for every
-    n of ``steps`` (the model in eval mode then), so one run gives the state of each shorter run."""
+    n of ``steps`` (the model in eval mode then), so one run gives the state of each shorter run; training ends
+    there when ``stop(n)``."""
     import torch
 
     from claas_verl.utils.progress import Progress
@@ -208,6 +211,8 @@ def sft_checkpoints(model, examples: Sequence, steps: Sequence[int], seed: int, 
         if step in steps:
             model.eval()
             on_checkpoint(step)
+            if stop(step):
+                break
     model.eval()
 
 
@@ -251,13 +256,41 @@ def _data_counts(thirds: dict[str, list]) -> dict[str, int]:
     return {name: len(rows) for name, rows in thirds.items()}
 
 
+def write_manifest(paths: ReaderPaths, seed: int, sft_steps: int, base_fp: str, thirds: dict[str, list],
+                   after: dict | None, before: dict | None, seconds: float) -> dict:
+    """The bundle's manifest (module docstring); ``after`` / ``before``: :func:`reader_measure.measure` of the
+    fine-tuned and of the pre-SFT student on the same families (None: not measured)."""
+    from claas_verl.tiny.reader_measure import merged_table, reading_gates
+
+    manifest = {
+        "version": READER_VERSION,
+        "seed": seed,
+        "base": {"kind": "tiny", "version": "3", "fingerprint": base_fp},
+        "sft": {**SFT, "steps": sft_steps, "constant_lr": True, "clip_grad_norm": 1.0,
+                "scenario_seeds": f"{BUILD_SEED_BASE}..{BUILD_SEED_BASE + len(build_scenarios(seed)) - 1}",
+                "scenarios_per_family": SCENARIOS_PER_FAMILY, "samples_per_turn": SAMPLES_PER_TURN,
+                "examples": _data_counts(thirds)},
+        "paths": {"student": "student"},
+        "build_seconds": round(seconds, 1),
+        READER_MANIFEST_MARKER: None,
+    }
+    if after is not None and before is not None:
+        table = merged_table(after, before)
+        manifest[READER_MANIFEST_MARKER] = table
+        manifest["instruction_reading_protocol"] = protocol()
+        manifest["max_prompt_tokens"] = {f: after[f]["max_prompt_tokens"] for f in after}
+        manifest["gates"] = reading_gates(table)
+    paths.manifest.write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
+    return manifest
+
+
 def build_reader(root: Path, seed: int, sft_steps: int, measure: bool = True) -> None:
     """The bundle into the new folder ``root``: the fine-tuned student and the manifest (module docstring)."""
     import tempfile
 
+    from claas_verl.tiny.gym import stop_and_pad_ids
     from claas_verl.tiny.model import save_model
     from claas_verl.tiny.reader_measure import measure as measure_model
-    from claas_verl.tiny.reader_measure import merged_table, reading_gates
     from claas_verl.utils.prompt_rows import stable_seed
 
     if sft_steps < 1:
@@ -270,32 +303,11 @@ def build_reader(root: Path, seed: int, sft_steps: int, measure: bool = True) ->
     with _OneThread(), tempfile.TemporaryDirectory(prefix="claas_reader_") as work:
         model, tok, base_fp, thirds = _start(seed, Path(work))
         before = measure_model(model, tok, ("measure", seed), label=f"{LOG} pre-SFT") if measure else None
-        from claas_verl.tiny.gym import stop_and_pad_ids
-
         sft_checkpoints(model, sft_mix(thirds), [sft_steps], stable_seed("claas_reader.sft", seed),
                         stop_and_pad_ids(tok)[1], lambda n: None)
         save_model(model, tok, paths.student)
         after = measure_model(model, tok, ("measure", seed), label=f"{LOG} reader") if measure else None
-    manifest = {
-        "version": READER_VERSION,
-        "seed": seed,
-        "base": {"kind": "tiny", "version": "3", "fingerprint": base_fp},
-        "sft": {**SFT, "steps": sft_steps, "constant_lr": True, "clip_grad_norm": 1.0,
-                "scenario_seeds": f"{BUILD_SEED_BASE}..{BUILD_SEED_BASE + len(build_scenarios(seed)) - 1}",
-                "scenarios_per_family": SCENARIOS_PER_FAMILY, "samples_per_turn": SAMPLES_PER_TURN,
-                "examples": _data_counts(thirds)},
-        "paths": {"student": "student"},
-        "build_seconds": round(time.time() - t0, 1),
-    }
-    if measure:
-        table = merged_table(after, before)
-        manifest[READER_MANIFEST_MARKER] = table
-        manifest["instruction_reading_protocol"] = protocol()
-        manifest["max_prompt_tokens"] = {f: after[f]["max_prompt_tokens"] for f in after}
-        manifest["gates"] = reading_gates(table)
-    else:
-        manifest[READER_MANIFEST_MARKER] = None
-    paths.manifest.write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
+    write_manifest(paths, seed, sft_steps, base_fp, thirds, after, before, time.time() - t0)
 
 
 def protocol() -> dict:
@@ -307,34 +319,64 @@ def protocol() -> dict:
             "gated_families": list(rm.STREAM_FAMILIES), "interval": "two-proportion Wald 95%"}
 
 
-def measure_grid(out_json: Path, seed: int = 0, grid: Sequence[int] = STEPS_GRID) -> dict:
-    """The plan's choice of N: one fine-tune to ``max(grid)``, the tables of the pre-SFT student and of every N of
-    ``grid`` on the gated families (``STREAM_FAMILIES``: the rule looks at nothing else; the shipped build measures
-    every family), the gates of each and the smallest N that meets them all (``chosen``, None if none), into
-    ``out_json``."""
+def measure_grid(out_dir: Path, seed: int = 0, grid: Sequence[int] = STEPS_GRID, stop_at_choice: bool = True) -> dict:
+    """The plan's choice of N: one fine-tune to ``max(grid)``; at every N of ``grid`` the bundle of that N in
+    ``out_dir/N<n>`` (its manifest measured on the gated families ``STREAM_FAMILIES``, all the rule reads); then the
+    smallest N that meets every gate (``chosen``, None if none) has its manifest completed with every family. The
+    tables, gates and choice go to ``out_dir/grid.json``. ``stop_at_choice``: the fine-tune stops at the first N
+    that meets every gate (a larger N cannot change the rule's choice), saving the CPU time of the rest."""
+    import copy
     import tempfile
 
+    from claas_verl.claas.envs.rule_following import ALL_FAMILIES
     from claas_verl.tiny.gym import stop_and_pad_ids
+    from claas_verl.tiny.model import save_model
     from claas_verl.tiny.reader_measure import STREAM_FAMILIES, gates_pass, measure, merged_table, reading_gates
     from claas_verl.utils.prompt_rows import stable_seed
 
     t0 = time.time()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    out_json = out_dir / "grid.json"
     result: dict = {"seed": seed, "grid": list(grid), "sft": SFT, "protocol": protocol(), "tables": {},
-                    "gates": {}}
+                    "gates": {}, "chosen": None}
+    key = ("measure", seed)
     with _OneThread(), tempfile.TemporaryDirectory(prefix="claas_reader_") as work:
         model, tok, base_fp, thirds = _start(seed, Path(work))
+        pre = copy.deepcopy(model)
         result["base_fingerprint"], result["examples"] = base_fp, _data_counts(thirds)
-        before = measure(model, tok, ("measure", seed), STREAM_FAMILIES, label=f"{LOG} pre-SFT")
+        before = measure(pre, tok, key, STREAM_FAMILIES, label=f"{LOG} pre-SFT")
 
         def at(n: int) -> None:
-            table = merged_table(measure(model, tok, ("measure", seed), STREAM_FAMILIES, label=f"{LOG} N={n}"),
-                                 before)
+            after = measure(model, tok, key, STREAM_FAMILIES, label=f"{LOG} N={n}")
+            paths = ReaderPaths(out_dir / f"N{n}")
+            shutil.rmtree(paths.root, ignore_errors=True)
+            save_model(model, tok, paths.student)
+            write_manifest(paths, seed, n, base_fp, thirds, after, before, time.time() - t0)
+            table = merged_table(after, before)
             result["tables"][str(n)], result["gates"][str(n)] = table, reading_gates(table)
             out_json.write_text(json.dumps(result, indent=1, sort_keys=True) + "\n")  # each N as soon as measured
 
         sft_checkpoints(model, sft_mix(thirds), sorted(grid), stable_seed("claas_reader.sft", seed),
-                        stop_and_pad_ids(tok)[1], at)
-    result["chosen"] = next((n for n in sorted(grid) if gates_pass(result["gates"][str(n)])), None)
+                        stop_and_pad_ids(tok)[1], at,
+                        stop=lambda n: stop_at_choice and gates_pass(result["gates"][str(n)]))
+        chosen = next((n for n in sorted(grid) if str(n) in result["gates"] and gates_pass(result["gates"][str(n)])),
+                      None)
+        result["chosen"] = chosen
+        out_json.write_text(json.dumps(result, indent=1, sort_keys=True) + "\n")
+        if chosen is not None:  # the shipped bundle's manifest reports every family
+            from transformers import AutoModelForCausalLM
+
+            paths = ReaderPaths(out_dir / f"N{chosen}")
+            rest = tuple(f for f in ALL_FAMILIES if f not in STREAM_FAMILIES)
+            m = json.loads(paths.manifest.read_text())
+            gated_after = {f: {**{c: m[READER_MANIFEST_MARKER][f][c] for c in ("base", "student", "teacher", "icl")},
+                               "max_prompt_tokens": m["max_prompt_tokens"][f]} for f in STREAM_FAMILIES}
+            chosen_model = AutoModelForCausalLM.from_pretrained(paths.student).eval()
+            after = {**gated_after, **measure(chosen_model, tok, key, rest, label=f"{LOG} N={chosen}, other families")}
+            before_all = {**before, **measure(pre, tok, key, rest, label=f"{LOG} pre-SFT, other families")}
+            order = {f: i for i, f in enumerate(ALL_FAMILIES)}
+            write_manifest(paths, seed, chosen, base_fp, thirds, dict(sorted(after.items(), key=lambda x: order[x[0]])),
+                           dict(sorted(before_all.items(), key=lambda x: order[x[0]])), time.time() - t0)
     result["seconds"] = round(time.time() - t0, 1)
     out_json.write_text(json.dumps(result, indent=1, sort_keys=True) + "\n")
     return result

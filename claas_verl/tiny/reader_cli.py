@@ -20,9 +20,10 @@ def add_reader_parser(sub) -> None:
                              "a bundle rebuilt on another machine may differ in its bits")
     reader.add_argument("--ship", action="store_true",
                         help="after making the bundle, pack it into benchmarks/bundles/ (archive + fingerprint record)")
-    reader.add_argument("--grid", metavar="OUT_JSON", default=None,
-                        help="instead of a bundle: fine-tune once to the largest N of the plan's grid, measure the "
-                             "gated families at every N and write the tables, gates and the chosen N to OUT_JSON")
+    reader.add_argument("--grid", metavar="GRID_DIR", default=None,
+                        help="instead of one bundle: fine-tune once to the largest N of the plan's grid, write the "
+                             "bundle of every N into GRID_DIR/N<n> (measured on the gated families), complete the "
+                             "chosen one's manifest, and the tables, gates and chosen N into GRID_DIR/grid.json")
 
 
 def run_reader(args, cpu_model: str) -> int:
@@ -31,7 +32,8 @@ def run_reader(args, cpu_model: str) -> int:
     t0 = time.time()
     if args.grid:
         result = measure_grid(Path(args.grid), seed=args.seed)
-        print(f"grid measured in {time.time() - t0:.1f}s into {args.grid}; chosen N: {result['chosen']}")
+        print(f"grid measured in {time.time() - t0:.1f}s into {args.grid}; chosen N: {result['chosen']} (ship it "
+              f"with `python -m claas_verl.tiny reader {args.grid}/N{result['chosen']} --ship`)")
         return 0
     if args.sft_steps is not None and not args.build:
         print("error: --sft-steps sets the fine-tune of a build; add --build (without it the shipped bundle is "

@@ -62,9 +62,11 @@ GATES = (
 )
 
 
-def held_out_scenarios(family: str, n: int = HELD_OUT_SCENARIOS, seed: int = HELD_OUT_SEED,
+def held_out_scenarios(family: str, n: int | None = None, seed: int = HELD_OUT_SEED,
                        turns: int = TURNS) -> list[Scenario]:
-    """The first ``n`` one-rule scenarios of ``family`` from the generator at ``seed`` (module docstring)."""
+    """The first ``n`` (default :data:`HELD_OUT_SCENARIOS`) one-rule scenarios of ``family`` from the generator at
+    ``seed`` (module docstring)."""
+    n = HELD_OUT_SCENARIOS if n is None else n
     if family not in ALL_FAMILIES:
         raise ValueError(f"family {family!r} is not a rule family; choose from {ALL_FAMILIES}")
     pool = STREAM_FAMILIES if family in STREAM_FAMILIES else (family,)
