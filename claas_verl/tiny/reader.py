@@ -256,8 +256,8 @@ def _data_counts(thirds: dict[str, list]) -> dict[str, int]:
     return {name: len(rows) for name, rows in thirds.items()}
 
 
-def write_manifest(paths: ReaderPaths, seed: int, sft_steps: int, base_fp: str, thirds: dict[str, list],
-                   after: dict | None, before: dict | None, seconds: float) -> dict:
+def write_manifest(paths: ReaderPaths, seed: int, sft_steps: int, base_fp: str, thirds: dict[str, list] | None,
+                   after: dict | None, before: dict | None, seconds: float, examples: dict | None = None) -> dict:
     """The bundle's manifest (module docstring); ``after`` / ``before``: :func:`reader_measure.measure` of the
     fine-tuned and of the pre-SFT student on the same families (None: not measured)."""
     from claas_verl.tiny.reader_measure import merged_table, reading_gates
@@ -269,7 +269,7 @@ def write_manifest(paths: ReaderPaths, seed: int, sft_steps: int, base_fp: str, 
         "sft": {**SFT, "steps": sft_steps, "constant_lr": True, "clip_grad_norm": 1.0,
                 "scenario_seeds": f"{BUILD_SEED_BASE}..{BUILD_SEED_BASE + len(build_scenarios(seed)) - 1}",
                 "scenarios_per_family": SCENARIOS_PER_FAMILY, "samples_per_turn": SAMPLES_PER_TURN,
-                "examples": _data_counts(thirds)},
+                "examples": examples if examples is not None else _data_counts(thirds)},
         "paths": {"student": "student"},
         "build_seconds": round(seconds, 1),
         READER_MANIFEST_MARKER: None,
@@ -310,6 +310,42 @@ def build_reader(root: Path, seed: int, sft_steps: int, measure: bool = True) ->
     write_manifest(paths, seed, sft_steps, base_fp, thirds, after, before, time.time() - t0)
 
 
+def complete_manifest(paths: ReaderPaths, pre=None, tok=None) -> dict:
+    """Measure the families the bundle's manifest does not have yet (the grid measures only the gated ones) on its
+    student and on the pre-SFT student ``pre`` (default: the tiny student of the manifest's seed, built afresh),
+    and rewrite the manifest with every family, in ``ALL_FAMILIES`` order."""
+    import tempfile
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from claas_verl.claas.envs.rule_following import ALL_FAMILIES
+    from claas_verl.tiny.reader_measure import CONDITIONS, measure
+
+    m = json.loads(paths.manifest.read_text())
+    table = m[READER_MANIFEST_MARKER]
+    rest = tuple(f for f in ALL_FAMILIES if f not in table)
+    key = ("measure", m["seed"])
+    with _OneThread(), tempfile.TemporaryDirectory(prefix="claas_reader_") as work:
+        if pre is None:
+            from claas_verl.tiny.build import make_tiny
+
+            tiny = make_tiny(Path(work) / "tiny", seed=m["seed"])
+            tok = AutoTokenizer.from_pretrained(tiny.student)
+            pre = AutoModelForCausalLM.from_pretrained(tiny.student).eval()
+        student = AutoModelForCausalLM.from_pretrained(paths.student).eval()
+        after = measure(student, tok, key, rest, label=f"{LOG} N={m['sft']['steps']}, other families")
+        before = measure(pre, tok, key, rest, label=f"{LOG} pre-SFT, other families")
+    known_after = {f: {**{c: row[c] for c in CONDITIONS}, "max_prompt_tokens": m["max_prompt_tokens"][f]}
+                   for f, row in table.items()}
+    known_before = {f: {c: row[f"pre_sft_{c}"] for c in CONDITIONS} for f, row in table.items()}
+    after, before = {**known_after, **after}, {**known_before, **before}
+    order = [f for f in ALL_FAMILIES if f in after]
+    sft = m["sft"]
+    return write_manifest(paths, m["seed"], sft["steps"], m["base"]["fingerprint"], None,
+                          {f: after[f] for f in order}, {f: before[f] for f in order}, m["build_seconds"],
+                          examples=sft["examples"])
+
+
 def protocol() -> dict:
     from claas_verl.tiny import reader_measure as rm
 
@@ -321,14 +357,14 @@ def protocol() -> dict:
 
 def measure_grid(out_dir: Path, seed: int = 0, grid: Sequence[int] = STEPS_GRID, stop_at_choice: bool = True) -> dict:
     """The plan's choice of N: one fine-tune to ``max(grid)``; at every N of ``grid`` the bundle of that N in
-    ``out_dir/N<n>`` (its manifest measured on the gated families ``STREAM_FAMILIES``, all the rule reads); then the
-    smallest N that meets every gate (``chosen``, None if none) has its manifest completed with every family. The
-    tables, gates and choice go to ``out_dir/grid.json``. ``stop_at_choice``: the fine-tune stops at the first N
-    that meets every gate (a larger N cannot change the rule's choice), saving the CPU time of the rest."""
+    ``out_dir/N<n>`` (its manifest measured on the gated families ``STREAM_FAMILIES``, all the rule reads); the
+    smallest N that meets every gate is ``chosen`` (None if none), and the shipped one (``shipped``: the chosen N,
+    else the largest, plan amendment of 2026-12-06) has its manifest completed with every family
+    (:func:`complete_manifest`). The tables, gates and choice go to ``out_dir/grid.json``. ``stop_at_choice``: the
+    fine-tune stops at the first N that meets every gate (a larger N cannot change the rule's choice)."""
     import copy
     import tempfile
 
-    from claas_verl.claas.envs.rule_following import ALL_FAMILIES
     from claas_verl.tiny.gym import stop_and_pad_ids
     from claas_verl.tiny.model import save_model
     from claas_verl.tiny.reader_measure import STREAM_FAMILIES, gates_pass, measure, merged_table, reading_gates
@@ -361,22 +397,10 @@ def measure_grid(out_dir: Path, seed: int = 0, grid: Sequence[int] = STEPS_GRID,
                         stop=lambda n: stop_at_choice and gates_pass(result["gates"][str(n)]))
         chosen = next((n for n in sorted(grid) if str(n) in result["gates"] and gates_pass(result["gates"][str(n)])),
                       None)
-        result["chosen"] = chosen
+        # the shipped N: the rule's choice, else the longest fine-tune (plan amendment of 2026-12-06)
+        result["chosen"], result["shipped"] = chosen, chosen if chosen is not None else max(result["tables"], key=int)
         out_json.write_text(json.dumps(result, indent=1, sort_keys=True) + "\n")
-        if chosen is not None:  # the shipped bundle's manifest reports every family
-            from transformers import AutoModelForCausalLM
-
-            paths = ReaderPaths(out_dir / f"N{chosen}")
-            rest = tuple(f for f in ALL_FAMILIES if f not in STREAM_FAMILIES)
-            m = json.loads(paths.manifest.read_text())
-            gated_after = {f: {**{c: m[READER_MANIFEST_MARKER][f][c] for c in ("base", "student", "teacher", "icl")},
-                               "max_prompt_tokens": m["max_prompt_tokens"][f]} for f in STREAM_FAMILIES}
-            chosen_model = AutoModelForCausalLM.from_pretrained(paths.student).eval()
-            after = {**gated_after, **measure(chosen_model, tok, key, rest, label=f"{LOG} N={chosen}, other families")}
-            before_all = {**before, **measure(pre, tok, key, rest, label=f"{LOG} pre-SFT, other families")}
-            order = {f: i for i, f in enumerate(ALL_FAMILIES)}
-            write_manifest(paths, seed, chosen, base_fp, thirds, dict(sorted(after.items(), key=lambda x: order[x[0]])),
-                           dict(sorted(before_all.items(), key=lambda x: order[x[0]])), time.time() - t0)
+        complete_manifest(ReaderPaths(out_dir / f"N{result['shipped']}"), pre, tok)
     result["seconds"] = round(time.time() - t0, 1)
     out_json.write_text(json.dumps(result, indent=1, sort_keys=True) + "\n")
     return result

@@ -20,6 +20,9 @@ def add_reader_parser(sub) -> None:
                              "a bundle rebuilt on another machine may differ in its bits")
     reader.add_argument("--ship", action="store_true",
                         help="after making the bundle, pack it into benchmarks/bundles/ (archive + fingerprint record)")
+    reader.add_argument("--complete", action="store_true",
+                        help="measure, on the bundle at OUT_DIR and on its pre-SFT student, the rule families its "
+                             "manifest lacks (a grid bundle has the gated ones only) and rewrite the manifest")
     reader.add_argument("--grid", metavar="GRID_DIR", default=None,
                         help="instead of one bundle: fine-tune once to the largest N of the plan's grid, write the "
                              "bundle of every N into GRID_DIR/N<n> (measured on the gated families), complete the "
@@ -27,9 +30,13 @@ def add_reader_parser(sub) -> None:
 
 
 def run_reader(args, cpu_model: str) -> int:
-    from claas_verl.tiny.reader import READER_VERSION, ensure_reader, measure_grid
+    from claas_verl.tiny.reader import READER_VERSION, ReaderPaths, complete_manifest, ensure_reader, measure_grid
 
     t0 = time.time()
+    if args.complete:
+        m = complete_manifest(ReaderPaths(Path(args.out_dir)))
+        print(f"measured every family of {args.out_dir} in {time.time() - t0:.1f}s: {sorted(m['instruction_reading'])}")
+        return 0
     if args.grid:
         result = measure_grid(Path(args.grid), seed=args.seed)
         print(f"grid measured in {time.time() - t0:.1f}s into {args.grid}; chosen N: {result['chosen']} (ship it "
