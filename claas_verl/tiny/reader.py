@@ -53,7 +53,10 @@ SAMPLES_PER_TURN = 8
 # ~900 tokens long, and a batch of 32 took 8.8 s a step on the shared 2-core machine.
 SFT = dict(lr=1e-3, batch_size=8)
 STEPS_GRID = (50, 100, 200, 400, 800)  # the plan's N; the smallest that meets every gate is shipped
-READER_SFT_STEPS: int | None = None  # the N chosen by the plan's rule (measure_grid), set once measured
+# The N the plan's rule chose (measure_grid, seed 0, 2026-12-06): none of STEPS_GRID met every gate (benchmarks/LOG.md).
+READER_SFT_STEPS: int | None = None
+# The N of the shipped bundle: the rule's, else the grid's largest (plan amendment of 2026-12-06), for engineering use
+SHIPPED_SFT_STEPS = READER_SFT_STEPS if READER_SFT_STEPS is not None else max(STEPS_GRID)
 
 
 def default_reader_dir() -> Path:
@@ -87,7 +90,7 @@ def ensure_reader(directory: str | os.PathLike | None = None, seed: int = 0, bui
     """The reader bundle at ``directory`` (default ``$CLAAS_TINY_READER_DIR`` or /tmp/claas_verl_tiny_reader),
     made first if missing or stale: unpacked from the repository's shipped copy of this version and seed, its
     fingerprint checked (a mismatch raises ``ValueError``), or built with ``build=True`` (``sft_steps`` steps,
-    default :data:`READER_SFT_STEPS`). File-locked, made in a temporary sibling renamed into place; a directory
+    default :data:`SHIPPED_SFT_STEPS`). File-locked, made in a temporary sibling renamed into place; a directory
     there that is not a reader bundle is refused (``FileExistsError``), never replaced."""
     from filelock import FileLock
 
@@ -107,9 +110,7 @@ def ensure_reader(directory: str | os.PathLike | None = None, seed: int = 0, bui
             raise FileNotFoundError(
                 f"no shipped reader bundle reader_v{READER_VERSION}_seed{seed} in benchmarks/bundles/ (or "
                 "$CLAAS_VERL_BUNDLES): build it with `python -m claas_verl.tiny reader DIR --build --sft-steps N`")
-        steps = sft_steps if sft_steps is not None else READER_SFT_STEPS
-        if build and steps is None:
-            raise ValueError("sft_steps: no N chosen yet (READER_SFT_STEPS is None); pass --sft-steps N")
+        steps = sft_steps if sft_steps is not None else SHIPPED_SFT_STEPS
         tmp = out_dir.with_name(f".{out_dir.name}.build-{os.getpid()}")
         shutil.rmtree(tmp, ignore_errors=True)
         try:
@@ -328,8 +329,13 @@ def complete_manifest(paths: ReaderPaths, pre=None, tok=None) -> dict:
     with _OneThread(), tempfile.TemporaryDirectory(prefix="claas_reader_") as work:
         if pre is None:
             from claas_verl.tiny.build import make_tiny
+            from claas_verl.tiny.fingerprint import bundle_fingerprint
 
             tiny = make_tiny(Path(work) / "tiny", seed=m["seed"])
+            if bundle_fingerprint(tiny.root) != m["base"]["fingerprint"]:
+                raise ValueError(f"{paths.manifest}: base.fingerprint is {m['base']['fingerprint']} but the tiny "
+                                 f"student built here is {bundle_fingerprint(tiny.root)}: this machine builds another "
+                                 "pre-SFT student, so its pass rates would not be the bundle's; rebuild with --build")
             tok = AutoTokenizer.from_pretrained(tiny.student)
             pre = AutoModelForCausalLM.from_pretrained(tiny.student).eval()
         student = AutoModelForCausalLM.from_pretrained(paths.student).eval()

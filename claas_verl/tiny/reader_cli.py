@@ -14,7 +14,7 @@ def add_reader_parser(sub) -> None:
                         help="default: $CLAAS_TINY_READER_DIR or /tmp/claas_verl_tiny_reader")
     reader.add_argument("--seed", type=int, default=0, help="build seed (sampling, fine-tune); default 0")
     reader.add_argument("--sft-steps", type=int, default=None,
-                        help="fine-tune steps N (with --build; default: the N the plan's rule chose)")
+                        help="fine-tune steps N (with --build; default: the shipped bundle's N)")
     reader.add_argument("--build", action="store_true",
                         help="build from scratch even where the repository ships this bundle (benchmarks/bundles/); "
                              "a bundle rebuilt on another machine may differ in its bits")
