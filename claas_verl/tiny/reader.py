@@ -1,11 +1,12 @@
 """The reader bundle: the tiny student fine-tuned to read a rule in its context (benchmarks/plans/claas_feedback.md).
 
 ``python -m claas_verl.tiny reader OUT_DIR --seed 0 --sft-steps N`` builds, offline on CPU, from the current tiny
-student (:mod:`claas_verl.tiny.build`, bundle version 3) a student that follows a rule of the rule-following
-environment more often when its context states it. The fine-tune (full weights, one thread, seeded, AdamW at a
-constant :data:`SFT` learning rate on the reply tokens) trains on conversations of the rule-following generator at
-build-time scenario seeds ``1000 + i`` (disjoint from the stream's seed 0), one rule per scenario, every family of
-``ALL_FAMILIES`` equally, in three equal thirds:
+student (:mod:`claas_verl.tiny.build`, bundle version 3) a student meant to follow a rule of the rule-following
+environment more often when its context states it (how much it does is measured into its manifest; the shipped one
+of seed 0 does not meet the plan's gates: benchmarks/LOG.md, 2026-12-06). The fine-tune (full weights, one thread,
+seeded, AdamW at a constant :data:`SFT` learning rate on the reply tokens) trains on conversations of the
+rule-following generator at build-time scenario seeds ``1000 + i`` (disjoint from the stream's seed 0), one rule per
+scenario, every family of ``ALL_FAMILIES`` equally, in three equal thirds:
 
 1. the rule in the system prompt → a reply of the pre-fine-tune student that passes it (:data:`SAMPLES_PER_TURN`
    replies sampled at τ = 1, 12 tokens; the first passing one; none: no example);
@@ -52,7 +53,7 @@ SAMPLES_PER_TURN = 8
 # Constant learning rate, gradient norm clipped at 1. Batches of 8: ICL's feedback block makes a third of the examples
 # ~900 tokens long, and a batch of 32 took 8.8 s a step on the shared 2-core machine.
 SFT = dict(lr=1e-3, batch_size=8)
-STEPS_GRID = (50, 100, 200, 400, 800)  # the plan's N; the smallest that meets every gate is shipped
+STEPS_GRID = (50, 100, 200, 400, 800)  # the plan's N; the smallest that meets every gate is chosen
 # The N the plan's rule chose (measure_grid, seed 0, 2026-12-06): none of STEPS_GRID met every gate (benchmarks/LOG.md).
 READER_SFT_STEPS: int | None = None
 # The N of the shipped bundle: the rule's, else the grid's largest (plan amendment of 2026-12-06), for engineering use
