@@ -1,5 +1,7 @@
 """CLI: ``python -m claas_verl.tiny make OUT_DIR [--seed N] [--force] [--arch qwen2|qwen3]``, ``... info [OUT_DIR]`` and
-``... gym [OUT_DIR] [--seed N]`` (the continual benchmark's reasoning-gym bundle, ``claas_verl/tiny/gym.py``)."""
+``... gym [OUT_DIR] [--seed N]`` (the continual benchmark's reasoning-gym bundle, ``claas_verl/tiny/gym.py``) and
+``... reader [OUT_DIR] [--seed N] [--sft-steps N] [--build] [--ship] [--grid OUT_JSON]`` (the tiny student that reads
+rules in context, ``claas_verl/tiny/reader.py``)."""
 
 from __future__ import annotations
 
@@ -45,8 +47,13 @@ def main(argv: list[str] | None = None) -> int:
                           "measurement")
     gym.add_argument("--ship", action="store_true",
                      help="after making the bundle, pack it into benchmarks/bundles/ (archive + fingerprint record)")
+    from claas_verl.tiny.reader_cli import add_reader_parser, run_reader
+
+    add_reader_parser(sub)
     args = parser.parse_args(argv)
 
+    if args.cmd == "reader":
+        return run_reader(args, _cpu_model())
     if args.cmd == "gym":
         from claas_verl.tiny.gym import ensure_gym
 

@@ -1,0 +1,69 @@
+"""``python -m claas_verl.tiny reader``: unpack, build, ship or measure the reader bundle (``reader.py``)."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+
+def add_reader_parser(sub) -> None:
+    reader = sub.add_parser("reader", help="the tiny student fine-tuned to read a rule in its context")
+    reader.add_argument("out_dir", nargs="?", default=None,
+                        help="default: $CLAAS_TINY_READER_DIR or /tmp/claas_verl_tiny_reader")
+    reader.add_argument("--seed", type=int, default=0, help="build seed (sampling, fine-tune); default 0")
+    reader.add_argument("--sft-steps", type=int, default=None,
+                        help="fine-tune steps N (with --build; default: the shipped bundle's N)")
+    reader.add_argument("--build", action="store_true",
+                        help="build from scratch even where the repository ships this bundle (benchmarks/bundles/); "
+                             "a bundle rebuilt on another machine may differ in its bits")
+    reader.add_argument("--ship", action="store_true",
+                        help="after making the bundle, pack it into benchmarks/bundles/ (archive + fingerprint record)")
+    reader.add_argument("--complete", action="store_true",
+                        help="measure, on the bundle at OUT_DIR and on its pre-SFT student, the rule families its "
+                             "manifest lacks (a grid bundle has the gated ones only) and rewrite the manifest")
+    reader.add_argument("--grid", metavar="GRID_DIR", default=None,
+                        help="instead of one bundle: fine-tune once to the largest N of the plan's grid, write the "
+                             "bundle of every N into GRID_DIR/N<n> (measured on the gated families), complete the "
+                             "chosen one's manifest, and the tables, gates and chosen N into GRID_DIR/grid.json")
+
+
+def run_reader(args, cpu_model: str) -> int:
+    from claas_verl.tiny.reader import READER_VERSION, ReaderPaths, complete_manifest, ensure_reader, measure_grid
+
+    t0 = time.time()
+    if args.complete:
+        m = complete_manifest(ReaderPaths(Path(args.out_dir)))
+        print(f"measured every family of {args.out_dir} in {time.time() - t0:.1f}s: {sorted(m['instruction_reading'])}")
+        return 0
+    if args.grid:
+        result = measure_grid(Path(args.grid), seed=args.seed)
+        print(f"grid measured in {time.time() - t0:.1f}s into {args.grid}; chosen N: {result['chosen']} (ship it "
+              f"with `python -m claas_verl.tiny reader {args.grid}/N{result['chosen']} --ship`)")
+        return 0
+    if args.sft_steps is not None and not args.build:
+        print("error: --sft-steps sets the fine-tune of a build; add --build (without it the shipped bundle is "
+              "unpacked)", file=sys.stderr)
+        return 2
+    try:
+        paths = ensure_reader(args.out_dir, seed=args.seed, build=args.build, sft_steps=args.sft_steps)
+    except (FileExistsError, FileNotFoundError, ValueError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    m = json.loads(paths.manifest.read_text())
+    if args.ship:
+        import platform
+
+        from claas_verl.tiny.shipped import pack_bundle
+
+        archive, record = pack_bundle(paths.root, "reader", READER_VERSION, args.seed,
+                                      f"python -m claas_verl.tiny reader DIR --build --seed {args.seed} "
+                                      f"--sft-steps {m['sft']['steps']} on {platform.machine()} ({cpu_model}), "
+                                      f"{time.strftime('%Y-%m-%d')}")
+        print(f"packed {archive} and {record}")
+    print(f"reader bundle v{m['version']} (seed {m['seed']}, {m['sft']['steps']} SFT steps) ready at {paths.root} "
+          f"in {time.time() - t0:.1f}s")
+    for family, row in (m.get("instruction_reading") or {}).items():
+        print(f"  {family:>16}: " + "  ".join(f"{c} {v[0]}" for c, v in row.items() if v[0] is not None))
+    return 0

@@ -1,0 +1,149 @@
+"""The reader bundle (claas_verl/tiny/reader.py): the shipped student that reads a rule in its context.
+
+ensure_reader unpacks the repository's archive and checks its fingerprint (a wrong one is refused); the manifest's
+instruction-reading table meets the plan's gates (benchmarks/plans/claas_feedback.md), recomputed here from its
+numbers; and the shipped student, sampled here, follows a rule in its system prompt more often than without it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+
+import pytest
+
+from claas_verl.tiny import reader
+from claas_verl.tiny.fingerprint import bundle_fingerprint
+from claas_verl.tiny.reader_measure import (
+    CONDITIONS,
+    STREAM_FAMILIES,
+    diff_interval,
+    gates_pass,
+    reading_gates,
+)
+from claas_verl.tiny.shipped import BUNDLES_DIR_ENV, bundles_dir, shipped, shipped_name
+
+
+@pytest.fixture(scope="module")
+def bundle(tmp_path_factory):
+    return reader.ensure_reader(tmp_path_factory.mktemp("reader") / "bundle")
+
+
+def test_ensure_reader_unpacks_the_shipped_bundle_with_its_recorded_fingerprint(bundle, monkeypatch):
+    found = shipped("reader", reader.READER_VERSION, 0)
+    assert found is not None, f"no shipped reader bundle v{reader.READER_VERSION} seed 0 in {bundles_dir()}"
+    assert bundle_fingerprint(bundle.root) == found[1]["fingerprint"]
+    manifest = json.loads(bundle.manifest.read_text())
+    assert manifest["version"] == reader.READER_VERSION and manifest["seed"] == 0
+    # the layout the CLaaS tiny recipes read ($CLAAS_TINY_DIR/student): an HF model and its tokenizer
+    for name in ("config.json", "model.safetensors", "tokenizer.json", "chat_template.jinja"):
+        assert (bundle.student / name).is_file(), name
+    # current: returned as it is, not unpacked again (a marker file in it survives)
+    (bundle.root / "kept").write_text("x")
+    assert reader.ensure_reader(bundle.root) == bundle and (bundle.root / "kept").exists()
+
+
+def test_a_shipped_archive_with_a_wrong_fingerprint_is_refused(tmp_path, monkeypatch):
+    name = shipped_name("reader", reader.READER_VERSION, 0)
+    ships = tmp_path / "bundles"
+    ships.mkdir()
+    shutil.copy(bundles_dir() / f"{name}.tar.gz", ships)
+    record = json.loads((bundles_dir() / f"{name}.json").read_text())
+    (ships / f"{name}.json").write_text(json.dumps({**record, "fingerprint": "0123456789abcdef"}))
+    monkeypatch.setenv(BUNDLES_DIR_ENV, str(ships))
+    with pytest.raises(ValueError, match="fingerprint is .* record says 0123456789abcdef.*damaged or was replaced"):
+        reader.ensure_reader(tmp_path / "out")
+    assert not (tmp_path / "out").exists()  # nothing half-unpacked is left where a run would read it
+
+
+def test_ensure_reader_refuses_a_directory_that_is_not_a_reader_bundle(tmp_path):
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "notes.txt").write_text("mine")
+    with pytest.raises(FileExistsError, match="not a reader bundle.*CLAAS_TINY_READER_DIR"):
+        reader.ensure_reader(tmp_path / "data")
+    assert (tmp_path / "data" / "notes.txt").read_text() == "mine"
+
+
+def test_the_manifests_gates_are_those_of_its_numbers_and_its_n_follows_the_plans_rule(bundle):
+    """Each gate statistic recomputed by hand from the manifest's pass rates equals the one it records; the shipped
+    N is the plan's: the smallest N meeting every gate when they pass, else the grid's largest (amendment of
+    2026-12-06)."""
+    m = json.loads(bundle.manifest.read_text())
+    table, gates = m["instruction_reading"], m["gates"]
+    z = 1.959963984540054
+    for family in STREAM_FAMILIES:
+        row = table[family]
+        assert set(row) == {*CONDITIONS, *(f"pre_sft_{c}" for c in CONDITIONS)}
+        (b, nb), (s, ns), (f, nf), (b0, nb0) = row["base"], row["student"], row["teacher"], row["pre_sft_base"]
+        assert nb == ns == nb0 == 512 and 0 < nf <= 512  # 32 scenarios x 4 turns x 4; teacher: steps with feedback
+        g = gates[family]
+        assert g["base rate kept"]["value"] == pytest.approx(b - b0, abs=1e-4)
+        assert g["base rate kept"]["passed"] == (abs(b - b0) <= 0.05)
+        reads_low = s - b - z * math.sqrt(s * (1 - s) / ns + b * (1 - b) / nb)
+        assert g["reads the system prompt"]["low"] == pytest.approx(reads_low, abs=1e-4)
+        assert g["reads the system prompt"]["passed"] == (s - b >= 0.15 and reads_low > 0)
+        assert g["room to learn"]["passed"] == (s <= 0.70)
+        teacher_low = f - s - z * math.sqrt(f * (1 - f) / nf + s * (1 - s) / ns)
+        assert g["teacher knows more"]["low"] == pytest.approx(teacher_low, abs=1e-4)
+        assert g["teacher knows more"]["passed"] == (f - s >= 0.15 and teacher_low > 0)
+    assert gates == reading_gates(table)
+    assert set(table) >= set(STREAM_FAMILIES) and len(table) == 9  # every family is reported
+    expected = reader.READER_SFT_STEPS if gates_pass(gates) else max(reader.STEPS_GRID)
+    assert m["sft"]["steps"] == expected == reader.SHIPPED_SFT_STEPS
+
+
+def test_diff_interval_and_gates_by_hand():
+    # 0.6 vs 0.4 on 100 each: half-width 1.96 * sqrt(0.24/100 + 0.24/100) = 1.96 * 0.06928 = 0.1358
+    d, lo, hi = diff_interval(0.6, 100, 0.4, 100)
+    assert d == pytest.approx(0.2) and lo == pytest.approx(0.2 - 0.13579, abs=1e-4) and hi == pytest.approx(0.33579,
+                                                                                                           abs=1e-4)
+    row = {"base": [0.30, 512], "student": [0.55, 512], "teacher": [0.80, 500], "icl": [0.50, 500],
+           "pre_sft_base": [0.33, 512], "pre_sft_student": [0.3, 512], "pre_sft_teacher": [0.2, 500],
+           "pre_sft_icl": [0.2, 500]}
+    table = {f: dict(row) for f in STREAM_FAMILIES}
+    assert gates_pass(reading_gates(table))
+    for key, value, gate in (("student", [0.75, 512], "room to learn"),  # s > 0.70
+                             ("pre_sft_base", [0.40, 512], "base rate kept"),  # |0.30 - 0.40| > 0.05
+                             ("teacher", [0.65, 500], "teacher knows more")):  # 0.65 - 0.55 < 0.15
+        bad = {f: dict(row) for f in STREAM_FAMILIES}
+        bad["end_punctuation"][key] = value
+        gates = reading_gates(bad)
+        assert not gates_pass(gates) and not gates["end_punctuation"][gate]["passed"]
+    # 0.20 above the base, but on 20 replies the interval reaches below 0: "reads" is not shown
+    few = {f: {**row, "base": [0.30, 20], "student": [0.50, 20]} for f in STREAM_FAMILIES}
+    assert not reading_gates(few)["capital_start"]["reads the system prompt"]["passed"]
+
+
+def test_the_shipped_student_gives_its_manifests_pass_rates(bundle):
+    """The measurement's own base and student conversations of ``capital_start`` (512 replies each, about 20 s) on
+    the unpacked student land within 0.1 of the manifest's rates (3.5 standard errors at n = 512: another CPU may
+    sample other replies; a wrong student, tokenizer or protocol moves them further)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from claas_verl.tiny.reader_measure import ROLLOUTS, Sampler, held_out_scenarios, rollouts, without_rule
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        tok = AutoTokenizer.from_pretrained(bundle.student)
+        model = AutoModelForCausalLM.from_pretrained(bundle.student).eval()
+        sampler = Sampler(model, tok)
+        scenarios = held_out_scenarios("capital_start")
+        table = json.loads(bundle.manifest.read_text())["instruction_reading"]["capital_start"]
+        for name, system in (("base", without_rule), ("student", lambda sc: sc.system_prompt)):
+            convs = rollouts(sampler, scenarios, [system(sc) for sc in scenarios], ROLLOUTS,
+                             ("measure", 0, "capital_start", name))
+            steps = [s for conv in convs for s in conv]
+            assert len(steps) == table[name][1]
+            assert abs(sum(s.passed for s in steps) / len(steps) - table[name][0]) < 0.1, name
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_the_cli_refuses_sft_steps_without_build(capsys):
+    from claas_verl.tiny.__main__ import main
+
+    assert main(["reader", "/tmp/claas_reader_never_made", "--sft-steps", "50"]) == 2
+    assert "--sft-steps sets the fine-tune of a build; add --build" in capsys.readouterr().err
