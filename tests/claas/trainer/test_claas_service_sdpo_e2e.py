@@ -48,11 +48,16 @@ pytestmark = pytest.mark.slow
 def feedback_model() -> tuple[Path, bool]:
     """THE model of this test: ``(bundle directory for CLAAS_TINY_DIR, whether its π0 reads feedback)``.
 
-    The shipped tiny bundle cannot read instructions in context, so only the mechanism is checked on it; point this
-    at a bundle that reads feedback (same layout, ``student/`` inside) to check the movement too."""
-    from claas_verl.tiny import ensure_tiny
+    The shipped reader bundle (``claas_verl.tiny.reader``), whose manifest carries the measured instruction-reading
+    gates (benchmarks/plans/claas_feedback.md). The movement is asserted only when every gate of the probe rule's
+    family passed there, i.e. when SDPO's re-prompted teacher is measured to know more than the student; the
+    shipped ``reader_v1`` fails them (benchmarks/LOG.md, 2026-12-06), so on it only the mechanism is checked."""
+    from claas_verl.tiny.reader import ensure_reader
+    from claas_verl.tiny.reader_measure import gates_pass
 
-    return Path(ensure_tiny().root), False
+    paths = ensure_reader()
+    gates = json.loads(paths.manifest.read_text()).get("gates", {})
+    return Path(paths.root), GRADER.family in gates and gates_pass({GRADER.family: gates[GRADER.family]})
 
 
 def _start(cmd, env, log_path: Path) -> subprocess.Popen:
