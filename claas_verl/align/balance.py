@@ -227,7 +227,8 @@ def combine_aux(
 
     Returns:
         ``(g_aux, info)`` with ``sats_norm``, ``vr_norm``, ``hid_norm``, ``cos_sats_vr``, ``s_norm``,
-        ``cos_u_hid`` and ``aux_norm`` (= ‖g_aux‖). Pass g_aux on to :func:`balance`; only its direction matters.
+        ``cos_u_hid``, ``aux_norm`` (= ‖g_aux‖) and ``{sats,vr,hid}_coef``, the multipliers of the raw gradients
+        in g_aux. Pass g_aux on to :func:`balance`; only its direction matters.
     """
     rho = float(rho)
     if not (math.isfinite(rho) and rho >= 0):
@@ -259,6 +260,7 @@ def combine_aux(
     }
     # g_aux = (ĝ_S + ĝ_V)/‖s‖ + ρ ĝ_H, written on the raw gradients
     coefs = {S: inv_s * inv_snorm, R: inv_v * inv_snorm, H: rho * inv_h}
+    info.update(sats_coef=coefs[S], vr_coef=coefs[R], hid_coef=coefs[H])  # multipliers of the raw gradients
     return _lincomb(coefs, lists, flat, n), info
 
 
@@ -462,6 +464,14 @@ class HostBalancer:
         info["final_norm"] = math.sqrt(max(final_sq, 0.0))
         for name in ("sats", "vr", "hid"):
             info[f"{name}_norm"] = self.norms.get(name, 0.0)
+        # g as multipliers of the raw per-term gradients (s holds each pooled term divided by its norm): what the
+        # carried approximation (claas_verl.align.carried) reuses on the next steps
+        info["mult_tok"] = a_t
+        for name in self.pooled:
+            n = self.norms[name]
+            info[f"mult_{name}"] = a_u / n if n >= ZERO_NORM else 0.0
+        if last is not None:
+            info[f"mult_{last}"] = a_l
         self._write(L, a_t, a_u, a_l)
         self.T = self.U = None
         return info

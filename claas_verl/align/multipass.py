@@ -88,6 +88,25 @@ def _stash(params: list[torch.nn.Parameter], acc: list) -> None:
         p.grad = None
 
 
+def _carried_backward(model, micro_batches, weights, forward, losses, params, multipliers) -> dict[str, float]:
+    """The carried approximation: per micro-batch one forward and ONE backward of ``Σ_t α_t·w·ℓ_t`` (the
+    multipliers ``α`` of an earlier exact step), so ``.grad`` holds ``Σ_t α_t·g_t`` with no per-term gradient."""
+    missing = [t for t in losses if f"mult_{t}" not in multipliers]
+    if missing:
+        raise ValueError(f"multipliers lack {['mult_' + t for t in missing]}: take them from the metrics of an exact "
+                         "balanced step with the same terms")
+    values = {t: 0.0 for t in losses}
+    for mb, w in zip(micro_batches, weights):
+        out = forward(model, mb)
+        parts = {t: losses[t](out, mb) for t in losses}
+        total = sum(float(multipliers[f"mult_{t}"]) * w * parts[t] for t in parts)
+        total.backward()
+        for t, v in parts.items():
+            values[t] += w * float(v.detach())
+        del out, parts, total
+    return values
+
+
 def _run_terms(model, micro_batches, weights, forward, losses, params, single_forward) -> dict[str, list]:
     terms = [t for t in TERMS if t in losses]
     acc = {t: [None] * len(params) for t in terms}
@@ -118,6 +137,7 @@ def balanced_backward(
     rho: float = 2.0,
     variant: str = "fsar",
     single_forward: bool = True,
+    multipliers: Mapping[str, float] | None = None,
     sync: bool | None = None,
     group=None,
 ) -> dict[str, float]:
@@ -137,11 +157,16 @@ def balanced_backward(
         ratio, rho: r of eq. (9) and ρ of eq. (10).
         variant: ``"fsar"`` (eq. 10 then eq. 9) or ``"1:1:1"`` (MOPD paper Table 4).
         single_forward: one forward per micro-batch serving every term (default), else separate passes.
+        multipliers: the carried approximation (:mod:`claas_verl.align.carried`): ``{"mult_tok": α_tok,
+            "mult_sats": ...}`` from the metrics of an earlier exact step; one backward of ``Σ_t α_t·ℓ_t`` per
+            micro-batch replaces the per-term backward passes and the balancing. ``None``: exact.
         sync, group: cross-rank reduction of norms and inner products (see :mod:`claas_verl.align.balance`).
 
     Returns:
         Metrics: ``{term}_grad_norm`` for each term, and with aux terms ``aux_grad_norm``, ``cos_tok_aux``,
-        ``cos_sats_vr``, ``cos_u_hid``, ``s_norm``, ``balance_scale`` (c), ``final_grad_norm``.
+        ``cos_sats_vr``, ``cos_u_hid``, ``s_norm``, ``balance_scale`` (c), ``final_grad_norm``; always
+        ``mult_{term}``, the multiplier of each raw term gradient in g (``g = Σ_t mult_t·g_t``). A carried step
+        returns ``{term}_loss``, its multipliers and ``balance_carried = 1``.
     """
     _validate(losses, micro_batches, weights, variant)
     params = [p for p in model.parameters() if p.requires_grad]
@@ -149,6 +174,10 @@ def balanced_backward(
         raise ValueError("model has no parameters with requires_grad=True")
     for p in params:
         p.grad = None
+    if multipliers is not None:
+        values = _carried_backward(model, micro_batches, weights, forward, losses, params, multipliers)
+        return {**{f"{t}_loss": v for t, v in values.items()},
+                **{f"mult_{t}": float(multipliers[f"mult_{t}"]) for t in losses}, "balance_carried": 1.0}
     acc = _run_terms(model, micro_batches, weights, forward, losses, params, single_forward)
 
     metrics: dict[str, float] = {}
@@ -157,6 +186,7 @@ def balanced_backward(
         g = acc["tok"]
         metrics["tok_grad_norm"] = grad_norm(g, sync=sync, group=group)
         metrics["final_grad_norm"] = metrics["tok_grad_norm"]
+        metrics["mult_tok"] = 1.0
     elif variant == "1:1:1":
         other = "vr" if "vr" in acc else "hid"
         g, info = combine_one_one_one(acc["tok"], acc["sats"], acc[other], sync=sync, group=group)
@@ -166,6 +196,8 @@ def balanced_backward(
             **{f"{other}_grad_norm": info["other_norm"]},
         )
         metrics["final_grad_norm"] = grad_norm(g, sync=sync, group=group)
+        metrics.update({"mult_tok": 1.0 if info["tok_norm"] > 0 else 0.0, "mult_sats": info["sats_coef"],
+                        f"mult_{other}": info["other_coef"]})
     else:
         g_aux, ainfo = combine_aux(acc.get("sats"), acc.get("vr"), acc.get("hid"), rho, sync=sync, group=group)
         g, binfo = balance(acc["tok"], g_aux, ratio, sync=sync, group=group)
@@ -182,6 +214,10 @@ def balanced_backward(
             final_grad_norm=binfo["final_norm"],
             balance_fallback=binfo["fallback"],
         )
+        # g = a·g_tok + b·c·g_aux with g_aux = Σ coef_t·g_t (eqs. 9-10): the multiplier of each raw gradient
+        metrics["mult_tok"] = binfo["tok_coef"]
+        for t in aux_terms:
+            metrics[f"mult_{t}"] = binfo["aux_coef"] * ainfo[f"{t}_coef"]
     for p, gi in zip(params, g):
         p.grad = gi
     return metrics
