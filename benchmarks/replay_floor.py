@@ -1,0 +1,235 @@
+"""The aligned replay step at its floor: FLOP model, the four schedules at a realistic layer shape, and agreement.
+
+Used by ``benchmarks/bench_replay_step.py --realistic`` (CPU) and by the ``replay_step_ratios`` check of
+``benchmarks/gpu_acceptance.py`` (GPU). One replay step on one response (docs/math.md §B.1-B.7), four schedules:
+
+* ``tok``: token only: student top-κ forward (no grad), teacher log-prob forward, advantages, one token forward +
+  backward, clip, AdamW;
+* ``worker``: what ``MOPDTrainingWorker.balanced_engine_step`` runs with ``mopd.signal.balance: exact``: the token
+  pass, then a teacher target forward (no logits) and per term one student forward (that term's signals, no
+  logits) + backward, then ``combine_aux`` + ``balance``;
+* ``exact``: the floor schedule of exact balancing: ONE teacher forward gives the log-probs and the targets, ONE
+  student forward gives the logits and every signal, then one backward per term on that graph
+  (``balanced_backward(single_forward=True)``: a term read at layer ℓ back-propagates through layers ≤ ℓ only and
+  never through the LM head, because autograd only visits the nodes the term depends on);
+* ``carried``: the same forwards, then ONE backward of ``Σ_t α_t·ℓ_t`` with the multipliers of an earlier exact
+  step (``balanced_backward(multipliers=...)``, :mod:`claas_verl.align.carried`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import math
+
+import torch
+
+from claas_verl.align import (
+    alignment_losses,
+    alignment_signals,
+    balance,
+    balanced_backward,
+    combine_aux,
+    step_regions,
+)
+from claas_verl.align.carried import gradient_cosine, multiplier_errors
+from claas_verl.distill import (
+    domain_normalized_advantages,
+    student_topk,
+    teacher_logprobs_at,
+    topk_distill_loss,
+    topk_rewards,
+)
+
+KAPPA = 16
+SCHEDULES = ("tok", "worker", "exact", "carried")
+LABELS = {"tok": "token only", "worker": "exact, worker today", "exact": "exact, floor", "carried": "carried"}
+PHASES = ("student_topk", "teacher_logp", "teacher_targets", "advantages", "update", "clip+adamw")
+TERMS = ("sats", "vr", "hidden")
+
+# ----------------------------------------------------------------------------------------------------------------
+# the FLOP floor
+
+
+def layer_flops(hidden: int, mlp: int, heads: int, kv_heads: int, head_dim: int, tokens: int) -> dict[str, float]:
+    """Forward FLOPs per token of one decoder layer: its matmuls (2 per multiply-add) and causal attention at
+    mean context T/2. ``qk``/``v`` are the projections a pooled term reads (SATS: q, k; VR: v)."""
+    q, kv = heads * head_dim, kv_heads * head_dim
+    parts = {"qk": 2 * hidden * (q + kv), "v": 2 * hidden * kv, "o": 2 * q * hidden, "mlp": 2 * 3 * hidden * mlp,
+             "attn": 2 * 2 * (tokens / 2) * q}
+    parts["layer"] = sum(parts.values())
+    return parts
+
+
+def floor_flops(shape: dict, tokens: int, layers_by_term: dict[str, list[int]], head_trainable: bool = True) -> dict:
+    """FLOPs of one replay step on ``tokens`` tokens at its floor (docs/performance.md, "The floor").
+
+    ``shape``: hidden, mlp, heads, kv_heads, head_dim, layers, vocab. A backward is twice its forward (input and
+    weight gradients; the input gradient only for a frozen LM head). Token only = student top-κ forward + teacher
+    forward + token forward + token backward (decoder and head). Exact floor = token only + one backward per term
+    through the layers up to the deepest layer it reads (a pooled term: the layers below it and, in that layer,
+    the projections it reads; the hidden term: the layers up to and including it); no LM head, no forward.
+    Carried floor = token only: its one backward of Σ α_t·ℓ_t visits every layer once. The pooled rows and the
+    losses themselves (O(W·T) per head) are left out.
+    """
+    lf = layer_flops(shape["hidden"], shape["mlp"], shape["heads"], shape["kv_heads"], shape["head_dim"], tokens)
+    L, per_layer = shape["layers"], lf["layer"] * tokens
+    head = 2 * shape["hidden"] * shape["vocab"] * tokens
+    fwd = L * per_layer + head
+    tok_bwd = 2 * L * per_layer + (2 if head_trainable else 1) * head
+    token_only = 3 * fwd + tok_bwd
+    term_bwd = {}
+    for term, layers in layers_by_term.items():
+        top = max(layers)
+        if term == "hidden":
+            term_bwd[term] = 2 * (top + 1) * per_layer
+        else:
+            read = lf["qk"] if term == "sats" else lf["v"]
+            term_bwd[term] = 2 * top * per_layer + 2 * read * tokens
+    exact = token_only + sum(term_bwd.values())
+    return {"token_only": token_only, "forward": fwd, "tok_backward": tok_bwd, "term_backward": term_bwd,
+            "exact_floor": exact, "exact_ratio": exact / token_only, "carried_ratio": 1.0}
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# one replay step
+
+
+def _at_response(logits: torch.Tensor, prompt: int) -> torch.Tensor:
+    return logits[:, prompt - 1: -1]  # logits[:, t] predicts token t+1
+
+
+def prepare(schedule: str, student, teacher, block, prompt: int, sep_ids, window: int, t: dict, tick) -> dict:
+    """Student top-κ, teacher log-probs (and targets), advantages: what the update of ``schedule`` needs."""
+    ids, am, pos = block
+    n = student.config.num_hidden_layers
+    kw = dict(input_ids=ids, attention_mask=am, position_ids=pos)
+    mask = am[:, prompt:]
+    d = {"kw": kw, "mask": mask, "prompt": prompt, "layers": range(n)}
+    with tick(t, "student_topk"), torch.no_grad():
+        d["ids"], S = student_topk(_at_response(student(**kw).logits, prompt), KAPPA)
+    if schedule != "tok":
+        d["regions"] = step_regions(ids[:, prompt:], mask, sep_ids, window).pad_left(prompt)
+    if schedule in ("exact", "carried"):
+        with tick(t, "teacher_logp"), torch.no_grad():  # one teacher forward: log-probs AND alignment targets
+            out, sig = alignment_signals(teacher, ids, am, d["regions"], position_ids=pos, pooled_layers=range(n),
+                                         hidden_layers=range(n))
+            Q = teacher_logprobs_at(_at_response(out.logits, prompt), d["ids"])
+            d["targets"] = sig.as_targets()
+            del out, sig
+    else:
+        with tick(t, "teacher_logp"), torch.no_grad():
+            Q = teacher_logprobs_at(_at_response(teacher(**kw).logits, prompt), d["ids"])
+        if schedule == "worker":
+            with tick(t, "teacher_targets"), torch.no_grad():
+                _, sig = alignment_signals(teacher, ids, am, d["regions"], position_ids=pos, pooled_layers=range(n),
+                                           hidden_layers=range(n), logits=False)
+                d["targets"] = sig.as_targets()
+                del sig
+    with tick(t, "advantages"):
+        d["A"] = domain_normalized_advantages(topk_rewards(S, Q, mask), mask)
+    return d
+
+
+def _tok_loss(logits, d):
+    return topk_distill_loss(_at_response(logits, d["prompt"]), d["ids"], d["A"], d["mask"])
+
+
+def update(schedule: str, student, d: dict, t: dict, tick, mults: dict | None = None) -> dict:
+    """The gradient of ``schedule`` into ``.grad`` (no clip, no step); returns its balancing metrics."""
+    params = [p for p in student.parameters() if p.requires_grad]
+    for p in params:
+        p.grad = None
+    if schedule == "tok":
+        with tick(t, "update"):
+            _tok_loss(student(**d["kw"]).logits, d).backward()
+        return {}
+    kw, regions, layers = d["kw"], d.get("regions"), d["layers"]
+    if schedule == "worker":
+        with tick(t, "update"):
+            _tok_loss(student(**kw).logits, d).backward()
+            grads = {"tok": [p.grad for p in params]}
+            for term in TERMS:
+                for p in params:
+                    p.grad = None
+                _, sig = alignment_signals(student, kw["input_ids"], kw["attention_mask"], regions,
+                                           position_ids=kw["position_ids"], terms=[term], pooled_layers=layers,
+                                           hidden_layers=layers, logits=False)
+                alignment_losses(sig, d["targets"], regions)[term].loss.backward()
+                grads[term] = [p.grad for p in params]
+                del sig
+            g_aux, _ = combine_aux(grads["sats"], grads["vr"], grads["hidden"], 2.0, sync=False)
+            g, info = balance(grads["tok"], g_aux, 1.0, sync=False)
+            for p, gi in zip(params, g):
+                p.grad = gi
+        return info
+    cache: dict = {}
+
+    def forward(model, mb):
+        return alignment_signals(model, kw["input_ids"], kw["attention_mask"], regions,
+                                 position_ids=kw["position_ids"], pooled_layers=layers, hidden_layers=layers)
+
+    def term(name):
+        def loss(out, mb):
+            if cache.get("sig") is not out[1]:  # the three alignment losses of one forward, computed once
+                cache.update(sig=out[1], values=alignment_losses(out[1], d["targets"], regions))
+            return cache["values"][name].loss
+        return loss
+
+    losses = {"tok": lambda out, mb: _tok_loss(out[0].logits, d), "sats": term("sats"), "vr": term("vr"),
+              "hid": term("hidden")}
+    with tick(t, "update"):
+        m = balanced_backward(student, [d], [1.0], forward, losses, ratio=1.0, rho=2.0, single_forward=True,
+                              multipliers=mults if schedule == "carried" else None, sync=False)
+    cache.clear()
+    return m
+
+
+def step(schedule: str, student, teacher, opt, block, prompt: int, sep_ids, window: int, tick,
+         mults: dict | None = None) -> tuple[dict, dict]:
+    """One whole replay step of ``schedule``: (seconds per phase with ``total``, balancing metrics)."""
+    t: dict[str, float] = {}
+    d = prepare(schedule, student, teacher, block, prompt, sep_ids, window, t, tick)
+    metrics = update(schedule, student, d, t, tick, mults)
+    with tick(t, "clip+adamw"):
+        torch.nn.utils.clip_grad_norm_([p for p in student.parameters() if p.requires_grad], 1000.0)
+        opt.step()
+    opt.zero_grad(set_to_none=True)
+    t["total"] = sum(t.get(k, 0.0) for k in PHASES)
+    return t, metrics
+
+
+def mults_of(metrics: dict) -> dict[str, float]:
+    return {k: v for k, v in metrics.items() if k.startswith("mult_")}
+
+
+def agreement(student, teacher, blocks, prompt: int, sep_ids, window: int) -> dict:
+    """Carried vs exact at one set of weights: multipliers of the step on ``blocks[0]`` carried to ``blocks[1]``.
+
+    Returns per-term relative error of the scale (|α_carried − α_exact|/α_exact), the cosine and norm ratio of the
+    carried to the exact combined gradient on ``blocks[1]``, and the exact floor schedule against the worker's
+    schedule on ``blocks[1]`` (largest |difference| over the largest |gradient| entry, per parameter, and cosine).
+    """
+    @contextlib.contextmanager
+    def tick(t, key):
+        yield
+
+    def run(schedule, block, mults=None):
+        model = copy.deepcopy(student)
+        d = prepare(schedule, model, teacher, block, prompt, sep_ids, window, {}, tick)
+        m = update(schedule, model, d, {}, tick, mults)
+        return [None if p.grad is None else p.grad.detach().clone() for p in model.parameters() if p.requires_grad], m
+
+    _, m0 = run("exact", blocks[0])
+    g1, m1 = run("exact", blocks[1])
+    gc, _ = run("carried", blocks[1], mults_of(m0))
+    gw, _ = run("worker", blocks[1])
+
+    def norm(g):
+        return math.sqrt(sum(float(x.double().pow(2).sum()) for x in g if x is not None))
+
+    rel = max(float((a - b).abs().max() / b.abs().max().clamp_min(1e-30)) for a, b in zip(g1, gw)
+              if a is not None and b is not None)
+    return {"scale_rel_err": multiplier_errors(mults_of(m0), mults_of(m1)),
+            "cos_carried_exact": gradient_cosine(gc, g1), "norm_carried_over_exact": norm(gc) / norm(g1),
+            "floor_vs_worker_max_rel": rel, "cos_floor_worker": gradient_cosine(g1, gw)}
