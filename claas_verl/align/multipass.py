@@ -34,8 +34,8 @@ same micro-batches of a tiny model (and the step under FSDP2 against the unshard
 keep the two equal.
 
 Per-term gradient accumulators hold one gradient copy per term (up to 4 on top of the model); on FSDP they are
-sharded like ``param.grad``. The combination is :func:`claas_verl.align.balance.combine_aux` (eq. 10) followed by
-:func:`claas_verl.align.balance.balance` (eq. 9), or ``combine_one_one_one`` (``variant="1:1:1"``).
+sharded like ``param.grad``. The combination is :func:`claas_verl.align.balance.balance_fsar` (eq. 10 then eq. 9 in
+one read of each gradient, written over the token accumulator), or ``combine_one_one_one`` (``variant="1:1:1"``).
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ from typing import Any
 
 import torch
 
-from claas_verl.align.balance import balance, combine_aux, combine_one_one_one, grad_norm
+from claas_verl.align.balance import balance_fsar, combine_one_one_one, grad_norm
 
 TERMS = ("tok", "sats", "vr", "hid")
 VARIANTS = ("fsar", "1:1:1")
@@ -199,25 +199,24 @@ def balanced_backward(
         metrics.update({"mult_tok": 1.0 if info["tok_norm"] > 0 else 0.0, "mult_sats": info["sats_coef"],
                         f"mult_{other}": info["other_coef"]})
     else:
-        g_aux, ainfo = combine_aux(acc.get("sats"), acc.get("vr"), acc.get("hid"), rho, sync=sync, group=group)
-        g, binfo = balance(acc["tok"], g_aux, ratio, sync=sync, group=group)
+        # eqs. (10) then (9) from the Gram matrix of the four gradients, written over the token accumulator (ours)
+        g, info = balance_fsar(acc["tok"], acc.get("sats"), acc.get("vr"), acc.get("hid"), ratio, rho,
+                               in_place=True, sync=sync, group=group)
         for t in aux_terms:
-            metrics[f"{t}_grad_norm"] = ainfo[f"{t}_norm"]
+            metrics[f"{t}_grad_norm"] = info[f"{t}_norm"]
         metrics.update(
-            tok_grad_norm=binfo["tok_norm"],
-            aux_grad_norm=binfo["aux_norm"],
-            cos_tok_aux=binfo["cos_tok_aux"],
-            cos_sats_vr=ainfo["cos_sats_vr"],
-            cos_u_hid=ainfo["cos_u_hid"],
-            s_norm=ainfo["s_norm"],
-            balance_scale=binfo["scale"],
-            final_grad_norm=binfo["final_norm"],
-            balance_fallback=binfo["fallback"],
+            tok_grad_norm=info["tok_norm"],
+            aux_grad_norm=info["aux_norm"],
+            cos_tok_aux=info["cos_tok_aux"],
+            cos_sats_vr=info["cos_sats_vr"],
+            cos_u_hid=info["cos_u_hid"],
+            s_norm=info["s_norm"],
+            balance_scale=info["scale"],
+            final_grad_norm=info["final_norm"],
+            balance_fallback=info["fallback"],
         )
-        # g = a·g_tok + b·c·g_aux with g_aux = Σ coef_t·g_t (eqs. 9-10): the multiplier of each raw gradient
-        metrics["mult_tok"] = binfo["tok_coef"]
-        for t in aux_terms:
-            metrics[f"mult_{t}"] = binfo["aux_coef"] * ainfo[f"{t}_coef"]
+        # g = Σ_t mult_t·g_t: the multiplier of each raw gradient (what the carried approximation reuses)
+        metrics.update({f"mult_{t}": info[f"mult_{t}"] for t in ("tok", *aux_terms)})
     for p, gi in zip(params, g):
         p.grad = gi
     return metrics
