@@ -233,3 +233,178 @@ def agreement(student, teacher, blocks, prompt: int, sep_ids, window: int) -> di
     return {"scale_rel_err": multiplier_errors(mults_of(m0), mults_of(m1)),
             "cos_carried_exact": gradient_cosine(gc, g1), "norm_carried_over_exact": norm(gc) / norm(g1),
             "floor_vs_worker_max_rel": rel, "cos_floor_worker": gradient_cosine(g1, gw)}
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the GPU acceptance check (benchmarks/gpu_acceptance.py: replay_step_ratios)
+
+
+@contextlib.contextmanager
+def count_host_syncs(counts: dict, key: str):
+    """Count the host syncs of a block on CUDA (``torch.cuda.set_sync_debug_mode("warn")``: one warning per
+    synchronizing call); on CPU there is no device to wait for and the count stays None."""
+    import warnings
+
+    if not torch.cuda.is_available():
+        counts.setdefault(key, None)
+        yield
+        return
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            yield
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    counts[key] = (counts.get(key) or 0) + sum("synchroniz" in str(w.message) for w in seen)
+
+
+@contextlib.contextmanager
+def _uncounted():
+    if not torch.cuda.is_available():
+        yield
+        return
+    mode = torch.cuda.get_sync_debug_mode()
+    torch.cuda.set_sync_debug_mode("default")
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode(mode)
+
+
+def check_replay_ratios(sizes, reps: int | None = None) -> dict:
+    """Both ratios and the host syncs per step, on one device.
+
+    1. The MOPD worker's own step (``MOPDTrainingWorker.balanced_engine_step``) on an FSDP2 student of
+       ``sizes.qwen3_tied`` (Qwen3-1.7B width on a GPU) with gradient checkpointing and bf16 compute: token only
+       (the engine's token pass and step), ``balance: exact`` and ``balance: carried`` (after one exact step), each
+       with the student top-κ and teacher log-prob forwards and, for the aligned steps, the teacher's targets.
+    2. The schedules of this module (token only, the exact floor, carried) on an unsharded fp32 student of the
+       same width, on a 4,096-token response (the floor keeps the graph of every term: full length does not fit).
+
+    Seconds: median of ``reps`` (3 on a GPU, 1 on CPU) after one warm-up, CUDA-synchronised. Host syncs per
+    step: the worker's code and the engine stand-in's token pass (its optimizer-step stand-in is not verl's and is
+    left out).
+    """
+    import statistics
+    import time
+
+    from benchmarks import gpu_acceptance as ga
+
+    reps = reps or (3 if torch.cuda.is_available() else 1)  # CPU mode: the code paths, not the timings
+    from claas_verl.mopd.trainer import alignment
+    from claas_verl.mopd.trainer.workers import MOPDTrainingWorker, MOPDWorker, engine_autocast, update_row_groups
+
+    shape, device = sizes.qwen3_tied, ga._device()
+    signal = {"sats": True, "vr": True, "hidden": True, "ratio": 1.0, "window": sizes.window}
+    cfgs = {"exact": alignment.aux_config({**signal, "balance": "exact"}),
+            "carried": alignment.aux_config({**signal, "balance": "carried", "balance_refresh": 10_000})}
+    data = ga.replay_batch(sizes, cfgs["exact"], seed=1)
+    groups = update_row_groups(data)
+    numbers: dict = {"shape": shape.name, "tokens": sizes.prompt + sizes.response, "attn": ga.attn_implementation()}
+    seconds: dict[str, list] = {}
+    syncs: dict[str, int | None] = {}
+
+    def timed(name, fn, rep):
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        counts: dict = {}
+        t0 = time.perf_counter()
+        with count_host_syncs(counts, name):
+            out = fn()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        if rep > 0:
+            seconds.setdefault(name, []).append(time.perf_counter() - t0)
+            syncs[name] = counts[name]
+        return out
+
+    def worker_part():
+        teacher = ga.build_model(shape, "qwen3", torch.bfloat16, seed=1).to(device).eval().requires_grad_(False)
+        teacher_worker = type("T", (), {"engine": ga.Engine(teacher)})()
+        student = ga.build_model(shape, "qwen3", torch.float32).to(device).train()
+        student.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        ga.shard(student, offload=False, bf16_compute=True)
+        engine = ga.Engine(student, autocast_dtype=torch.bfloat16)
+        step_of_engine = engine.optimizer_step
+
+        def optimizer_step():
+            with _uncounted():
+                return step_of_engine()
+
+        engine.optimizer_step = optimizer_step
+        worker = MOPDTrainingWorker.__new__(MOPDTrainingWorker)
+        worker.engine, worker.mopd_targets = engine, None
+        mb = alignment.aux_micro_batches(
+            [s for s in data["input_ids"].unbind()], data[alignment.REGION_IDS].to_padded_tensor(-1),
+            data[alignment.WINDOW].to_padded_tensor(0), data["response_mask"].offsets().diff(), groups)[0].to(device)
+        kw = dict(input_ids=mb.input_ids, attention_mask=mb.attention_mask, position_ids=mb.position_ids,
+                  use_cache=False)
+
+        def forwards():  # every replay step: the student's top-κ and the teacher's log-probs at those ids
+            with torch.no_grad(), engine_autocast(engine, device):
+                ids, _ = student_topk(student(**kw).logits[:, :-1], KAPPA)
+                teacher_logprobs_at(teacher(**kw).logits[:, :-1], ids)
+
+        def token_only():
+            forwards()
+            engine.optimizer_zero_grad()
+            engine.forward_backward_batch(data, None)
+            return engine.optimizer_step()
+
+        def aligned(mode):
+            def run():
+                forwards()
+                held = MOPDWorker._teacher_targets(None, teacher_worker, data, cfgs[mode], groups)
+                worker.mopd_targets = {**held, "teacher": "t"}
+                return worker.balanced_engine_step(data, None, cfgs[mode])
+            return run
+
+        for rep in range(reps + 1):
+            timed("worker: token only", token_only, rep)
+            timed("worker: exact", aligned("exact"), rep)
+            out = timed("worker: carried", aligned("carried"), rep)  # rep 0 is exact and records the multipliers
+        numbers["carried_step_was_carried"] = out["metrics"].get("mopd/balance_carried", [0.0])[0] == 1.0
+
+    def floor_part():  # the floor schedules on an unsharded fp32 student, at most 4,096 tokens
+        student = ga.build_model(shape, "qwen3", torch.float32).to(device).train()
+        teacher = ga.build_model(shape, "qwen3", torch.float32, seed=1).to(device).eval().requires_grad_(False)
+        prompt, w = min(sizes.prompt, 2048), min(sizes.window, 2048)
+        g = torch.Generator().manual_seed(2)
+        ids = torch.randint(10, 1000, (1, prompt + w), generator=g)
+        ids[0, prompt + 19::20] = ga.SEP
+        block = (ids.to(device), torch.ones_like(ids).to(device), torch.arange(prompt + w).unsqueeze(0).to(device))
+
+        @contextlib.contextmanager
+        def tick(t, key):
+            yield
+
+        mults = None
+        for rep in range(reps + 1):
+            for s in ("tok", "exact", "carried"):
+                model = copy.deepcopy(student)
+                opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-6)
+                _, m = timed(f"floor: {s}", lambda s=s, model=model, opt=opt, mults=mults: step(
+                    s, model, teacher, opt, block, prompt, {ga.SEP}, w, tick, mults=mults), rep)
+                mults = mults_of(m) if s == "exact" else mults
+                del model, opt
+
+    with ga.process_group():
+        worker_part()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        floor_part()
+    med = {k: statistics.median(v) for k, v in seconds.items()}
+    numbers["seconds"] = med
+    numbers["host_syncs_per_step"] = syncs
+    numbers["ratios"] = {
+        "worker exact / token only": med["worker: exact"] / med["worker: token only"],
+        "worker carried / token only": med["worker: carried"] / med["worker: token only"],
+        "floor exact / token only": med["floor: exact"] / med["floor: tok"],
+        "floor carried / token only": med["floor: carried"] / med["floor: tok"],
+    }
+    numbers["meets_targets"] = {"exact <= 2.0": numbers["ratios"]["floor exact / token only"] <= 2.0,
+                                "carried <= 1.3": numbers["ratios"]["floor carried / token only"] <= 1.3}
+    numbers["ok"] = numbers["carried_step_was_carried"] and all(math.isfinite(v) for v in med.values())
+    return numbers
