@@ -17,34 +17,28 @@ One replay step (docs/math.md §B.1-B.7) on a block of ``--batch`` sequences (pr
 4. update, then ``clip_grad_norm_(1000)`` and one AdamW step (β = (0.9, 0.999), wd 0.01, lr 1e-5):
    (a) token only: per micro-batch one forward + backward of ℓ_tok (a new-domain step, no balancing);
    (b) FSAR, one shared forward: ``balanced_backward(..., single_forward=True)`` with tok/sats/vr/hid closures;
-   (c) FSAR, separate passes (the MOPD paper's schedule): the same with ``single_forward=False``.
+   (c) FSAR, separate passes (the MOPD paper's schedule): the same with ``single_forward=False``;
+   (d) FSAR carried: one forward and one backward of Σ α_t·ℓ_t, α the multipliers of (b)'s step just before.
 
 Figures: the median of ``--reps`` repetitions after ``--warmup`` warm-up repetitions, the variants interleaved
 within each repetition so machine noise hits them alike; phase split (student top-k, teacher, advantages,
-update); ratios b/a and c/a for the whole step and for the update alone. Target: FSAR replay step
-<= 2.0x the token-only step (MOPD paper measured ~2.4x per replay step, 7.5x for the student update with separate
-passes).
+update); ratios to (a) for the whole step and the update alone. ``--agreement`` adds carried vs exact along a short
+exact-balanced run (per-term scale error and cosine, multipliers 1-3 steps old).
 
-Departures from the paper's setting (CPU stand-in): everything is fp32 (no bf16 autocast on the teacher, no FSDP
-bf16 mixed precision on the student); the responses are random token ids with a step separator about every
-``--step-len`` tokens (content does not change the cost); the tiny model has 4 layers, so "all layers" for
-SATS/VR/hidden (FSAR) means 4 layers. Threads: ``torch.set_num_threads(--threads)``, default 1. Clock: process
-CPU time by default (``--clock wall`` for elapsed time), because on a shared machine wall time mostly measures the
-other jobs. In (c) every pass runs the same forward closure, so each term's pass also computes the signals it does
-not need (``balanced_backward`` gives the forward no term hint); (c) is thus an upper bound of the MOPD paper's
-schedule.
+Departures from the paper's setting (CPU stand-in): everything is fp32; the responses are random token ids with a
+step separator about every ``--step-len`` tokens; the tiny model has 4 layers ("all layers" = 4). Threads:
+``--threads`` (default 1). Clock: process CPU time by default (``--clock wall`` for elapsed time), because on a
+shared machine wall time mostly measures the other jobs. In (c) every pass computes every signal, so (c) is an
+upper bound of the MOPD paper's schedule.
 
 Realistic shape (``--realistic``): a random-init Qwen3 with the MOPD paper's student layer shape (hidden 2048,
 16 heads, 8 KV heads, head size 128, MLP 6144, vocabulary 151,936, tied embeddings) but ``--layers`` layers
-(default 2 and 4), one response per block of ``--prompt`` + W tokens, W in ``--windows`` (default 512 1024).
-It runs what the MOPD worker runs (not ``balanced_backward``): token only = student top-k forward, teacher
-log-prob forward, advantages, one token forward + backward, clip, AdamW; FSAR = the same plus the teacher's
-target forward (no logits) and, per term, one student forward (that term's signals only, no logits) + backward,
-then ``combine_aux`` + ``balance``. The tied embedding / LM head is frozen in the student (its 311M-parameter
-gradient and AdamW state would need ~5 GB more on a shared 2-core box); this removes one ``[N, V] x [V, D]``
-matmul from the token backward only, so the measured ratio is an upper bound. Every layer is aligned (FSAR:
-"all layers"). With two layer counts the script fits time = a + b·layers per phase and extrapolates the ratio
-to the 28 layers of Qwen3-1.7B.
+(default 1 and 2), one response of ``--prompt`` + W tokens, W in ``--windows`` (default 512 1024), every layer
+aligned. The schedules of ``benchmarks/replay_floor.py``: token only, the worker's exact schedule (separate passes),
+the exact floor (one shared forward, one backward per term) and carried, printed beside their FLOP floor. The tied
+embedding / LM head is frozen in the student (its 311M-parameter gradient and AdamW state would need ~5 GB more);
+this removes one ``[N, V] x [V, D]`` matmul from the token backward only. With two layer counts the script fits
+time = a + b·layers per phase and extrapolates the ratios to the 28 layers of Qwen3-1.7B.
 """
 
 from __future__ import annotations
@@ -460,35 +454,6 @@ def realistic_models(layers: int):
     return student, teacher
 
 
-REAL_SHAPE = dict(hidden=2048, mlp=6144, heads=16, kv_heads=8, head_dim=128, vocab=151_936)  # Qwen3-1.7B
-SHAPE_8B = dict(hidden=4096, mlp=12288, heads=32, kv_heads=8, head_dim=128, vocab=151_936, layers=36)  # Qwen3-8B
-# the aligned layers of the recipes (recipes/mopd/signal/*.yaml), for 28 layers
-RECIPE_LAYERS = {"fsar": {t: list(range(28)) for t in ("sats", "vr", "hidden")},
-                 "kl_sats": {"sats": [6, 13, 20, 27]}, "kl_oprd": {"hidden": list(range(28))}}
-
-
-def print_floor(tokens: int) -> None:
-    """The FLOP floor of the recipes at 28 Qwen3-1.7B layers (frozen LM head, as measured here) and at Qwen3-8B."""
-    print(f"floor (FLOPs, {tokens} tokens; docs/performance.md): exact = token only + one backward per term through "
-          "the layers it reads; carried = token only")
-    for name, by_term in RECIPE_LAYERS.items():
-        f17 = rf.floor_flops({**REAL_SHAPE, "layers": 28}, tokens, by_term, head_trainable=False)
-        by8 = {t: [round(x * 35 / 27) for x in ls] for t, ls in by_term.items()}  # the same depth fractions
-        f8 = rf.floor_flops(SHAPE_8B, tokens, by8, head_trainable=True)
-        per = ", ".join(f"{t} {v / 1e12:.2f}" for t, v in f17["term_backward"].items())
-        print(f"  {name:8s} 1.7B x 28: token only {f17['token_only'] / 1e12:.2f} TFLOP, term backwards {per} -> "
-              f"exact floor {f17['exact_ratio']:.2f}x | 8B x 36 (head trained): {f8['exact_ratio']:.2f}x")
-
-
-def fsar_layers(layers: int) -> dict:
-    """FSAR at ``layers`` layers: every term on every layer."""
-    return {t: list(range(layers)) for t in ("sats", "vr", "hidden")}
-
-
-def _amortized(exact: float, carried: float, refresh: int) -> float:
-    return (exact + (refresh - 1) * carried) / refresh
-
-
 def run_realistic(args, sep_ids) -> None:
     schedules = [s for s in rf.SCHEDULES if s in args.schedules]
     if "carried" in schedules and "exact" not in schedules:
@@ -501,7 +466,7 @@ def run_realistic(args, sep_ids) -> None:
         student, teacher = realistic_models(layers)
         for w in args.windows:
             if layers == args.layers[0]:
-                print_floor(args.prompt + w)
+                rf.print_floor(args.prompt + w)
             block = make_block(1, args.prompt, w, 151_936, sep_ids, args.step_len, 0)
             block[1][:, args.prompt:] = 1  # the whole response is real: the window holds exactly W tokens
             samples: dict[str, list[dict]] = {s: [] for s in schedules}
@@ -519,7 +484,7 @@ def run_realistic(args, sep_ids) -> None:
             med = {s: {k: statistics.median(x.get(k, 0.0) for x in v) for k in (*rf.PHASES, "total")}
                    for s, v in samples.items()}
             fits.setdefault(w, {})[layers] = med
-            floor = rf.floor_flops({**REAL_SHAPE, "layers": layers}, args.prompt + w, fsar_layers(layers),
+            floor = rf.floor_flops({**rf.REAL_SHAPE, "layers": layers}, args.prompt + w, rf.fsar_layers(layers),
                                    head_trainable=False)
             print(f"\nlayers = {layers}, W = {w}:")
             print(f"{'schedule':20s}" + "".join(f"{k:>16s}" for k in (*rf.PHASES, "total")))
@@ -546,7 +511,7 @@ def run_realistic(args, sep_ids) -> None:
         for s in schedules:
             ext[s] = sum(max(by_layers[lo][s][k] + (by_layers[hi][s][k] - by_layers[lo][s][k]) / (hi - lo) * (28 - lo),
                              0.0) for k in rf.PHASES)
-        floor = rf.floor_flops({**REAL_SHAPE, "layers": 28}, args.prompt + w, RECIPE_LAYERS["fsar"],
+        floor = rf.floor_flops({**rf.REAL_SHAPE, "layers": 28}, args.prompt + w, rf.RECIPE_LAYERS["fsar"],
                                head_trainable=False)
         ratios = {s: ext[s] / ext["tok"] for s in schedules}
         line = ", ".join(f"{rf.LABELS[s]} {ratios[s]:.2f}x" for s in schedules if s != "tok")
@@ -554,7 +519,7 @@ def run_realistic(args, sep_ids) -> None:
               f"{ext['tok']:.1f}s; {line}; FLOP floor exact {floor['exact_ratio']:.2f}x, carried 1.00x")
         if "carried" in ratios:
             print("  carried with an exact step every K replay steps: " + ", ".join(
-                f"K={k} {_amortized(ratios['exact'], ratios['carried'], k):.2f}x" for k in (2, 4, 8)))
+                f"K={k} {rf.amortized(ratios['exact'], ratios['carried'], k):.2f}x" for k in (2, 4, 8)))
 
 
 def main(argv=None) -> None:

@@ -91,6 +91,36 @@ def floor_flops(shape: dict, tokens: int, layers_by_term: dict[str, list[int]], 
             "exact_floor": exact, "exact_ratio": exact / token_only, "carried_ratio": 1.0}
 
 
+REAL_SHAPE = dict(hidden=2048, mlp=6144, heads=16, kv_heads=8, head_dim=128, vocab=151_936)  # Qwen3-1.7B
+SHAPE_8B = dict(hidden=4096, mlp=12288, heads=32, kv_heads=8, head_dim=128, vocab=151_936, layers=36)  # Qwen3-8B
+# the aligned layers of the recipes (recipes/mopd/signal/*.yaml), for 28 layers
+RECIPE_LAYERS = {"fsar": {t: list(range(28)) for t in ("sats", "vr", "hidden")},
+                 "kl_sats": {"sats": [6, 13, 20, 27]}, "kl_oprd": {"hidden": list(range(28))}}
+
+
+def print_floor(tokens: int) -> None:
+    """The FLOP floor of the recipes at 28 Qwen3-1.7B layers (frozen LM head, as measured here) and at Qwen3-8B."""
+    print(f"floor (FLOPs, {tokens} tokens; docs/performance.md): exact = token only + one backward per term through "
+          "the layers it reads; carried = token only")
+    for name, by_term in RECIPE_LAYERS.items():
+        f17 = floor_flops({**REAL_SHAPE, "layers": 28}, tokens, by_term, head_trainable=False)
+        by8 = {t: [round(x * 35 / 27) for x in ls] for t, ls in by_term.items()}  # the same depth fractions
+        f8 = floor_flops(SHAPE_8B, tokens, by8, head_trainable=True)
+        per = ", ".join(f"{t} {v / 1e12:.2f}" for t, v in f17["term_backward"].items())
+        print(f"  {name:8s} 1.7B x 28: token only {f17['token_only'] / 1e12:.2f} TFLOP, term backwards {per} -> "
+              f"exact floor {f17['exact_ratio']:.2f}x | 8B x 36 (head trained): {f8['exact_ratio']:.2f}x")
+
+
+def fsar_layers(layers: int) -> dict:
+    """FSAR at ``layers`` layers: every term on every layer."""
+    return {t: list(range(layers)) for t in ("sats", "vr", "hidden")}
+
+
+def amortized(exact: float, carried: float, refresh: int) -> float:
+    """The mean ratio of carried balancing with an exact step every ``refresh`` replay steps."""
+    return (exact + (refresh - 1) * carried) / refresh
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # one replay step
 
