@@ -54,14 +54,23 @@ class CarriedBalance:
         self._uses[key] += 1
         return dict(mults)
 
-    def record(self, key: Hashable, metrics: Mapping[str, float]) -> dict[str, float]:
-        """Keep the ``mult_*`` entries of an exact step's metrics for ``key``; returns them."""
+    def record(self, key: Hashable, metrics: Mapping[str, float]) -> dict[str, float] | None:
+        """Keep the ``mult_*`` entries of an exact step's metrics for ``key``; returns them.
+
+        A step that fell back (``fallback``/``balance_fallback`` ≠ 0: a zero token or auxiliary gradient) or whose
+        token multiplier is 0 is not carried: its α would repeat a degenerate step; the key's next step is exact.
+        """
         mults = {k: float(v) for k, v in metrics.items() if k.startswith(MULT_PREFIX)}
         if "mult_tok" not in mults:
             raise ValueError(f"metrics of an exact balanced step must hold mult_tok (got keys {sorted(metrics)})")
         bad = [k for k, v in mults.items() if not math.isfinite(v)]
         if bad:
             raise ValueError(f"non-finite multipliers {bad} from the exact step: refusing to carry them")
+        fallback = float(metrics.get("fallback", metrics.get("balance_fallback", 0.0)))
+        if fallback != 0.0 or mults["mult_tok"] == 0.0:
+            self._mults.pop(key, None)
+            self._uses.pop(key, None)
+            return None
         self._mults[key] = mults
         self._uses[key] = 0
         return dict(mults)

@@ -170,6 +170,10 @@ def test_carried_balance_refreshes_every_k_steps():
         cb.record("math", {"mult_sats": 1.0})
     with pytest.raises(ValueError, match="non-finite"):
         cb.record("math", {"mult_tok": float("nan")})
+    # a step that fell back (zero token or auxiliary gradient) is not carried: the next step is exact again
+    assert cb.record("math", {**exact, "balance_fallback": 1.0}) is None and cb.plan("math") is None
+    assert cb.record("math", {"mult_tok": 0.0, "mult_sats": 0.0}) is None and cb.plan("math") is None
+    cb.record("math", exact)
     restored = CarriedBalance(5)
     restored.load_state_dict(cb.state_dict())
     assert restored.refresh == 3 and restored.plan("math") == exact
