@@ -111,14 +111,14 @@ class MOPDTrainingWorker(TrainingWorker):
         engine = self.engine
         # verl fixes zero-grad -> one backward -> step in BaseEngine.train_batch; swap in the balanced step for
         # this call only (an instance attribute shadowing the engine's public method), then restore it
-        engine.train_batch = functools.partial(self.balanced_engine_step, cfg=cfg)
+        engine.train_batch = functools.partial(self.balanced_engine_step, cfg=cfg, key=aux.get(alignment.DOMAIN_KEY))
         try:
             return super().train_batch(data)
         finally:
             del engine.train_batch
             self.mopd_targets = None
 
-    def balanced_engine_step(self, data, loss_function, cfg: alignment.AuxConfig):
+    def balanced_engine_step(self, data, loss_function, cfg: alignment.AuxConfig, key=None):
         """One optimizer update with g = balance(g_tok, combine_aux(g_sats, g_vr, g_hid)) (docs/math.md §B.6 eqs. 9-10).
 
         1. the micro-batch row groups of this update: verl's own partition of the batch (``use_dynamic_bsz`` token
@@ -143,7 +143,8 @@ class MOPDTrainingWorker(TrainingWorker):
         if getattr(engine, "scaler", None) is not None:
             raise ValueError("the balanced MOPD update does not support fp16 loss scaling; use bf16 or fp32 params")
         groups = update_row_groups(data, _dp_group(engine))
-        key = (self.mopd_targets or {}).get("teacher")  # carried balancing keeps one set of multipliers per teacher
+        # carried balancing keeps one set of multipliers per replay domain when the driver names it, else per teacher
+        key = key if key is not None else (self.mopd_targets or {}).get("teacher")
         targets = self._take_targets(data, groups)
         mults = self._carried_balance(cfg).plan(key) if cfg.balance == "carried" else None
         engine.optimizer_zero_grad()

@@ -157,17 +157,18 @@ def test_carried_balance_reuses_the_multipliers_of_the_exact_step(tiny_dir):
     data = _batch(cfg)
     worker = MOPDTrainingWorker.__new__(MOPDTrainingWorker)
     grads, metrics = [], []
-    for _ in range(3):
+    # keys: the teacher (no domain from the driver) three times, then a domain of its own, then the teacher again
+    for key in (None, None, None, "spell", None):
         worker.engine = _Engine(AutoModelForCausalLM.from_pretrained(tiny_dir / "student", dtype=torch.float32), cfg)
         worker.mopd_targets = {**_held(tiny_dir, data, cfg), "teacher": "math"}
-        out = worker.balanced_engine_step(data, _tok_loss, cfg)
+        out = worker.balanced_engine_step(data, _tok_loss, cfg, key=key)
         grads.append(worker.engine.stepped)
         metrics.append({k: v[0] for k, v in out["metrics"].items() if k.startswith("mopd/")})
-    assert [m.get("mopd/balance_carried", 0.0) for m in metrics] == [0.0, 1.0, 0.0]
+    assert [m.get("mopd/balance_carried", 0.0) for m in metrics] == [0.0, 1.0, 0.0, 0.0, 1.0]
     assert metrics[1]["mopd/mult_tok"] == 0.5 and metrics[1]["mopd/mult_vr"] > 0
     assert all(metrics[1][f"mopd/{t}_loss"] == pytest.approx(metrics[0][f"mopd/{t}_loss"], rel=1e-5)
                for t in ("sats", "vr", "hidden"))
-    for exact, carried, again in zip(*grads):
+    for exact, carried, again, *_ in zip(*grads):
         if exact is None:
             assert carried is None or float(carried.abs().max()) == 0.0
             continue
