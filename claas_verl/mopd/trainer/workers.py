@@ -134,6 +134,9 @@ class MOPDTrainingWorker(TrainingWorker):
            clipping; the combination is written into ``.grad`` in place;
         5. ``optimizer_step`` (clip at ``actor.optim.clip_grad``, AdamW step).
 
+        With ``mopd.signal.balance: carried`` a step that has multipliers of an earlier exact step of its ``key``
+        replaces 3-4 by :meth:`_carried_pass` (docs/math.md §B.6, "Carried balancing"); the exact steps record them.
+
         Separate passes per term (the MOPD paper's schedule): FSDP2 reshards after each backward, so one forward cannot
         serve several backward passes there. ``balanced_backward`` of ``claas_verl.align`` is not used because
         the token pass must be verl's engine pass (packed inputs, chunked logits processor), not a plain forward.
