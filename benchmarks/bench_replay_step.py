@@ -17,34 +17,28 @@ One replay step (docs/math.md §B.1-B.7) on a block of ``--batch`` sequences (pr
 4. update, then ``clip_grad_norm_(1000)`` and one AdamW step (β = (0.9, 0.999), wd 0.01, lr 1e-5):
    (a) token only: per micro-batch one forward + backward of ℓ_tok (a new-domain step, no balancing);
    (b) FSAR, one shared forward: ``balanced_backward(..., single_forward=True)`` with tok/sats/vr/hid closures;
-   (c) FSAR, separate passes (the MOPD paper's schedule): the same with ``single_forward=False``.
+   (c) FSAR, separate passes (the MOPD paper's schedule): the same with ``single_forward=False``;
+   (d) FSAR carried: one forward and one backward of Σ α_t·ℓ_t, α the multipliers of (b)'s step just before.
 
 Figures: the median of ``--reps`` repetitions after ``--warmup`` warm-up repetitions, the variants interleaved
 within each repetition so machine noise hits them alike; phase split (student top-k, teacher, advantages,
-update); ratios b/a and c/a for the whole step and for the update alone. Target: FSAR replay step
-<= 2.0x the token-only step (MOPD paper measured ~2.4x per replay step, 7.5x for the student update with separate
-passes).
+update); ratios to (a) for the whole step and the update alone. ``--agreement`` adds carried vs exact along a short
+exact-balanced run (per-term scale error and cosine, multipliers 1-3 steps old).
 
-Departures from the paper's setting (CPU stand-in): everything is fp32 (no bf16 autocast on the teacher, no FSDP
-bf16 mixed precision on the student); the responses are random token ids with a step separator about every
-``--step-len`` tokens (content does not change the cost); the tiny model has 4 layers, so "all layers" for
-SATS/VR/hidden (FSAR) means 4 layers. Threads: ``torch.set_num_threads(--threads)``, default 1. Clock: process
-CPU time by default (``--clock wall`` for elapsed time), because on a shared machine wall time mostly measures the
-other jobs. In (c) every pass runs the same forward closure, so each term's pass also computes the signals it does
-not need (``balanced_backward`` gives the forward no term hint); (c) is thus an upper bound of the MOPD paper's
-schedule.
+Departures from the paper's setting (CPU stand-in): everything is fp32; the responses are random token ids with a
+step separator about every ``--step-len`` tokens; the tiny model has 4 layers ("all layers" = 4). Threads:
+``--threads`` (default 1). Clock: process CPU time by default (``--clock wall`` for elapsed time), because on a
+shared machine wall time mostly measures the other jobs. In (c) every pass computes every signal, so (c) is an
+upper bound of the MOPD paper's schedule.
 
 Realistic shape (``--realistic``): a random-init Qwen3 with the MOPD paper's student layer shape (hidden 2048,
 16 heads, 8 KV heads, head size 128, MLP 6144, vocabulary 151,936, tied embeddings) but ``--layers`` layers
-(default 2 and 4), one response per block of ``--prompt`` + W tokens, W in ``--windows`` (default 512 1024).
-It runs what the MOPD worker runs (not ``balanced_backward``): token only = student top-k forward, teacher
-log-prob forward, advantages, one token forward + backward, clip, AdamW; FSAR = the same plus the teacher's
-target forward (no logits) and, per term, one student forward (that term's signals only, no logits) + backward,
-then ``combine_aux`` + ``balance``. The tied embedding / LM head is frozen in the student (its 311M-parameter
-gradient and AdamW state would need ~5 GB more on a shared 2-core box); this removes one ``[N, V] x [V, D]``
-matmul from the token backward only, so the measured ratio is an upper bound. Every layer is aligned (FSAR:
-"all layers"). With two layer counts the script fits time = a + b·layers per phase and extrapolates the ratio
-to the 28 layers of Qwen3-1.7B.
+(default 1 and 2), one response of ``--prompt`` + W tokens, W in ``--windows`` (default 512 1024), every layer
+aligned. The schedules of ``benchmarks/replay_floor.py``: token only, the worker's exact schedule (separate passes),
+the exact floor (one shared forward, one backward per term) and carried, printed beside their FLOP floor. The tied
+embedding / LM head is frozen in the student (its 311M-parameter gradient and AdamW state would need ~5 GB more);
+this removes one ``[N, V] x [V, D]`` matmul from the token backward only. With two layer counts the script fits
+time = a + b·layers per phase and extrapolates the ratios to the 28 layers of Qwen3-1.7B.
 """
 
 from __future__ import annotations
@@ -53,7 +47,9 @@ import argparse
 import contextlib
 import copy
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -76,10 +72,16 @@ from claas_verl.distill import (
 )
 from claas_verl.tiny import ensure_tiny
 
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+from benchmarks import replay_floor as rf  # noqa: E402
+
 KAPPA = 16
 TARGET_RATIO = 2.0
-VARIANTS = ("tok", "fsar_1fwd", "fsar_sep")
-LABELS = {"tok": "(a) token only", "fsar_1fwd": "(b) FSAR one forward", "fsar_sep": "(c) FSAR separate passes"}
+VARIANTS = ("tok", "fsar_1fwd", "fsar_sep", "fsar_carried")
+LABELS = {"tok": "(a) token only", "fsar_1fwd": "(b) FSAR one forward", "fsar_sep": "(c) FSAR separate passes",
+          "fsar_carried": "(d) FSAR carried"}
 PHASES = ("student_topk", "teacher", "advantages", "update")
 
 # Process CPU time by default: with one torch thread it counts only the cycles this process got, so the other
@@ -221,7 +223,7 @@ def _fsar_forward(model, mb):
     )
 
 
-def update(variant: str, model, opt, mbs, prompt: int) -> dict:
+def update(variant: str, model, opt, mbs, prompt: int, mults: dict | None = None) -> dict:
     """Phase 4: gradient into ``.grad``, clip at 1000, one AdamW step. Returns balancing metrics (FSAR)."""
     weights = microbatch_weights([mb["n_resp"] for mb in mbs])
     opt.zero_grad(set_to_none=True)
@@ -235,22 +237,24 @@ def update(variant: str, model, opt, mbs, prompt: int) -> dict:
             del out
     else:
         metrics = balanced_backward(model, mbs, weights, _fsar_forward, _fsar_closures(prompt), ratio=1.0, rho=2.0,
-                                    single_forward=variant == "fsar_1fwd")
+                                    single_forward=variant != "fsar_sep",
+                                    multipliers=mults if variant == "fsar_carried" else None)
     torch.nn.utils.clip_grad_norm_(model.parameters(), 1000.0)
     opt.step()
     return metrics
 
 
-def replay_step(variant: str, models: dict, opts: dict, teacher, block, args, sep_ids, window: int) -> dict:
+def replay_step(variant: str, models: dict, opts: dict, teacher, block, args, sep_ids, window: int,
+                mults: dict | None = None) -> tuple[dict, dict]:
     mbs = split_micro_batches(*block, args.micro_batches)
     timer: dict[str, float] = {}
     model = models[variant]
     prepare(model, teacher, mbs, args.prompt, sep_ids, window, variant != "tok", timer)
     t0 = _now()
-    update(variant, model, opts[variant], mbs, args.prompt)
+    metrics = update(variant, model, opts[variant], mbs, args.prompt, mults)
     timer["update"] = _now() - t0
     timer["total"] = sum(timer[p] for p in PHASES)
-    return timer
+    return timer, metrics
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -271,9 +275,11 @@ def run_window(window: int, student, teacher, block, args, sep_ids) -> dict[str,
     opts = {v: torch.optim.AdamW(models[v].parameters(), lr=1e-5, betas=(0.9, 0.999), weight_decay=0.01)
             for v in VARIANTS}
     samples: dict[str, list[dict]] = {v: [] for v in VARIANTS}
+    mults = None
     for rep in range(args.warmup + args.reps):
-        for v in VARIANTS:
-            t = replay_step(v, models, opts, teacher, block, args, sep_ids, window)
+        for v in VARIANTS:  # (d) reuses the multipliers of (b)'s step just before it (same block)
+            t, m = replay_step(v, models, opts, teacher, block, args, sep_ids, window, mults)
+            mults = rf.mults_of(m) if v == "fsar_1fwd" else mults
             if rep >= args.warmup:
                 samples[v].append(t)
     return {v: {k: statistics.median(s[k] for s in samples[v]) for k in (*PHASES, "total")} for v in VARIANTS}
@@ -290,7 +296,7 @@ def print_window(window: int, med: dict, block, args) -> None:
     for v in VARIANTS:
         print(f"{LABELS[v]:28s}" + "".join(f"{med[v][p] * 1e3:12.1f}ms" for p in (*PHASES, "total")))
     a = med["tok"]
-    for v in ("fsar_1fwd", "fsar_sep"):
+    for v in ("fsar_1fwd", "fsar_sep", "fsar_carried"):
         step, upd = med[v]["total"] / a["total"], med[v]["update"] / a["update"]
         verdict = "meets" if step <= TARGET_RATIO else "misses"
         print(f"{LABELS[v]:28s} / (a): replay step {step:5.2f}x ({verdict} target <= {TARGET_RATIO:.1f}x), "
@@ -389,12 +395,50 @@ def profile_update(student, teacher, block, args, sep_ids, window: int, variant:
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.profile_rows))
 
 
+def agreement_trajectory(student, teacher, args, sep_ids, window: int) -> None:
+    """Carried vs exact along a short exact-balanced training run of the tiny model, one new block per step.
+
+    At each step the exact gradient is compared with the carried one (one backward of Σ α_t·ℓ_t) whose
+    multipliers are those of 1, 2 or 3 steps earlier (what ``balance_refresh`` = 2, 3, 4 carries at most):
+    per-term relative error of the scale, and the cosine of the combined gradients. The run steps on the exact one.
+    """
+    from claas_verl.align.carried import gradient_cosine, multiplier_errors
+
+    model = copy.deepcopy(student)
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=1e-5, betas=(0.9, 0.999), weight_decay=0.01)
+    closures, history = _fsar_closures(args.prompt), []
+    found: dict[int, list] = {1: [], 2: [], 3: []}
+    for step in range(args.agreement_steps):
+        block = make_block(args.batch, args.prompt, args.response, student.config.vocab_size, sep_ids,
+                           args.step_len, 100 + step)
+        mbs = split_micro_batches(*block, args.micro_batches)
+        prepare(model, teacher, mbs, args.prompt, sep_ids, window, True, {})
+        weights = microbatch_weights([mb["n_resp"] for mb in mbs])
+        m = balanced_backward(model, mbs, weights, _fsar_forward, closures, ratio=1.0, rho=2.0)
+        g = [p.grad for p in params]
+        for lag, rows in found.items():
+            if len(history) >= lag:
+                balanced_backward(model, mbs, weights, _fsar_forward, closures, multipliers=history[-lag])
+                rows.append((multiplier_errors(history[-lag], m), gradient_cosine([p.grad for p in params], g)))
+        for p, gi in zip(params, g):
+            p.grad = gi
+        torch.nn.utils.clip_grad_norm_(params, 1000.0)
+        opt.step()
+        history.append(rf.mults_of(m))
+    print(f"\ncarried vs exact on the tiny model, {args.agreement_steps} exact steps at lr 1e-5, W = {window}:")
+    for lag, rows in found.items():
+        if not rows:
+            continue
+        errs = {t: [r[0][t] for r in rows] for t in ("sats", "vr", "hid")}
+        cos = [r[1] for r in rows]
+        print(f"  multipliers {lag} step(s) old ({len(rows)} steps): scale rel. error median/max " + ", ".join(
+            f"{t} {statistics.median(v):.3f}/{max(v):.3f}" for t, v in errs.items())
+            + f"; cos(carried, exact) median {statistics.median(cos):.4f}, min {min(cos):.4f}")
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # realistic layer shape
-
-REAL_PHASES = ("student_topk", "teacher_logp", "teacher_targets", "advantages", "tok_pass", "align_passes",
-               "balance", "clip+adamw")
-
 
 def realistic_models(layers: int):
     from transformers import Qwen3Config, Qwen3ForCausalLM
@@ -410,112 +454,72 @@ def realistic_models(layers: int):
     return student, teacher
 
 
-def realistic_step(fsar: bool, student, teacher, opt, ids, am, pos, prompt: int, sep_ids, window: int) -> dict:
-    """One replay step as the MOPD worker runs it (one micro-batch); returns seconds per phase."""
-    from claas_verl.align import alignment_losses, balance, combine_aux
-
-    t: dict[str, float] = {}
-    n = student.config.num_hidden_layers
-    kw = dict(input_ids=ids, attention_mask=am, position_ids=pos)
-    mask = am[:, prompt:]
-    with _tick(t, "student_topk"), torch.no_grad():
-        top_ids, S = student_topk(_logits_at_response(student(**kw).logits, prompt), KAPPA)
-    with _tick(t, "teacher_logp"), torch.no_grad():
-        Q = teacher_logprobs_at(_logits_at_response(teacher(**kw).logits, prompt), top_ids)
-    regions = step_regions(ids[:, prompt:], mask, sep_ids, window).pad_left(prompt)
-    terms = ("sats", "vr", "hidden")
-    if fsar:
-        with _tick(t, "teacher_targets"), torch.no_grad():
-            _, sig = alignment_signals(teacher, ids, am, regions, position_ids=pos, terms=terms,
-                                       pooled_layers=range(n), hidden_layers=range(n), logits=False)
-            targets = sig.as_targets()
-            del sig
-    with _tick(t, "advantages"):
-        A = domain_normalized_advantages(topk_rewards(S, Q, mask), mask)
-    opt.zero_grad(set_to_none=True)
-    params = [p for p in student.parameters() if p.requires_grad]
-    with _tick(t, "tok_pass"):
-        logits = student(**kw).logits
-        topk_distill_loss(_logits_at_response(logits, prompt), top_ids, A, mask).backward()
-        del logits
-    if fsar:
-        grads = {}
-        with _tick(t, "align_passes"):
-            g_tok = [p.grad for p in params]
-            for p in params:
-                p.grad = None
-            for term in terms:
-                _, sig = alignment_signals(student, ids, am, regions, position_ids=pos, terms=[term],
-                                           pooled_layers=range(n), hidden_layers=range(n), logits=False)
-                alignment_losses(sig, targets, regions)[term].loss.backward()
-                grads[term] = [p.grad for p in params]
-                for p in params:
-                    p.grad = None
-                del sig
-        with _tick(t, "balance"):
-            g_aux, _ = combine_aux(grads["sats"], grads["vr"], grads["hidden"], 2.0)
-            g, _ = balance(g_tok, g_aux, 1.0)
-            for p, gi in zip(params, g):
-                p.grad = gi
-            del grads, g_tok, g_aux, g
-    with _tick(t, "clip+adamw"):
-        torch.nn.utils.clip_grad_norm_(params, 1000.0)
-        opt.step()
-    t["total"] = sum(t.get(k, 0.0) for k in REAL_PHASES)
-    return t
-
-
 def run_realistic(args, sep_ids) -> None:
+    schedules = [s for s in rf.SCHEDULES if s in args.schedules]
+    if "carried" in schedules and "exact" not in schedules:
+        raise ValueError("--schedules: carried takes its multipliers from the exact step; add exact")
     print(f"\nrealistic layer shape: Qwen3 hidden 2048, 16 heads / 8 KV heads x 128, MLP 6144, V = 151,936, tied "
           f"embeddings (frozen in the student), fp32, 1 response of {args.prompt} prompt + W tokens, κ = {KAPPA}, "
-          f"all layers aligned, clock = {args.clock}, median of {args.reps} after {args.warmup} warm-up")
+          f"all layers aligned (FSAR), clock = {args.clock}, median of {args.reps} after {args.warmup} warm-up")
     fits: dict[int, dict[int, dict]] = {}
     for layers in args.layers:
         student, teacher = realistic_models(layers)
         for w in args.windows:
+            if layers == args.layers[0]:
+                rf.print_floor(args.prompt + w)
             block = make_block(1, args.prompt, w, 151_936, sep_ids, args.step_len, 0)
-            ids, am, pos = block
-            am[:, args.prompt:] = 1  # the whole response is real: the window holds exactly W tokens
-            samples: dict[bool, list[dict]] = {False: [], True: []}
+            block[1][:, args.prompt:] = 1  # the whole response is real: the window holds exactly W tokens
+            samples: dict[str, list[dict]] = {s: [] for s in schedules}
             for rep in range(args.warmup + args.reps):
-                for fsar in (False, True):
+                mults = None
+                for s in schedules:  # exact runs before carried: carried reuses its multipliers
                     model = copy.deepcopy(student)
                     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5,
                                             weight_decay=0.01)
-                    out = realistic_step(fsar, model, teacher, opt, ids, am, pos, args.prompt, sep_ids, w)
+                    t, m = rf.step(s, model, teacher, opt, block, args.prompt, sep_ids, w, _tick, mults=mults)
+                    mults = rf.mults_of(m) if s == "exact" else mults
                     del model, opt
                     if rep >= args.warmup:
-                        samples[fsar].append(out)
-            med = {f: {k: statistics.median(x.get(k, 0.0) for x in v) for k in (*REAL_PHASES, "total")}
-                   for f, v in samples.items()}
+                        samples[s].append(t)
+            med = {s: {k: statistics.median(x.get(k, 0.0) for x in v) for k in (*rf.PHASES, "total")}
+                   for s, v in samples.items()}
             fits.setdefault(w, {})[layers] = med
+            floor = rf.floor_flops({**rf.REAL_SHAPE, "layers": layers}, args.prompt + w, rf.fsar_layers(layers),
+                                   head_trainable=False)
             print(f"\nlayers = {layers}, W = {w}:")
-            print(f"{'variant':14s}" + "".join(f"{k:>16s}" for k in (*REAL_PHASES, "total")))
-            for f, name in ((False, "token only"), (True, "FSAR (3 terms)")):
-                print(f"{name:14s}" + "".join(f"{med[f][k]:15.2f}s" for k in (*REAL_PHASES, "total")))
-            print(f"FSAR / token only: replay step {med[True]['total'] / med[False]['total']:.2f}x "
-                  f"(target <= 1.5x)")
+            print(f"{'schedule':20s}" + "".join(f"{k:>16s}" for k in (*rf.PHASES, "total")))
+            for s in schedules:
+                print(f"{rf.LABELS[s]:20s}" + "".join(f"{med[s][k]:15.2f}s" for k in (*rf.PHASES, "total")))
+            tok = med["tok"]["total"]
+            print("  / token only: " + ", ".join(f"{rf.LABELS[s]} {med[s]['total'] / tok:.2f}x" for s in schedules
+                                                if s != "tok") + f" (FLOP floor: exact {floor['exact_ratio']:.2f}x, "
+                  f"carried 1.00x)")
+            if args.agreement and layers == args.layers[0] and w == args.windows[0]:
+                blocks = [make_block(1, args.prompt, w, 151_936, sep_ids, args.step_len, seed) for seed in (1, 2)]
+                for b in blocks:
+                    b[1][:, args.prompt:] = 1
+                agree = rf.agreement(student, teacher, blocks, args.prompt, sep_ids, w)
+                print(f"  agreement (multipliers of one block carried to the next, same weights): {agree}")
         del student, teacher
-    if len(args.layers) >= 2:
-        lo, hi = sorted(args.layers)[:2]
-        for w, by_layers in fits.items():
-            if lo not in by_layers or hi not in by_layers:
-                continue
-            ext, per_layer = {}, {}
-            for f in (False, True):
-                phases = {}
-                for k in REAL_PHASES:
-                    a, b = by_layers[lo][f][k], by_layers[hi][f][k]
-                    slope = (b - a) / (hi - lo)
-                    per_layer[f, k] = slope
-                    phases[k] = max(a + slope * (28 - lo), 0.0)
-                ext[f] = phases
-            tok, fsar = sum(ext[False].values()), sum(ext[True].values())
-            print(f"W = {w}: extrapolated to 28 layers (per-phase linear fit in layers over {lo} and {hi}): token only "
-                  f"{tok:.1f}s, FSAR {fsar:.1f}s, ratio {fsar / tok:.2f}x (target <= 1.5x); without the balancing "
-                  f"arithmetic (memory-bound on GPU, CPU-bound here) {(fsar - ext[True]['balance']) / tok:.2f}x")
-            print("  seconds per layer, token only | FSAR: " + ", ".join(
-                f"{k} {per_layer[False, k]:.2f} | {per_layer[True, k]:.2f}" for k in REAL_PHASES))
+    if len(args.layers) < 2:
+        return
+    lo, hi = sorted(args.layers)[:2]
+    for w, by_layers in fits.items():
+        if lo not in by_layers or hi not in by_layers:
+            continue
+        ext = {}
+        for s in schedules:
+            ext[s] = sum(max(by_layers[lo][s][k] + (by_layers[hi][s][k] - by_layers[lo][s][k]) / (hi - lo) * (28 - lo),
+                             0.0) for k in rf.PHASES)
+        floor = rf.floor_flops({**rf.REAL_SHAPE, "layers": 28}, args.prompt + w, rf.RECIPE_LAYERS["fsar"],
+                               head_trainable=False)
+        ratios = {s: ext[s] / ext["tok"] for s in schedules}
+        line = ", ".join(f"{rf.LABELS[s]} {ratios[s]:.2f}x" for s in schedules if s != "tok")
+        print(f"W = {w}: extrapolated to 28 layers (per-phase linear fit over {lo} and {hi} layers): token only "
+              f"{ext['tok']:.1f}s; {line}; FLOP floor exact {floor['exact_ratio']:.2f}x, carried 1.00x")
+        if "carried" in ratios:
+            print("  carried with an exact step every K replay steps: " + ", ".join(
+                f"K={k} {rf.amortized(ratios['exact'], ratios['carried'], k):.2f}x" for k in (2, 4, 8)))
 
 
 def main(argv=None) -> None:
@@ -544,7 +548,13 @@ def main(argv=None) -> None:
     ap.add_argument("--profile-rows", type=int, default=18)
     ap.add_argument("--realistic", action="store_true",
                     help="only the realistic layer shape (hidden 2048, V = 151,936); defaults W 512 1024, layers 2 4")
-    ap.add_argument("--layers", type=int, nargs="+", default=[2, 4], help="layer counts of --realistic")
+    ap.add_argument("--layers", type=int, nargs="+", default=[1, 2], help="layer counts of --realistic")
+    ap.add_argument("--schedules", nargs="+", default=list(rf.SCHEDULES), choices=rf.SCHEDULES,
+                    help="schedules of --realistic (benchmarks/replay_floor.py); carried needs exact")
+    ap.add_argument("--agreement", action="store_true",
+                    help="carried vs exact agreement: the tiny model's trajectory, or (--realistic) one pair of "
+                         "blocks at the first layer count and W")
+    ap.add_argument("--agreement-steps", type=int, default=8, help="exact steps of the tiny trajectory")
     args = ap.parse_args(argv)
     if args.realistic:
         full = dict(batch=1, prompt=64, response=0, micro_batches=1, windows=[512, 1024], reps=1, warmup=0)
@@ -578,8 +588,10 @@ def main(argv=None) -> None:
         print_window(w, med, block, args)
     if args.breakdown:
         breakdown_update(student, teacher, block, args, sep_ids, max(args.windows))
+    if args.agreement:
+        agreement_trajectory(student, teacher, args, sep_ids, max(args.windows))
     if args.profile:
-        for v in VARIANTS:
+        for v in VARIANTS[:3]:
             profile_update(student, teacher, block, args, sep_ids, max(args.windows), v)
 
 

@@ -20,6 +20,7 @@ Random-weight models at realistic widths (Qwen3-8B and DeepSeek-R1-Distill-Qwen-
 * ``host_balancer``: :class:`claas_verl.align.balance.HostBalancer` at the 8B student's shard shapes (4 ranks)
   against the device reference (``combine_aux`` then ``balance``), its pinned host bytes, and its device peak
   (one pass's gradient + one shard in transit) against the table;
+* ``replay_step_ratios``: exact and carried replay steps / token-only, host syncs per step (benchmarks/replay_floor.py);
 * ``vllm_reload_and_lora``: an in-process vLLM engine: prompt log-probs equal to an HF forward, after a
   full-weight reload, and with a LoRA adapter (skipped, with the reason, when vLLM is not importable).
 
@@ -572,6 +573,7 @@ def main(argv=None) -> int:
             ("topk_loss", check_topk_loss, sizes),
             ("host_balancer", check_host_balancer, sizes),
             ("vllm_reload_and_lora", check_vllm, sizes, Path(tmp)),
+            ("replay_step_ratios", importlib.import_module("benchmarks.replay_floor").check_replay_ratios, sizes),
         ]
         checks = [run_check(name, fn, *a) for name, fn, *a in plan if not args.only or name in args.only]
     report = {

@@ -227,7 +227,8 @@ def combine_aux(
 
     Returns:
         ``(g_aux, info)`` with ``sats_norm``, ``vr_norm``, ``hid_norm``, ``cos_sats_vr``, ``s_norm``,
-        ``cos_u_hid`` and ``aux_norm`` (= ‖g_aux‖). Pass g_aux on to :func:`balance`; only its direction matters.
+        ``cos_u_hid``, ``aux_norm`` (= ‖g_aux‖) and ``{sats,vr,hid}_coef``, the multipliers of the raw gradients
+        in g_aux. Pass g_aux on to :func:`balance`; only its direction matters.
     """
     rho = float(rho)
     if not (math.isfinite(rho) and rho >= 0):
@@ -259,7 +260,104 @@ def combine_aux(
     }
     # g_aux = (ĝ_S + ĝ_V)/‖s‖ + ρ ĝ_H, written on the raw gradients
     coefs = {S: inv_s * inv_snorm, R: inv_v * inv_snorm, H: rho * inv_h}
+    info.update(sats_coef=coefs[S], vr_coef=coefs[R], hid_coef=coefs[H])  # multipliers of the raw gradients
     return _lincomb(coefs, lists, flat, n), info
+
+
+def _gram(lists: dict, names: Sequence[str], length: int, sync: bool | None, group) -> dict[tuple[str, str], float]:
+    """Every inner product of the named gradients, reading each gradient ONCE: per parameter entry, the rows of the
+    present terms are stacked and multiplied by their transpose (partials in ≥ fp32, accumulated in fp64); one
+    all-reduce of the whole matrix. A term passed as None, or a None entry, contributes zeros."""
+    device = _device_of(lists)
+    k = len(names)
+    G = torch.zeros(k, k, dtype=torch.float64, device=device)
+    for i in range(length):
+        idx = [j for j, n in enumerate(names) if lists[n] is not None and lists[n][i] is not None]
+        if not idx:
+            continue
+        rows = [_local(lists[names[j]][i]) for j in idx]
+        dt = torch.float64 if any(r.dtype == torch.float64 for r in rows) else torch.float32
+        X = torch.stack([r.reshape(-1).to(dt) for r in rows])
+        sel = torch.tensor(idx, device=device)
+        G[sel[:, None], sel] += (X @ X.T).to(torch.float64)
+    if _do_sync(sync):
+        torch.distributed.all_reduce(G, op=torch.distributed.ReduceOp.SUM, group=group)
+    vals = G.cpu().tolist()
+    return {(a, b): vals[i][j] for i, a in enumerate(names) for j, b in enumerate(names)}
+
+
+def balance_fsar(
+    g_tok: GradLike,
+    g_sats: GradLike | None,
+    g_vr: GradLike | None,
+    g_hid: GradLike | None,
+    ratio: float = 1.0,
+    rho: float = 2.0,
+    *,
+    in_place: bool = False,
+    sync: bool | None = None,
+    group=None,
+) -> tuple[GradLike, dict[str, float]]:
+    """``balance(g_tok, combine_aux(g_sats, g_vr, g_hid, ρ), r)`` in one read of each gradient and one write.
+
+    The same equations and zero-norm conventions as :func:`combine_aux` then :func:`balance` (whose ``info`` keys
+    it returns, plus ``mult_{tok,sats,vr,hid}``: g = Σ_t mult_t·g_t). Norms, cosines and ‖g_aux‖ come from the
+    Gram matrix of the four gradients (:func:`_gram`), so g_aux is never built; g is written over ``g_tok`` when
+    ``in_place`` (the caller owns it). Equal to the two-step form up to the order of the floating-point additions
+    (``tests/align/test_balance.py``).
+    """
+    r = _check_ratio(ratio, "ratio")
+    rho = float(rho)
+    if not (math.isfinite(rho) and rho >= 0):
+        raise ValueError(f"rho must be a finite number >= 0; got {rho!r}")
+    lists, flat, n = _gather_terms(g_tok=g_tok, g_sats=g_sats, g_vr=g_vr, g_hid=g_hid)
+    if lists["g_tok"] is None:
+        raise ValueError("g_tok is required (it sets the scale of the update); got None")
+    T, S, R, H = "g_tok", "g_sats", "g_vr", "g_hid"
+    P = _gram(lists, (T, S, R, H), n, sync, group)
+    ns, nv, nh = (math.sqrt(max(P[x, x], 0.0)) for x in (S, R, H))
+    inv_s, inv_v, inv_h = (1.0 / x if x >= ZERO_NORM else 0.0 for x in (ns, nv, nh))
+    cos_sv = P[S, R] * inv_s * inv_v
+    s_norm = math.sqrt(max((1.0 if inv_s else 0.0) + (1.0 if inv_v else 0.0) + 2.0 * cos_sv, 0.0))
+    inv_snorm = 1.0 / s_norm if s_norm >= ZERO_NORM else 0.0
+    coef = {S: inv_s * inv_snorm, R: inv_v * inv_snorm, H: rho * inv_h}  # g_aux = Σ coef_t·g_t (eq. 10)
+    aux_sq = sum(coef[a] * coef[b] * P[a, b] for a in coef for b in coef)
+    tok_norm, aux_norm = math.sqrt(max(P[T, T], 0.0)), math.sqrt(max(aux_sq, 0.0))
+    ta = sum(coef[a] * P[T, a] for a in coef)
+    info = {"sats_norm": ns, "vr_norm": nv, "hid_norm": nh, "cos_sats_vr": cos_sv, "s_norm": s_norm,
+            "cos_u_hid": (P[S, H] * inv_s + P[R, H] * inv_v) * inv_h * inv_snorm, "rho": rho, "tok_norm": tok_norm,
+            "aux_norm": aux_norm, "ratio": r,
+            "cos_tok_aux": ta / (tok_norm * aux_norm) if tok_norm > 0 and aux_norm >= ZERO_NORM else 0.0}
+    if tok_norm == 0.0:
+        a, bc, c, fb, final = 0.0, 0.0, 0.0, 2.0, 0.0
+    elif aux_norm < ZERO_NORM:
+        a, bc, c, fb, final = 1.0, 0.0, 0.0, 1.0, tok_norm
+    else:
+        a, b = min(1.0, r), min(1.0, 1.0 / r)
+        c = tok_norm / aux_norm
+        bc, fb = b * c, 0.0
+        final = tok_norm * math.sqrt(max(a * a + b * b + 2 * a * b * info["cos_tok_aux"], 0.0))
+    mults = {"tok": a, "sats": bc * coef[S], "vr": bc * coef[R], "hid": bc * coef[H]}
+    info.update(scale=c, tok_coef=a, aux_coef=bc, final_norm=final, fallback=fb,
+                **{f"mult_{t}": v for t, v in mults.items()})
+    if tok_norm == 0.0:
+        return _zeros_like_form(lists, flat, n, T), info
+    out = []
+    with torch.no_grad():
+        for i in range(n):
+            acc = lists[T][i]
+            if acc is not None:
+                acc = acc.mul_(a) if in_place else acc * a
+            for name, t in ((S, "sats"), (R, "vr"), (H, "hid")):
+                x = None if lists[name] is None else lists[name][i]
+                if x is None or mults[t] == 0.0:
+                    continue
+                acc = x * mults[t] if acc is None else acc.add_(x, alpha=mults[t])
+            if acc is None:
+                present = [lists[m][i] for m in (S, R, H) if lists[m] is not None and lists[m][i] is not None]
+                acc = torch.zeros_like(present[0]) if present else None
+            out.append(acc)
+    return (out[0] if flat else out), info
 
 
 def combine_one_one_one(
@@ -462,6 +560,14 @@ class HostBalancer:
         info["final_norm"] = math.sqrt(max(final_sq, 0.0))
         for name in ("sats", "vr", "hid"):
             info[f"{name}_norm"] = self.norms.get(name, 0.0)
+        # g as multipliers of the raw per-term gradients (s holds each pooled term divided by its norm): what the
+        # carried approximation (claas_verl.align.carried) reuses on the next steps
+        info["mult_tok"] = a_t
+        for name in self.pooled:
+            n = self.norms[name]
+            info[f"mult_{name}"] = a_u / n if n >= ZERO_NORM else 0.0
+        if last is not None:
+            info[f"mult_{last}"] = a_l
         self._write(L, a_t, a_u, a_l)
         self.T = self.U = None
         return info

@@ -34,8 +34,8 @@ same micro-batches of a tiny model (and the step under FSDP2 against the unshard
 keep the two equal.
 
 Per-term gradient accumulators hold one gradient copy per term (up to 4 on top of the model); on FSDP they are
-sharded like ``param.grad``. The combination is :func:`claas_verl.align.balance.combine_aux` (eq. 10) followed by
-:func:`claas_verl.align.balance.balance` (eq. 9), or ``combine_one_one_one`` (``variant="1:1:1"``).
+sharded like ``param.grad``. The combination is :func:`claas_verl.align.balance.balance_fsar` (eq. 10 then eq. 9 in
+one read of each gradient, written over the token accumulator), or ``combine_one_one_one`` (``variant="1:1:1"``).
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ from typing import Any
 
 import torch
 
-from claas_verl.align.balance import balance, combine_aux, combine_one_one_one, grad_norm
+from claas_verl.align.balance import balance_fsar, combine_one_one_one, grad_norm
 
 TERMS = ("tok", "sats", "vr", "hid")
 VARIANTS = ("fsar", "1:1:1")
@@ -88,6 +88,25 @@ def _stash(params: list[torch.nn.Parameter], acc: list) -> None:
         p.grad = None
 
 
+def _carried_backward(model, micro_batches, weights, forward, losses, params, multipliers) -> dict[str, float]:
+    """The carried approximation: per micro-batch one forward and ONE backward of ``Σ_t α_t·w·ℓ_t`` (the
+    multipliers ``α`` of an earlier exact step), so ``.grad`` holds ``Σ_t α_t·g_t`` with no per-term gradient."""
+    missing = [t for t in losses if f"mult_{t}" not in multipliers]
+    if missing:
+        raise ValueError(f"multipliers lack {['mult_' + t for t in missing]}: take them from the metrics of an exact "
+                         "balanced step with the same terms")
+    values = {t: 0.0 for t in losses}
+    for mb, w in zip(micro_batches, weights):
+        out = forward(model, mb)
+        parts = {t: losses[t](out, mb) for t in losses}
+        total = sum(float(multipliers[f"mult_{t}"]) * w * parts[t] for t in parts)
+        total.backward()
+        for t, v in parts.items():
+            values[t] += w * float(v.detach())
+        del out, parts, total
+    return values
+
+
 def _run_terms(model, micro_batches, weights, forward, losses, params, single_forward) -> dict[str, list]:
     terms = [t for t in TERMS if t in losses]
     acc = {t: [None] * len(params) for t in terms}
@@ -118,6 +137,7 @@ def balanced_backward(
     rho: float = 2.0,
     variant: str = "fsar",
     single_forward: bool = True,
+    multipliers: Mapping[str, float] | None = None,
     sync: bool | None = None,
     group=None,
 ) -> dict[str, float]:
@@ -137,11 +157,16 @@ def balanced_backward(
         ratio, rho: r of eq. (9) and ρ of eq. (10).
         variant: ``"fsar"`` (eq. 10 then eq. 9) or ``"1:1:1"`` (MOPD paper Table 4).
         single_forward: one forward per micro-batch serving every term (default), else separate passes.
+        multipliers: the carried approximation (:mod:`claas_verl.align.carried`): ``{"mult_tok": α_tok,
+            "mult_sats": ...}`` from the metrics of an earlier exact step; one backward of ``Σ_t α_t·ℓ_t`` per
+            micro-batch replaces the per-term backward passes and the balancing. ``None``: exact.
         sync, group: cross-rank reduction of norms and inner products (see :mod:`claas_verl.align.balance`).
 
     Returns:
         Metrics: ``{term}_grad_norm`` for each term, and with aux terms ``aux_grad_norm``, ``cos_tok_aux``,
-        ``cos_sats_vr``, ``cos_u_hid``, ``s_norm``, ``balance_scale`` (c), ``final_grad_norm``.
+        ``cos_sats_vr``, ``cos_u_hid``, ``s_norm``, ``balance_scale`` (c), ``final_grad_norm``; always
+        ``mult_{term}``, the multiplier of each raw term gradient in g (``g = Σ_t mult_t·g_t``). A carried step
+        returns ``{term}_loss``, its multipliers and ``balance_carried = 1``.
     """
     _validate(losses, micro_batches, weights, variant)
     params = [p for p in model.parameters() if p.requires_grad]
@@ -149,6 +174,10 @@ def balanced_backward(
         raise ValueError("model has no parameters with requires_grad=True")
     for p in params:
         p.grad = None
+    if multipliers is not None:
+        values = _carried_backward(model, micro_batches, weights, forward, losses, params, multipliers)
+        return {**{f"{t}_loss": v for t, v in values.items()},
+                **{f"mult_{t}": float(multipliers[f"mult_{t}"]) for t in losses}, "balance_carried": 1.0}
     acc = _run_terms(model, micro_batches, weights, forward, losses, params, single_forward)
 
     metrics: dict[str, float] = {}
@@ -157,6 +186,7 @@ def balanced_backward(
         g = acc["tok"]
         metrics["tok_grad_norm"] = grad_norm(g, sync=sync, group=group)
         metrics["final_grad_norm"] = metrics["tok_grad_norm"]
+        metrics["mult_tok"] = 1.0
     elif variant == "1:1:1":
         other = "vr" if "vr" in acc else "hid"
         g, info = combine_one_one_one(acc["tok"], acc["sats"], acc[other], sync=sync, group=group)
@@ -166,22 +196,27 @@ def balanced_backward(
             **{f"{other}_grad_norm": info["other_norm"]},
         )
         metrics["final_grad_norm"] = grad_norm(g, sync=sync, group=group)
+        metrics.update({"mult_tok": 1.0 if info["tok_norm"] > 0 else 0.0, "mult_sats": info["sats_coef"],
+                        f"mult_{other}": info["other_coef"]})
     else:
-        g_aux, ainfo = combine_aux(acc.get("sats"), acc.get("vr"), acc.get("hid"), rho, sync=sync, group=group)
-        g, binfo = balance(acc["tok"], g_aux, ratio, sync=sync, group=group)
+        # eqs. (10) then (9) from the Gram matrix of the four gradients, written over the token accumulator (ours)
+        g, info = balance_fsar(acc["tok"], acc.get("sats"), acc.get("vr"), acc.get("hid"), ratio, rho,
+                               in_place=True, sync=sync, group=group)
         for t in aux_terms:
-            metrics[f"{t}_grad_norm"] = ainfo[f"{t}_norm"]
+            metrics[f"{t}_grad_norm"] = info[f"{t}_norm"]
         metrics.update(
-            tok_grad_norm=binfo["tok_norm"],
-            aux_grad_norm=binfo["aux_norm"],
-            cos_tok_aux=binfo["cos_tok_aux"],
-            cos_sats_vr=ainfo["cos_sats_vr"],
-            cos_u_hid=ainfo["cos_u_hid"],
-            s_norm=ainfo["s_norm"],
-            balance_scale=binfo["scale"],
-            final_grad_norm=binfo["final_norm"],
-            balance_fallback=binfo["fallback"],
+            tok_grad_norm=info["tok_norm"],
+            aux_grad_norm=info["aux_norm"],
+            cos_tok_aux=info["cos_tok_aux"],
+            cos_sats_vr=info["cos_sats_vr"],
+            cos_u_hid=info["cos_u_hid"],
+            s_norm=info["s_norm"],
+            balance_scale=info["scale"],
+            final_grad_norm=info["final_norm"],
+            balance_fallback=info["fallback"],
         )
+        # g = Σ_t mult_t·g_t: the multiplier of each raw gradient (what the carried approximation reuses)
+        metrics.update({f"mult_{t}": info[f"mult_{t}"] for t in ("tok", *aux_terms)})
     for p, gi in zip(params, g):
         p.grad = gi
     return metrics

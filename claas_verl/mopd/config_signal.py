@@ -17,6 +17,7 @@ from claas_verl.utils.schema import knob
 
 SIGNAL_TERMS = ("sats", "vr", "hidden")  # names of claas_verl.align.alignment_signals
 COMBINE_VARIANTS = ("fsar", "1:1:1")  # mopd.signal.combine: eq. (10)+(9), or MOPD paper Table 4's 1:1:1
+BALANCE_MODES = ("exact", "carried")  # mopd.signal.balance: exact eqs. (9)-(10) every step, or carried multipliers
 AUX_STEP_KINDS = ("replay", "recovery")  # new-domain and joint steps never run the alignment terms (docs/math.md §B.6)
 
 
@@ -39,6 +40,10 @@ class AuxConfig:
         target_budget_gib: host RAM per rank for the teacher's alignment targets of a step
             (``mopd.signal.target_budget_gib``); micro-batches beyond it are streamed
             (:class:`claas_verl.align.target_store.TeacherTargetStore`).
+        balance: ``"exact"`` (eqs. 9-10 from this step's per-term gradients) or ``"carried"`` (the multipliers of
+            the last exact step of the same teacher, one alignment backward per micro-batch;
+            :mod:`claas_verl.align.carried`, docs/math.md §B.6).
+        balance_refresh: with ``balance: carried``, every ``balance_refresh``-th replay step of a teacher is exact.
     """
 
     terms: tuple[str, ...] = ()
@@ -50,6 +55,8 @@ class AuxConfig:
     kinds: tuple[str, ...] = ("replay",)
     combine: str = "fsar"
     target_budget_gib: float = 16.0
+    balance: str = "exact"
+    balance_refresh: int = 4
 
     @property
     def enabled(self) -> bool:
@@ -63,7 +70,8 @@ class AuxConfig:
             "terms": list(self.terms), "ratio": self.ratio, "rho": self.rho, "window": self.window,
             "layers": None if self.layers is None else list(self.layers), "drop_trailing": self.drop_trailing,
             "kinds": list(self.kinds), "combine": self.combine,
-            "target_budget_gib": self.target_budget_gib,
+            "target_budget_gib": self.target_budget_gib, "balance": self.balance,
+            "balance_refresh": self.balance_refresh,
         }
 
     @classmethod
@@ -71,7 +79,7 @@ class AuxConfig:
         """Inverse of :meth:`to_dict` (how the config travels to the workers as non-tensor batch data)."""
         signal = {t: t in d["terms"] for t in SIGNAL_TERMS}
         signal.update({k: d[k] for k in ("ratio", "rho", "window", "layers", "drop_trailing", "combine",
-                                             "target_budget_gib")})
+                                             "target_budget_gib", "balance", "balance_refresh")})
         signal["aux_kinds"] = d["kinds"]
         return aux_config(signal)
 
@@ -117,8 +125,15 @@ def aux_config(signal: Mapping | None) -> AuxConfig:
     budget = float(signal.get("target_budget_gib", schema.target_budget_gib))
     if not (math.isfinite(budget) and budget >= 0):
         raise ValueError(f"mopd.signal.target_budget_gib must be a finite number >= 0 (GiB per rank), got {budget}")
+    balance_mode = str(signal.get("balance", schema.balance))
+    if balance_mode not in BALANCE_MODES:
+        raise ValueError(f"mopd.signal.balance must be one of {list(BALANCE_MODES)}, got {balance_mode!r}")
+    refresh = signal.get("balance_refresh", schema.balance_refresh)
+    if isinstance(refresh, bool) or not isinstance(refresh, int) or refresh < 1:
+        raise ValueError(f"mopd.signal.balance_refresh must be an integer >= 1 (1 = every replay step exact), "
+                         f"got {refresh!r}")
     return AuxConfig(terms, ratio, rho, window, layers, bool(signal.get("drop_trailing", schema.drop_trailing)), kinds,
-                     combine, budget)
+                     combine, budget, balance_mode, refresh)
 
 
 @dataclass(frozen=True)
@@ -140,6 +155,11 @@ class SignalSection:
                                       "§B.6/B.8: replay only; [replay, recovery] is a deviation)")
     target_budget_gib: float = knob(16.0, "host RAM per rank for the teacher's alignment targets of a step; beyond "
                                     "it, streamed")
+    balance: str = knob("exact", "exact: eqs. (9)-(10) from this step's per-term gradients (one backward per term) "
+                        "| carried: the multipliers of the last exact step of the same teacher, one alignment "
+                        "backward per micro-batch; approximate, see docs/math.md §B.6 and docs/performance.md")
+    balance_refresh: int = knob(4, "with balance=carried: every balance_refresh-th replay step of a teacher is "
+                                "exact and renews the multipliers (1 = every step exact)")
 
 
 SIGNAL_KEYS = tuple(SignalSection.__dataclass_fields__)  # every key of mopd.signal

@@ -314,3 +314,42 @@ def test_host_balancer_edge_cases_match_eq9_conventions():
     assert info["fallback"] == 2.0 and all(float(p.grad.abs().max()) == 0.0 for p in params)
     with pytest.raises(ValueError, match="take_token must come first"):
         HostBalancer(params, sync=False).take_pooled("sats")
+
+
+@pytest.mark.parametrize("present", [("sats", "vr", "hid"), ("sats",), ("hid",), ("sats", "hid"), ()])
+@pytest.mark.parametrize("ratio", [1.0, 0.3, 2.5])
+def test_balance_fsar_equals_combine_aux_then_balance(present, ratio):
+    """The one-pass Gram-matrix form used by balanced_backward: same g and info as eq. (10) then eq. (9), float64."""
+    from claas_verl.align.balance import balance_fsar
+
+    g = torch.Generator().manual_seed(3)
+    shapes = [(5, 3), (7,), (2, 2, 2)]
+
+    def grad(scale, skip=None):
+        return [None if i == skip else torch.randn(s, generator=g, dtype=torch.float64) * scale
+                for i, s in enumerate(shapes)]
+
+    tok = grad(1.0)
+    terms = {"sats": grad(1e-3, skip=1), "vr": grad(50.0), "hid": grad(0.2, skip=2)}
+    terms = {t: (v if t in present else None) for t, v in terms.items()}
+    if present:
+        ref_aux, ainfo = combine_aux(terms["sats"], terms["vr"], terms["hid"], rho=2.0)
+    else:  # no alignment gradient at all: g = g_tok (fallback 1)
+        ref_aux, ainfo = None, dict.fromkeys(("sats_norm", "vr_norm", "hid_norm", "cos_sats_vr", "s_norm",
+                                              "cos_u_hid"), 0.0)
+    ref, binfo = balance(tok, ref_aux, ratio)
+    got, info = balance_fsar([t.clone() for t in tok], terms["sats"], terms["vr"], terms["hid"], ratio, 2.0,
+                             in_place=True)
+    for a, b in zip(got, ref):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-15)
+    for k in ("scale", "aux_norm", "cos_tok_aux", "final_norm", "fallback", "tok_coef", "aux_coef"):
+        assert info[k] == pytest.approx(binfo[k], rel=1e-10, abs=1e-14), k
+    for k in ("sats_norm", "vr_norm", "hid_norm", "cos_sats_vr", "s_norm", "cos_u_hid"):
+        assert info[k] == pytest.approx(ainfo[k], rel=1e-10, abs=1e-14), k
+    # g is the multiplier-weighted sum of the raw gradients
+    for i, ref_i in enumerate(ref):
+        manual = tok[i] * info["mult_tok"]
+        for t in ("sats", "vr", "hid"):
+            if terms[t] is not None and terms[t][i] is not None:
+                manual = manual + terms[t][i] * info[f"mult_{t}"]
+        torch.testing.assert_close(manual, ref_i, rtol=1e-12, atol=1e-15)

@@ -28,6 +28,9 @@ from claas_verl.mopd.config_signal import (  # noqa: F401 (the config layer owns
 REGION_IDS = "mopd_region_ids"  # [B, T_r] long: region index on window positions, -1 elsewhere
 WINDOW = "mopd_window"  # [B, T_r] long: 1 on the window W_b (last W valid response tokens)
 AUX_KEY = "mopd_aux"  # non-tensor: the AuxConfig dict of a step that runs the alignment terms
+# optional entry of the AUX_KEY dict: the replay step's domain, the key of carried balancing (mopd.signal.balance);
+# without it the worker keys the carried multipliers by the step's teacher
+DOMAIN_KEY = "domain"
 BALANCE_TERM = {"sats": "sats", "vr": "vr", "hidden": "hid"}  # names of claas_verl.align.balanced_backward
 
 

@@ -39,6 +39,7 @@ from claas_verl.align import (
     target_bytes,
 )
 from claas_verl.align.balance import HostBalancer
+from claas_verl.align.carried import CarriedBalance
 from claas_verl.mopd.trainer import alignment
 from claas_verl.mopd.trainer import fields as token_fields
 from claas_verl.mopd.trainer import verl_couplings as vc
@@ -110,14 +111,14 @@ class MOPDTrainingWorker(TrainingWorker):
         engine = self.engine
         # verl fixes zero-grad -> one backward -> step in BaseEngine.train_batch; swap in the balanced step for
         # this call only (an instance attribute shadowing the engine's public method), then restore it
-        engine.train_batch = functools.partial(self.balanced_engine_step, cfg=cfg)
+        engine.train_batch = functools.partial(self.balanced_engine_step, cfg=cfg, key=aux.get(alignment.DOMAIN_KEY))
         try:
             return super().train_batch(data)
         finally:
             del engine.train_batch
             self.mopd_targets = None
 
-    def balanced_engine_step(self, data, loss_function, cfg: alignment.AuxConfig):
+    def balanced_engine_step(self, data, loss_function, cfg: alignment.AuxConfig, key=None):
         """One optimizer update with g = balance(g_tok, combine_aux(g_sats, g_vr, g_hid)) (docs/math.md §B.6 eqs. 9-10).
 
         1. the micro-batch row groups of this update: verl's own partition of the batch (``use_dynamic_bsz`` token
@@ -133,6 +134,9 @@ class MOPDTrainingWorker(TrainingWorker):
            clipping; the combination is written into ``.grad`` in place;
         5. ``optimizer_step`` (clip at ``actor.optim.clip_grad``, AdamW step).
 
+        With ``mopd.signal.balance: carried`` a step that has multipliers of an earlier exact step of its ``key``
+        replaces 3-4 by :meth:`_carried_pass` (docs/math.md §B.6, "Carried balancing"); the exact steps record them.
+
         Separate passes per term (the MOPD paper's schedule): FSDP2 reshards after each backward, so one forward cannot
         serve several backward passes there. ``balanced_backward`` of ``claas_verl.align`` is not used because
         the token pass must be verl's engine pass (packed inputs, chunked logits processor), not a plain forward.
@@ -142,36 +146,92 @@ class MOPDTrainingWorker(TrainingWorker):
         if getattr(engine, "scaler", None) is not None:
             raise ValueError("the balanced MOPD update does not support fp16 loss scaling; use bf16 or fp32 params")
         groups = update_row_groups(data, _dp_group(engine))
+        # carried balancing keeps one set of multipliers per replay domain when the driver names it, else per teacher
+        key = key if key is not None else (self.mopd_targets or {}).get("teacher")
         targets = self._take_targets(data, groups)
+        mults = self._carried_balance(cfg).plan(key) if cfg.balance == "carried" else None
         engine.optimizer_zero_grad()
         outputs = engine.forward_backward_batch(data, loss_function, forward_only=False)
         module = engine.module
         params = [p for p in module.parameters() if p.requires_grad]
-        sync, group = _reduction(params)
-        if getattr(self, "_host_grads", None) is None:
-            self._host_grads = {}  # g_tok and u on the host (pinned on CUDA), reused step after step
-        hb = HostBalancer(params, variant=cfg.combine, ratio=cfg.ratio, rho=cfg.rho, sync=sync, group=group,
-                          buffers=self._host_grads)
-        hb.take_token()
         micro = _micro_batches(data, groups)
         weights = microbatch_weights([mb.n_resp for mb in micro])
         layers = alignment.check_layers(cfg, len(attention_modules(module)))
         device = compute_device()
-        losses = {}
-        pooled, last = _pass_order(cfg)
-        with _params_gathered_through_backward(engine):
-            for term in cfg.terms:
-                losses[term] = self._alignment_pass(module, term, micro, weights, targets, layers, device,
-                                                    engine_autocast(engine, device))
-                if term in pooled:
-                    hb.take_pooled(alignment.BALANCE_TERM[term])
-        info = hb.finish(None if last is None else alignment.BALANCE_TERM[last])
+        if mults is not None:
+            with _params_gathered_through_backward(engine):
+                metrics = self._carried_pass(module, cfg.terms, mults, params, micro, weights, targets, layers,
+                                             device, engine_autocast(engine, device))
+        else:
+            sync, group = _reduction(params)
+            if getattr(self, "_host_grads", None) is None:
+                self._host_grads = {}  # g_tok and u on the host (pinned on CUDA), reused step after step
+            hb = HostBalancer(params, variant=cfg.combine, ratio=cfg.ratio, rho=cfg.rho, sync=sync, group=group,
+                              buffers=self._host_grads)
+            hb.take_token()
+            losses = {}
+            pooled, last = _pass_order(cfg)
+            with _params_gathered_through_backward(engine):
+                for term in cfg.terms:
+                    losses[term] = self._alignment_pass(module, term, micro, weights, targets, layers, device,
+                                                        engine_autocast(engine, device))
+                    if term in pooled:
+                        hb.take_pooled(alignment.BALANCE_TERM[term])
+            info = hb.finish(None if last is None else alignment.BALANCE_TERM[last])
+            metrics = _balance_metrics(losses, info, cfg.combine)
+            if cfg.balance == "carried":
+                self._carried_balance(cfg).record(key, info)
         grad_norm = engine.optimizer_step()
         if engine.is_mp_src_rank_with_outputs():
             outputs["metrics"]["grad_norm"] = grad_norm
-            for name, value in _balance_metrics(losses, info, cfg.combine).items():
+            for name, value in metrics.items():
                 outputs["metrics"][name] = [value]  # a list per rank: verl concatenates them over ranks
         return outputs
+
+    def _carried_balance(self, cfg: alignment.AuxConfig) -> CarriedBalance:
+        """The worker's carried multipliers (``mopd.signal.balance: carried``), kept across steps in this process."""
+        state = getattr(self, "_carried", None)
+        if state is None or state.refresh != cfg.balance_refresh:
+            state = self._carried = CarriedBalance(cfg.balance_refresh)
+        return state
+
+    @staticmethod
+    def _carried_pass(module, terms, mults, params, micro, weights, targets, layers, device, autocast) -> dict:
+        """Carried balancing (:mod:`claas_verl.align.carried`): ``.grad`` holds g_tok from the token pass; scale it by
+        α_tok, then per micro-batch ONE forward of every term and one backward of ``Σ_t α_t·w·ℓ_t`` on top, so
+        ``.grad = α_tok·g_tok + Σ_t α_t·g_t`` with the multipliers of the last exact step."""
+        a_tok = mults["mult_tok"]
+        if a_tok != 1.0:
+            with torch.no_grad():
+                for p in params:
+                    if p.grad is not None:
+                        p.grad.mul_(a_tok)
+        losses = {t: 0.0 for t in terms}
+        for i, (mb, w) in enumerate(zip(micro, weights)):
+            mb = mb.to(device)
+            target = AlignmentSignals()
+            for term in terms:  # a streamed micro-batch runs its teacher forward per term, before the student's
+                part = _targets_to(targets.get(i, term), device)
+                for name in ("sats", "vr", "hidden"):
+                    getattr(target, name).update(getattr(part, name))
+            with autocast:
+                _, sig = alignment_signals(
+                    module, mb.input_ids, mb.attention_mask, mb.regions, position_ids=mb.position_ids,
+                    terms=terms, pooled_layers=layers, hidden_layers=layers, use_cache=False, logits=False,
+                )
+                values = alignment_losses(sig, target, mb.regions)
+            total = sum(mults[f"mult_{alignment.BALANCE_TERM[t]}"] * w * values[t].loss for t in terms)
+            if not total.requires_grad:
+                raise ValueError(f"the alignment terms {list(terms)} have no gradient path to the student in "
+                                 f"micro-batch {i} (see _alignment_pass)")
+            total.backward()
+            for t in terms:
+                losses[t] += float(values[t].loss.detach()) * w
+            del sig, values, total, target
+        m = {f"mopd/{t}_loss": v for t, v in losses.items()}
+        m.update({f"mopd/{k}": v for k, v in mults.items()})
+        m["mopd/balance_carried"] = 1.0
+        return m
 
     @staticmethod
     def _alignment_pass(module, term, micro, weights, targets, layers, device, autocast) -> float:
@@ -445,6 +505,7 @@ class MOPDWorker(ActorRolloutRefWorker):
             groups = update_row_groups(data, _dp_group(self.actor.engine), self._update_partition())
             self.actor.mopd_targets = self._teacher_targets(self.teachers[name], data,
                                                             alignment.AuxConfig.from_dict(aux), groups)
+            self.actor.mopd_targets["teacher"] = name  # the key of carried balancing (mopd.signal.balance)
         k = _topk(data)
         mask = data["response_mask"] if k else None
         teacher = self.teachers[name]

@@ -149,6 +149,34 @@ def test_balanced_step_equals_reference_and_logs_the_ratio(tiny_dir, ratio):
             torch.testing.assert_close(g, p.grad, rtol=1e-4, atol=1e-6 * float(p.grad.abs().max()))
 
 
+def test_carried_balance_reuses_the_multipliers_of_the_exact_step(tiny_dir):
+    """``mopd.signal.balance: carried``, refresh 2: exact, carried, exact. On the same batch and weights the carried
+    step (one alignment pass of Σ_t α_t·ℓ_t on top of α_tok·g_tok) gives the exact step's gradient."""
+    cfg = alignment.aux_config({"sats": True, "vr": True, "hidden": True, "ratio": 0.5, "window": 4,
+                                "balance": "carried", "balance_refresh": 2})
+    data = _batch(cfg)
+    worker = MOPDTrainingWorker.__new__(MOPDTrainingWorker)
+    grads, metrics = [], []
+    # keys: the teacher (no domain from the driver) three times, then a domain of its own, then the teacher again
+    for key in (None, None, None, "spell", None):
+        worker.engine = _Engine(AutoModelForCausalLM.from_pretrained(tiny_dir / "student", dtype=torch.float32), cfg)
+        worker.mopd_targets = {**_held(tiny_dir, data, cfg), "teacher": "math"}
+        out = worker.balanced_engine_step(data, _tok_loss, cfg, key=key)
+        grads.append(worker.engine.stepped)
+        metrics.append({k: v[0] for k, v in out["metrics"].items() if k.startswith("mopd/")})
+    assert [m.get("mopd/balance_carried", 0.0) for m in metrics] == [0.0, 1.0, 0.0, 0.0, 1.0]
+    assert metrics[1]["mopd/mult_tok"] == 0.5 and metrics[1]["mopd/mult_vr"] > 0
+    assert all(metrics[1][f"mopd/{t}_loss"] == pytest.approx(metrics[0][f"mopd/{t}_loss"], rel=1e-5)
+               for t in ("sats", "vr", "hidden"))
+    for exact, carried, again, *_ in zip(*grads):
+        if exact is None:
+            assert carried is None or float(carried.abs().max()) == 0.0
+            continue
+        torch.testing.assert_close(again, exact, rtol=0, atol=0)
+        # fp32: the carried pass scales the losses' fp32 intermediates by α_t instead of the finished gradients
+        torch.testing.assert_close(carried, exact, rtol=1e-4, atol=1e-5 * float(exact.abs().max()))
+
+
 def test_balanced_step_refuses_targets_of_another_batch(tiny_dir):
     cfg = alignment.aux_config({"hidden": True, "window": 4})
     worker = MOPDTrainingWorker.__new__(MOPDTrainingWorker)
