@@ -59,7 +59,7 @@ class ReplayArm:
         if self.replies is not None:
             out["mopd/responses_per_prompt"] = replies
         if self.optimizer != "shared":
-            out["mopd/optimizer_state"] = "replay" if replay else "main"
+            out["mopd/optimizer_state"] = int(replay)  # 0: the stage's AdamW state, 1: the replay steps' own
         if self.weight != 1.0:
             out["mopd/replay_weight"] = self.weight if replay else 1.0
         return out
