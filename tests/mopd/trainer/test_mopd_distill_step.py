@@ -139,7 +139,8 @@ def _near_teacher_step(monkeypatch, mopd, kind):
     distill_step.DistillStep(mopd, _config(), {"logic": 0}).teacher_advantages(
         batch, wg, {"kind": kind, "teacher": "student:1", "domain": "logic", "stage": 2, "block": 0},
         tokenizer=None, metrics=metrics)
-    return token_fields.unpack_rows(queue.put[token_fields.ADVANTAGES], 2), metrics, topk_rewards(S, Q, torch.ones(2, 3))
+    A = token_fields.unpack_rows(queue.put[token_fields.ADVANTAGES], 2)
+    return A, metrics, topk_rewards(S, Q, torch.ones(2, 3))
 
 
 @pytest.mark.parametrize("kind", ["new", "replay", "recovery"])
@@ -181,4 +182,5 @@ def test_a_separate_replay_state_is_swapped_in_for_replay_updates_only():
     for kind in ("new", "replay", "new"):
         step.update_actor(SimpleNamespace(extra_info={}), wg, kind, {})
     assert calls == ["update", "replay", "update", "main", "update"]
-    assert step.step_log("replay") == {"mopd/optimizer_state": 1} and step.step_log("new") == {"mopd/optimizer_state": 0}
+    assert step.step_log("replay") == {"mopd/optimizer_state": 1}
+    assert step.step_log("new") == {"mopd/optimizer_state": 0}
