@@ -13,7 +13,10 @@ from __future__ import annotations
 
 import math
 
+import pytest
 from conftest import read_jsonl
+
+pytestmark = pytest.mark.slow  # one verl job, about 3-5 minutes on 2 cores (run with -m slow)
 
 OVERRIDES = ("mopd.order=[math,code,logic]", "mopd.replay.m=2", "mopd.replay.cycle=reversed",
              "mopd.probe.enabled=true", "mopd.probe.prompts=2", "mopd.train.replay_weight=0.5",
@@ -38,6 +41,9 @@ def test_the_step_log_and_the_replay_arms_run_in_the_trainer(mopd_run, mopd_plan
         assert m["mopd/responses_per_prompt"] == (8 if replay else 4)
         assert m["mopd/replay_weight"] == (0.5 if replay else 1.0)
         assert m["mopd/optimizer_state"] == int(replay)
+    # verl sampled them: a replay step's batch holds twice the rows of a new step (rows × κ = rewards / mean length)
+    rows = {s["kind"]: s["metrics"]["mopd/reward_count"] / s["metrics"]["response_length/mean"] for s in steps}
+    assert rows["replay"] == pytest.approx(2 * rows["new"], rel=1e-6)
     # the stage's AdamW state counts its new-domain steps only: replay steps step their own state
     for stage in (1, 2, 3):
         counts = [s["metrics"]["mopd/optimizer_steps_in_stage"] for s in steps if s["stage"] == stage]
