@@ -1,9 +1,8 @@
 """Worker side of the per-step log of a MOPD run (``mopd.probe``, ``mopd.train.replay_optimizer``): the fixed probe's
 KL to M_{k−1}, the update's size, and which AdamW state a step uses.
 
-:class:`StepLogWorker` is a mixin of :class:`claas_verl.mopd.trainer.workers.MOPDWorker` (verl registers a worker's
-methods by their ``@register`` attribute, inherited ones included); the driver side is
-:mod:`claas_verl.mopd.trainer.step_probe`.
+:class:`MOPDStepLogWorker` is :class:`claas_verl.mopd.trainer.workers.MOPDWorker` with these registered methods
+(the trainer swaps it in for verl's actor worker); the driver side is :mod:`claas_verl.mopd.trainer.step_probe`.
 
 * The probe (``mopd_probe_begin`` / ``mopd_probe_kl``): at a stage start, ``replies`` continuations of each probe
   prompt are sampled from the reference teacher (M_{k−1}, ``student:<k−1>``) at τ = 1 with a generator seeded by
@@ -24,6 +23,7 @@ import torch
 from verl.single_controller.base.decorator import Dispatch, register
 
 from claas_verl.mopd.trainer import verl_couplings as vc
+from claas_verl.mopd.trainer.workers import MOPDWorker, compute_device, engine_autocast
 
 
 def full_kl_sum(student_logits: torch.Tensor, ref_logits: torch.Tensor) -> torch.Tensor:
@@ -61,14 +61,12 @@ def _local(p: torch.Tensor) -> torch.Tensor:
     return p.to_local() if hasattr(p, "to_local") else p
 
 
-class StepLogWorker:
-    """Registered methods of the per-step log (see the module doc); mixed into the MOPD worker, whose ``actor``
-    (student engine) and ``teachers`` (plan name -> forward-only ``TrainingWorker``) they read."""
+class MOPDStepLogWorker(MOPDWorker):
+    """The MOPD worker plus the registered methods of the per-step log (see the module doc); they read its ``actor``
+    (the student engine) and ``teachers`` (plan name -> forward-only ``TrainingWorker``)."""
 
     @staticmethod
     def _logits_fn(engine):
-        from claas_verl.mopd.trainer.workers import compute_device, engine_autocast
-
         device = compute_device()
 
         def logits_of(ids: torch.Tensor) -> torch.Tensor:
@@ -133,8 +131,6 @@ class StepLogWorker:
         sq = math.fsum(float(((_local(p).float().cpu() - b) ** 2).sum()) for p, b in zip(params, before, strict=True))
         self.mopd_params_before = None
         if torch.distributed.is_available() and torch.distributed.is_initialized():
-            from claas_verl.mopd.trainer.workers import compute_device
-
             t = torch.tensor([sq], dtype=torch.float64, device=compute_device())
             torch.distributed.all_reduce(t)
             sq = float(t.item())

@@ -44,6 +44,7 @@ from claas_verl.mopd.config import MopdConfig
 from claas_verl.mopd.trainer.audit_trail import append_step, skipped_update
 from claas_verl.mopd.trainer.blocks import block_batch, load_domains
 from claas_verl.mopd.trainer.distill_step import DistillStep
+from claas_verl.mopd.trainer.fixed_probe import MOPDStepLogWorker
 from claas_verl.mopd.trainer.forgetting import ForgettingEval
 from claas_verl.mopd.trainer.plan_steps import ModelPaths, stage_bounds, step_index
 from claas_verl.mopd.trainer.snapshots import StageSnapshots
@@ -51,7 +52,6 @@ from claas_verl.mopd.trainer.stage_progress import StageProgress
 from claas_verl.mopd.trainer.step_probe import StepProbe
 from claas_verl.mopd.trainer.teachers import StageTeachers
 from claas_verl.mopd.trainer.weight_probe import WeightSyncProbe
-from claas_verl.mopd.trainer.workers import MOPDWorker
 from claas_verl.schedule import build_plan
 from claas_verl.verl_ext.trainer_base import VerlSeams, swap_actor_worker
 
@@ -95,7 +95,8 @@ class MOPDTrainer(VerlSeams, PPOTrainerSync):
 
     # ================================================================= verl wiring
     def _init_resource_pool_mgr(self):
-        """Every role verl maps to its ActorRolloutRefWorker runs the MOPD worker instead; the pools are checked
+        """Every role verl maps to its ActorRolloutRefWorker runs the MOPD worker (with the per-step log's methods,
+        ``fixed_probe.MOPDStepLogWorker``) instead; the pools are checked
         against the cluster before any placement group exists (an unplaceable pool would wait forever in verl)."""
         from verl.trainer.ppo.utils import Role
 
@@ -104,7 +105,7 @@ class MOPDTrainer(VerlSeams, PPOTrainerSync):
         super()._init_resource_pool_mgr()
         if Role.Critic in self.role_worker_mapping:
             raise ValueError("continual MOPD trains no critic: drop critic settings (algorithm.adv_estimator=grpo)")
-        swap_actor_worker(self, MOPDWorker)
+        swap_actor_worker(self, MOPDStepLogWorker)
         check_placement(self.resource_pool_manager)
 
     # ================================================================= data

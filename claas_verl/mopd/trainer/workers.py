@@ -42,7 +42,6 @@ from claas_verl.align.balance import HostBalancer
 from claas_verl.mopd.trainer import alignment
 from claas_verl.mopd.trainer import fields as token_fields
 from claas_verl.mopd.trainer import verl_couplings as vc
-from claas_verl.mopd.trainer.fixed_probe import StepLogWorker
 from claas_verl.mopd.trainer.loss import MOPDLoss
 from claas_verl.verl_ext.logits_loss import SLOT_FIELD, gather_response_rows
 
@@ -392,9 +391,8 @@ def _balance_metrics(losses: dict, info: dict, combine: str) -> dict[str, float]
     return m
 
 
-class MOPDWorker(StepLogWorker, ActorRolloutRefWorker):
-    """Student actor + rollout + the current stage's teachers, in one colocated Ray worker (the per-step log's
-    methods: :class:`~claas_verl.mopd.trainer.fixed_probe.StepLogWorker`)."""
+class MOPDWorker(ActorRolloutRefWorker):
+    """Student actor + rollout + the current stage's teachers, in one colocated Ray worker."""
 
     actor_worker_cls = MOPDTrainingWorker
 
