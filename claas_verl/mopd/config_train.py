@@ -2,7 +2,8 @@
 docs/math.md §B.1), their defaults, help text and validation (pure python: the config layer).
 
 :class:`TrainConfig` reads every key of ``mopd.train``. The trainer uses ``topk``, ``teacher_dtype``,
-``fresh_optimizer_per_stage``, ``replay_std_floor`` and the lengths itself; the others are verl's settings under a
+``fresh_optimizer_per_stage``, ``replay_std_floor``, the replay arms (``replay_weight``,
+``replay_optimizer``, ``replay_responses_per_prompt``) and the lengths itself; the others are verl's settings under a
 MOPD name, and ``recipes/mopd/verl/*.yaml`` derive verl's keys from them by interpolation, in that one place
 (:data:`VERL_KEYS` lists each derived key; :func:`check_verl_keys` refuses a composed config where a verl key was
 set apart from its ``mopd.train`` key, so composition order never decides which of two values wins).
