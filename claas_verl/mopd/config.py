@@ -87,7 +87,8 @@ class ProbeConfig:
     learned so far (the stage's own included) are sampled from M_{k-1} (``student:<k-1>``, loaded beside the stage's
     teachers; M_0 = π0) with ``seed``, and frozen for the stage. After every step: ``mopd/probe_kl/<domain>``, the
     exact full-vocabulary KL(student ‖ M_{k-1}) at τ = 1, token mean over those replies, and ``mopd/update_norm``,
-    ‖θ_after − θ_before‖."""
+    ‖θ_after − θ_before‖. The probe's replies are sampled with one full forward per token (no KV cache, every rank
+    alike), which suits short responses (the gym benchmark's 40 tokens), not 16k-token ones."""
 
     enabled: bool = knob(False, "log the fixed probe's KL to M_{k-1} and the update norm after every step")
     prompts: int = knob(16, "held-out prompts per domain learned so far (mopd.domains.<d>.test_prompts)")
