@@ -28,8 +28,10 @@ student and teacher forwards, rewards, advantages, the update's batch), :mod:`~c
 (per-domain prompts, a step's block), :mod:`~claas_verl.mopd.trainer.teachers` (the teachers the workers hold),
 :mod:`~claas_verl.mopd.trainer.snapshots` (M_j, resume state and its reconciliation),
 :mod:`~claas_verl.mopd.trainer.forgetting` (the held-out evaluation), :mod:`~claas_verl.mopd.trainer.weight_probe`
-(did the weight sync arrive); the run's files are written by :mod:`~claas_verl.mopd.trainer.audit_trail`,
-:mod:`~claas_verl.mopd.trainer.resume_state` and :mod:`~claas_verl.mopd.trainer.forgetting_table`.
+(did the weight sync arrive), :mod:`~claas_verl.mopd.trainer.step_probe` (``mopd.probe``: the fixed probe's KL to
+M_{k-1} and the update norm per step; worker side :mod:`~claas_verl.mopd.trainer.fixed_probe`); the run's files
+are written by :mod:`~claas_verl.mopd.trainer.audit_trail`, :mod:`~claas_verl.mopd.trainer.resume_state` and
+:mod:`~claas_verl.mopd.trainer.forgetting_table`.
 """
 
 from __future__ import annotations
