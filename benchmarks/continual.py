@@ -13,7 +13,9 @@ written; ``key=value`` arguments after the options go to every run. Outputs in D
   half-widths of the 95% interval of the mean over seeds (``claas_verl.metrics.benchmark``);
 * ``report.md``: the tables; ``*.png``: per-domain accuracy across stages for each method, final accuracy and
   forgetting with error bars (and the CLaaS plots, ``benchmarks/continual_claas.py``);
-* ``runs/<recipe>_s<seed>/``: each run's own outputs (``steps.jsonl``, ``forgetting.jsonl``, snapshots).
+* ``runs/<recipe>_s<seed>/``: each run's own outputs (``steps.jsonl``, ``forgetting.jsonl``, snapshots);
+* with ``--keep-step-logs``: ``steps/<recipe>_s<seed>.jsonl.gz``, each MOPD run's ``steps.jsonl`` gzipped (a few kB,
+  small enough to commit with the results, unlike ``runs/``).
 
 A run whose record is already in ``results.json`` is not run again: a benchmark killed half-way resumes where it
 stopped when started again with the same ``--out``. A record counts only for the bundle it was made with: each
@@ -35,6 +37,7 @@ seed. Each method is also compared with Seq seed by seed (``results.json`` ``pai
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import os
 import shutil
@@ -339,6 +342,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--report-only", action="store_true",
                     help="recompute the saved runs' metrics from their stored scores and rewrite the report and "
                          "plots in --out; nothing is trained or scored")
+    ap.add_argument("--keep-step-logs", action="store_true",
+                    help="copy every MOPD run's steps.jsonl, gzipped, to OUT/steps/<run>.jsonl.gz (the per-step log "
+                         "to commit with the results)")
     ap.add_argument("--claas-stream", choices=("contradictory", "compatible"), default="contradictory",
                     help="the CLaaS rule stream: contradictory (default, the committed results) or compatible "
                          "(rules one reply can pass together; docs/benchmark.md)")
@@ -346,7 +352,7 @@ def main(argv: list[str] | None = None) -> int:
     bad = [a for a in extra if "=" not in a or a.startswith("-")]
     if bad:
         ap.error(f"unrecognised arguments {bad}: options are --recipes/--seeds/--out/--quick/--jobs/--report-only/"
-                 "--claas-stream, the rest key=value")
+                 "--keep-step-logs/--claas-stream, the rest key=value")
     if args.jobs < 1:
         ap.error(f"--jobs {args.jobs}: give at least 1")
     recipes = args.recipes.split(",") if args.recipes else list(MOPD_QUICK if args.quick else MOPD_FULL + CLAAS_FULL)
@@ -392,13 +398,30 @@ def main(argv: list[str] | None = None) -> int:
             ap.error(f"--out: {err}")
         if args.report_only:
             return report_only(results, out)
-        return _run(results, args.quick, args.jobs, extra, recipes, seeds, out, args.claas_stream)
+        return _run(results, args.quick, args.jobs, extra, recipes, seeds, out, args.claas_stream,
+                    keep_step_logs=args.keep_step_logs)
     finally:
         lock.release()
 
 
+def keep_step_log(out: Path, recipe: str, seed: int) -> Path | None:
+    """``out/steps/<run>.jsonl.gz``: the run's ``steps.jsonl`` gzipped (no timestamp in the header, so the same log
+    gives the same bytes); None when the run directory has no step log."""
+    name = run_name(recipe, seed)
+    src = out / "runs" / name / "steps.jsonl"
+    if not src.is_file():
+        return None
+    dst = out / "steps" / f"{name}.jsonl.gz"
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    tmp = dst.with_suffix(".gz.tmp")
+    with open(tmp, "wb") as raw, gzip.GzipFile(fileobj=raw, mode="wb", mtime=0, filename="") as gz:
+        gz.write(src.read_bytes())
+    tmp.replace(dst)
+    return dst
+
+
 def _run(results: dict, quick: bool, jobs: int, extra: list[str], recipes: list[str], seeds: dict[str, list[int]],
-         out: Path, stream: str = "contradictory") -> int:
+         out: Path, stream: str = "contradictory", keep_step_logs: bool = False) -> int:
     """The benchmark on a validated command, with ``out`` locked: runs what ``results`` (``out/results.json``) does
     not hold yet, then the report. ``seeds``: the seeds of each kind of recipe (``mopd``, ``claas``)."""
     # records of another evaluation, stream (design), mode or overrides are not this command's: MOPD ones are
@@ -413,6 +436,8 @@ def _run(results: dict, quick: bool, jobs: int, extra: list[str], recipes: list[
         for seed in seeds[recipe.split("/", 1)[0]]:
             if (recipe, seed) in done:
                 print(f"=== {recipe} seed {seed}: already in {out / 'results.json'}", flush=True)
+                if keep_step_logs and recipe.startswith("mopd/"):
+                    keep_step_log(out, recipe, seed)
             else:
                 todo.append((recipe, seed))
     saving = threading.Lock()
@@ -421,6 +446,11 @@ def _run(results: dict, quick: bool, jobs: int, extra: list[str], recipes: list[
         print(f"=== {recipe} seed {seed}", flush=True)
         if recipe.startswith("mopd/"):
             record = mopd_run(recipe, seed, out, quick, extra, bundles["mopd"])
+            if keep_step_logs:
+                kept = keep_step_log(out, recipe, seed)
+                if kept is None:
+                    raise RuntimeError(f"--keep-step-logs: {recipe} seed {seed} wrote no steps.jsonl")
+                record["step_log"] = str(kept.relative_to(out))
         else:
             from continual_claas import claas_run
 

@@ -89,6 +89,23 @@ class EvalConfig:
 
 
 @dataclass(frozen=True)
+class ProbeConfig:
+    """``mopd.probe``: a fixed probe of forgetting inside a stage (benchmarks/plans/mopd_replay.md, "Per-step log").
+
+    At every stage start, ``responses_per_prompt`` replies to the first ``prompts`` held-out prompts of every domain
+    learned so far (the stage's own included) are sampled from M_{k-1} (``student:<k-1>``, loaded beside the stage's
+    teachers; M_0 = π0) with ``seed``, and frozen for the stage. After every step: ``mopd/probe_kl/<domain>``, the
+    exact full-vocabulary KL(student ‖ M_{k-1}) at τ = 1, token mean over those replies, and ``mopd/update_norm``,
+    ‖θ_after − θ_before‖. The probe's replies are sampled with one full forward per token (no KV cache, every rank
+    alike), which suits short responses (the gym benchmark's 40 tokens), not 16k-token ones."""
+
+    enabled: bool = knob(False, "log the fixed probe's KL to M_{k-1} and the update norm after every step")
+    prompts: int = knob(16, "held-out prompts per domain learned so far (mopd.domains.<d>.test_prompts)")
+    responses_per_prompt: int = knob(2, "replies per probe prompt, sampled from M_{k-1} at the stage start")
+    seed: int = knob(0, "the probe's sampling seed at every stage start")
+
+
+@dataclass(frozen=True)
 class MopdConfig:
     """``mopd.*`` of a composed recipe, validated (see the module doc)."""
 
@@ -106,6 +123,7 @@ class MopdConfig:
                                                   "null: only log the metric")
     train: TrainConfig = knob(help="optimizer, sampling and precision", factory=TrainConfig)
     eval: EvalConfig = knob(help="the forgetting evaluation", factory=EvalConfig)
+    probe: ProbeConfig = knob(help="the fixed per-step probe of forgetting", factory=ProbeConfig)
     signal: AuxConfig = knob(help="the alignment terms (keys: SignalSection)", factory=AuxConfig)
     schedule: ScheduleConfig | None = knob(None, "the plan (keys: the planner's, docs/math.md §B.8)")
 
@@ -137,6 +155,12 @@ class MopdConfig:
                 prompts=integer("eval.prompts", 1, "held-out prompts per domain"),
                 responses_per_prompt=integer("eval.responses_per_prompt", 1, "sampled responses per held-out prompt"),
             ),
+            probe=ProbeConfig(
+                enabled=check_bool(recipe_key(mopd, "probe.enabled"), "probe.enabled", "log the fixed probe"),
+                prompts=integer("probe.prompts", 1, "held-out prompts per domain of the probe"),
+                responses_per_prompt=integer("probe.responses_per_prompt", 1, "replies per probe prompt"),
+                seed=integer("probe.seed", 0, "the probe's sampling seed"),
+            ),
             signal=_signal(mopd),
             schedule=schedule_from_recipe(mopd),
         )
@@ -162,5 +186,5 @@ def _domain(node) -> DomainConfig:
                         OmegaConf.select(node, "num_blocks", default=None))  # the planner validates num_blocks
 
 
-__all__ = ["MopdConfig", "DomainConfig", "TrainConfig", "EvalConfig", "check_sampler_poll", "check_replay_std_floor",
-           "check_teacher_dtype", "SIGNAL_KEYS", "TRAIN_KEYS"]
+__all__ = ["MopdConfig", "DomainConfig", "TrainConfig", "EvalConfig", "ProbeConfig", "check_sampler_poll",
+           "check_replay_std_floor", "check_teacher_dtype", "SIGNAL_KEYS", "TRAIN_KEYS"]

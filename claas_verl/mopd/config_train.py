@@ -2,7 +2,8 @@
 docs/math.md §B.1), their defaults, help text and validation (pure python: the config layer).
 
 :class:`TrainConfig` reads every key of ``mopd.train``. The trainer uses ``topk``, ``teacher_dtype``,
-``fresh_optimizer_per_stage``, ``replay_std_floor`` and the lengths itself; the others are verl's settings under a
+``fresh_optimizer_per_stage``, ``replay_std_floor``, the replay arms (``replay_weight``,
+``replay_optimizer``, ``replay_responses_per_prompt``) and the lengths itself; the others are verl's settings under a
 MOPD name, and ``recipes/mopd/verl/*.yaml`` derive verl's keys from them by interpolation, in that one place
 (:data:`VERL_KEYS` lists each derived key; :func:`check_verl_keys` refuses a composed config where a verl key was
 set apart from its ``mopd.train`` key, so composition order never decides which of two values wins).
@@ -22,6 +23,7 @@ from claas_verl.utils.schema import knob
 TEACHER_DTYPES = ("fp32_bf16_autocast", "fp32", "bf16")
 FSDP_DTYPES = ("bf16", "fp16", "fp32")  # verl's FSDP mixed-precision dtypes
 LR_SCHEDULES = ("constant", "cosine")  # verl's optim.lr_scheduler_type
+REPLAY_OPTIMIZERS = ("shared", "separate")  # mopd.train.replay_optimizer
 
 # mopd.<key> -> the verl keys recipes/mopd/verl/*.yaml derive from it (``${mopd.<key>}``)
 VERL_KEYS = {
@@ -60,6 +62,26 @@ def check_replay_std_floor(value) -> float:
         raise ValueError(f"mopd.train.replay_std_floor={value!r}: the least σ a replay step's rewards are divided "
                          f"by, a finite number >= 0 ({TRAIN_YAML} sets 0.0, the paper's σ_d)")
     return float(value)
+
+
+def check_replay_weight(value) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value < math.inf:
+        raise ValueError(f"mopd.train.replay_weight={value!r}: the constant a replay step's advantages are multiplied "
+                         f"by after σ_d, a finite number > 0 ({TRAIN_YAML} sets 1.0, the paper)")
+    return float(value)
+
+
+def check_replay_responses(value, responses_per_prompt: int) -> int | None:
+    """``mopd.train.replay_responses_per_prompt``: null (the new-domain steps' count) or a multiple of
+    ``responses_per_prompt``: verl sizes its batch padding (``_get_dp_size_divisor``) by ``rollout.n``, so a replay
+    step of R replies per prompt must stay a whole number of n-reply groups to add no padding rows."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1 or value % responses_per_prompt:
+        raise ValueError(f"mopd.train.replay_responses_per_prompt={value!r}: replies per prompt on replay steps, "
+                         f"null (mopd.train.responses_per_prompt={responses_per_prompt}) or a positive multiple of "
+                         f"{responses_per_prompt} (verl pads a step batch to whole groups of rollout.n replies)")
+    return value
 
 
 def check_int(value, key: str, minimum: int, why: str) -> int:
@@ -116,6 +138,13 @@ class TrainConfig:
     topk: int = knob(16, "κ: the student's top-κ candidates of eqs. (4)-(5)")
     replay_std_floor: float = knob(0.0, "replay steps divide their rewards by max(σ_d, floor) (docs/math.md "
                                    "§B.2.2); 0: σ_d, the paper; > 0 is a deviation")
+    replay_responses_per_prompt: int | None = knob(None, "sampled responses per prompt on replay steps only (null: "
+                                                   "responses_per_prompt, the paper; else a multiple of it)")
+    replay_weight: float = knob(1.0, "replay steps' advantages are multiplied by this constant after σ_d (1: the "
+                                "paper; a deviation otherwise)")
+    replay_optimizer: str = knob("shared", "AdamW state of replay steps: shared (one state for every step of a stage, "
+                                 "the paper) | separate (replay steps keep their own state, fresh every stage; "
+                                 "docs/verl-couplings.md says what verl forces)")
     teacher_dtype: str = knob("fp32_bf16_autocast", "precision of the teachers' forwards (docs/math.md §B.1): "
                               "fp32_bf16_autocast (fp32 weights, bf16 autocast) | fp32 | bf16")
     student_param_dtype: str = knob("bf16", "the student's FSDP param_dtype (fp32 master weights)")
@@ -126,11 +155,19 @@ class TrainConfig:
         """Validate every key; ``get(name)`` returns ``mopd.train.<name>`` (or raises naming the YAML that sets it)."""
         length = "tokens (the verl rollout's max_model_len is their sum)"
         betas = list(get("betas"))
+        responses = check_int(get("responses_per_prompt"), "train.responses_per_prompt", 1,
+                              "sampled responses per prompt")
+        replay_optimizer = _choice(get("replay_optimizer"), "train.replay_optimizer", REPLAY_OPTIMIZERS)
+        fresh = check_bool(get("fresh_optimizer_per_stage"), "train.fresh_optimizer_per_stage",
+                           "a new AdamW state at every stage (docs/math.md §B.1)")
+        if replay_optimizer == "separate" and not fresh:
+            raise ValueError("mopd.train.replay_optimizer=separate needs mopd.train.fresh_optimizer_per_stage=true: "
+                             "the replay steps' own AdamW state is fresh every stage and lives only in the worker "
+                             "(verl's checkpoint holds one optimizer state), so it cannot carry across stages")
         if len(betas) != 2:
             raise ValueError(f"mopd.train.betas={betas!r}: give AdamW's two betas, e.g. [0.9, 0.999]")
         return cls(
-            responses_per_prompt=check_int(get("responses_per_prompt"), "train.responses_per_prompt", 1,
-                                      "sampled responses per prompt"),
+            responses_per_prompt=responses,
             temperature=_number(get("temperature"), "train.temperature", 0.0),
             top_p=_number(get("top_p"), "train.top_p", 0.0, 1.0, open_low=True),
             max_prompt_length=check_int(get("max_prompt_length"), "train.max_prompt_length", 1, length),
@@ -141,8 +178,7 @@ class TrainConfig:
             betas=tuple(_number(b, f"train.betas[{i}]", 0.0, 1.0) for i, b in enumerate(betas)),
             weight_decay=_number(get("weight_decay"), "train.weight_decay", 0.0),
             grad_clip=_number(get("grad_clip"), "train.grad_clip", 0.0, open_low=True),
-            fresh_optimizer_per_stage=check_bool(get("fresh_optimizer_per_stage"), "train.fresh_optimizer_per_stage",
-                                            "a new AdamW state at every stage (docs/math.md §B.1)"),
+            fresh_optimizer_per_stage=fresh,
             ppo_epochs=check_int(get("ppo_epochs"), "train.ppo_epochs", 1, "epochs per step"),
             clip_ratio=_number(get("clip_ratio"), "train.clip_ratio", 0.0, open_low=True),
             clip_ratio_c=_number(get("clip_ratio_c"), "train.clip_ratio_c", 0.0, open_low=True),
@@ -150,6 +186,9 @@ class TrainConfig:
             entropy_coeff=_number(get("entropy_coeff"), "train.entropy_coeff", -math.inf),
             topk=check_int(get("topk"), "train.topk", 1, "κ, the student's top-k candidates of eqs. (4)-(5)"),
             replay_std_floor=check_replay_std_floor(get("replay_std_floor")),
+            replay_responses_per_prompt=check_replay_responses(get("replay_responses_per_prompt"), responses),
+            replay_weight=check_replay_weight(get("replay_weight")),
+            replay_optimizer=replay_optimizer,
             teacher_dtype=check_teacher_dtype(get("teacher_dtype")),
             student_param_dtype=_choice(get("student_param_dtype"), "train.student_param_dtype", FSDP_DTYPES),
             grad_reduce_dtype=_choice(get("grad_reduce_dtype"), "train.grad_reduce_dtype", FSDP_DTYPES),

@@ -13,13 +13,31 @@ from collections.abc import Sequence
 
 from claas_verl.schedule.spread import spread
 
+REPLAY_CYCLES = ("forward", "reversed")
 
-def shared_replay(k: int, domains: Sequence[str], num_blocks: dict[str, int], m: int) -> list[tuple[str, int]]:
+
+def replay_cycle(earlier: Sequence[str], count: int, cycle: str = "forward") -> list[str]:
+    """The domains of a stage's ``count`` replay steps, in execution order.
+
+    ``forward`` (the MOPD paper): replay i teaches ``earlier[i mod len(earlier)]``, d_1 first. ``reversed`` (a
+    deviation, #56's E5): the same list read backwards, so d_1 is replayed LAST whatever ``count`` is; every domain
+    keeps its number of replay steps. With one earlier domain (stage 2) both are the same list.
+    """
+    if cycle not in REPLAY_CYCLES:
+        raise ValueError(f"mopd.replay.cycle must be one of {list(REPLAY_CYCLES)}, got {cycle!r}")
+    if count and not earlier:
+        raise ValueError(f"{count} replay steps but no earlier domain to replay")
+    forward = [earlier[i % len(earlier)] for i in range(count)]
+    return forward[::-1] if cycle == "reversed" else forward
+
+
+def shared_replay(k: int, domains: Sequence[str], num_blocks: dict[str, int], m: int,
+                  cycle: str = "forward") -> list[tuple[str, int]]:
     """Shared budget: R_k = floor(n_k / m) replay steps cycling d_1..d_{k-1}; blocks spread per stage.
 
-    Replay i teaches ``domains[i mod (k-1)]``; that domain's c_{k,d} blocks are ``spread(c_{k,d}, N_d)``,
-    chosen independently in every stage and consumed ascending. ``floor`` when m does not divide n_k is
-    a [CHOICE] (docs/math.md §E.12).
+    Replay i teaches ``domains[i mod (k-1)]`` (``cycle="reversed"``: that list backwards, :func:`replay_cycle`);
+    that domain's c_{k,d} blocks are ``spread(c_{k,d}, N_d)``, chosen independently in every stage and consumed
+    ascending. ``floor`` when m does not divide n_k is a [CHOICE] (docs/math.md §E.12).
     """
     if k < 2:
         return []
@@ -27,7 +45,7 @@ def shared_replay(k: int, domains: Sequence[str], num_blocks: dict[str, int], m:
         raise ValueError(f"mopd.replay.m must be >= 1, got {m}")
     earlier = list(domains[: k - 1])
     n_k = num_blocks[domains[k - 1]]
-    cycle = [earlier[i % (k - 1)] for i in range(n_k // m)]
+    cycle = replay_cycle(earlier, n_k // m, cycle)
     counts = Counter(cycle)
     lists = {d: spread(counts[d], num_blocks[d]) for d in earlier}
     return _consume(cycle, lists)
@@ -57,29 +75,30 @@ def fixed_pools(domains: Sequence[str], num_blocks: dict[str, int], b: int, f: i
 
 
 def fixed_replay(
-    k: int, domains: Sequence[str], pools: dict[tuple[int, str], list[int]], b: int
+    k: int, domains: Sequence[str], pools: dict[tuple[int, str], list[int]], b: int, cycle: str = "forward"
 ) -> list[tuple[str, int]]:
-    """Fixed share in stage k >= f: R_k = b(k-1); replay i teaches d_{i mod (k-1)} with its next pooled block."""
+    """Fixed share in stage k >= f: R_k = b(k-1); replay i teaches d_{i mod (k-1)} with its next pooled block
+    (``cycle="reversed"``: the same steps in the opposite order, :func:`replay_cycle`)."""
     if k < 2:
         return []
     earlier = list(domains[: k - 1])
-    cycle = [earlier[i % (k - 1)] for i in range(b * (k - 1))]
-    return _consume(cycle, {d: pools[(k, d)] for d in earlier})
+    return _consume(replay_cycle(earlier, b * (k - 1), cycle), {d: pools[(k, d)] for d in earlier})
 
 
 def stage_replay(
     k: int, domains: Sequence[str], num_blocks: dict[str, int], budget: str, m: int, b: int, f: int,
-    pools: dict[tuple[int, str], list[int]] | None = None,
+    pools: dict[tuple[int, str], list[int]] | None = None, cycle: str = "forward",
 ) -> list[tuple[str, int]]:
-    """Replay list of stage k under ``budget`` ∈ {seq, shared, fixed}; fixed stages below f use the shared rule."""
+    """Replay list of stage k under ``budget`` ∈ {seq, shared, fixed}; fixed stages below f use the shared rule.
+    ``cycle``: the order of the earlier domains' replay steps (:func:`replay_cycle`)."""
     if budget == "seq" or k < 2:
         return []
     if budget == "shared" or (budget == "fixed" and k < f):
-        return shared_replay(k, domains, num_blocks, m)
+        return shared_replay(k, domains, num_blocks, m, cycle)
     if budget == "fixed":
         if pools is None:
             pools = fixed_pools(domains, num_blocks, b, f)
-        return fixed_replay(k, domains, pools, b)
+        return fixed_replay(k, domains, pools, b, cycle)
     raise ValueError(f"mopd.budget must be one of ['seq', 'shared', 'fixed'], got {budget!r}")
 
 

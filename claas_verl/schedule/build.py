@@ -21,10 +21,10 @@ def build_plan(cfg: ScheduleConfig) -> Plan:
     elif cfg.segment_size is not None:
         steps = segmented_steps(
             cfg.order, nb, cfg.segment_size, cfg.budget, r.m, r.b, r.fixed_from_stage,
-            cfg.recovery.blocks_per_domain, cfg.recovery.teachers,
+            cfg.recovery.blocks_per_domain, cfg.recovery.teachers, r.cycle,
         )
     else:
-        steps = sequence_steps(cfg.order, nb, cfg.budget, m=r.m, b=r.b, f=r.fixed_from_stage)
+        steps = sequence_steps(cfg.order, nb, cfg.budget, m=r.m, b=r.b, f=r.fixed_from_stage, cycle=r.cycle)
         if cfg.recovery.enabled:
             K = len(cfg.order)
             if cfg.recovery.teachers == "experts":

@@ -19,6 +19,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from claas_verl.schedule.budgets import REPLAY_CYCLES
 from claas_verl.utils.schema import knob
 
 BUDGETS = ("seq", "shared", "fixed")
@@ -45,6 +46,8 @@ class ReplayConfig:
     fixed_from_stage: int = knob(3, "stages 2..f-1 use the shared budget (the MOPD paper reuses the shared stage 2)")
     teachers: str = knob("previous", "who teaches a replay step of stage k: previous (M_{k-1}, the MOPD paper, "
                          "docs/math.md §B.1) | experts (the replayed domain's own E_j, a deviation; setting S2)")
+    cycle: str = knob("forward", "order of a stage's replay steps over the earlier domains: forward (d_1, d_2, ..., "
+                      "the MOPD paper) | reversed (the same steps backwards, so d_1 is replayed last; a deviation)")
 
 
 @dataclass(frozen=True)
@@ -113,6 +116,7 @@ class ScheduleConfig:
             fixed_from_stage=_int(rep, "fixed_from_stage", "mopd.replay.fixed_from_stage",
                                   default=ReplayConfig.fixed_from_stage, minimum=2),
             teachers=_choice(rep, "teachers", "mopd.replay.teachers", REPLAY_TEACHERS, default=ReplayConfig.teachers),
+            cycle=_choice(rep, "cycle", "mopd.replay.cycle", REPLAY_CYCLES, default=ReplayConfig.cycle),
         )
         rec = _section(mopd, "recovery")
         recovery = RecoveryConfig(

@@ -45,14 +45,14 @@ def segment_bounds(num_domains: int, size: int) -> list[tuple[int, int]]:
 
 def segmented_steps(
     order: Sequence[str], num_blocks: dict[str, int], size: int, budget: str, m: int, b: int, f: int,
-    blocks_per_domain: int, recovery_teachers: str = "snapshots",
+    blocks_per_domain: int, recovery_teachers: str = "snapshots", cycle: str = "forward",
 ) -> list[Step]:
     steps: list[Step] = []
     stage = 0
     consolidated: int | None = None  # stage of the last recovery (its output teaches earlier segments)
     for start, end in segment_bounds(len(order), size):
         seg = list(order[start:end])
-        steps.extend(sequence_steps(seg, num_blocks, budget, m=m, b=b, f=f, stage_offset=stage))
+        steps.extend(sequence_steps(seg, num_blocks, budget, m=m, b=b, f=f, stage_offset=stage, cycle=cycle))
         own_stage = {d: stage + k for k, d in enumerate(seg, start=1)}
         stage += len(seg)
         teacher_of = {}

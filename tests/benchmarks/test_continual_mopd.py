@@ -260,3 +260,20 @@ def test_report_only_recomputes_metrics_from_stored_scores_and_runs_nothing(tmp_
     (out / "results.json").write_text(json.dumps(after))
     with pytest.raises(ValueError, match="no stored π0/expert scores for mopd/gym_seq seed 1"):
         bench.main(["--report-only", "--out", str(out)])
+
+
+def test_keep_step_logs_copies_each_runs_step_log_gzipped_and_byte_stable(tmp_path):
+    # --keep-step-logs: runs/<run>/steps.jsonl -> steps/<run>.jsonl.gz (the plan's committed per-step log); the gzip
+    # header carries no time, so copying the same log twice gives the same bytes (a rerun adds no diff)
+    import gzip
+
+    name = bench.run_name("mopd/gym_replay_kl", 31)
+    log = b'{"stage": 1, "kind": "new", "global_step": 1, "metrics": {"mopd/update_norm": 0.4}}\n'
+    (tmp_path / "runs" / name).mkdir(parents=True)
+    (tmp_path / "runs" / name / "steps.jsonl").write_bytes(log)
+    kept = bench.keep_step_log(tmp_path, "mopd/gym_replay_kl", 31)
+    assert kept == tmp_path / "steps" / f"{name}.jsonl.gz"
+    assert gzip.decompress(kept.read_bytes()) == log
+    first = kept.read_bytes()
+    assert bench.keep_step_log(tmp_path, "mopd/gym_replay_kl", 31).read_bytes() == first
+    assert bench.keep_step_log(tmp_path, "mopd/gym_seq", 31) is None  # no run directory, no log

@@ -200,6 +200,23 @@ def test_the_script_runs_the_stages_of_a_bundle_in_the_order_asked(tmp_path, mon
     mopd_stage_proxy.main()
     out = capsys.readouterr().out
     assert "stage 1 (palin, 1 steps + 0 replay" in out and "stage 2 (spell, 1 steps + 1 replay" in out
+    # --json: the stage-end table, the benchmark's run metrics and one record per step, new and replay
+    out_json = tmp_path / "run.json"
+    monkeypatch.setattr(sys, "argv", [*argv, "--replay-every", "1", "--replay-cycle", "reversed", "--json",
+                                      str(out_json), "--probe-prompts", "2"])
+    mopd_stage_proxy.main()
+    import json
+
+    doc = json.loads(out_json.read_text())
+    assert doc["order"] == ["palin", "spell"] and [r["after"] for r in doc["table"]] == ["start", "1:palin", "2:spell"]
+    assert set(doc["metrics"]) >= {"forgetting", "final_avg", "bwt", "stage_gain", "min_stage_gain"}
+    assert doc["stage_scores"] == {"1": {"palin": doc["table"][1]["palin"][0]},
+                                   "2": {"palin": doc["table"][2]["palin"][0], "spell": doc["table"][2]["spell"][0]}}
+    assert [(s["stage"], s["kind"], s["domain"], s["global_step"]) for s in doc["steps"]] == [
+        (1, "new", "palin", 1), (2, "new", "spell", 2), (2, "replay", "palin", 3)]
+    assert set(doc["steps"][2]["metrics"]) >= {"mopd/probe_kl/palin", "mopd/probe_kl/spell", "mopd/update_norm",
+                                                "actor/grad_norm", "mopd/adv_std", "mopd/adv_sigma", "mopd/kl_topk"}
+    assert "mopd/probe_kl/spell" not in doc["steps"][0]["metrics"]  # stage 1 has learned palin only
     monkeypatch.setattr(sys, "argv", [*argv, "--replay-every", "-1"])
     with pytest.raises(SystemExit, match="--replay-every must be 0"):
         mopd_stage_proxy.main()

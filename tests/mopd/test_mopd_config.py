@@ -85,6 +85,16 @@ def test_every_mopd_recipe_builds_the_schema(composed):
     ("train__max_response_length", 0, r"mopd.train.max_response_length=0"),
     ("train__replay_std_floor", -0.5, r"mopd.train.replay_std_floor=-0.5: the least σ .*sets 0.0"),
     ("train__replay_std_floor", "high", r"mopd.train.replay_std_floor='high'"),
+    ("train__replay_weight", 0, r"mopd.train.replay_weight=0: the constant .* > 0 .*sets 1.0, the paper"),
+    ("train__replay_weight", float("inf"), r"mopd.train.replay_weight=inf"),
+    ("train__replay_optimizer", "own", r"mopd.train.replay_optimizer='own': choose one of \['shared', 'separate'\]"),
+    ("train__replay_responses_per_prompt", 6, r"replay_responses_per_prompt=6: .* positive multiple of 4"),
+    ("train__replay_responses_per_prompt", 0, r"replay_responses_per_prompt=0"),
+    ("probe__enabled", "on", r"mopd.probe.enabled='on'.*\(true or false\)"),
+    ("probe__prompts", 0, r"mopd.probe.prompts=0: held-out prompts per domain of the probe \(an integer >= 1\)"),
+    ("probe__responses_per_prompt", 0, r"mopd.probe.responses_per_prompt=0"),
+    ("probe__seed", -1, r"mopd.probe.seed=-1"),
+    ("replay__cycle", "backwards", r"mopd.replay.cycle: must be one of \['forward', 'reversed'\], got 'backwards'"),
     ("eval__enabled", 1, r"mopd.eval.enabled=1: run the forgetting evaluation \(true or false\)"),
     ("eval__prompts", 0, r"mopd.eval.prompts=0"),
     ("signal__window", 0, r"mopd.signal.window must be >= 1"),
@@ -105,6 +115,9 @@ def test_a_bad_value_names_its_key(composed, key, value, message):
     ("train__teacher_dtype", "recipes/mopd/train/paper.yaml"),
     ("train__fresh_optimizer_per_stage", "recipes/mopd/train/paper.yaml"),
     ("train__replay_std_floor", "recipes/mopd/train/paper.yaml"),
+    ("train__replay_weight", "recipes/mopd/train/paper.yaml"),
+    ("train__replay_optimizer", "recipes/mopd/train/paper.yaml"),
+    ("probe__seed", "recipes/mopd/common/base.yaml"),
     ("signal__target_budget_gib", "recipes/mopd/signal/kl.yaml"),
     ("signal__drop_trailing", "recipes/mopd/signal/kl.yaml"),
     ("student", "recipes/mopd/model/<group>.yaml"),
@@ -150,3 +163,19 @@ def test_the_schedule_defaults_agree_with_the_base_recipe():
     domains = {"order": ["a", "b"], "domains": {"a": {"num_blocks": 2}, "b": {"num_blocks": 3}}}
     base = OmegaConf.to_container(OmegaConf.load(REPO / "recipes" / "mopd" / "common" / "base.yaml").mopd)
     assert ScheduleConfig.from_dict({**base, **domains}) == ScheduleConfig.from_dict(domains)
+
+
+def test_the_replay_arms_are_read_and_a_separate_state_needs_fresh_stages(composed):
+    base = composed["seq scale=tiny"]
+    cfg = MopdConfig.from_config(_with(base, train__replay_weight=0.1, train__replay_optimizer="separate",
+                                       train__replay_responses_per_prompt=16, replay__cycle="reversed",
+                                       probe__enabled=True, probe__prompts=3))
+    assert (cfg.train.replay_weight, cfg.train.replay_optimizer, cfg.train.replay_responses_per_prompt) == (
+        0.1, "separate", 16)
+    assert cfg.schedule.replay.cycle == "reversed" and cfg.probe.enabled and cfg.probe.prompts == 3
+    with pytest.raises(ValueError, match=r"replay_optimizer=separate needs mopd.train.fresh_optimizer_per_stage=true"):
+        MopdConfig.from_config(_with(base, train__replay_optimizer="separate", train__fresh_optimizer_per_stage=False))
+    paper = MopdConfig.from_config(base)
+    assert (paper.train.replay_weight, paper.train.replay_optimizer, paper.train.replay_responses_per_prompt) == (
+        1.0, "shared", None)
+    assert paper.schedule.replay.cycle == "forward" and not paper.probe.enabled

@@ -9,6 +9,7 @@ from __future__ import annotations
 import uuid
 
 import numpy as np
+import torch
 import transfer_queue as tq
 from verl.utils import tensordict_utils as tu
 from verl.utils.dataset.rl_dataset import collate_fn
@@ -16,10 +17,14 @@ from verl.utils.dataset.rl_dataset import collate_fn
 from claas_verl.mopd.config import MopdConfig
 
 
-def prompt_batch(dataset, rows, global_steps: int):
-    """verl's prompt batch (a TensorDict) of ``dataset``'s ``rows``, one fresh uid per row, tagged with the step."""
+def prompt_batch(dataset, rows, global_steps: int, rollout_n: int | None = None):
+    """verl's prompt batch (a TensorDict) of ``dataset``'s ``rows``, one fresh uid per row, tagged with the step;
+    ``rollout_n``: replies per prompt for these rows (verl's agent loop reads ``__rollout_n__`` per prompt), None:
+    ``actor_rollout_ref.rollout.n``."""
     batch_dict = collate_fn([dataset[i] for i in rows])
     batch_dict["uid"] = np.array([str(uuid.uuid4()) for _ in rows], dtype=object)
+    if rollout_n is not None:
+        batch_dict["__rollout_n__"] = torch.full((len(rows),), int(rollout_n), dtype=torch.long)
     batch = tu.get_tensordict(batch_dict)
     tu.assign_non_tensor_data(batch, "global_steps", global_steps)
     return batch
@@ -48,10 +53,10 @@ def load_domains(config, mopd: MopdConfig, plan, tokenizer, processor) -> tuple[
     return train, held_out
 
 
-def block_batch(datasets: dict, step: dict, block_size: int, global_steps: int):
-    """The plan step's block of its domain's prompts."""
+def block_batch(datasets: dict, step: dict, block_size: int, global_steps: int, rollout_n: int | None = None):
+    """The plan step's block of its domain's prompts (``rollout_n``: as in :func:`prompt_batch`)."""
     rows = range(step["block"] * block_size, (step["block"] + 1) * block_size)
-    return prompt_batch(datasets[step["domain"]], rows, global_steps)
+    return prompt_batch(datasets[step["domain"]], rows, global_steps, rollout_n)
 
 
 def canonical_row_order(batch, wg):

@@ -47,6 +47,12 @@ def check_verl_config(mopd: MopdConfig, config) -> None:
                          f"actor_rollout_ref.actor.strategy=fsdp2, got {actor.get('strategy')!r}")
 
 
+def replay_weighted(A: torch.Tensor, kind: str, weight: float) -> torch.Tensor:
+    """``A · weight`` on a replay step (``mopd.train.replay_weight``, after σ_d), ``A`` itself otherwise (and at 1,
+    the paper, so the default changes no bit)."""
+    return A * weight if kind == "replay" and weight != 1.0 else A
+
+
 class DistillStep:
     """One step's student forward, teacher forward, advantages and update (see the module doc)."""
 
@@ -54,14 +60,36 @@ class DistillStep:
         check_verl_config(mopd, config)
         self.topk = mopd.train.topk
         self.replay_std_floor = mopd.train.replay_std_floor
+        # the replay arms of benchmarks/plans/mopd_replay.md (defaults: the paper's replay)
+        self.replay_weight = mopd.train.replay_weight
+        self.replay_optimizer = mopd.train.replay_optimizer
+        self.replay_responses = mopd.train.replay_responses_per_prompt
+        self.block_size = mopd.block_size
         # replay steps of FSAR/SATS/OPRD recipes: alignment terms + balanced update (docs/math.md §B.3-B.7)
         self.aux = mopd.signal
         self.domain_index = domain_index
         self.temperature = config.actor_rollout_ref.rollout.temperature
         # the update: one epoch, one mini-batch (the whole step batch: the block's prompts times n responses)
-        self.mini_batch = config.actor_rollout_ref.actor.ppo_mini_batch_size * config.actor_rollout_ref.rollout.n
+        self.n = config.actor_rollout_ref.rollout.n
+        self.mini_batch = config.actor_rollout_ref.actor.ppo_mini_batch_size * self.n
         self.seed = config.actor_rollout_ref.actor.data_loader_seed
         self.separators = None  # the tokenizer's step separators (docs/math.md §B.4), on the first aligned step
+
+    def responses_per_prompt(self, kind: str) -> int | None:
+        """Replies per prompt a step of ``kind`` asks the rollout for; None: verl's ``rollout.n`` (every step
+        unless ``mopd.train.replay_responses_per_prompt`` is set, and then only replay steps differ)."""
+        return self.replay_responses if kind == "replay" else None
+
+    def step_log(self, kind: str) -> dict:
+        """The replay arm's per-step fields, only for the keys set away from the paper (the plan's "Per-step log")."""
+        out = {}
+        if self.replay_responses is not None:
+            out["mopd/responses_per_prompt"] = self.responses_per_prompt(kind) or self.n
+        if self.replay_weight != 1.0:
+            out["mopd/replay_weight"] = self.replay_weight if kind == "replay" else 1.0
+        if self.replay_optimizer != "shared":
+            out["mopd/optimizer_state"] = int(kind == "replay")  # 0: the stage's AdamW state, 1: the replay steps'
+        return out
 
     def flags(self, phase: str) -> dict:
         return {
@@ -113,6 +141,7 @@ class DistillStep:
         dom = torch.full((r.shape[0],), self.domain_index[step["domain"]], dtype=torch.long)
         floor = self.replay_std_floor if step["kind"] == "replay" else 0.0
         A, stds = domain_advantages_and_stds(r, mask, dom, sync=False, std_floor=floor)  # σ_d once per step
+        A = replay_weighted(A, step["kind"], self.replay_weight)
         stats = stds[self.domain_index[step["domain"]]]
         out = {token_fields.ADVANTAGES: token_fields.pack_rows(A, mask_nested)}
         # verl's metrics read 2-D advantages/returns: Σ_v A[t, v] per token
@@ -128,6 +157,7 @@ class DistillStep:
             "mopd/reward_count": stats["count"],
             "mopd/stage": step["stage"],
             "mopd/block": step["block"],
+            **self.step_log(step["kind"]),
         })
         return batch
 
@@ -147,9 +177,11 @@ class DistillStep:
         """The update's batch info: one epoch, one mini-batch (the whole step batch), no shuffling."""
         info = self.flags(token_fields.PHASE_UPDATE)
         info.pop("compute_loss")
+        n = self.responses_per_prompt(kind)
+        mini_batch = self.mini_batch if n is None else self.block_size * n  # the whole step batch either way
         info.update({
-            "global_batch_size": self.mini_batch,
-            "mini_batch_size": self.mini_batch,
+            "global_batch_size": mini_batch,
+            "mini_batch_size": mini_batch,
             "epochs": 1,
             "seed": self.seed,
             "dataloader_kwargs": {"shuffle": False},
@@ -159,12 +191,19 @@ class DistillStep:
         return info
 
     def update_actor(self, batch, wg, kind: str, metrics: dict):
-        """One optimizer update with the MOPD loss; the worker's metrics under ``actor/``."""
+        """One optimizer update with the MOPD loss; the worker's metrics under ``actor/``. A replay step under
+        ``mopd.train.replay_optimizer=separate`` steps with the replay steps' own AdamW state
+        (:func:`claas_verl.mopd.trainer.verl_couplings.use_optimizer_state`), the stage's state back afterwards."""
         batch.extra_info.update(self.update_info(kind))
+        own_state = self.replay_optimizer == "separate" and kind == "replay"
         try:
+            if own_state:
+                wg.mopd_optimizer_state("replay")
             output = wg.update_actor(batch)
         finally:
             batch.extra_info.pop(AUX_KEY, None)
+            if own_state:
+                wg.mopd_optimizer_state("main")
         out = rename_dict(output["metrics"], "actor/")
         if "actor/mfu" in out:
             out["perf/mfu/actor"] = out.pop("actor/mfu")
@@ -172,4 +211,4 @@ class DistillStep:
         return batch
 
 
-__all__ = ["DistillStep", "check_verl_config"]
+__all__ = ["DistillStep", "check_verl_config", "replay_weighted"]

@@ -18,15 +18,19 @@ logger = logging.getLogger(__name__)
 class StageTeachers:
     """The teachers loaded in the workers; ``stage`` is the stage whose set is loaded (None: none, or another set)."""
 
-    def __init__(self, plan, plan_steps: list[dict], paths: ModelPaths, dtype: str, fresh_optimizer: bool):
+    def __init__(self, plan, plan_steps: list[dict], paths: ModelPaths, dtype: str, fresh_optimizer: bool,
+                 also_previous: bool = False):
         self.plan, self.plan_steps, self.paths = plan, plan_steps, paths
         self.dtype = dtype
         self.fresh_optimizer = fresh_optimizer  # mopd.train.fresh_optimizer_per_stage
+        self.also_previous = also_previous  # mopd.probe.enabled: every stage also holds M_{k-1}, the probe's reference
         self.stage: int | None = None
 
     def begin_stage(self, wg, stage: int, first_step: bool, global_steps: int) -> None:
         """Load ``stage``'s teachers into the worker group ``wg``; on its first step, reset the optimizer."""
         teachers = stage_teachers(self.plan_steps, stage)
+        if self.also_previous and f"student:{stage - 1}" not in teachers:
+            teachers.append(f"student:{stage - 1}")
         check_held(teachers, self.plan.held_by_stage[stage], stage, self.plan.setting)
         specs = {t: self.paths.path(t) for t in teachers}
         for name, path in specs.items():

@@ -28,8 +28,10 @@ student and teacher forwards, rewards, advantages, the update's batch), :mod:`~c
 (per-domain prompts, a step's block), :mod:`~claas_verl.mopd.trainer.teachers` (the teachers the workers hold),
 :mod:`~claas_verl.mopd.trainer.snapshots` (M_j, resume state and its reconciliation),
 :mod:`~claas_verl.mopd.trainer.forgetting` (the held-out evaluation), :mod:`~claas_verl.mopd.trainer.weight_probe`
-(did the weight sync arrive); the run's files are written by :mod:`~claas_verl.mopd.trainer.audit_trail`,
-:mod:`~claas_verl.mopd.trainer.resume_state` and :mod:`~claas_verl.mopd.trainer.forgetting_table`.
+(did the weight sync arrive), :mod:`~claas_verl.mopd.trainer.step_probe` (``mopd.probe``: the fixed probe's KL to
+M_{k-1} and the update norm per step; worker side :mod:`~claas_verl.mopd.trainer.fixed_probe`); the run's files
+are written by :mod:`~claas_verl.mopd.trainer.audit_trail`, :mod:`~claas_verl.mopd.trainer.resume_state` and
+:mod:`~claas_verl.mopd.trainer.forgetting_table`.
 """
 
 from __future__ import annotations
@@ -44,13 +46,14 @@ from claas_verl.mopd.config import MopdConfig
 from claas_verl.mopd.trainer.audit_trail import append_step, skipped_update
 from claas_verl.mopd.trainer.blocks import block_batch, load_domains
 from claas_verl.mopd.trainer.distill_step import DistillStep
+from claas_verl.mopd.trainer.fixed_probe import MOPDStepLogWorker
 from claas_verl.mopd.trainer.forgetting import ForgettingEval
 from claas_verl.mopd.trainer.plan_steps import ModelPaths, stage_bounds, step_index
 from claas_verl.mopd.trainer.snapshots import StageSnapshots
 from claas_verl.mopd.trainer.stage_progress import StageProgress
+from claas_verl.mopd.trainer.step_probe import StepProbe
 from claas_verl.mopd.trainer.teachers import StageTeachers
 from claas_verl.mopd.trainer.weight_probe import WeightSyncProbe
-from claas_verl.mopd.trainer.workers import MOPDWorker
 from claas_verl.schedule import build_plan
 from claas_verl.verl_ext.trainer_base import VerlSeams, swap_actor_worker
 
@@ -82,16 +85,20 @@ class MOPDTrainer(VerlSeams, PPOTrainerSync):
         self._saved_at = -1
         self.domain_datasets: dict = {}
         self.teachers = StageTeachers(self.plan, self.plan_steps, paths, mopd.train.teacher_dtype,
-                                      fresh_optimizer=mopd.train.fresh_optimizer_per_stage)
+                                      fresh_optimizer=mopd.train.fresh_optimizer_per_stage,
+                                      also_previous=mopd.probe.enabled)
         self.snapshots = StageSnapshots(paths, self.plan_steps, self.bounds)
         self.forgetting = ForgettingEval(self, mopd.eval)
         self.progress = StageProgress(self.plan_steps, self.bounds)
         # after every weight sync the rollout scores a fixed probe (weight_probe); 0 turns the check off
         self.probe = WeightSyncProbe(mopd.weight_sync_probe_tokens, mopd.weight_sync_max_abs_diff)
+        # mopd.probe: the fixed probe's KL to M_{k-1} and the update norm after every step (steps.jsonl)
+        self.step_probe = StepProbe(mopd.probe, self.plan_steps, self.bounds, mopd.train.max_response_length)
 
     # ================================================================= verl wiring
     def _init_resource_pool_mgr(self):
-        """Every role verl maps to its ActorRolloutRefWorker runs the MOPD worker instead; the pools are checked
+        """Every role verl maps to its ActorRolloutRefWorker runs the MOPD worker (with the per-step log's methods,
+        ``fixed_probe.MOPDStepLogWorker``) instead; the pools are checked
         against the cluster before any placement group exists (an unplaceable pool would wait forever in verl)."""
         from verl.trainer.ppo.utils import Role
 
@@ -100,7 +107,7 @@ class MOPDTrainer(VerlSeams, PPOTrainerSync):
         super()._init_resource_pool_mgr()
         if Role.Critic in self.role_worker_mapping:
             raise ValueError("continual MOPD trains no critic: drop critic settings (algorithm.adv_estimator=grpo)")
-        swap_actor_worker(self, MOPDWorker)
+        swap_actor_worker(self, MOPDStepLogWorker)
         check_placement(self.resource_pool_manager)
 
     # ================================================================= data
@@ -116,6 +123,7 @@ class MOPDTrainer(VerlSeams, PPOTrainerSync):
         super()._init_dataloader()
         self.domain_datasets, self.forgetting.datasets = load_domains(self.config, self.mopd, self.plan,
                                                                       self.tokenizer, self.processor)
+        self.step_probe.datasets = self.forgetting.datasets
         if self.total_training_steps > len(self.plan_steps):
             raise ValueError(
                 f"trainer.total_training_steps={self.total_training_steps} exceeds the plan's {len(self.plan_steps)} "
@@ -127,10 +135,13 @@ class MOPDTrainer(VerlSeams, PPOTrainerSync):
         return self.plan_steps[step_index(gs, len(self.plan_steps))]
 
     def _next_train_batch(self, num_prompts: int | None = None):
-        """The prompts of a step are the rows of the plan step's block (no sampler)."""
+        """The prompts of a step are the rows of the plan step's block (no sampler); a replay step asks for
+        ``mopd.train.replay_responses_per_prompt`` replies per prompt when set (verl's per-prompt ``__rollout_n__``)."""
         if num_prompts not in (None, self.block_size):
             raise ValueError(f"the MOPD trainer submits whole blocks of {self.block_size} prompts, not {num_prompts}")
-        return block_batch(self.domain_datasets, self.current_step(), self.block_size, self.global_steps)
+        step = self.current_step()
+        return block_batch(self.domain_datasets, step, self.block_size, self.global_steps,
+                           rollout_n=self.distill.responses_per_prompt(step["kind"]))
 
     # ================================================================= stage boundaries
     def on_step_begin(self):
@@ -143,6 +154,7 @@ class MOPDTrainer(VerlSeams, PPOTrainerSync):
         if first_step_of_stage:
             self.forgetting.stage_start(step["stage"], self.global_steps)
         self.teachers.begin_stage(self.actor_rollout_wg, step["stage"], first_step_of_stage, self.global_steps)
+        self.step_probe.begin_stage(self.actor_rollout_wg, step["stage"], self.tokenizer)
         self.progress.begin(step["stage"])
 
     def is_stage_end(self, global_step: int) -> bool:
@@ -182,8 +194,12 @@ class MOPDTrainer(VerlSeams, PPOTrainerSync):
                                                metrics)
 
     def _update_actor(self, batch, metrics: dict):
-        """One update with the distillation flags (verl's method resets them from ``config.distillation``)."""
-        return self.distill.update_actor(batch, self.actor_rollout_wg, self.current_step()["kind"], metrics)
+        """One update with the distillation flags (verl's method resets them from ``config.distillation``); with
+        ``mopd.probe`` the update's size and the probe's KL after it join the step's metrics."""
+        self.step_probe.before_update(self.actor_rollout_wg)
+        batch = self.distill.update_actor(batch, self.actor_rollout_wg, self.current_step()["kind"], metrics)
+        self.step_probe.after_update(self.actor_rollout_wg, metrics)
+        return batch
 
     # ================================================================= audit trail
     def _compute_metrics(self, batch, metrics, timing_raw, global_steps, epoch):
@@ -212,7 +228,13 @@ class MOPDTrainer(VerlSeams, PPOTrainerSync):
         gs = self.global_steps
         if gs == 0:
             return
-        self.forgetting.note_resume(self.snapshots.resume(gs), gs)
+        state = self.snapshots.resume(gs)
+        if self.mopd.train.replay_optimizer == "separate" and not state["stage_complete"]:
+            raise ValueError(
+                f"resuming at global step {gs}, inside stage {state['stage']}, with mopd.train.replay_optimizer="
+                "separate: verl's checkpoint holds one optimizer state, so the replay steps' own AdamW state of this "
+                "stage is lost (docs/verl-couplings.md). Resume from a stage-end checkpoint, or rerun the stage")
+        self.forgetting.note_resume(state, gs)
         # the next step's on_step_begin loads the teachers; a stage that is not finished keeps its optimizer
         self.teachers.stage = None
 

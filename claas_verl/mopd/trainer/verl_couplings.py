@@ -42,6 +42,7 @@ alignment targets), the ref-config conversion of ``ActorRolloutRefWorker.init_mo
 
 from __future__ import annotations
 
+from collections import defaultdict
 from copy import deepcopy
 from typing import Any
 
@@ -124,8 +125,12 @@ def reset_engine_optimizer(engine: Any) -> int:
     opt = engine.optimizer
     if opt is None:
         raise ValueError("the engine has no optimizer (forward-only); only the student's optimizer can be reset")
+    if getattr(engine, _ACTIVE_STATE, "main") != "main":
+        use_optimizer_state(engine, "main")
     dropped = len(opt.state)
     opt.state.clear()
+    if getattr(engine, _HELD_STATE, None) is not None:
+        getattr(engine, _HELD_STATE).clear()  # the replay steps' own state (replay_optimizer=separate) is fresh too
     for group in opt.param_groups:  # undo any scheduler scaling before the new scheduler records initial_lr
         if "initial_lr" in group:
             group["lr"] = group["initial_lr"]
@@ -135,6 +140,35 @@ def reset_engine_optimizer(engine: Any) -> int:
     if ckpt is not None and hasattr(ckpt, "lr_scheduler"):
         ckpt.lr_scheduler = engine.lr_scheduler
     return dropped
+
+
+OPTIMIZER_STATES = ("main", "replay")
+_ACTIVE_STATE = "_mopd_active_optimizer_state"  # which of OPTIMIZER_STATES engine.optimizer.state holds now
+_HELD_STATE = "_mopd_held_optimizer_state"  # the other one, kept aside
+
+
+def use_optimizer_state(engine: Any, which: str) -> int:
+    """Make ``engine.optimizer`` step with AdamW state ``which`` (``main`` | ``replay``;
+    ``mopd.train.replay_optimizer=separate``); returns the parameter states it now holds (0: fresh).
+
+    verl's FSDP engine builds exactly one optimizer (``FSDPEngine.optimizer``) and one LR scheduler, checkpoints that
+    optimizer only, and steps it inside ``train_batch``. A second state is therefore swapped in and out of the same
+    ``torch.optim.AdamW``: its per-parameter ``state`` dict (m, v and the step count used by the bias correction)
+    is exchanged, while the param groups (lr, betas, weight decay) and the LR scheduler stay shared (a warm-up
+    counts every update). The state kept aside is not in verl's checkpoint: a mid-stage resume refuses
+    (``MOPDTrainer.after_checkpoint_loaded``), and :func:`reset_engine_optimizer` empties both.
+    """
+    if which not in OPTIMIZER_STATES:
+        raise ValueError(f"optimizer state {which!r}: choose one of {list(OPTIMIZER_STATES)}")
+    opt = engine.optimizer
+    if opt is None:
+        raise ValueError("the engine has no optimizer (forward-only)")
+    if getattr(engine, _ACTIVE_STATE, "main") != which:
+        held = getattr(engine, _HELD_STATE, None)
+        setattr(engine, _HELD_STATE, opt.state)
+        opt.state = held if held is not None else defaultdict(dict)
+        setattr(engine, _ACTIVE_STATE, which)
+    return len(opt.state)
 
 
 def optimizer_step_count(engine: Any) -> int:

@@ -10,15 +10,16 @@ import torch
 from omegaconf import OmegaConf
 
 from claas_verl.distill import domain_normalized_advantages, topk_rewards, topk_weighted_kl
+from claas_verl.mopd.config_train import TrainConfig
 from claas_verl.mopd.trainer import distill_step
 from claas_verl.mopd.trainer import fields as token_fields
 from claas_verl.mopd.trainer.alignment import AUX_KEY, aux_config
 from claas_verl.mopd.trainer.workers import TEACHER_KEY
 
 
-def _mopd(signal=None, block_size=4, topk=2, replay_std_floor=0.0):
-    return SimpleNamespace(block_size=block_size, train=SimpleNamespace(topk=topk, replay_std_floor=replay_std_floor),
-                           signal=aux_config(signal or {}))
+def _mopd(signal=None, block_size=4, topk=2, replay_std_floor=0.0, **train):
+    return SimpleNamespace(block_size=block_size, signal=aux_config(signal or {}),
+                           train=TrainConfig(topk=topk, replay_std_floor=replay_std_floor, **train))
 
 
 def _config(train_batch_size=4, **actor):
@@ -121,3 +122,65 @@ def test_the_std_floor_applies_to_replay_steps_only(monkeypatch, kind):
     else:
         assert metrics["mopd/adv_sigma"] == pytest.approx(sigma, rel=1e-6)
         torch.testing.assert_close(A, domain_normalized_advantages(r, mask, sync=False))
+
+
+def _near_teacher_step(monkeypatch, mopd, kind):
+    """A teacher step on a student next to its teacher; returns (advantages, metrics, rewards)."""
+    torch.manual_seed(1)
+    S = torch.randn(2, 3, 2).log_softmax(-1)
+    Q = S + 0.01 * torch.randn(2, 3, 2)
+    mask_nested = torch.nested.as_nested_tensor([torch.ones(3, dtype=torch.long)] * 2, layout=torch.jagged)
+    queue = _Queue({token_fields.STUDENT_LP: token_fields.pack_rows(S, mask_nested),
+                    token_fields.TEACHER_LP: token_fields.pack_rows(Q, mask_nested), "response_mask": mask_nested})
+    monkeypatch.setattr(distill_step, "tq", queue)
+    wg = SimpleNamespace(mopd_teacher_forward=lambda b: None)
+    batch = SimpleNamespace(keys=["a", "b"], partition_id="train", extra_info={})
+    metrics = {}
+    distill_step.DistillStep(mopd, _config(), {"logic": 0}).teacher_advantages(
+        batch, wg, {"kind": kind, "teacher": "student:1", "domain": "logic", "stage": 2, "block": 0},
+        tokenizer=None, metrics=metrics)
+    A = token_fields.unpack_rows(queue.put[token_fields.ADVANTAGES], 2)
+    return A, metrics, topk_rewards(S, Q, torch.ones(2, 3))
+
+
+@pytest.mark.parametrize("kind", ["new", "replay", "recovery"])
+def test_the_replay_weight_multiplies_replay_advantages_after_sigma(monkeypatch, kind):
+    # c = 0.25: a replay step's A = 0.25 · r / σ_d; new-domain and recovery steps keep r / σ_d; the weight is logged
+    A, metrics, r = _near_teacher_step(monkeypatch, _mopd(replay_weight=0.25), kind)
+    paper = domain_normalized_advantages(r, torch.ones(2, 3), sync=False)
+    torch.testing.assert_close(A, paper * (0.25 if kind == "replay" else 1.0), rtol=1e-6, atol=0)
+    assert metrics["mopd/replay_weight"] == (0.25 if kind == "replay" else 1.0)
+
+
+def test_the_paper_defaults_change_no_bit_and_log_no_arm_field(monkeypatch):
+    # every replay-arm key at its default: A is exactly r / σ_d, the update is verl's rollout.n batch, no arm field
+    A, metrics, r = _near_teacher_step(monkeypatch, _mopd(), "replay")
+    torch.testing.assert_close(A, domain_normalized_advantages(r, torch.ones(2, 3), sync=False), rtol=0, atol=0)
+    assert not {"mopd/replay_weight", "mopd/responses_per_prompt", "mopd/optimizer_state"} & set(metrics)
+    step = distill_step.DistillStep(_mopd(), _config(), {"logic": 0})
+    assert step.responses_per_prompt("replay") is None and step.update_info("replay")["global_batch_size"] == 12
+    t = torch.randn(2, 3, 2)
+    assert distill_step.replay_weighted(t, "replay", 1.0) is t
+
+
+def test_replay_steps_sample_their_own_reply_count_and_update_on_the_whole_step():
+    # 4 prompts per block, rollout.n = 3, replay steps 6 replies: the update's one mini-batch is 4·6 = 24 rows there
+    step = distill_step.DistillStep(_mopd(responses_per_prompt=3, replay_responses_per_prompt=6), _config(),
+                                    {"logic": 0})
+    assert (step.responses_per_prompt("new"), step.responses_per_prompt("replay")) == (None, 6)
+    assert step.update_info("new")["global_batch_size"] == 12
+    assert (step.update_info("replay")["global_batch_size"], step.update_info("replay")["mini_batch_size"]) == (24, 24)
+    assert step.step_log("replay") == {"mopd/responses_per_prompt": 6}
+    assert step.step_log("new") == {"mopd/responses_per_prompt": 3}
+
+
+def test_a_separate_replay_state_is_swapped_in_for_replay_updates_only():
+    calls = []
+    wg = SimpleNamespace(mopd_optimizer_state=lambda which: calls.append(which),
+                         update_actor=lambda b: calls.append("update") or {"metrics": {"grad_norm": [1.0]}})
+    step = distill_step.DistillStep(_mopd(replay_optimizer="separate"), _config(), {"logic": 0})
+    for kind in ("new", "replay", "new"):
+        step.update_actor(SimpleNamespace(extra_info={}), wg, kind, {})
+    assert calls == ["update", "replay", "update", "main", "update"]
+    assert step.step_log("replay") == {"mopd/optimizer_state": 1}
+    assert step.step_log("new") == {"mopd/optimizer_state": 0}

@@ -187,3 +187,36 @@ def test_sampler_poll_interval_comes_from_the_schema(monkeypatch):
     trainer = MOPDTrainer.__new__(MOPDTrainer)
     trainer.mopd = SimpleNamespace(sampler_poll_s=0.05)
     assert trainer._build_replay_buffer() is sampler and sampler.poll_interval == 0.05
+
+
+def _adamw_step(eng):
+    eng.optimizer.zero_grad()
+    eng.module(torch.ones(1, 3)).sum().backward()
+    eng.optimizer.step()
+
+
+def test_a_separate_replay_state_steps_apart_from_the_stage_state_and_resets_with_it():
+    # mopd.train.replay_optimizer=separate: two "main" steps, one "replay" step, one more "main" step. The replay state
+    # starts fresh (AdamW step 1) and the main state continues at step 3 as if the replay step had its own optimizer;
+    # the main state's moments equal those of a run with the two main-step gradients only.
+    eng, ref = _Engine(), _Engine()
+    ref.module.load_state_dict(eng.module.state_dict())
+    _adamw_step(eng), _adamw_step(eng)
+    assert vc.use_optimizer_state(eng, "replay") == 0  # fresh
+    _adamw_step(eng)
+    assert vc.optimizer_step_count(eng) == 1
+    assert vc.use_optimizer_state(eng, "main") == 2
+    assert vc.optimizer_step_count(eng) == 2
+    # the gradient of this linear layer is the same at every θ, so the main state's moments are the reference's
+    _adamw_step(ref), _adamw_step(ref)
+    for p, q in zip(eng.module.parameters(), ref.module.parameters()):
+        torch.testing.assert_close(eng.optimizer.state[p]["exp_avg"], ref.optimizer.state[q]["exp_avg"])
+        torch.testing.assert_close(eng.optimizer.state[p]["exp_avg_sq"], ref.optimizer.state[q]["exp_avg_sq"])
+    _adamw_step(eng)
+    assert vc.optimizer_step_count(eng) == 3
+    # a new stage empties both states, whichever is active
+    vc.use_optimizer_state(eng, "replay")
+    vc.reset_engine_optimizer(eng)
+    assert len(eng.optimizer.state) == 0 and vc.use_optimizer_state(eng, "replay") == 0
+    with pytest.raises(ValueError, match=r"optimizer state 'other': choose one of \['main', 'replay'\]"):
+        vc.use_optimizer_state(eng, "other")
