@@ -41,7 +41,7 @@ class AuxConfig:
             (``mopd.signal.target_budget_gib``); micro-batches beyond it are streamed
             (:class:`claas_verl.align.target_store.TeacherTargetStore`).
         balance: ``"exact"`` (eqs. 9-10 from this step's per-term gradients) or ``"carried"`` (the multipliers of
-            the last exact step of the same teacher, one alignment backward per micro-batch;
+            the last exact step of the same replay domain, one alignment backward per micro-batch;
             :mod:`claas_verl.align.carried`, docs/math.md §B.6).
         balance_refresh: with ``balance: carried``, every ``balance_refresh``-th replay step of a teacher is exact.
     """
@@ -156,7 +156,7 @@ class SignalSection:
     target_budget_gib: float = knob(16.0, "host RAM per rank for the teacher's alignment targets of a step; beyond "
                                     "it, streamed")
     balance: str = knob("exact", "exact: eqs. (9)-(10) from this step's per-term gradients (one backward per term) "
-                        "| carried: the multipliers of the last exact step of the same teacher, one alignment "
+                        "| carried: the multipliers of the last exact step of the same replay domain, one alignment "
                         "backward per micro-batch; approximate, see docs/math.md §B.6 and docs/performance.md")
     balance_refresh: int = knob(4, "with balance=carried: every balance_refresh-th replay step of a teacher is "
                                 "exact and renews the multipliers (1 = every step exact)")

@@ -25,7 +25,7 @@ from claas_verl.distill import (
 )
 from claas_verl.mopd.config import MopdConfig
 from claas_verl.mopd.trainer import fields as token_fields
-from claas_verl.mopd.trainer.alignment import AUX_KEY, region_fields
+from claas_verl.mopd.trainer.alignment import AUX_KEY, DOMAIN_KEY, region_fields
 from claas_verl.mopd.trainer.blocks import canonical_row_order
 from claas_verl.mopd.trainer.config_checks import check_one_update_per_step
 from claas_verl.mopd.trainer.workers import TEACHER_KEY
@@ -173,8 +173,9 @@ class DistillStep:
         metrics["mopd/regions_per_response"] = float((rid.amax(-1) + 1).clamp(min=0).float().mean())
         metrics["mopd/window_tokens"] = float(win.sum())
 
-    def update_info(self, kind: str) -> dict:
-        """The update's batch info: one epoch, one mini-batch (the whole step batch), no shuffling."""
+    def update_info(self, kind: str, domain: str | None = None) -> dict:
+        """The update's batch info: one epoch, one mini-batch (the whole step batch), no shuffling. An aligned step
+        names its ``domain`` in the aux dict: carried balancing keeps its multipliers per domain."""
         info = self.flags(token_fields.PHASE_UPDATE)
         info.pop("compute_loss")
         n = self.responses_per_prompt(kind)
@@ -188,13 +189,15 @@ class DistillStep:
         })
         if self.aux.applies_to(kind):
             info[AUX_KEY] = self.aux.to_dict()  # balanced multi-pass update in the actor worker (docs/math.md §B.6/B.7)
+            if domain is not None:
+                info[AUX_KEY][DOMAIN_KEY] = domain
         return info
 
-    def update_actor(self, batch, wg, kind: str, metrics: dict):
+    def update_actor(self, batch, wg, kind: str, metrics: dict, domain: str | None = None):
         """One optimizer update with the MOPD loss; the worker's metrics under ``actor/``. A replay step under
         ``mopd.train.replay_optimizer=separate`` steps with the replay steps' own AdamW state
         (:func:`claas_verl.mopd.trainer.verl_couplings.use_optimizer_state`), the stage's state back afterwards."""
-        batch.extra_info.update(self.update_info(kind))
+        batch.extra_info.update(self.update_info(kind, domain))
         own_state = self.replay_optimizer == "separate" and kind == "replay"
         try:
             if own_state:

@@ -197,7 +197,8 @@ class MOPDTrainer(VerlSeams, PPOTrainerSync):
         """One update with the distillation flags (verl's method resets them from ``config.distillation``); with
         ``mopd.probe`` the update's size and the probe's KL after it join the step's metrics."""
         self.step_probe.before_update(self.actor_rollout_wg)
-        batch = self.distill.update_actor(batch, self.actor_rollout_wg, self.current_step()["kind"], metrics)
+        step = self.current_step()
+        batch = self.distill.update_actor(batch, self.actor_rollout_wg, step["kind"], metrics, domain=step["domain"])
         self.step_probe.after_update(self.actor_rollout_wg, metrics)
         return batch
 

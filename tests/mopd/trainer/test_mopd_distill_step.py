@@ -47,6 +47,8 @@ def test_the_update_is_one_mini_batch_of_the_whole_step_and_aligned_only_on_repl
     assert (info["global_batch_size"], info["mini_batch_size"], info["epochs"], info["seed"]) == (12, 12, 1, 7)
     assert info["dataloader_kwargs"] == {"shuffle": False} and info["temperature"] == 0.7
     assert info[AUX_KEY] == step.aux.to_dict()
+    # the replay step's domain travels with it: carried balancing keeps its multipliers per domain
+    assert step.update_info("replay", "logic")[AUX_KEY] == {**step.aux.to_dict(), "domain": "logic"}
     assert AUX_KEY not in step.update_info("new") and AUX_KEY not in step.update_info("recovery")
     flags = step.flags(token_fields.PHASE_TEACHER)
     assert flags["compute_loss"] and flags["distillation_only"] and not flags["calculate_entropy"]
