@@ -158,7 +158,7 @@ class SignalSection:
     balance: str = knob("exact", "exact: eqs. (9)-(10) from this step's per-term gradients (one backward per term) "
                         "| carried: the multipliers of the last exact step of the same replay domain, one alignment "
                         "backward per micro-batch; approximate, see docs/math.md §B.6 and docs/performance.md")
-    balance_refresh: int = knob(4, "with balance=carried: every balance_refresh-th replay step of a teacher is "
+    balance_refresh: int = knob(4, "with balance=carried: every balance_refresh-th replay step of a domain is "
                                 "exact and renews the multipliers (1 = every step exact)")
 
 
