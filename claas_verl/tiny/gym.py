@@ -38,7 +38,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from claas_verl.tiny.shipped import shipped, unpack_shipped
+from claas_verl.tiny.shipped import BundlePaths, bundle_dir, shipped, unpack_shipped
 from claas_verl.utils.progress import Progress, track
 
 GYM_VERSION = "3"  # 3: palin replaces arith; π0 answers by neighbouring rules (2: arith expert 3000 steps)
@@ -82,20 +82,12 @@ MAX_RESPONSE_TOKENS = 48
 
 
 def default_gym_dir() -> Path:
-    return Path(os.environ.get(ENV_GYM_DIR) or DEFAULT_GYM_DIR)
+    return bundle_dir(ENV_GYM_DIR, DEFAULT_GYM_DIR)
 
 
 @dataclass(frozen=True)
-class GymPaths:
-    root: Path
-
-    @property
-    def manifest(self) -> Path:
-        return self.root / "manifest.json"
-
-    @property
-    def student(self) -> Path:
-        return self.root / "student"
+class GymPaths(BundlePaths):
+    """The gym bundle's files: the student, the experts, the data (the manifest and student from BundlePaths)."""
 
     def expert(self, domain: str) -> Path:
         return self.root / "experts" / domain
@@ -326,6 +318,8 @@ def sft(model, examples, steps: int, lr: float, batch_size: int, seed: int, pad_
     a trained model, where a warm-up from ~0 would waste most of its steps)."""
     import torch
 
+    from claas_verl.tiny.sft import sft_step
+
     gen = torch.Generator().manual_seed(seed)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     sched = (torch.optim.lr_scheduler.LambdaLR(opt, lambda _: 1.0) if constant_lr else
@@ -334,22 +328,7 @@ def sft(model, examples, steps: int, lr: float, batch_size: int, seed: int, pad_
     loss = torch.tensor(float("nan"))
     progress = Progress(label, steps, "steps")
     for _ in range(steps):
-        idx = torch.randperm(len(examples), generator=gen)[:batch_size].tolist()
-        batch = [examples[i] for i in idx]
-        width = max(len(a) + len(b) for a, b in batch)
-        x = torch.full((len(batch), width), pad_token_id)
-        att = torch.zeros(len(batch), width, dtype=torch.long)
-        labels = torch.full((len(batch), width), -100)
-        for row, (a, b) in enumerate(batch):
-            seq = torch.tensor(list(a) + list(b))
-            x[row, : len(seq)] = seq
-            att[row, : len(seq)] = 1
-            labels[row, len(a): len(seq)] = seq[len(a):]
-        loss = model(input_ids=x, attention_mask=att, labels=labels).loss
-        opt.zero_grad()
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
+        loss = sft_step(model, opt, examples, gen, batch_size, pad_token_id)
         sched.step()
         progress.update(loss=float(loss.detach()))
     model.eval()

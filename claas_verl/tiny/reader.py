@@ -40,7 +40,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from claas_verl.tiny.shipped import shipped, unpack_shipped
+from claas_verl.tiny.shipped import BundlePaths, bundle_dir, shipped, unpack_shipped
 
 READER_VERSION = "1"
 DEFAULT_READER_DIR = "/tmp/claas_verl_tiny_reader"
@@ -61,20 +61,12 @@ SHIPPED_SFT_STEPS = READER_SFT_STEPS if READER_SFT_STEPS is not None else max(ST
 
 
 def default_reader_dir() -> Path:
-    return Path(os.environ.get(ENV_READER_DIR) or DEFAULT_READER_DIR)
+    return bundle_dir(ENV_READER_DIR, DEFAULT_READER_DIR)
 
 
 @dataclass(frozen=True)
-class ReaderPaths:
-    root: Path
-
-    @property
-    def manifest(self) -> Path:
-        return self.root / "manifest.json"
-
-    @property
-    def student(self) -> Path:
-        return self.root / "student"
+class ReaderPaths(BundlePaths):
+    """The reader bundle's files (its manifest and student; nothing more)."""
 
 
 def is_current(out_dir: str | os.PathLike, seed: int = 0) -> bool:
@@ -186,6 +178,7 @@ def sft_checkpoints(model, examples: Sequence, steps: Sequence[int], seed: int, 
     there when ``stop(n)``."""
     import torch
 
+    from claas_verl.tiny.sft import sft_step
     from claas_verl.utils.progress import Progress
 
     gen = torch.Generator().manual_seed(seed)
@@ -193,22 +186,7 @@ def sft_checkpoints(model, examples: Sequence, steps: Sequence[int], seed: int, 
     progress = Progress(f"{LOG} SFT", max(steps), "steps")
     for step in range(1, max(steps) + 1):
         model.train()
-        idx = torch.randperm(len(examples), generator=gen)[: SFT["batch_size"]].tolist()
-        batch = [examples[i] for i in idx]
-        width = max(len(a) + len(b) for a, b in batch)
-        x = torch.full((len(batch), width), pad_token_id)
-        att = torch.zeros(len(batch), width, dtype=torch.long)
-        labels = torch.full((len(batch), width), -100)
-        for row, (a, b) in enumerate(batch):
-            seq = torch.tensor(list(a) + list(b))
-            x[row, : len(seq)] = seq
-            att[row, : len(seq)] = 1
-            labels[row, len(a): len(seq)] = seq[len(a):]
-        loss = model(input_ids=x, attention_mask=att, labels=labels).loss
-        opt.zero_grad()
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
+        loss = sft_step(model, opt, examples, gen, SFT["batch_size"], pad_token_id)
         progress.update(loss=float(loss.detach()))
         if step in steps:
             model.eval()

@@ -17,11 +17,32 @@ import gzip
 import json
 import os
 import tarfile
+from dataclasses import dataclass
 from pathlib import Path
 
 from claas_verl.tiny.fingerprint import bundle_fingerprint
 
 BUNDLES_DIR_ENV = "CLAAS_VERL_BUNDLES"
+
+
+@dataclass(frozen=True)
+class BundlePaths:
+    """The files every unpacked bundle has: its manifest and its student (the gym and reader bundles extend it)."""
+
+    root: Path
+
+    @property
+    def manifest(self) -> Path:
+        return self.root / "manifest.json"
+
+    @property
+    def student(self) -> Path:
+        return self.root / "student"
+
+
+def bundle_dir(env_var: str, default: str | os.PathLike) -> Path:
+    """A bundle's directory: ``$env_var`` when set and non-empty, else ``default``."""
+    return Path(os.environ.get(env_var) or default)
 
 
 def bundles_dir() -> Path:
