@@ -14,32 +14,21 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import httpx
 import pytest
+from service_job import start_job, wait_api
 
-REPO = Path(__file__).resolve().parents[3]
 KEY, ADMIN = "sk-resume", "admin-resume"
 
 pytestmark = pytest.mark.slow
 
 
-def _start(cmd, env, log_path):
-    log = open(log_path, "w")
-    return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 
 
-def _wait_api(proc, run_dir: Path, log_path: Path) -> dict:
-    deadline = time.monotonic() + 900
-    while not (run_dir / "service.json").exists():
-        assert proc.poll() is None, log_path.read_text()[-4000:]
-        assert time.monotonic() < deadline, "the chat API did not come up"
-        time.sleep(1)
-    return json.loads((run_dir / "service.json").read_text())
 
 
 def _turn(http: httpx.Client, i: int) -> None:
@@ -70,9 +59,9 @@ def test_killed_service_job_resumes_from_its_checkpoint(tmp_path):
     run_dir = out / "claas_tiny_service"
 
     # ---- run 1: chats until a checkpoint, then 3 more accepted turns, then SIGKILL
-    proc = _start(cmd, env, tmp_path / "run1.log")
+    proc = start_job(cmd, env, tmp_path / "run1.log")
     try:
-        info = _wait_api(proc, run_dir, tmp_path / "run1.log")
+        info = wait_api(proc, run_dir, tmp_path / "run1.log")
         http = httpx.Client(base_url=info["url"], timeout=120)
         i, deadline = 0, time.monotonic() + 600
         while not any(r["event"] == "checkpoint" for r in _trace(run_dir)):
@@ -107,9 +96,9 @@ def test_killed_service_job_resumes_from_its_checkpoint(tmp_path):
     (run_dir / "service.json").unlink()
 
     # ---- run 2: the same command (it may train at once: the restored buffer can hold B_min entries)
-    proc = _start(cmd, env, tmp_path / "run2.log")
+    proc = start_job(cmd, env, tmp_path / "run2.log")
     try:
-        info = _wait_api(proc, run_dir, tmp_path / "run2.log")
+        info = wait_api(proc, run_dir, tmp_path / "run2.log")
         http = httpx.Client(base_url=info["url"], timeout=120)
         resume = next(r for r in _trace(run_dir)[len(killed):] if r["event"] == "resume")
         assert resume["global_steps"] == resume["k"] == n

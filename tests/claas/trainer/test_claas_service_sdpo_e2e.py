@@ -29,10 +29,10 @@ from pathlib import Path
 
 import httpx
 import pytest
+from service_job import start_job, stop_job, wait_api
 
 from claas_verl.claas.envs.rule_following import CapitalStartRule
 
-REPO = Path(__file__).resolve().parents[3]
 UPDATES = 3
 RULE = "Start your reply with a capital letter."  # the feedback text, and the rule-following grader that checks it
 GRADER = CapitalStartRule()
@@ -60,23 +60,10 @@ def feedback_model() -> tuple[Path, bool]:
     return Path(paths.root), GRADER.family in gates and gates_pass({GRADER.family: gates[GRADER.family]})
 
 
-def _start(cmd, env, log_path: Path) -> subprocess.Popen:
-    log = open(log_path, "w")
-    return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 
 
-def _wait_api(proc, run_dir: Path, log_path: Path) -> dict:
-    deadline = time.monotonic() + 900
-    while not (run_dir / "service.json").exists():
-        assert proc.poll() is None, log_path.read_text()[-4000:]
-        assert time.monotonic() < deadline, "the chat API did not come up"
-        time.sleep(1)
-    return json.loads((run_dir / "service.json").read_text())
 
 
-def _stop(proc: subprocess.Popen, log_path: Path) -> None:
-    proc.send_signal(signal.SIGTERM)  # to the driver: intake stops, the trainer drains and checkpoints
-    assert proc.wait(timeout=600) == 0, log_path.read_text()[-4000:]
 
 
 def _kill_group(proc: subprocess.Popen) -> None:
@@ -119,9 +106,9 @@ def sdpo_service_run(tmp_path_factory):
     run_dir = out / "claas_tiny_service"
     log1 = tmp / "run1.log"
     t0 = time.monotonic()
-    proc = _start(cmd, env, log1)
+    proc = start_job(cmd, env, log1)
     try:
-        info = _wait_api(proc, run_dir, log1)
+        info = wait_api(proc, run_dir, log1)
         client = OpenAI(base_url=info["base_url"], api_key="unused", max_retries=0, timeout=120)
         http = httpx.Client(base_url=info["url"], timeout=120)
         before = _probe(client)
@@ -137,7 +124,7 @@ def sdpo_service_run(tmp_path_factory):
             turns.append({"id": claas["request_id"], "messages": messages, "reward": reward, "feedback": text})
             i += 1
         after = _probe(client)
-        _stop(proc, log1)
+        stop_job(proc, log1)
     finally:
         _kill_group(proc)
     return {"tmp": tmp, "cmd": cmd, "env": env, "run_dir": run_dir, "log": log1.read_text(), "turns": turns,
@@ -219,10 +206,10 @@ def test_resumed_sdpo_teacher_equals_the_saved_one_byte_for_byte(sdpo_service_ru
     saved = torch.load(run_dir / f"global_step_{n}" / "claas" / "sdpo_teacher_rank0.pt", weights_only=False)
     (run_dir / "service.json").unlink()
     log2 = run["tmp"] / "run2.log"
-    proc = _start(run["cmd"], run["env"], log2)
+    proc = start_job(run["cmd"], run["env"], log2)
     try:
-        _wait_api(proc, run_dir, log2)
-        _stop(proc, log2)
+        wait_api(proc, run_dir, log2)
+        stop_job(proc, log2)
     finally:
         _kill_group(proc)
     resume = next(r for r in reversed(_trace(run_dir)) if r["event"] == "resume")
