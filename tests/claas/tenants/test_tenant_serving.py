@@ -7,6 +7,7 @@ import asyncio
 
 import pytest
 import torch
+from tenant_adapters import far_adapter
 
 from claas_verl.claas.tenants.serving import BASE, TenantAdapterCache
 
@@ -72,22 +73,6 @@ def test_a_full_cache_of_running_adapters_goes_over_capacity_rather_than_refuse(
         TenantAdapterCache(["a"], 0, load=print, unload=print)
 
 
-def _adapter(tiny, out, seed):
-    from peft import LoraConfig, PeftModel, get_peft_model
-    from transformers import AutoModelForCausalLM
-
-    def base():
-        return AutoModelForCausalLM.from_pretrained(str(tiny.student), dtype=torch.float32).eval()
-
-    torch.manual_seed(seed)
-    model = get_peft_model(base(), LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
-                                              init_lora_weights=False))
-    with torch.no_grad():
-        for n, p in model.named_parameters():
-            if "lora_B" in n:
-                p.mul_(20.0)
-    model.save_pretrained(str(out))
-    return str(out), PeftModel.from_pretrained(base(), str(out)).eval()
 
 
 def test_the_hf_backend_serves_every_tenants_version_and_reloads_an_evicted_one(tiny, tmp_path):
@@ -97,7 +82,7 @@ def test_the_hf_backend_serves_every_tenants_version_and_reloads_an_evicted_one(
     from claas_verl.claas.tenants.verify import ReloadProbe, probe_ids, probe_token_logprobs
 
     torch.set_num_threads(1)
-    adapters = {t: _adapter(tiny, tmp_path / t, seed) for seed, t in enumerate(("a", "b", "c"), 1)}
+    adapters = {t: far_adapter(tiny, tmp_path / t, seed) for seed, t in enumerate(("a", "b", "c"), 1)}
     backend = TenantHFBackend(tiny.student, ["a", "b", "c", "idle"], max_loaded_adapters=2, default_max_tokens=4)
     ids = probe_ids(backend.tokenizer, 10)
     base = probe_token_logprobs(backend.model, ids)

@@ -9,6 +9,7 @@ import math
 
 import pytest
 import torch
+from tenant_adapters import far_adapter
 
 from claas_verl.claas.tenants.adapters import adapter_digest
 from claas_verl.claas.tenants.verify import (
@@ -60,23 +61,10 @@ def test_a_mismatch_keeps_the_previous_version_counts_logs_and_stops_at_the_limi
 
 
 def _adapter(tiny, out, seed):
-    from peft import LoraConfig, PeftModel, get_peft_model
-    from transformers import AutoModelForCausalLM
-
-    def base():
-        return AutoModelForCausalLM.from_pretrained(str(tiny.student), dtype=torch.float32).eval()
-
-    torch.manual_seed(seed)
-    model = get_peft_model(base(), LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
-                                              init_lora_weights=False))
-    with torch.no_grad():
-        for n, p in model.named_parameters():
-            if "lora_B" in n:
-                p.mul_(20.0)  # far from the base model
-    model.save_pretrained(str(out))
-    trained = PeftModel.from_pretrained(base(), str(out)).eval()  # the trainer's forward of this version
+    """A saved adapter, the trainer's forward of it and the digest of its weights."""
+    path, trained = far_adapter(tiny, out, seed)
     weights = {n: p for n, p in trained.named_parameters() if "lora_" in n}
-    return str(out), trained, adapter_digest(weights)
+    return path, trained, adapter_digest(weights)
 
 
 def test_the_hf_backend_serves_only_a_verified_adapter(tiny, tmp_path, caplog):
