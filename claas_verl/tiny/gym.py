@@ -33,12 +33,11 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from claas_verl.tiny.shipped import BundlePaths, bundle_dir, shipped, unpack_shipped
+from claas_verl.tiny.shipped import BundlePaths, bundle_dir, put_in_place, shipped
 from claas_verl.utils.progress import Progress, track
 
 GYM_VERSION = "3"  # 3: palin replaces arith; π0 answers by neighbouring rules (2: arith expert 3000 steps)
@@ -172,21 +171,8 @@ def ensure_gym(out_dir: str | os.PathLike | None = None, seed: int = 0, build: b
         if is_current(out_dir, seed):
             return GymPaths(out_dir)
         refuse_foreign_dir(out_dir, "gym", GYM_MANIFEST_MARKER, ENV_GYM_DIR)
-        tmp = out_dir.with_name(f".{out_dir.name}.build-{os.getpid()}")
-        shutil.rmtree(tmp, ignore_errors=True)
-        try:
-            ship = None if build else shipped("gym", GYM_VERSION, seed)
-            if ship is None:
-                build_bundle(tmp, seed)
-            else:
-                print(f"{LOG} unpacking the shipped bundle {ship[0].name} (fingerprint {ship[1]['fingerprint']}) "
-                      f"into {out_dir}", file=sys.stderr, flush=True)
-                unpack_shipped(*ship, tmp)
-            if out_dir.exists():
-                shutil.rmtree(out_dir)
-            os.replace(tmp, out_dir)
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
+        ship = None if build else shipped("gym", GYM_VERSION, seed)
+        put_in_place(out_dir, ship, lambda tmp: build_bundle(tmp, seed), LOG)
     return GymPaths(out_dir)
 
 

@@ -40,7 +40,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from claas_verl.tiny.shipped import BundlePaths, bundle_dir, shipped, unpack_shipped
+from claas_verl.tiny.shipped import BundlePaths, bundle_dir, put_in_place, shipped
 
 READER_VERSION = "1"
 DEFAULT_READER_DIR = "/tmp/claas_verl_tiny_reader"
@@ -104,20 +104,7 @@ def ensure_reader(directory: str | os.PathLike | None = None, seed: int = 0, bui
                 f"no shipped reader bundle reader_v{READER_VERSION}_seed{seed} in benchmarks/bundles/ (or "
                 "$CLAAS_VERL_BUNDLES): build it with `python -m claas_verl.tiny reader DIR --build --sft-steps N`")
         steps = sft_steps if sft_steps is not None else SHIPPED_SFT_STEPS
-        tmp = out_dir.with_name(f".{out_dir.name}.build-{os.getpid()}")
-        shutil.rmtree(tmp, ignore_errors=True)
-        try:
-            if ship is None:
-                build_reader(tmp, seed, steps)
-            else:
-                print(f"{LOG} unpacking the shipped bundle {ship[0].name} (fingerprint {ship[1]['fingerprint']}) "
-                      f"into {out_dir}", file=sys.stderr, flush=True)
-                unpack_shipped(*ship, tmp)
-            if out_dir.exists():
-                shutil.rmtree(out_dir)
-            os.replace(tmp, out_dir)
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
+        put_in_place(out_dir, ship, lambda tmp: build_reader(tmp, seed, steps), LOG)
     return ReaderPaths(out_dir)
 
 

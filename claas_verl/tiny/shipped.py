@@ -16,7 +16,10 @@ from __future__ import annotations
 import gzip
 import json
 import os
+import shutil
+import sys
 import tarfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -117,3 +120,22 @@ def pack_bundle(root: Path, kind: str, version: str, seed: int, built_with: str)
                                   "fingerprint": bundle_fingerprint(root), "built_with": built_with},
                                  indent=1, sort_keys=True) + "\n")
     return archive, record
+
+
+def put_in_place(out_dir: Path, ship: tuple[Path, dict] | None, build: Callable[[Path], None], log: str) -> None:
+    """Make a bundle at ``out_dir``: unpacked from ``ship`` (:func:`shipped`), or by ``build(tmp)`` when ``ship`` is
+    None, into a temporary sibling renamed into place, so a killed build never leaves a half bundle there."""
+    tmp = out_dir.with_name(f".{out_dir.name}.build-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        if ship is None:
+            build(tmp)
+        else:
+            print(f"{log} unpacking the shipped bundle {ship[0].name} (fingerprint {ship[1]['fingerprint']}) "
+                  f"into {out_dir}", file=sys.stderr, flush=True)
+            unpack_shipped(*ship, tmp)
+        if out_dir.exists():
+            shutil.rmtree(out_dir)
+        os.replace(tmp, out_dir)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
