@@ -15,6 +15,8 @@ import torch
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
+from proxy_fixtures import ROWS, tiny_model  # noqa: E402
+
 from benchmarks import mopd_stage_proxy  # noqa: E402
 from benchmarks.mopd_proxy_steps import (  # noqa: E402
     FixedProbe,
@@ -26,19 +28,6 @@ from benchmarks.mopd_proxy_steps import (  # noqa: E402
 )
 from benchmarks.mopd_stage_proxy import stage  # noqa: E402
 from claas_verl.tiny import gym  # noqa: E402
-from claas_verl.tiny.model import build_student  # noqa: E402
-
-ROWS = [{"prompt": [{"role": "user", "content": w}]} for w in ("cat", "dog", "bird", "fish", "ant", "owl")]
-
-
-@pytest.fixture(scope="module")
-def tok():
-    return gym.byte_tokenizer()
-
-
-def _model(tok, seed):
-    eos, pad = gym.stop_and_pad_ids(tok)
-    return build_student(len(tok), eos, pad, seed)
 
 
 def _probe(model, tok, prompts=("ab", "cd")):
@@ -58,7 +47,7 @@ def test_the_full_kl_is_the_hand_computed_value():
 
 
 def test_the_probe_kl_of_a_model_to_itself_is_zero_and_to_a_perturbed_copy_positive(tok):
-    model = _model(tok, 0)
+    model = tiny_model(tok, 0)
     probe = _probe(model, tok)
     assert probe.domains == ["x", "y"]
     assert probe.kl(model) == {"mopd/probe_kl/x": 0.0, "mopd/probe_kl/y": 0.0}
@@ -72,7 +61,7 @@ def test_the_probe_kl_of_a_model_to_itself_is_zero_and_to_a_perturbed_copy_posit
 def test_the_probe_sequences_are_fixed_when_the_student_trains(tok):
     # the reference's log-probs and sequences are taken at the stage start: training the very model they came from
     # changes neither, and the probe then measures the drift (> 0); the same model and seed sample the same probe
-    student, expert = _model(tok, 0), _model(tok, 1)
+    student, expert = tiny_model(tok, 0), tiny_model(tok, 1)
     probe = _probe(student, tok)
     before = [s.clone() for s in probe.sequences("x")]
     records = []
@@ -81,7 +70,7 @@ def test_the_probe_sequences_are_fixed_when_the_student_trains(tok):
     assert all(torch.equal(a, b) for a, b in zip(before, probe.sequences("x")))
     drift = [r["metrics"]["mopd/probe_kl/x"] for r in records]
     assert drift[0] > 0 and drift[1] > drift[0]  # two steps toward another teacher move further from M_{k-1}
-    again = _probe(_model(tok, 0), tok)
+    again = _probe(tiny_model(tok, 0), tok)
     assert all(torch.equal(a, b) for a, b in zip(before, again.sequences("x")))
 
 
@@ -98,10 +87,10 @@ def test_the_update_norm_is_the_parameter_distance():
 
 def test_each_step_is_logged_with_the_trainers_fields_and_logging_changes_nothing(tok):
     def run(log):
-        student, expert = _model(tok, 0), _model(tok, 1)
+        student, expert = tiny_model(tok, 0), tiny_model(tok, 1)
         records = [] if log else None
         kls = stage(student, expert, tok, ROWS, steps=2, prompts=2, replies=2, topk=16, lr=1e-2, seed=0,
-                    replay=[(_model(tok, 2), ROWS)], replay_every=1, records=records,
+                    replay=[(tiny_model(tok, 2), ROWS)], replay_every=1, records=records,
                     probe=_probe(student, tok) if log else None, stage_no=2, domain="new_d", replay_domains=["old"])
         return kls, [p.detach().clone() for p in student.parameters()], records
 
@@ -121,10 +110,10 @@ def test_each_step_is_logged_with_the_trainers_fields_and_logging_changes_nothin
 
 
 def _replay_run(tok, arm, steps=1, replay_every=1, replay=None, records=None):
-    student, expert = _model(tok, 0), _model(tok, 1)
+    student, expert = tiny_model(tok, 0), tiny_model(tok, 1)
     records = [] if records is None else records
     stage(student, expert, tok, ROWS, steps=steps, prompts=2, replies=2, topk=16, lr=1e-2, seed=0,
-          replay=replay or [(_model(tok, 2), ROWS)], replay_every=replay_every, records=records, arm=arm,
+          replay=replay or [(tiny_model(tok, 2), ROWS)], replay_every=replay_every, records=records, arm=arm,
           stage_no=3, domain="c", replay_domains=["a", "b"][: len(replay or [1])])
     return records, [p.detach().clone() for p in student.parameters()]
 
@@ -157,7 +146,7 @@ def test_replay_replies_change_only_the_replay_steps_sample_count(tok, monkeypat
 
 
 def test_the_reversed_cycle_replays_the_first_domain_last(tok):
-    replay = [(_model(tok, 2), ROWS[:3]), (_model(tok, 3), ROWS[3:])]
+    replay = [(tiny_model(tok, 2), ROWS[:3]), (tiny_model(tok, 3), ROWS[3:])]
     fwd, _ = _replay_run(tok, ReplayArm(), steps=4, replay=replay)
     rev, _ = _replay_run(tok, ReplayArm(cycle="reversed"), steps=4, replay=replay)
     assert [r["domain"] for r in fwd if r["kind"] == "replay"] == ["a", "b", "a", "b"]
@@ -166,7 +155,7 @@ def test_the_reversed_cycle_replays_the_first_domain_last(tok):
 
 
 def test_a_separate_replay_optimizer_keeps_its_own_adamw_state(tok):
-    model = _model(tok, 0)
+    model = tiny_model(tok, 0)
     opts = Optimisers(model, 1e-3, ReplayArm(optimizer="separate", beta1=0.0))
     main, replay = opts.for_step(replay=False), opts.for_step(replay=True)
     assert main[0] is not replay[0] and opts.for_step(replay=True)[0] is replay[0]

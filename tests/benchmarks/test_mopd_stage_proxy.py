@@ -12,22 +12,11 @@ import torch
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
+from proxy_fixtures import ROWS, tiny_model  # noqa: E402
+
 from benchmarks.mopd_stage_proxy import majority_answer_score, stage  # noqa: E402
 from claas_verl.mopd.eval.gym_snapshots import response_logits, right_padded  # noqa: E402
 from claas_verl.tiny import gym  # noqa: E402
-from claas_verl.tiny.model import build_student  # noqa: E402
-
-ROWS = [{"prompt": [{"role": "user", "content": w}]} for w in ("cat", "dog", "bird", "fish", "ant", "owl")]
-
-
-@pytest.fixture(scope="module")
-def tok():
-    return gym.byte_tokenizer()
-
-
-def _model(tok, seed):
-    eos, pad = gym.stop_and_pad_ids(tok)
-    return build_student(len(tok), eos, pad, seed)
 
 
 def test_right_padding_keeps_positions_and_marks_reply_tokens():
@@ -38,7 +27,7 @@ def test_right_padding_keeps_positions_and_marks_reply_tokens():
 
 
 def test_response_logits_predict_the_reply_tokens(tok):
-    model = _model(tok, 0)
+    model = tiny_model(tok, 0)
     ids, attn, _ = right_padded([5, 6, 7], [[1, 2]], pad_id=0)
     with torch.no_grad():
         full = model(input_ids=ids, attention_mask=attn).logits
@@ -50,7 +39,7 @@ def test_response_logits_predict_the_reply_tokens(tok):
 def test_a_student_distilled_toward_itself_only_decays(tok):
     # q = p gives r = 0 exactly (docs/math.md §B.2.1), so every gradient is 0 and AdamW's update is its decoupled decay;
     # the teacher is the student itself, so q = p at every step
-    student = _model(tok, 0)
+    student = tiny_model(tok, 0)
     before = [p.detach().clone() for p in student.parameters()]
     lr, steps = 1e-3, 2
     kls = stage(student, student, tok, ROWS, steps=steps, prompts=2, replies=2, topk=16, lr=lr, seed=0)
@@ -62,7 +51,7 @@ def test_a_student_distilled_toward_itself_only_decays(tok):
 def test_warm_up_scales_each_update_linearly(tok):
     # with q = p the update is AdamW's decoupled decay alone, θ·(1 − lr_i·0.01): warm-up over 2 updates gives
     # lr_0 = lr/2 and lr_1 = lr
-    student = _model(tok, 0)
+    student = tiny_model(tok, 0)
     before = [p.detach().clone() for p in student.parameters()]
     lr = 1e-1
     stage(student, student, tok, ROWS, steps=2, prompts=2, replies=2, topk=16, lr=lr, seed=0, warmup=2)
@@ -72,7 +61,7 @@ def test_warm_up_scales_each_update_linearly(tok):
 
 def test_the_stage_moves_the_student_toward_a_sharp_teacher(tok):
     # κ = V: the per-step weighted KL is the exact reverse KL on that step's own samples, which eq. (5) lowers
-    student, expert = _model(tok, 0), _model(tok, 1)
+    student, expert = tiny_model(tok, 0), tiny_model(tok, 1)
     with torch.no_grad():
         expert.lm_head.weight.mul_(8.0)  # a sharp teacher, far (27 nats/token) from the near-uniform student
     kls = stage(student, expert, tok, ROWS, steps=8, prompts=3, replies=2, topk=len(tok), lr=1e-2, seed=0)
@@ -81,7 +70,7 @@ def test_the_stage_moves_the_student_toward_a_sharp_teacher(tok):
 
 def test_a_stage_on_given_blocks_times_its_phases(tok):
     # bench_mopd_step.py runs the proxy on the trainer's plan blocks and reads one timing dict per step
-    student = _model(tok, 0)
+    student = tiny_model(tok, 0)
     blocks = [ROWS[:2], ROWS[2:4]]
     timings = []
     stage(student, student, tok, ROWS, steps=2, prompts=6, replies=2, topk=16, lr=1e-3, seed=0, blocks=blocks,
@@ -99,7 +88,7 @@ def test_scoring_mid_stage_changes_nothing_in_the_stage(tok):
     # --eval-every scores the student between updates (sampling consumes torch's generator); the stage's own
     # samples, KLs and weights must be those of a stage scored only at its end
     def run(after_step):
-        student, expert = _model(tok, 0), _model(tok, 1)
+        student, expert = tiny_model(tok, 0), tiny_model(tok, 1)
         kls = stage(student, expert, tok, ROWS, steps=3, prompts=2, replies=2, topk=16, lr=1e-2, seed=0,
                     after_step=after_step)
         return kls, [p.detach().clone() for p in student.parameters()]
@@ -134,7 +123,7 @@ def test_replay_steps_leave_the_new_domain_steps_their_prompts_and_seeds(tok):
     # --replay-every M adds one replay step after every M new-domain steps; the new-domain steps must draw the
     # prompts and samples they draw without replay, so the first update and its KL are those of Seq exactly
     def run(replay):
-        student, expert = _model(tok, 0), _model(tok, 1)
+        student, expert = tiny_model(tok, 0), tiny_model(tok, 1)
         after = []
         kls = stage(student, expert, tok, ROWS, steps=2, prompts=2, replies=2, topk=16, lr=1e-2, seed=0,
                     after_step=lambda i: after.append([p.detach().clone() for p in student.parameters()]),
@@ -142,7 +131,7 @@ def test_replay_steps_leave_the_new_domain_steps_their_prompts_and_seeds(tok):
         return kls, after
 
     seq_kls, seq_after = run(None)
-    kls, after = run(lambda student: [(_model(tok, 2), ROWS)])
+    kls, after = run(lambda student: [(tiny_model(tok, 2), ROWS)])
     assert len(kls) == len(after) == 2  # replay steps are neither KLs nor after_step calls
     assert kls[0] == seq_kls[0]
     for a, b in zip(after[0], seq_after[0]):
@@ -153,8 +142,8 @@ def test_replay_steps_leave_the_new_domain_steps_their_prompts_and_seeds(tok):
 def test_replay_cycles_over_the_earlier_domains_every_m_steps(tok):
     # the shared budget (recipes/mopd/budget/shared.yaml): after new steps 2, 4, 6 the replay steps go to the
     # earlier domains in turn, A, B, A; each replay step forwards its teacher once per prompt
-    student, expert = _model(tok, 0), _model(tok, 1)
-    a, b = _CountingTeacher(_model(tok, 2)), _CountingTeacher(_model(tok, 3))
+    student, expert = tiny_model(tok, 0), tiny_model(tok, 1)
+    a, b = _CountingTeacher(tiny_model(tok, 2)), _CountingTeacher(tiny_model(tok, 3))
     replay_kls = []
     kls = stage(student, expert, tok, ROWS, steps=6, prompts=2, replies=1, topk=16, lr=1e-3, seed=0,
                 replay=[(a, ROWS[:3]), (b, ROWS[3:])], replay_every=2, replay_kls=replay_kls)
