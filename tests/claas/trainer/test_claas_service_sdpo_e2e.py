@@ -10,8 +10,9 @@ checkpoint). Checked:
 - mechanism (any model): the entries' teacher context is the chat with its last user message re-prompted with the
   user's text; every update's SDPO signal follows the sampled entries' feedback (sd_mask = 1 exactly for the entries
   with text: loss > 0 and sd-token fraction in (0, 1] when some have text, 0 when none has); versions advance;
-- movement (a model that reads feedback, see :func:`feedback_model`): the pass rate of the served replies on the
-  held-out probes rises;
+- the served replies' pass rate on held-out probes before and after the updates is measured and printed, not
+  asserted: a rise is expected only from a model measured to read feedback (its bundle's gates), and the shipped
+  reader bundle fails them (benchmarks/LOG.md 2026-12-06; benchmarks/plans/claas_feedback.md step 1b);
 - resume (run 2, the same command): the EMA teacher restored from the checkpoint equals the saved one byte for byte
   (sha256 of its tensors) and differs from the student's LoRA, which is what an unsaved teacher would be.
 """
@@ -45,19 +46,12 @@ PROBE_SAMPLES = 4  # replies per probe prompt (sampled at τ = 1, as the service
 pytestmark = pytest.mark.slow
 
 
-def feedback_model() -> tuple[Path, bool]:
-    """THE model of this test: ``(bundle directory for CLAAS_TINY_DIR, whether its π0 reads feedback)``.
-
-    The shipped reader bundle (``claas_verl.tiny.reader``), whose manifest carries the measured instruction-reading
-    gates (benchmarks/plans/claas_feedback.md). The movement is asserted only when every gate of the probe rule's
-    family passed there, i.e. when SDPO's re-prompted teacher is measured to know more than the student; the
-    shipped ``reader_v1`` fails them (benchmarks/LOG.md, 2026-12-06), so on it only the mechanism is checked."""
+def feedback_model() -> Path:
+    """THE model of this test: the shipped reader bundle (``claas_verl.tiny.reader``), for CLAAS_TINY_DIR. Its
+    manifest's gates say whether its π0 reads feedback; reader_v1's do not (benchmarks/LOG.md, 2026-12-06)."""
     from claas_verl.tiny.reader import ensure_reader
-    from claas_verl.tiny.reader_measure import gates_pass
 
-    paths = ensure_reader()
-    gates = json.loads(paths.manifest.read_text()).get("gates", {})
-    return Path(paths.root), GRADER.family in gates and gates_pass({GRADER.family: gates[GRADER.family]})
+    return Path(ensure_reader().root)
 
 
 
@@ -95,7 +89,7 @@ def sdpo_service_run(tmp_path_factory):
     from openai import OpenAI
 
     tmp = tmp_path_factory.mktemp("sdpo_service")
-    bundle, reads = feedback_model()
+    bundle = feedback_model()
     out = tmp / "runs"
     env = dict(os.environ, CLAAS_TINY_DIR=str(bundle), CLAAS_OUT_DIR=str(out), PYTHONUNBUFFERED="1")
     env.setdefault("RAY_raylet_start_wait_time_s", "180")
@@ -128,7 +122,7 @@ def sdpo_service_run(tmp_path_factory):
     finally:
         _kill_group(proc)
     return {"tmp": tmp, "cmd": cmd, "env": env, "run_dir": run_dir, "log": log1.read_text(), "turns": turns,
-            "before": before, "after": after, "reads_feedback": reads, "wall_s": time.monotonic() - t0}
+            "before": before, "after": after, "wall_s": time.monotonic() - t0}
 
 
 def _trace(run_dir: Path) -> list[dict]:
@@ -151,9 +145,11 @@ def test_feedback_text_is_the_teacher_context_of_the_sdpo_updates(sdpo_service_r
     updates = [u for u in trace if u["event"] == "update"]
     assert len(updates) >= UPDATES and [u["global_steps"] for u in updates] == list(range(1, len(updates) + 1))
     assert min(run["after"][2]) >= UPDATES > max(run["before"][2]) == 0  # the served adapter advanced
+    print(f"{GRADER.family} pass rate of served replies on {len(PROBE_PROMPTS)} held-out probes x {PROBE_SAMPLES}: "
+          f"before {run['before'][0]:.3f}, after {run['after'][0]:.3f} (not asserted: see the module docstring)")
 
     # every trained entry with text had a teacher context x' = the chat re-prompted with the user's text
-    tok = AutoTokenizer.from_pretrained(str(feedback_model()[0] / "student"))
+    tok = AutoTokenizer.from_pretrained(str(feedback_model() / "student"))
     by_id = {t["id"]: t for t in turns}
     held = {}  # the entries of every checkpoint's buffer (the last one may hold none: entries age out, A_max)
     for claas_dir in run_dir.glob("global_step_*/claas"):
@@ -183,16 +179,6 @@ def test_feedback_text_is_the_teacher_context_of_the_sdpo_updates(sdpo_service_r
     n = int((run_dir / "latest_checkpointed_iteration.txt").read_text())
     teacher = torch.load(run_dir / f"global_step_{n}" / "claas" / "sdpo_teacher_rank0.pt", weights_only=False)
     assert teacher["ema"]["num_updates"] == updates[n - 1]["sdpo"]["ema_updates"] >= 1
-
-
-def test_served_policy_moves_toward_the_feedback(sdpo_service_run):
-    run = sdpo_service_run
-    before, after = run["before"][0], run["after"][0]
-    print(f"{GRADER.family} pass rate of served replies on {len(PROBE_PROMPTS)} held-out probes x {PROBE_SAMPLES}: "
-          f"before {before:.3f}, after {after:.3f} ({len(run['turns'])} feedback turns, {UPDATES}+ updates)")
-    if not run["reads_feedback"]:
-        pytest.skip("the model of feedback_model() cannot read feedback in context: no movement to expect")
-    assert after > before, (run["before"][1], run["after"][1])
 
 
 def test_resumed_sdpo_teacher_equals_the_saved_one_byte_for_byte(sdpo_service_run):
