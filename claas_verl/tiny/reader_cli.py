@@ -27,10 +27,14 @@ def add_reader_parser(sub) -> None:
                         help="instead of one bundle: fine-tune once to the largest N of the plan's grid, write the "
                              "bundle of every N into GRID_DIR/N<n> (measured on the gated families), complete the "
                              "chosen one's manifest, and the tables, gates and chosen N into GRID_DIR/grid.json")
+    reader.add_argument("--grid-steps", default=None, metavar="N1,N2,...",
+                        help="with --grid: the N to measure instead of the plan's step-1 grid (the same seeded "
+                             "fine-tune, so a longer grid continues the shorter one; plan step 1b: 1600,3200)")
 
 
 def run_reader(args, cpu_model: str) -> int:
-    from claas_verl.tiny.reader import READER_VERSION, ReaderPaths, complete_manifest, ensure_reader, measure_grid
+    from claas_verl.tiny.reader import (READER_VERSION, STEPS_GRID, ReaderPaths, complete_manifest, ensure_reader,
+                                        measure_grid)
 
     t0 = time.time()
     if args.complete:
@@ -38,10 +42,22 @@ def run_reader(args, cpu_model: str) -> int:
         print(f"measured every family of {args.out_dir} in {time.time() - t0:.1f}s: {sorted(m['instruction_reading'])}")
         return 0
     if args.grid:
-        result = measure_grid(Path(args.grid), seed=args.seed)
+        try:
+            grid = tuple(int(n) for n in args.grid_steps.split(",")) if args.grid_steps else STEPS_GRID
+        except ValueError:
+            print(f"error: --grid-steps takes comma-separated integers (e.g. 1600,3200), got {args.grid_steps!r}",
+                  file=sys.stderr)
+            return 2
+        if min(grid) < 1:
+            print(f"error: --grid-steps must all be >= 1, got {args.grid_steps!r}", file=sys.stderr)
+            return 2
+        result = measure_grid(Path(args.grid), seed=args.seed, grid=grid)
         print(f"grid measured in {time.time() - t0:.1f}s into {args.grid}; chosen N: {result['chosen']} (ship it "
               f"with `python -m claas_verl.tiny reader {args.grid}/N{result['chosen']} --ship`)")
         return 0
+    if args.grid_steps and not args.grid:
+        print("error: --grid-steps sets the N of a --grid measurement; add --grid GRID_DIR", file=sys.stderr)
+        return 2
     if args.sft_steps is not None and not args.build:
         print("error: --sft-steps sets the fine-tune of a build; add --build (without it the shipped bundle is "
               "unpacked)", file=sys.stderr)

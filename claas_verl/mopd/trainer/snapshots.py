@@ -22,6 +22,8 @@ from claas_verl.mopd.trainer.resume_state import (
     write_state,
 )
 
+CARRIED_STATE_KEY = "carried_balance"  # the worker's carried multipliers (mopd.signal.balance: carried) in the state
+
 
 class StageSnapshots:
     """M_j export, resume state and its reconciliation for one run directory."""
@@ -33,11 +35,13 @@ class StageSnapshots:
     def step_dir(self, gs: int) -> str:
         return os.path.join(self.run_dir, f"global_step_{gs}")
 
-    def after_save(self, gs: int, stage: int, stage_complete: bool) -> None:
-        """After verl saved global step ``gs``: export M_stage at a stage end, then write the resume state."""
+    def after_save(self, gs: int, stage: int, stage_complete: bool, extra: dict | None = None) -> None:
+        """After verl saved global step ``gs``: export M_stage at a stage end, then write the resume state (with
+        ``extra``: worker state verl's checkpoint does not hold, e.g. the carried balancing multipliers)."""
         if stage_complete:
             self.export(stage, gs)
         write_state(self.step_dir(gs), {
+            **(extra or {}),
             "global_step": gs,
             "plan_index": gs - 1,
             "stage": stage,

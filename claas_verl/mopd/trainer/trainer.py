@@ -49,7 +49,7 @@ from claas_verl.mopd.trainer.distill_step import DistillStep
 from claas_verl.mopd.trainer.fixed_probe import MOPDStepLogWorker
 from claas_verl.mopd.trainer.forgetting import ForgettingEval
 from claas_verl.mopd.trainer.plan_steps import ModelPaths, stage_bounds, step_index
-from claas_verl.mopd.trainer.snapshots import StageSnapshots
+from claas_verl.mopd.trainer.snapshots import CARRIED_STATE_KEY, StageSnapshots
 from claas_verl.mopd.trainer.stage_progress import StageProgress
 from claas_verl.mopd.trainer.step_probe import StepProbe
 from claas_verl.mopd.trainer.teachers import StageTeachers
@@ -223,7 +223,10 @@ class MOPDTrainer(VerlSeams, PPOTrainerSync):
     def after_checkpoint_saved(self):
         gs = self.global_steps
         self._saved_at = gs
-        self.snapshots.after_save(gs, self.current_step(gs)["stage"], self.is_stage_end(gs))
+        extra = {}
+        if self.mopd.signal.balance == "carried":  # worker-side state verl's checkpoint does not hold
+            extra[CARRIED_STATE_KEY] = self.actor_rollout_wg.mopd_carried_state()[0]
+        self.snapshots.after_save(gs, self.current_step(gs)["stage"], self.is_stage_end(gs), extra)
 
     def after_checkpoint_loaded(self):
         gs = self.global_steps
@@ -236,6 +239,10 @@ class MOPDTrainer(VerlSeams, PPOTrainerSync):
                 "separate: verl's checkpoint holds one optimizer state, so the replay steps' own AdamW state of this "
                 "stage is lost (docs/verl-couplings.md). Resume from a stage-end checkpoint, or rerun the stage")
         self.forgetting.note_resume(state, gs)
+        if self.mopd.signal.balance == "carried":
+            # the checkpoint's multipliers, so the resumed replay steps are carried or exact as without the kill; a
+            # checkpoint written with balance=exact has none (the next step of each key is then exact)
+            self.actor_rollout_wg.mopd_carried_load(state.get(CARRIED_STATE_KEY))
         # the next step's on_step_begin loads the teachers; a stage that is not finished keeps its optimizer
         self.teachers.stage = None
 

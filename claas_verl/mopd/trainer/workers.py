@@ -189,11 +189,27 @@ class MOPDTrainingWorker(TrainingWorker):
         return outputs
 
     def _carried_balance(self, cfg: alignment.AuxConfig) -> CarriedBalance:
-        """The worker's carried multipliers (``mopd.signal.balance: carried``), kept across steps in this process."""
+        """The worker's carried multipliers (``mopd.signal.balance: carried``), kept across steps in this process
+        and in the run's checkpoints (:meth:`carried_state`); a changed ``balance_refresh`` starts them afresh."""
         state = getattr(self, "_carried", None)
         if state is None or state.refresh != cfg.balance_refresh:
             state = self._carried = CarriedBalance(cfg.balance_refresh)
         return state
+
+    def carried_state(self) -> dict | None:
+        """The carried multipliers per key and their uses (JSON-able), or None before any carried step."""
+        state = getattr(self, "_carried", None)
+        return None if state is None else state.state_dict()
+
+    def load_carried_state(self, state: dict | None) -> None:
+        """Restore :meth:`carried_state` of a checkpoint: the next replay step of a key is then carried or exact
+        exactly as it would have been without the restart."""
+        if state is None:
+            self._carried = None
+            return
+        carried = CarriedBalance(int(state["refresh"]))
+        carried.load_state_dict(state)
+        self._carried = carried
 
     @staticmethod
     def _carried_pass(module, terms, mults, params, micro, weights, targets, layers, device, autocast) -> dict:
@@ -562,6 +578,16 @@ class MOPDWorker(ActorRolloutRefWorker):
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def mopd_optimizer_steps(self) -> int:
         return vc.optimizer_step_count(self.actor.engine)
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def mopd_carried_state(self) -> dict | None:
+        """``mopd.signal.balance: carried``: this rank's carried multipliers, saved with the run's checkpoint (every
+        rank holds the same ones: they come from all-reduced norms)."""
+        return self.actor.carried_state()
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def mopd_carried_load(self, state: dict | None) -> None:
+        self.actor.load_carried_state(state)
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def mopd_probe_logprobs(self, ids: list[int], targets: list[list[int]]) -> list[list[float]]:

@@ -177,6 +177,45 @@ def test_carried_balance_reuses_the_multipliers_of_the_exact_step(tiny_dir):
         torch.testing.assert_close(carried, exact, rtol=1e-4, atol=1e-5 * float(exact.abs().max()))
 
 
+def test_carried_multipliers_survive_a_checkpoint_round_trip(tiny_dir):
+    """The carried state goes into the run's checkpoint as JSON (``mopd_state.json``): a worker restored from it
+    continues refresh 3's cycle (carried, then exact) with the saved multipliers, step for step and bit for bit like
+    the worker that never stopped; a worker that lost it would run an exact step first."""
+    import json
+
+    cfg = alignment.aux_config({"sats": True, "vr": True, "hidden": True, "ratio": 0.5, "window": 4,
+                                "balance": "carried", "balance_refresh": 3})
+    data = _batch(cfg)
+
+    def step(worker):
+        worker.engine = _Engine(AutoModelForCausalLM.from_pretrained(tiny_dir / "student", dtype=torch.float32), cfg)
+        worker.mopd_targets = {**_held(tiny_dir, data, cfg), "teacher": "math"}
+        out = worker.balanced_engine_step(data, _tok_loss, cfg, key="spell")
+        return ({k: v[0] for k, v in out["metrics"].items() if k.startswith("mopd/")}, worker.engine.stepped)
+
+    first = MOPDTrainingWorker.__new__(MOPDTrainingWorker)
+    assert first.carried_state() is None
+    before = [step(first) for _ in range(2)]  # exact, carried
+    saved = json.loads(json.dumps(first.carried_state()))
+    assert saved["uses"] == {"spell": 1} and saved["mults"]["spell"]["mult_vr"] == before[1][0]["mopd/mult_vr"]
+    restored = MOPDTrainingWorker.__new__(MOPDTrainingWorker)
+    restored.load_carried_state(saved)
+    fresh = MOPDTrainingWorker.__new__(MOPDTrainingWorker)
+    went_on = [step(first) for _ in range(2)]
+    resumed = [step(restored) for _ in range(2)]
+    assert [m.get("mopd/balance_carried", 0.0) for m, _ in went_on] == [1.0, 0.0]
+    assert [m.get("mopd/balance_carried", 0.0) for m, _ in resumed] == [1.0, 0.0]
+    assert step(fresh)[0].get("mopd/balance_carried", 0.0) == 0.0
+    for (m_a, g_a), (m_b, g_b) in zip(went_on, resumed):
+        assert m_a == m_b
+        for a, b in zip(g_a, g_b):
+            assert (a is None) == (b is None)
+            if a is not None:
+                torch.testing.assert_close(a, b, rtol=0, atol=0)
+    restored.load_carried_state(None)
+    assert restored.carried_state() is None
+
+
 def test_balanced_step_refuses_targets_of_another_batch(tiny_dir):
     cfg = alignment.aux_config({"hidden": True, "window": 4})
     worker = MOPDTrainingWorker.__new__(MOPDTrainingWorker)
