@@ -147,3 +147,14 @@ def test_the_cli_refuses_sft_steps_without_build(capsys):
 
     assert main(["reader", "/tmp/claas_reader_never_made", "--sft-steps", "50"]) == 2
     assert "--sft-steps sets the fine-tune of a build; add --build" in capsys.readouterr().err
+
+
+def test_the_cli_checks_grid_steps(capsys):
+    from claas_verl.tiny.__main__ import main
+
+    assert main(["reader", "--grid-steps", "1600"]) == 2
+    assert "--grid-steps sets the N of a --grid measurement; add --grid GRID_DIR" in capsys.readouterr().err
+    assert main(["reader", "--grid", "/tmp/claas_reader_never_made", "--grid-steps", "16x0"]) == 2
+    assert "--grid-steps takes comma-separated integers" in capsys.readouterr().err
+    assert main(["reader", "--grid", "/tmp/claas_reader_never_made", "--grid-steps", "0,1600"]) == 2
+    assert "--grid-steps must all be >= 1" in capsys.readouterr().err
