@@ -214,6 +214,8 @@ def balanced_backward(
             balance_scale=info["scale"],
             final_grad_norm=info["final_norm"],
             balance_fallback=info["fallback"],
+            tok_coef=info["tok_coef"],  # a and b·c of eq. (9): the two parts' norms are a·‖g_tok‖, b·c·‖g_aux‖
+            aux_coef=info["aux_coef"],
         )
         # g = Σ_t mult_t·g_t: the multiplier of each raw gradient (what the carried approximation reuses)
         metrics.update({f"mult_{t}": info[f"mult_{t}"] for t in ("tok", *aux_terms)})

@@ -18,6 +18,9 @@ from claas_verl.utils.schema import knob
 SIGNAL_TERMS = ("sats", "vr", "hidden")  # names of claas_verl.align.alignment_signals
 COMBINE_VARIANTS = ("fsar", "1:1:1")  # mopd.signal.combine: eq. (10)+(9), or MOPD paper Table 4's 1:1:1
 BALANCE_MODES = ("exact", "carried")  # mopd.signal.balance: exact eqs. (9)-(10) every step, or carried multipliers
+# mopd.signal.passes: one forward per micro-batch for the token loss and every term (the floor), or verl's token
+# pass then one forward + backward per term (the MOPD paper's separate passes; one gradient on the device)
+PASS_SCHEDULES = ("shared", "separate")
 AUX_STEP_KINDS = ("replay", "recovery")  # new-domain and joint steps never run the alignment terms (docs/math.md §B.6)
 
 
@@ -44,6 +47,10 @@ class AuxConfig:
             the last exact step of the same replay domain, one alignment backward per micro-batch;
             :mod:`claas_verl.align.carried`, docs/math.md §B.6).
         balance_refresh: with ``balance: carried``, every ``balance_refresh``-th replay step of a teacher is exact.
+        passes: ``"shared"`` (one student forward per micro-batch gives the token loss and every term; one
+            backward per term on it, each term's gradient accumulated on the device) or ``"separate"`` (verl's token
+            pass, then one forward + backward per term; one gradient on the device, the others on the host).
+            docs/performance.md, "The aligned replay step".
     """
 
     terms: tuple[str, ...] = ()
@@ -57,6 +64,7 @@ class AuxConfig:
     target_budget_gib: float = 16.0
     balance: str = "exact"
     balance_refresh: int = 4
+    passes: str = "shared"
 
     @property
     def enabled(self) -> bool:
@@ -71,7 +79,7 @@ class AuxConfig:
             "layers": None if self.layers is None else list(self.layers), "drop_trailing": self.drop_trailing,
             "kinds": list(self.kinds), "combine": self.combine,
             "target_budget_gib": self.target_budget_gib, "balance": self.balance,
-            "balance_refresh": self.balance_refresh,
+            "balance_refresh": self.balance_refresh, "passes": self.passes,
         }
 
     @classmethod
@@ -79,7 +87,7 @@ class AuxConfig:
         """Inverse of :meth:`to_dict` (how the config travels to the workers as non-tensor batch data)."""
         signal = {t: t in d["terms"] for t in SIGNAL_TERMS}
         signal.update({k: d[k] for k in ("ratio", "rho", "window", "layers", "drop_trailing", "combine",
-                                             "target_budget_gib", "balance", "balance_refresh")})
+                                             "target_budget_gib", "balance", "balance_refresh", "passes")})
         signal["aux_kinds"] = d["kinds"]
         return aux_config(signal)
 
@@ -132,8 +140,13 @@ def aux_config(signal: Mapping | None) -> AuxConfig:
     if isinstance(refresh, bool) or not isinstance(refresh, int) or refresh < 1:
         raise ValueError(f"mopd.signal.balance_refresh must be an integer >= 1 (1 = every replay step exact), "
                          f"got {refresh!r}")
+    passes = str(signal.get("passes", schema.passes))
+    if passes not in PASS_SCHEDULES:
+        raise ValueError(f"mopd.signal.passes must be one of {list(PASS_SCHEDULES)} (shared: one forward per "
+                         f"micro-batch for every term; separate: a forward per term, less device memory), got "
+                         f"{passes!r}")
     return AuxConfig(terms, ratio, rho, window, layers, bool(signal.get("drop_trailing", schema.drop_trailing)), kinds,
-                     combine, budget, balance_mode, refresh)
+                     combine, budget, balance_mode, refresh, passes)
 
 
 @dataclass(frozen=True)
@@ -160,6 +173,10 @@ class SignalSection:
                         "backward per micro-batch; approximate, see docs/math.md §B.6 and docs/performance.md")
     balance_refresh: int = knob(4, "with balance=carried: every balance_refresh-th replay step of a domain is "
                                 "exact and renews the multipliers (1 = every step exact)")
+    passes: str = knob("shared", "shared: one student forward per micro-batch gives the token loss and every term, "
+                       "one backward per term on it, the terms' gradients accumulated on the device (the floor) | "
+                       "separate: verl's token pass, then one forward + backward per term, one gradient on the "
+                       "device and the others on the host (less device memory); docs/performance.md")
 
 
 SIGNAL_KEYS = tuple(SignalSection.__dataclass_fields__)  # every key of mopd.signal

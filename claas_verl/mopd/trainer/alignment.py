@@ -141,6 +141,29 @@ def aux_micro_batches(
     return out
 
 
+def response_logits(logits: torch.Tensor, seq_lengths: torch.Tensor, resp_lengths: torch.Tensor,
+                    temperature: torch.Tensor | None = None) -> torch.Tensor:
+    """Logits of right-padded rows ``[b, T, V]`` -> the response layout ``[b, R, V]`` (R = the longest response).
+
+    Row i holds ``L_i`` tokens, the last ``R_i`` of them its response; response token t is predicted by the logits
+    at position ``L_i − R_i − 1 + t`` (verl's shift). Divided by the row's ``temperature`` (``[b]``; verl scales the
+    logits the same way before its logits processor); positions beyond ``R_i`` are zero. A copy, with grad.
+    """
+    b, T, V = logits.shape
+    R = int(resp_lengths.max()) if resp_lengths.numel() else 0
+    t = torch.arange(R, device=logits.device)
+    valid = t[None, :] < resp_lengths[:, None]
+    start = seq_lengths - resp_lengths - 1
+    if bool(((start < 0) | (seq_lengths > T)).any()):
+        raise ValueError(f"response lengths {resp_lengths.tolist()} must be shorter than the sequences "
+                         f"{seq_lengths.tolist()}, which must fit the {T} padded positions")
+    pos = torch.where(valid, start[:, None] + t[None, :], torch.zeros_like(t)[None, :])
+    out = logits.gather(1, pos[..., None].expand(b, R, V))
+    if temperature is not None:
+        out = out / temperature.to(out.dtype)[:, None, None]
+    return out.masked_fill(~valid[..., None], 0.0)
+
+
 def batch_fingerprint(sequences: list[torch.Tensor]) -> str:
     """Order-sensitive checksum of a batch's token ids (matches the teacher's targets to the student's batch)."""
     crc = 0

@@ -97,15 +97,9 @@ class MOPDLoss(LogitsProcessorLoss):
 
     # ------------------------------------------------------------------ phase 2: the update loss
     def update_loss(self, packed: dict, data):
-        from verl.trainer.ppo.core_algos import get_policy_loss_fn
         from verl.utils.metric import AggregationType, Metric
 
-        cfg = self.actor_config
-        if cfg is None:
-            raise ValueError("MOPDLoss(actor_config=None) is a teacher loss and cannot run an update")
-        if cfg.loss_agg_mode != "token-mean":
-            raise ValueError(f"actor_rollout_ref.actor.loss_agg_mode={cfg.loss_agg_mode!r}: the MOPD token loss is "
-                             "the per-micro-batch token mean of docs/math.md §B.2.3/B.7; set it to token-mean")
+        self._check_update_config()
         k = _topk(data)
         _, resp = self.lengths(data)
         if token_fields.CURRENT_LP not in packed:
@@ -115,26 +109,72 @@ class MOPDLoss(LogitsProcessorLoss):
         logp = self.response_rows(packed[token_fields.CURRENT_LP], data)  # [B, T_r, K], with grad
         adv = token_fields.unpack_rows(data[token_fields.ADVANTAGES], k, token_fields.ADVANTAGES).to(logp.device)
         mask = padded(data["response_mask"]).to(logp.device).bool()
-        if adv.shape != logp.shape or mask.shape != logp.shape[:2]:
-            raise ValueError(
-                f"MOPD update: advantages {tuple(adv.shape)}, log-probs {tuple(logp.shape)} and response_mask "
-                f"{tuple(mask.shape)} disagree; the stored fields were written for another batch layout"
-            )
         # docs/math.md §B.7: ℓ_tok(mb) = token mean over THIS micro-batch's valid positions, weighted n_resp(mb)/n_resp
         # (n_resp = this rank's responses; the FSDP gradient average over ranks then gives n_resp(mb)/n_total).
         # The alignment passes of a balanced step use the same micro-batches and weights.
         weight = microbatch_weight(int(resp.shape[0]), data["global_batch_size"], data["dp_size"])
-        cfg.global_batch_info["dp_size"] = 1
-        cfg.global_batch_info["batch_num_tokens"] = mask.sum().clamp(min=1)  # a tensor: no host sync (utils.masked)
-        cfg.global_batch_info["global_batch_size"] = int(resp.shape[0])
-        cfg.global_batch_info["loss_scale_factor"] = cfg.loss_scale_factor
-        loss_fn = get_policy_loss_fn("claas_topk_distill")
-        loss, pg_metrics = loss_fn(
-            old_log_prob=None, log_prob=logp, advantages=adv, response_mask=mask,
-            loss_agg_mode=cfg.loss_agg_mode, config=cfg,
-        )
+        loss, pg_metrics = self.token_loss(logp, adv, mask)
         loss = loss * weight
         # the registered loss read its metrics in one transfer; the token loss is the only other value (one more)
         metrics = {"mopd/tok_loss": Metric(value=loss.detach(), aggregation=AggregationType.SUM)}
         metrics.update(Metric.from_dict(pg_metrics, aggregation=AggregationType.MEAN))
         return loss, metrics
+
+    def _check_update_config(self):
+        cfg = self.actor_config
+        if cfg is None:
+            raise ValueError("MOPDLoss(actor_config=None) is a teacher loss and cannot run an update")
+        if cfg.loss_agg_mode != "token-mean":
+            raise ValueError(f"actor_rollout_ref.actor.loss_agg_mode={cfg.loss_agg_mode!r}: the MOPD token loss is "
+                             "the per-micro-batch token mean of docs/math.md §B.2.3/B.7; set it to token-mean")
+        return cfg
+
+    def token_loss(self, logp: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor):
+        """ℓ_tok(mb) of docs/math.md §B.2.3, unweighted: the ``claas_topk_distill`` policy loss (verl's registry) as
+        the token mean over one micro-batch's valid positions.
+
+        Args:
+            logp: ``[b, T_r, K]`` log π_θ at the stored ids, with grad; adv: ``[b, T_r, K]`` advantages;
+            mask: ``[b, T_r]`` bool response mask.
+
+        Returns:
+            ``(loss, pg_metrics)``; the caller weights the loss ``n_resp(mb)/n_resp`` (B.7).
+        """
+        from verl.trainer.ppo.core_algos import get_policy_loss_fn
+
+        cfg = self._check_update_config()
+        if adv.shape != logp.shape or mask.shape != logp.shape[:2]:
+            raise ValueError(
+                f"MOPD update: advantages {tuple(adv.shape)}, log-probs {tuple(logp.shape)} and response_mask "
+                f"{tuple(mask.shape)} disagree; the stored fields were written for another batch layout"
+            )
+        cfg.global_batch_info["dp_size"] = 1
+        cfg.global_batch_info["batch_num_tokens"] = mask.sum().clamp(min=1)  # a tensor: no host sync (utils.masked)
+        cfg.global_batch_info["global_batch_size"] = int(logp.shape[0])
+        cfg.global_batch_info["loss_scale_factor"] = cfg.loss_scale_factor
+        loss_fn = get_policy_loss_fn("claas_topk_distill")
+        return loss_fn(old_log_prob=None, log_prob=logp, advantages=adv, response_mask=mask,
+                       loss_agg_mode=cfg.loss_agg_mode, config=cfg)
+
+    def shared_token_loss(self, logits: torch.Tensor, data, rows: list[int]):
+        """ℓ_tok(mb) (unweighted, with its metrics) from the balanced step's shared forward
+        (``mopd.signal.passes: shared``): the same loss as :meth:`update_loss` on the rows ``rows`` of the update batch
+        ``data``, from response-layout logits instead of verl's packed processor logits.
+
+        Args:
+            logits: ``[b, R, V]`` temperature-scaled logits of the micro-batch's rows at the positions predicting
+                their response tokens (:func:`claas_verl.mopd.trainer.alignment.response_logits`), ``R`` = the
+                longest response of these rows.
+        """
+        from verl.utils.metric import AggregationType, Metric
+
+        self._check_update_config()
+        k = _topk(data)
+        R = logits.shape[1]
+        index = torch.as_tensor(rows, dtype=torch.long)
+        ids = token_fields.unpack_rows(data[token_fields.TOPK_IDS], k, token_fields.TOPK_IDS)[index, :R]
+        adv = token_fields.unpack_rows(data[token_fields.ADVANTAGES], k, token_fields.ADVANTAGES)[index, :R]
+        mask = padded(data["response_mask"])[index, :R]
+        logp = topk_logprobs(logits, ids.to(logits.device).long(), chunk_size=self.chunk_size)
+        loss, pg_metrics = self.token_loss(logp, adv.to(logp.device), mask.to(logp.device).bool())
+        return loss, Metric.from_dict(pg_metrics, aggregation=AggregationType.MEAN)

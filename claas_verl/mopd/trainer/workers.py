@@ -17,7 +17,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import logging
 
@@ -30,9 +29,7 @@ from verl.workers.engine_workers import ActorRolloutRefWorker, TrainingWorker
 
 from claas_verl.align import (
     AlignmentSignals,
-    PooledRows,
     TeacherTargetStore,
-    alignment_losses,
     alignment_signals,
     attention_modules,
     microbatch_weights,
@@ -43,6 +40,22 @@ from claas_verl.align.carried import CarriedBalance
 from claas_verl.mopd.trainer import alignment
 from claas_verl.mopd.trainer import fields as token_fields
 from claas_verl.mopd.trainer import verl_couplings as vc
+from claas_verl.mopd.trainer.balanced_passes import (  # noqa: F401 (update_row_groups, compute_device, engine_autocast: used by other modules through this one)
+    alignment_pass,
+    balance_metrics,
+    carried_pass,
+    compute_device,
+    dp_group,
+    engine_autocast,
+    micro_batches,
+    params_gathered_through_backward,
+    pass_order,
+    reduction,
+    sequences,
+    shared_step,
+    targets_to,
+    update_row_groups,
+)
 from claas_verl.mopd.trainer.loss import MOPDLoss
 from claas_verl.verl_ext.logits_loss import SLOT_FIELD, gather_response_rows
 
@@ -145,48 +158,64 @@ class MOPDTrainingWorker(TrainingWorker):
         tu.maybe_fix_3d_position_ids(data)
         if getattr(engine, "scaler", None) is not None:
             raise ValueError("the balanced MOPD update does not support fp16 loss scaling; use bf16 or fp32 params")
-        groups = update_row_groups(data, _dp_group(engine))
+        groups = update_row_groups(data, dp_group(engine))
         # carried balancing keeps one set of multipliers per replay domain when the driver names it, else per teacher
         key = key if key is not None else (self.mopd_targets or {}).get("teacher")
         targets = self._take_targets(data, groups)
         mults = self._carried_balance(cfg).plan(key) if cfg.balance == "carried" else None
+        if cfg.passes == "shared":
+            outputs, metrics = self._shared_step(data, loss_function, cfg, groups, targets, mults)
+            if mults is None and cfg.balance == "carried":
+                self._carried_balance(cfg).record(key, {k[len("mopd/"):]: v for k, v in metrics.items()})
+            return self._finish_step(outputs, metrics)
         engine.optimizer_zero_grad()
         outputs = engine.forward_backward_batch(data, loss_function, forward_only=False)
         module = engine.module
         params = [p for p in module.parameters() if p.requires_grad]
-        micro = _micro_batches(data, groups)
+        micro = micro_batches(data, groups)
         weights = microbatch_weights([mb.n_resp for mb in micro])
         layers = alignment.check_layers(cfg, len(attention_modules(module)))
         device = compute_device()
         if mults is not None:
-            with _params_gathered_through_backward(engine):
+            with params_gathered_through_backward(engine):
                 metrics = self._carried_pass(module, cfg.terms, mults, params, micro, weights, targets, layers,
                                              device, engine_autocast(engine, device))
         else:
-            sync, group = _reduction(params)
+            sync, group = reduction(params)
             if getattr(self, "_host_grads", None) is None:
                 self._host_grads = {}  # g_tok and u on the host (pinned on CUDA), reused step after step
             hb = HostBalancer(params, variant=cfg.combine, ratio=cfg.ratio, rho=cfg.rho, sync=sync, group=group,
                               buffers=self._host_grads)
             hb.take_token()
             losses = {}
-            pooled, last = _pass_order(cfg)
-            with _params_gathered_through_backward(engine):
+            pooled, last = pass_order(cfg)
+            with params_gathered_through_backward(engine):
                 for term in cfg.terms:
                     losses[term] = self._alignment_pass(module, term, micro, weights, targets, layers, device,
                                                         engine_autocast(engine, device))
                     if term in pooled:
                         hb.take_pooled(alignment.BALANCE_TERM[term])
             info = hb.finish(None if last is None else alignment.BALANCE_TERM[last])
-            metrics = _balance_metrics(losses, info, cfg.combine)
+            metrics = balance_metrics(losses, info, cfg.combine)
             if cfg.balance == "carried":
                 self._carried_balance(cfg).record(key, info)
+        return self._finish_step(outputs, metrics)
+
+    def _finish_step(self, outputs: dict, metrics: dict) -> dict:
+        """The engine's optimizer step (clip, AdamW) on the balanced ``.grad``; the step's metrics join verl's."""
+        engine = self.engine
         grad_norm = engine.optimizer_step()
         if engine.is_mp_src_rank_with_outputs():
             outputs["metrics"]["grad_norm"] = grad_norm
             for name, value in metrics.items():
                 outputs["metrics"][name] = [value]  # a list per rank: verl concatenates them over ranks
         return outputs
+
+    def _shared_step(self, data, loss_function, cfg, groups, targets, mults) -> tuple[dict, dict]:
+        return shared_step(self.engine, data, loss_function, cfg, groups, targets, mults)
+
+    _carried_pass = staticmethod(carried_pass)  # the tests call the passes on a bare model
+    _alignment_pass = staticmethod(alignment_pass)
 
     def _carried_balance(self, cfg: alignment.AuxConfig) -> CarriedBalance:
         """The worker's carried multipliers (``mopd.signal.balance: carried``), kept across steps in this process
@@ -211,74 +240,9 @@ class MOPDTrainingWorker(TrainingWorker):
         carried.load_state_dict(state)
         self._carried = carried
 
-    @staticmethod
-    def _carried_pass(module, terms, mults, params, micro, weights, targets, layers, device, autocast) -> dict:
-        """Carried balancing (:mod:`claas_verl.align.carried`): ``.grad`` holds g_tok from the token pass; scale it by
-        α_tok, then per micro-batch ONE forward of every term and one backward of ``Σ_t α_t·w·ℓ_t`` on top, so
-        ``.grad = α_tok·g_tok + Σ_t α_t·g_t`` with the multipliers of the last exact step."""
-        a_tok = mults["mult_tok"]
-        if a_tok != 1.0:
-            with torch.no_grad():
-                for p in params:
-                    if p.grad is not None:
-                        p.grad.mul_(a_tok)
-        losses = {t: 0.0 for t in terms}
-        for i, (mb, w) in enumerate(zip(micro, weights)):
-            mb = mb.to(device)
-            target = AlignmentSignals()
-            for term in terms:  # a streamed micro-batch runs its teacher forward per term, before the student's
-                part = _targets_to(targets.get(i, term), device)
-                for name in ("sats", "vr", "hidden"):
-                    getattr(target, name).update(getattr(part, name))
-            with autocast:
-                _, sig = alignment_signals(
-                    module, mb.input_ids, mb.attention_mask, mb.regions, position_ids=mb.position_ids,
-                    terms=terms, pooled_layers=layers, hidden_layers=layers, use_cache=False, logits=False,
-                )
-                values = alignment_losses(sig, target, mb.regions)
-            total = sum(mults[f"mult_{alignment.BALANCE_TERM[t]}"] * w * values[t].loss for t in terms)
-            if not total.requires_grad:
-                raise ValueError(f"the alignment terms {list(terms)} have no gradient path to the student in "
-                                 f"micro-batch {i} (see _alignment_pass)")
-            total.backward()
-            for t in terms:
-                losses[t] += float(values[t].loss.detach()) * w
-            del sig, values, total, target
-        m = {f"mopd/{t}_loss": v for t, v in losses.items()}
-        m.update({f"mopd/{k}": v for k, v in mults.items()})
-        m["mopd/balance_carried"] = 1.0
-        return m
-
-    @staticmethod
-    def _alignment_pass(module, term, micro, weights, targets, layers, device, autocast) -> float:
-        """One forward + backward per micro-batch of one alignment term; its gradient accumulates in ``.grad``."""
-        total = 0.0
-        for i, (mb, w) in enumerate(zip(micro, weights)):
-            mb = mb.to(device)
-            # before the student's forward: a streamed micro-batch runs its teacher forward here, so the two
-            # forwards' activations are never alive together
-            target = _targets_to(targets.get(i, term), device)
-            with autocast:
-                _, sig = alignment_signals(
-                    module, mb.input_ids, mb.attention_mask, mb.regions, position_ids=mb.position_ids,
-                    terms=[term], pooled_layers=layers, hidden_layers=layers, use_cache=False, logits=False,
-                )
-                value = alignment_losses(sig, target, mb.regions)[term]
-            loss = value.loss * w
-            if not loss.requires_grad:
-                raise ValueError(
-                    f"alignment term {term!r} has no gradient path to the student in micro-batch {i}: the "
-                    "attention/hidden taps were detached (a wrapper or kernel that bypasses the hooked q/k/v "
-                    "projections?); refusing to add a zero gradient that would hide it"
-                )
-            loss.backward()
-            total += float(loss.detach())
-            del sig, value, loss, target
-        return total
-
     def _take_targets(self, data, groups: list[list[int]]) -> list:
         held, self.mopd_targets = self.mopd_targets, None
-        fingerprint = alignment.batch_fingerprint(_sequences(data))
+        fingerprint = alignment.batch_fingerprint(sequences(data))
         if held is None:
             raise ValueError(
                 "balanced MOPD update without teacher alignment targets: the step's teacher forward must run with "
@@ -297,174 +261,6 @@ class MOPDTrainingWorker(TrainingWorker):
                 "ppo_max_token_len_per_gpu / ppo_micro_batch_size_per_gpu"
             )
         return held["targets"]
-
-
-def _pass_order(cfg: alignment.AuxConfig) -> tuple[tuple[str, ...], str | None]:
-    """(terms whose unit directions go to the host, term left in ``.grad`` for the final combination)."""
-    if cfg.combine == "1:1:1":
-        return ("sats",), cfg.terms[1]
-    last = "hidden" if "hidden" in cfg.terms else None
-    return tuple(t for t in cfg.terms if t != last), last
-
-
-UPDATE_PARTITION_KEYS = ("use_dynamic_bsz", "max_token_len_per_gpu", "micro_batch_size_per_gpu")
-
-
-def update_row_groups(data, dp_group=None, settings: dict | None = None) -> list[list[int]]:
-    """The row indices of each micro-batch verl's ``forward_backward_batch`` will run for ``data``.
-
-    Calls verl's own ``prepare_micro_batches`` (same arguments as the engine) on the rows' ids only.
-    ``settings`` overrides the batch's non-tensor partition keys (:data:`UPDATE_PARTITION_KEYS`): the teacher
-    forward passes the actor's, so the targets are computed on the update's micro-batches.
-    """
-    from verl.workers.engine.utils import prepare_micro_batches
-
-    ids = data["input_ids"]
-    light = tu.get_tensordict({"input_ids": ids})
-    for key in (*UPDATE_PARTITION_KEYS, "force_group_size"):
-        value = (settings or {}).get(key, tu.get_non_tensor_data(data=data, key=key, default=None))
-        if value is not None:
-            tu.assign_non_tensor(light, **{key: value})
-    tu.assign_non_tensor(light, sp_size=1)
-    micro, indices = prepare_micro_batches(data=light, dp_group=dp_group, same_micro_num_in_dp=True)
-    if indices is not None:
-        return [[int(i) for i in g] for g in indices]
-    out, lo = [], 0
-    for mb in micro:
-        n = len(mb)
-        out.append(list(range(lo, lo + n)))
-        lo += n
-    return out
-
-
-def _dp_group(engine):
-    get = getattr(engine, "get_data_parallel_group", None)
-    return get() if get is not None else None
-
-
-def compute_device() -> torch.device:
-    """The device verl's engines compute on in this process (where ``FSDPEngine.forward_step`` puts each
-    micro-batch), from verl's platform helpers. Never the device of a module's parameters: forward-only FSDP2
-    engines (teachers, like verl's reference model) keep their weights offloaded to the host and gather each
-    layer onto the accelerator for its forward."""
-    from verl.utils.device import get_device_id, get_device_name
-
-    index = get_device_id()
-    return torch.device(index) if isinstance(index, str) else torch.device(get_device_name(), index)
-
-
-def engine_autocast(engine, device):
-    """The autocast verl's engine wraps its forward in (bf16 under bf16 mixed precision; none for fp32), for the
-    engine's compute ``device`` (:func:`compute_device`)."""
-    dtype = getattr(engine, "_autocast_dtype", None)
-    if dtype is None or dtype == torch.float32:
-        return contextlib.nullcontext()
-    return torch.autocast(device_type=torch.device(device).type, dtype=dtype)
-
-
-def _sequences(data) -> list[torch.Tensor]:
-    ids = data["input_ids"]
-    if not getattr(ids, "is_nested", False):
-        raise ValueError("the balanced MOPD update needs verl's no-padding batch layout (nested input_ids)")
-    values, offsets = ids.values(), ids.offsets()
-    return [values[int(offsets[i]):int(offsets[i + 1])] for i in range(offsets.numel() - 1)]
-
-
-def _micro_batches(data, groups: list[list[int]]) -> list[alignment.AuxMicroBatch]:
-    for key in (alignment.REGION_IDS, alignment.WINDOW):
-        if key not in data.keys():
-            raise ValueError(f"field {key!r} missing: the driver stores the step regions before the teacher forward")
-    mask = data["response_mask"]
-    if getattr(mask, "is_nested", False):
-        resp = mask.offsets().diff()
-    else:
-        resp = mask.new_full((mask.shape[0],), mask.shape[1])
-    rid = data[alignment.REGION_IDS]
-    win = data[alignment.WINDOW]
-    rid = rid.to_padded_tensor(-1) if getattr(rid, "is_nested", False) else rid
-    win = win.to_padded_tensor(0) if getattr(win, "is_nested", False) else win
-    return alignment.aux_micro_batches(_sequences(data), rid, win, resp, groups)
-
-
-@contextlib.contextmanager
-def _params_gathered_through_backward(engine):
-    """FSDP2 without gradient checkpointing: keep every layer gathered from the forward to the backward of an
-    alignment pass.
-
-    The alignment losses tap q/k/v inside decoder layers; their gradient reaches ``q_proj`` etc. without flowing
-    through the layer's output, where FSDP2's pre-backward hook would re-gather a layer resharded after its
-    forward, so a backward on the forward's saved weights fails on freed parameter storage. A checkpointed layer
-    saves no weights: its backward recomputes the layer through FSDP2's pre-forward hook, which gathers it
-    again, so there the layers reshard as usual (keeping them gathered costs 2 bytes per parameter, about
-    12 GiB at 8B). Restored to the engine's setting afterwards (FSDP2 keeps the root module unsharded after
-    forward).
-    """
-    from torch.distributed.fsdp import FSDPModule
-
-    module = engine.module
-    if not isinstance(module, FSDPModule) or getattr(module, "is_gradient_checkpointing", False):
-        yield
-        return
-    module.set_reshard_after_forward(False)
-    try:
-        yield
-    finally:
-        cfg = getattr(engine, "engine_config", None)
-        module.set_reshard_after_forward(bool(getattr(cfg, "reshard_after_forward", True)))
-        module.set_reshard_after_forward(False, recurse=False)
-        module.reshard()
-
-
-def _reduction(params) -> tuple[bool, object]:
-    """(sync, group) for claas_verl.align.balance: FSDP2 DTensor grads reduce over their shard group."""
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # pragma: no cover - torch >= 2.4 has it
-        DTensor = ()
-    for p in params:
-        if isinstance(p, DTensor):
-            mesh = p.device_mesh
-            return True, mesh.get_group(mesh.ndim - 1)  # HSDP (replicate, shard): the shard dim is last
-    dist = torch.distributed
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        raise ValueError("the balanced MOPD update needs FSDP2 (actor.strategy=fsdp2): sharded plain gradients "
-                         "would be normed per rank")
-    return False, None
-
-
-def _targets_to(sig: AlignmentSignals, device) -> AlignmentSignals:
-    return AlignmentSignals(
-        sats={k: PooledRows(v.rows.to(device), v.key_start) for k, v in sig.sats.items()},
-        vr={k: PooledRows(v.rows.to(device), v.key_start) for k, v in sig.vr.items()},
-        hidden={k: v.to(device) for k, v in sig.hidden.items()},
-    )
-
-
-def _balance_metrics(losses: dict, info: dict, combine: str) -> dict[str, float]:
-    """Per step: each loss, token/aux grad norms, cosines, balancing scale and the two parts' norms."""
-    m = {f"mopd/{t}_loss": v for t, v in losses.items()}
-    for t in ("sats", "vr", "hid"):
-        m[f"mopd/{t}_grad_norm"] = info[f"{t}_norm"]
-    m["mopd/tok_grad_norm"] = info["tok_norm"]
-    m["mopd/balanced_grad_norm"] = info["final_norm"]
-    if combine == "1:1:1":  # g = g_tok + ‖g_tok‖ĝ_SATS + ‖g_tok‖ĝ_other (MOPD paper Table 4)
-        m["mopd/sats_coef"] = info["sats_coef"]
-        m["mopd/other_coef"] = info["other_coef"]
-        return m
-    m.update({
-        "mopd/aux_grad_norm": info["aux_norm"],  # ‖g_aux‖ of eq. (10) (direction only)
-        "mopd/cos_tok_aux": info["cos_tok_aux"],
-        "mopd/cos_sats_vr": info["cos_sats_vr"],
-        "mopd/cos_u_hid": info["cos_u_hid"],
-        "mopd/s_norm": info["s_norm"],
-        "mopd/balance_scale": info["scale"],  # c = ‖g_tok‖/‖g_aux‖
-        "mopd/balance_ratio": info["ratio"],
-        "mopd/balance_fallback": info["fallback"],
-        # norms of the two parts of eq. (9): a·‖g_tok‖ and b·c·‖g_aux‖ (their ratio is r unless a fallback)
-        "mopd/tok_part_norm": info["tok_coef"] * info["tok_norm"],
-        "mopd/aux_part_norm": info["aux_coef"] * info["aux_norm"],
-    })
-    return m
 
 
 class MOPDWorker(ActorRolloutRefWorker):
@@ -518,7 +314,7 @@ class MOPDWorker(ActorRolloutRefWorker):
         if aux:
             # alignment targets of the last W response tokens (bf16), kept in this process for the colocated
             # student update of the same step (TransferQueue cannot carry [B, T, K]-shaped fields)
-            groups = update_row_groups(data, _dp_group(self.actor.engine), self._update_partition())
+            groups = update_row_groups(data, dp_group(self.actor.engine), self._update_partition())
             self.actor.mopd_targets = self._teacher_targets(self.teachers[name], data,
                                                             alignment.AuxConfig.from_dict(aux), groups)
             self.actor.mopd_targets["teacher"] = name  # the key of carried balancing (mopd.signal.balance)
@@ -539,7 +335,7 @@ class MOPDWorker(ActorRolloutRefWorker):
         under the teacher engine's autocast like its log-prob forward, no logits) and kept; the others are streamed
         by the student's passes (:class:`TeacherTargetStore`).
         """
-        micro = _micro_batches(data, groups)
+        micro = micro_batches(data, groups)
         module = teacher.engine.module
         layers = alignment.check_layers(cfg, len(attention_modules(module)))
         device = compute_device()
@@ -553,7 +349,7 @@ class MOPDWorker(ActorRolloutRefWorker):
                     module, mb.input_ids, mb.attention_mask, mb.regions, position_ids=mb.position_ids,
                     terms=terms, pooled_layers=layers, hidden_layers=layers, use_cache=False, logits=False,
                 )
-                return _targets_to(sig.as_targets(), "cpu")
+                return targets_to(sig.as_targets(), "cpu")
 
         sizes = [
             target_bytes(mb.regions, mb.attention_mask, cfg.terms, pooled_layers=len(layers),
@@ -563,7 +359,7 @@ class MOPDWorker(ActorRolloutRefWorker):
             for mb in micro
         ]
         store = TeacherTargetStore(produce, sizes, cfg.terms, int(cfg.target_budget_gib * 2**30), device=device)
-        return {"fingerprint": alignment.batch_fingerprint(_sequences(data)), "groups": groups, "targets": store.fill()}
+        return {"fingerprint": alignment.batch_fingerprint(sequences(data)), "groups": groups, "targets": store.fill()}
 
     def _update_partition(self) -> dict:
         """The actor's micro-batch settings, as ``TrainingWorker.train_batch`` hands them to its engine."""

@@ -103,7 +103,7 @@ def test_regions_from_the_trainer_fields_use_the_response_ids_not_the_shifted_on
     driver stores) -> the worker's padded micro-batch (what teacher and student pool over)."""
     from verl.utils import tensordict_utils as tu
 
-    from claas_verl.mopd.trainer.workers import _micro_batches
+    from claas_verl.mopd.trainer.balanced_passes import micro_batches as _micro_batches
 
     prompt, response = [5, 6, 9], [11, 12, SEP, 13, 14, SEP, 15, EOS]
     other_prompt, other_response = [4], [SEP, 21, SEP]

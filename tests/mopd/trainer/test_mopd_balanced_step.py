@@ -20,13 +20,32 @@ from claas_verl.mopd.trainer import alignment
 from claas_verl.mopd.trainer.workers import MOPDTrainingWorker, MOPDWorker, update_row_groups
 
 
-def _tok_loss(model, mb: alignment.AuxMicroBatch) -> torch.Tensor:
-    """A stand-in token loss ℓ_tok(mb): mean NLL over the micro-batch's response window positions (B.7 form)."""
-    logits = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask, position_ids=mb.position_ids,
-                   use_cache=False).logits
-    lp = torch.log_softmax(logits[:, :-1].float(), -1).gather(-1, mb.input_ids[:, 1:, None])[..., 0]
-    m = mb.regions.window_mask[:, 1:].float()
-    return -(lp * m).sum() / m.sum()
+class _TokenLoss:
+    """A stand-in token loss ℓ_tok(mb): mean NLL over the micro-batch's response window positions (B.7 form).
+
+    Called as ``fn(model, mb)`` by the stand-in engine's token pass (``mopd.signal.passes: separate``), and as
+    ``shared_token_loss(logits, data, rows)`` on the response-layout logits of the shared forward (``passes:
+    shared``), like ``MOPDLoss``: the two give the same ℓ_tok only if the response logits sit at the right
+    positions."""
+
+    def __call__(self, model, mb: alignment.AuxMicroBatch) -> torch.Tensor:
+        logits = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask, position_ids=mb.position_ids,
+                       use_cache=False).logits
+        lp = torch.log_softmax(logits[:, :-1].float(), -1).gather(-1, mb.input_ids[:, 1:, None])[..., 0]
+        m = mb.regions.window_mask[:, 1:].float()
+        return -(lp * m).sum() / m.sum()
+
+    def shared_token_loss(self, logits, data, rows):
+        R = logits.shape[1]
+        seqs = [data["input_ids"].unbind()[r] for r in rows]
+        lens = data["response_mask"].offsets().diff()[rows]
+        ids = torch.stack([torch.nn.functional.pad(s[len(s) - int(n):], (0, R - int(n))) for s, n in zip(seqs, lens)])
+        m = data[alignment.WINDOW].to_padded_tensor(0)[rows, :R].float()
+        lp = torch.log_softmax(logits.float(), -1).gather(-1, ids[..., None])[..., 0]
+        return -(lp * m).sum() / m.sum(), {}
+
+
+_tok_loss = _TokenLoss()
 
 
 class _Engine:
@@ -101,10 +120,14 @@ def _held(tiny_dir, data, cfg):
     return MOPDWorker._teacher_targets(None, teacher_worker, data, cfg, update_row_groups(data))
 
 
+@pytest.mark.parametrize("passes", ["shared", "separate"])
 @pytest.mark.parametrize("ratio", [1.0, 0.5, 3.0])
-def test_balanced_step_equals_reference_and_logs_the_ratio(tiny_dir, ratio):
+def test_balanced_step_equals_reference_and_logs_the_ratio(tiny_dir, ratio, passes):
+    """Both schedules (``mopd.signal.passes``) give the reference gradient: shared (one forward per micro-batch for
+    the token loss and every term) and separate (verl's token pass, then a forward per term)."""
     torch.manual_seed(0)
-    cfg = alignment.aux_config({"sats": True, "vr": True, "hidden": True, "ratio": ratio, "rho": 2.0, "window": 4})
+    cfg = alignment.aux_config({"sats": True, "vr": True, "hidden": True, "ratio": ratio, "rho": 2.0, "window": 4,
+                                "passes": passes})
     student = AutoModelForCausalLM.from_pretrained(tiny_dir / "student", dtype=torch.float32)
     # verl's dynamic token budget: sequences of 11, 11, 12 tokens, at most 24 per micro-batch -> 2 + 1 rows
     data = _batch(cfg, use_dynamic_bsz=True, max_token_len_per_gpu=24)
@@ -116,13 +139,14 @@ def test_balanced_step_equals_reference_and_logs_the_ratio(tiny_dir, ratio):
     worker.mopd_targets = held
     out = worker.balanced_engine_step(data, _tok_loss, cfg)
     got = worker.engine.stepped
-    m = {k: v[0] for k, v in out["metrics"].items() if k.startswith("mopd/")}
+    m = {k: v[0] for k, v in out["metrics"].items() if k.startswith("mopd/") and isinstance(v, list)}
     assert m["mopd/tok_part_norm"] / m["mopd/aux_part_norm"] == pytest.approx(ratio, rel=1e-6)
     assert m["mopd/balance_scale"] == pytest.approx(m["mopd/tok_grad_norm"] / m["mopd/aux_grad_norm"], rel=1e-9)
     assert all(m[f"mopd/{t}_loss"] > 0 for t in ("sats", "vr", "hidden"))
     assert worker.mopd_targets is None  # targets are used once
 
-    assert worker.engine.token_groups == held["groups"]  # the token pass ran on the same micro-batches
+    # separate: verl's token pass ran on the same micro-batches; shared: the shared forward replaced it
+    assert worker.engine.token_groups == (held["groups"] if passes == "separate" else None)
     # reference: the tested building block on the same micro-batches (B.7 weights 2/3 and 1/3), separate passes
     micro = alignment.aux_micro_batches(*_layout(data), held["groups"])
     tgt_of = {id(mb): t for mb, t in zip(micro, held["targets"])}
@@ -163,7 +187,7 @@ def test_carried_balance_reuses_the_multipliers_of_the_exact_step(tiny_dir):
         worker.mopd_targets = {**_held(tiny_dir, data, cfg), "teacher": "math"}
         out = worker.balanced_engine_step(data, _tok_loss, cfg, key=key)
         grads.append(worker.engine.stepped)
-        metrics.append({k: v[0] for k, v in out["metrics"].items() if k.startswith("mopd/")})
+        metrics.append({k: v[0] for k, v in out["metrics"].items() if k.startswith("mopd/") and isinstance(v, list)})
     assert [m.get("mopd/balance_carried", 0.0) for m in metrics] == [0.0, 1.0, 0.0, 0.0, 1.0]
     assert metrics[1]["mopd/mult_tok"] == 0.5 and metrics[1]["mopd/mult_vr"] > 0
     assert all(metrics[1][f"mopd/{t}_loss"] == pytest.approx(metrics[0][f"mopd/{t}_loss"], rel=1e-5)
@@ -191,7 +215,8 @@ def test_carried_multipliers_survive_a_checkpoint_round_trip(tiny_dir):
         worker.engine = _Engine(AutoModelForCausalLM.from_pretrained(tiny_dir / "student", dtype=torch.float32), cfg)
         worker.mopd_targets = {**_held(tiny_dir, data, cfg), "teacher": "math"}
         out = worker.balanced_engine_step(data, _tok_loss, cfg, key="spell")
-        return ({k: v[0] for k, v in out["metrics"].items() if k.startswith("mopd/")}, worker.engine.stepped)
+        return ({k: v[0] for k, v in out["metrics"].items() if k.startswith("mopd/") and isinstance(v, list) and isinstance(v[0], float)},
+                worker.engine.stepped)
 
     first = MOPDTrainingWorker.__new__(MOPDTrainingWorker)
     assert first.carried_state() is None
@@ -233,13 +258,16 @@ def test_balanced_step_refuses_targets_of_another_batch(tiny_dir):
         worker.balanced_engine_step(_batch(cfg), _tok_loss, cfg)
 
 
-def test_balanced_step_under_fsdp2_matches_the_unsharded_step(tiny_dir, tmp_path):
+@pytest.mark.parametrize("passes", ["shared", "separate"])
+def test_balanced_step_under_fsdp2_matches_the_unsharded_step(tiny_dir, tmp_path, passes):
     """FSDP2 (gloo, one rank, like the CPU recipes): DTensor gradients, all-reduced norms over the shard group, and
-    alignment losses that tap q/k/v inside resharded layers (their backward needs the layer's gathered weights)."""
+    alignment losses that tap q/k/v inside resharded layers (their backward needs the layer's gathered weights);
+    with shared passes, several backward passes on one forward's graph."""
     import torch.distributed as dist
     from torch.distributed.fsdp import fully_shard
 
-    cfg = alignment.aux_config({"sats": True, "vr": True, "hidden": True, "ratio": 2.0, "window": 4})
+    cfg = alignment.aux_config({"sats": True, "vr": True, "hidden": True, "ratio": 2.0, "window": 4,
+                                "passes": passes})
     data = _batch(cfg, seed=1, use_dynamic_bsz=False, micro_batch_size_per_gpu=1)
     held = _held(tiny_dir, data, cfg)
 
@@ -248,7 +276,7 @@ def test_balanced_step_under_fsdp2_matches_the_unsharded_step(tiny_dir, tmp_path
         worker.engine = _Engine(model, cfg)
         worker.mopd_targets = held
         out = worker.balanced_engine_step(data, _tok_loss, cfg)
-        return worker.engine.stepped, {k: v[0] for k, v in out["metrics"].items() if k.startswith("mopd/")}
+        return worker.engine.stepped, {k: v[0] for k, v in out["metrics"].items() if k.startswith("mopd/") and isinstance(v, list)}
 
     plain, m_plain = run(AutoModelForCausalLM.from_pretrained(tiny_dir / "student", dtype=torch.float32))
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)

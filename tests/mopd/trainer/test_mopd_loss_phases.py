@@ -149,3 +149,52 @@ def test_update_loss_refuses_other_aggregations_and_uneven_rank_splits():
     assert microbatch_weight(2, 8, 2) == 0.5
     with pytest.raises(ValueError, match="split evenly"):
         microbatch_weight(2, 7, 2)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_the_shared_forward_token_loss_equals_the_update_loss_of_verls_pass(temperature):
+    """``mopd.signal.passes: shared``: the token loss from a right-padded forward's logits (``response_logits`` then
+    ``shared_token_loss``) is the update loss of verl's packed pass on the same logits, before the B.7 weight, with
+    the same gradient; a subset of rows is that subset's own token mean."""
+    from claas_verl.mopd.trainer.alignment import response_logits
+
+    raw = torch.randn(1, sum(SEQ), V, dtype=torch.float64)
+    ids_resp = torch.randint(0, V, (2, max(RESPONSES), K))
+    adv = torch.randn(2, max(RESPONSES), K, dtype=torch.float64)
+    extra = _ids_fields(ids_resp)
+    extra[token_fields.ADVANTAGES] = token_fields.pack_rows(adv, torch.tensor(RESPONSES))
+    data = _batch(token_fields.PHASE_UPDATE, extra, dp_size=1, global_batch_size=2)
+    cfg = types.SimpleNamespace(global_batch_info={}, loss_scale_factor=None, loss_agg_mode="token-mean",
+                                ppo_epochs=1)
+    fn = MOPDLoss(actor_config=cfg)
+    packed = (raw / temperature).requires_grad_(True)  # verl divides by the temperature before the processor
+    ref, _ = _update_forward(fn, packed, data)  # weight n_resp(mb)/n_resp = 1
+    ref.backward()
+
+    padded = torch.zeros(2, max(SEQ), V, dtype=torch.float64)
+    offsets = [0, SEQ[0]]
+    for b, n in enumerate(SEQ):
+        padded[b, :n] = raw[0, offsets[b]:offsets[b] + n]
+    padded.requires_grad_(True)
+    rows = response_logits(padded, torch.tensor(SEQ), torch.tensor(RESPONSES), torch.full((2,), temperature, dtype=torch.float64))
+    loss, metrics = fn.shared_token_loss(rows, data, [0, 1])
+    torch.testing.assert_close(loss, ref.detach(), rtol=1e-12, atol=1e-12)
+    loss.backward()
+    for b, n in enumerate(SEQ):  # d/d(raw) through the division by the temperature
+        torch.testing.assert_close(padded.grad[b, :n], packed.grad[0, offsets[b]:offsets[b] + n] / temperature,
+                                   rtol=1e-10, atol=1e-12)
+    assert padded.grad[0, SEQ[0]:].abs().sum() == 0  # padding gets nothing
+
+    only, _ = fn.shared_token_loss(_row(padded.detach(), 1, temperature), data, [1])
+    expect = 0.0
+    for t in range(RESPONSES[1]):
+        pos = SEQ[1] - RESPONSES[1] - 1 + t
+        expect = expect - (adv[1, t] * torch.log_softmax(raw[0, SEQ[0] + pos] / temperature, -1)[ids_resp[1, t]]).sum()
+    torch.testing.assert_close(only, expect / RESPONSES[1], rtol=1e-6, atol=1e-9)  # the stored field is fp32
+
+
+def _row(padded, b, temperature):
+    from claas_verl.mopd.trainer.alignment import response_logits
+
+    return response_logits(padded[b:b + 1], torch.tensor(SEQ[b:b + 1]), torch.tensor(RESPONSES[b:b + 1]),
+                           torch.full((1,), temperature, dtype=torch.float64))

@@ -76,7 +76,7 @@ def _step(tiny_dir: Path, data, cfg, wrap=None):
     held = MOPDWorker._teacher_targets(None, teacher_worker, data, cfg, groups)
     worker.mopd_targets = held
     out = worker.balanced_engine_step(data, _tok_loss, cfg)
-    metrics = {k: v[0] for k, v in out["metrics"].items() if k.startswith("mopd/")}
+    metrics = {k: v[0] for k, v in out["metrics"].items() if k.startswith("mopd/") and isinstance(v, list)}
     return worker.engine.stepped, metrics, held["targets"], groups
 
 
