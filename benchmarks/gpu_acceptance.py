@@ -10,7 +10,7 @@ Random-weight models at realistic widths (Qwen3-8B and DeepSeek-R1-Distill-Qwen-
   forward-only FSDP2 teacher whose fp32 weights rest on the host (CPU offload) under bf16 autocast: every term's
   targets finite and of the predicted size (:func:`claas_verl.align.target_bytes`);
 * ``balanced_replay_step``: ``MOPDTrainingWorker.balanced_engine_step`` on an FSDP2 (one rank) Qwen3-8B-width
-  student with gradient checkpointing: the top-k token pass, the SATS/VR/hidden passes, the host-side
+  student with gradient checkpointing, ``mopd.signal.passes: separate``: the top-k token pass, the SATS/VR/hidden passes, the host-side
   balancing and the first AdamW step, with the peak memory of the token pass and of the whole step
   (``torch.cuda.max_memory_allocated``; on CPU the exact live bytes of :class:`claas_verl.utils.live_bytes.LiveBytes`)
   against ``benchmarks/mopd_memory_table.py``'s phases; ``balanced_replay_step_tied``: the same on a
@@ -240,10 +240,10 @@ class Engine:
         import torch
 
         from claas_verl.distill import topk_distill_loss
-        from claas_verl.mopd.trainer.workers import _micro_batches, engine_autocast, update_row_groups
+        from claas_verl.mopd.trainer.balanced_passes import engine_autocast, micro_batches, update_row_groups
 
         device = _device()
-        micro = _micro_batches(data, update_row_groups(data))
+        micro = micro_batches(data, update_row_groups(data))
         n = sum(mb.n_resp for mb in micro)
         meter = Meter()
         with meter.measure():
@@ -261,6 +261,19 @@ class Engine:
                 del logits, loss
         self.phase_peaks["token pass"] = meter.peak
         return {"loss": [0.0], "metrics": {}, "model_output": {}}
+
+    def shared_token_loss(self, logits, data, rows):
+        """The same stand-in token loss on the response logits of the shared forward (``mopd.signal.passes:
+        shared``): ``(ℓ_tok(mb), metrics)`` before the B.7 weight, as ``MOPDLoss.shared_token_loss``."""
+        import torch
+
+        from claas_verl.distill import topk_distill_loss
+
+        g = torch.Generator(device=logits.device).manual_seed(0)
+        b, R, _ = logits.shape
+        ids = torch.randint(0, logits.shape[-1], (b, R, self.topk), generator=g, device=logits.device)
+        adv = torch.randn(b, R, self.topk, generator=g, device=logits.device)
+        return topk_distill_loss(logits, ids, adv, torch.ones(b, R, device=logits.device)), {}
 
     def optimizer_step(self):
         import torch
@@ -283,7 +296,8 @@ def check_teacher_targets(sizes: Sizes, family: str) -> dict:
     from claas_verl.align import target_bytes
     from claas_verl.align.target_store import signals_bytes
     from claas_verl.mopd.trainer import alignment
-    from claas_verl.mopd.trainer.workers import MOPDWorker, _micro_batches, update_row_groups
+    from claas_verl.mopd.trainer.balanced_passes import micro_batches, update_row_groups
+    from claas_verl.mopd.trainer.workers import MOPDWorker
 
     shape = sizes.qwen3 if family == "qwen3" else sizes.r1
     cfg = alignment.aux_config({"sats": True, "vr": True, "hidden": True, "window": sizes.window})
@@ -303,7 +317,7 @@ def check_teacher_targets(sizes: Sizes, family: str) -> dict:
         numbers["forward_seconds"] = time.perf_counter() - t0
         numbers["peak_gib"] = meter.peak / 2**30
     sig = held["targets"][0]
-    mb = _micro_batches(data, groups)[0]
+    mb = micro_batches(data, groups)[0]
     want = target_bytes(mb.regions, mb.attention_mask, cfg.terms, pooled_layers=shape.layers,
                         hidden_layers=shape.layers, num_heads=shape.heads, num_kv_heads=shape.kv_heads,
                         hidden_size=shape.hidden)
@@ -346,7 +360,9 @@ def check_balanced_step(sizes: Sizes, student: str = "qwen3") -> dict:
     from claas_verl.mopd.trainer.workers import MOPDTrainingWorker, MOPDWorker, update_row_groups
 
     shape = getattr(sizes, student)
-    cfg = alignment.aux_config({"sats": True, "vr": True, "hidden": True, "ratio": 1.0, "window": sizes.window})
+    # the separate passes: the schedule whose memory the table's phases model (passes=shared's peak is a formula)
+    cfg = alignment.aux_config({"sats": True, "vr": True, "hidden": True, "ratio": 1.0, "window": sizes.window,
+                                "passes": "separate"})
     data = replay_batch(sizes, cfg, seed=1)
     device = _device()
     T = sizes.prompt + sizes.response

@@ -227,6 +227,7 @@ def table(s: Shape, r: Run) -> dict[str, float]:
     out["_token_pass_logprob"] = logprob_pass
     out["_target_pass"] = target_pass
     out["_teacher_params"] = teacher_params
+    out["_vr_rows"] = 14 * L * b * G * r.regions * T  # VR's rows as SATS's (3 fp32 + 1 bf16 copies), G heads
     return out
 
 
@@ -242,6 +243,11 @@ def peaks(t: dict[str, float]) -> dict[str, float]:
         + t["activations, alignment pass (SATS)"],
         "teacher forward": state + t["teacher forward (gathered fp32 params + max of log-prob and target pass)"],
         "optimizer step": state + t["_optimizer_step_temp"],
+        # mopd.signal.passes=shared: the token pass's backward with every term's saved tensors alive (one forward)
+        # and each term's gradient in its own fp32 shard (tok, SATS, VR, hidden: 3 beyond the grads row). An upper
+        # estimate: the layer inputs both passes keep are counted twice; not measured (--check covers the others)
+        "shared pass (passes=shared)": state + 3 * t["grads (fp32 shard)"] + t["_token_pass_backward"]
+        + t["activations, alignment pass (SATS)"] + t["_vr_rows"],
     }
 
 
@@ -256,7 +262,7 @@ def print_table(run: Run) -> None:
     for k in tabs[shapes[0].name]:
         if not k.startswith("_"):
             print(f"{k:76s}" + "".join(f"{tabs[s.name][k] / GiB:12.1f}" for s in shapes))
-    for phase in ("token pass", "alignment pass", "teacher forward", "optimizer step"):
+    for phase in ("token pass", "alignment pass", "teacher forward", "optimizer step", "shared pass (passes=shared)"):
         print(f"{'peak, ' + phase + ' (device)':76s}" + "".join(f"{peaks(tabs[s.name])[phase] / GiB:12.1f}"
                                                                  for s in shapes))
     for s in shapes:
