@@ -10,7 +10,8 @@ Random-weight models at realistic widths (Qwen3-8B and DeepSeek-R1-Distill-Qwen-
   forward-only FSDP2 teacher whose fp32 weights rest on the host (CPU offload) under bf16 autocast: every term's
   targets finite and of the predicted size (:func:`claas_verl.align.target_bytes`);
 * ``balanced_replay_step``: ``MOPDTrainingWorker.balanced_engine_step`` on an FSDP2 (one rank) Qwen3-8B-width
-  student with gradient checkpointing, ``mopd.signal.passes: separate``: the top-k token pass, the SATS/VR/hidden passes, the host-side
+  student with gradient checkpointing, ``mopd.signal.passes: separate``: the top-k token pass, the SATS/VR/hidden
+  passes, the host-side
   balancing and the first AdamW step, with the peak memory of the token pass and of the whole step
   (``torch.cuda.max_memory_allocated``; on CPU the exact live bytes of :class:`claas_verl.utils.live_bytes.LiveBytes`)
   against ``benchmarks/mopd_memory_table.py``'s phases; ``balanced_replay_step_tied``: the same on a

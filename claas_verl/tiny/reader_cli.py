@@ -33,8 +33,14 @@ def add_reader_parser(sub) -> None:
 
 
 def run_reader(args, cpu_model: str) -> int:
-    from claas_verl.tiny.reader import (READER_VERSION, STEPS_GRID, ReaderPaths, complete_manifest, ensure_reader,
-                                        measure_grid)
+    from claas_verl.tiny.reader import (
+        READER_VERSION,
+        STEPS_GRID,
+        ReaderPaths,
+        complete_manifest,
+        ensure_reader,
+        measure_grid,
+    )
 
     t0 = time.time()
     if args.complete:

@@ -15,7 +15,9 @@ from torch.distributed.tensor import DTensor
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from claas_verl.align import alignment_losses, alignment_signals, step_regions
-from claas_verl.mopd.trainer.balanced_passes import params_gathered_through_backward as _params_gathered_through_backward
+from claas_verl.mopd.trainer.balanced_passes import (
+    params_gathered_through_backward as _params_gathered_through_backward,
+)
 
 T, P = 40, 8
 

@@ -215,7 +215,8 @@ def test_carried_multipliers_survive_a_checkpoint_round_trip(tiny_dir):
         worker.engine = _Engine(AutoModelForCausalLM.from_pretrained(tiny_dir / "student", dtype=torch.float32), cfg)
         worker.mopd_targets = {**_held(tiny_dir, data, cfg), "teacher": "math"}
         out = worker.balanced_engine_step(data, _tok_loss, cfg, key="spell")
-        return ({k: v[0] for k, v in out["metrics"].items() if k.startswith("mopd/") and isinstance(v, list) and isinstance(v[0], float)},
+        return ({k: v[0] for k, v in out["metrics"].items()
+                 if k.startswith("mopd/") and isinstance(v, list) and isinstance(v[0], float)},
                 worker.engine.stepped)
 
     first = MOPDTrainingWorker.__new__(MOPDTrainingWorker)
@@ -276,7 +277,8 @@ def test_balanced_step_under_fsdp2_matches_the_unsharded_step(tiny_dir, tmp_path
         worker.engine = _Engine(model, cfg)
         worker.mopd_targets = held
         out = worker.balanced_engine_step(data, _tok_loss, cfg)
-        return worker.engine.stepped, {k: v[0] for k, v in out["metrics"].items() if k.startswith("mopd/") and isinstance(v, list)}
+        return worker.engine.stepped, {k: v[0] for k, v in out["metrics"].items()
+                                       if k.startswith("mopd/") and isinstance(v, list)}
 
     plain, m_plain = run(AutoModelForCausalLM.from_pretrained(tiny_dir / "student", dtype=torch.float32))
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)

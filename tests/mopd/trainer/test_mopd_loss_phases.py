@@ -176,7 +176,8 @@ def test_the_shared_forward_token_loss_equals_the_update_loss_of_verls_pass(temp
     for b, n in enumerate(SEQ):
         padded[b, :n] = raw[0, offsets[b]:offsets[b] + n]
     padded.requires_grad_(True)
-    rows = response_logits(padded, torch.tensor(SEQ), torch.tensor(RESPONSES), torch.full((2,), temperature, dtype=torch.float64))
+    temps = torch.full((2,), temperature, dtype=torch.float64)
+    rows = response_logits(padded, torch.tensor(SEQ), torch.tensor(RESPONSES), temps)
     loss, metrics = fn.shared_token_loss(rows, data, [0, 1])
     torch.testing.assert_close(loss, ref.detach(), rtol=1e-12, atol=1e-12)
     loss.backward()
@@ -189,7 +190,8 @@ def test_the_shared_forward_token_loss_equals_the_update_loss_of_verls_pass(temp
     expect = 0.0
     for t in range(RESPONSES[1]):
         pos = SEQ[1] - RESPONSES[1] - 1 + t
-        expect = expect - (adv[1, t] * torch.log_softmax(raw[0, SEQ[0] + pos] / temperature, -1)[ids_resp[1, t]]).sum()
+        logp = torch.log_softmax(raw[0, SEQ[0] + pos] / temperature, -1)
+        expect = expect - (adv[1, t] * logp[ids_resp[1, t]]).sum()
     torch.testing.assert_close(only, expect / RESPONSES[1], rtol=1e-6, atol=1e-9)  # the stored field is fp32
 
 
