@@ -8,10 +8,10 @@ Used by ``benchmarks/bench_replay_step.py --realistic`` (CPU) and by the ``repla
 * ``worker``: what ``MOPDTrainingWorker.balanced_engine_step`` runs with ``mopd.signal.passes: separate``: the token
   pass, then a teacher target forward (no logits) and per term one student forward (that term's signals, no
   logits) + backward, then ``combine_aux`` + ``balance``;
-* ``shared``: what the worker runs with ``mopd.signal.passes: shared`` (the default): the teacher's log-prob and
-  target forwards apart (verl's teacher pass gives the log-probs), then the update of ``exact``;
-* ``exact``: the floor schedule of exact balancing: ONE teacher forward gives the log-probs and the targets, ONE
-  student forward gives the logits and every signal, then one backward per term on that graph
+* ``exact``: the floor schedule of exact balancing, which the worker runs with ``mopd.signal.passes: shared``
+  (the default; ``claas_verl/mopd/trainer/balanced_passes.py`` and ``teacher_pass.py``): ONE teacher forward
+  gives the log-probs and the targets, ONE student forward gives the logits and every signal, then one backward
+  per term on that graph
   (``balanced_backward(single_forward=True)``: a term read at layer ℓ back-propagates through layers ≤ ℓ only and
   never through the LM head, because autograd only visits the nodes the term depends on);
 * ``carried``: the same forwards, then ONE backward of ``Σ_t α_t·ℓ_t`` with the multipliers of an earlier exact
@@ -44,9 +44,8 @@ from claas_verl.distill import (
 )
 
 KAPPA = 16
-SCHEDULES = ("tok", "worker", "shared", "exact", "carried")
-LABELS = {"tok": "token only", "worker": "exact, trainer separate", "shared": "exact, trainer shared",
-          "exact": "exact, floor", "carried": "carried"}
+SCHEDULES = ("tok", "worker", "exact", "carried")
+LABELS = {"tok": "token only", "worker": "exact, separate", "exact": "exact, floor (shared)", "carried": "carried"}
 PHASES = ("student_topk", "teacher_logp", "teacher_targets", "advantages", "update", "clip+adamw")
 TERMS = ("sats", "vr", "hidden")
 
@@ -153,7 +152,7 @@ def prepare(schedule: str, student, teacher, block, prompt: int, sep_ids, window
     else:
         with tick(t, "teacher_logp"), torch.no_grad():
             Q = teacher_logprobs_at(_at_response(teacher(**kw).logits, prompt), d["ids"])
-        if schedule in ("worker", "shared"):
+        if schedule == "worker":
             with tick(t, "teacher_targets"), torch.no_grad():
                 _, sig = alignment_signals(teacher, ids, am, d["regions"], position_ids=pos, pooled_layers=range(n),
                                            hidden_layers=range(n), logits=False)
@@ -328,7 +327,9 @@ def check_replay_ratios(sizes, reps: int | None = None) -> dict:
 
     reps = reps or (3 if torch.cuda.is_available() else 1)  # CPU mode: the code paths, not the timings
     from claas_verl.mopd.trainer import alignment
-    from claas_verl.mopd.trainer.workers import MOPDTrainingWorker, MOPDWorker, engine_autocast, update_row_groups
+    from claas_verl.mopd.trainer import fields as token_fields
+    from claas_verl.mopd.trainer.teacher_pass import teacher_targets
+    from claas_verl.mopd.trainer.workers import MOPDTrainingWorker, engine_autocast, update_row_groups
 
     shape, device = sizes.qwen3_tied, ga._device()
     signal = {"sats": True, "vr": True, "hidden": True, "ratio": 1.0, "window": sizes.window}
@@ -336,6 +337,10 @@ def check_replay_ratios(sizes, reps: int | None = None) -> dict:
             "exact, separate": alignment.aux_config({**signal, "balance": "exact", "passes": "separate"}),
             "carried": alignment.aux_config({**signal, "balance": "carried", "balance_refresh": 10_000})}
     data = ga.replay_batch(sizes, cfgs["exact"], seed=1)
+    lens = data["response_mask"].offsets().diff()
+    data[token_fields.TOPK_IDS] = token_fields.pack_rows(  # the student's stored ids the teacher's Q is taken at
+        torch.randint(0, shape.vocab, (len(lens), int(lens.max()), KAPPA), generator=torch.Generator().manual_seed(3)),
+        lens)
     groups = update_row_groups(data)
     numbers: dict = {"shape": shape.name, "tokens": sizes.prompt + sizes.response, "attn": ga.attn_implementation()}
     seconds: dict[str, list] = {}
@@ -377,10 +382,11 @@ def check_replay_ratios(sizes, reps: int | None = None) -> dict:
         kw = dict(input_ids=mb.input_ids, attention_mask=mb.attention_mask, position_ids=mb.position_ids,
                   use_cache=False)
 
-        def forwards():  # every replay step: the student's top-κ and the teacher's log-probs at those ids
+        def forwards(teacher_too: bool = True):  # the student's top-κ and (verl's pass) the teacher's log-probs
             with torch.no_grad(), engine_autocast(engine, device):
                 ids, _ = student_topk(student(**kw).logits[:, :-1], KAPPA)
-                teacher_logprobs_at(teacher(**kw).logits[:, :-1], ids)
+                if teacher_too:
+                    teacher_logprobs_at(teacher(**kw).logits[:, :-1], ids)
 
         def token_only():
             forwards()
@@ -390,8 +396,9 @@ def check_replay_ratios(sizes, reps: int | None = None) -> dict:
 
         def aligned(mode):
             def run():
-                forwards()
-                held = MOPDWorker._teacher_targets(None, teacher_worker, data, cfgs[mode], groups)
+                shared = cfgs[mode].passes == "shared"
+                forwards(teacher_too=not shared)  # shared: one teacher forward gives Q and the targets
+                held, _ = teacher_targets(teacher_worker, data, cfgs[mode], groups, with_q=KAPPA if shared else 0)
                 worker.mopd_targets = {**held, "teacher": "t"}
                 return worker.balanced_engine_step(data, engine, cfgs[mode])  # the engine's stand-in token loss
             return run

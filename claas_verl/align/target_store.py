@@ -138,6 +138,14 @@ class TeacherTargetStore:
                 self.peak_bytes = max(self.peak_bytes, self.held_bytes)
         return self
 
+    def keep(self, i: int, sig: AlignmentSignals) -> None:
+        """Keep targets of micro-batch ``i`` (< :attr:`kept`) that a forward run for something else produced (the
+        MOPD teacher's shared log-prob and target forward); :meth:`fill` then skips it."""
+        if not 0 <= i < self.kept:
+            raise IndexError(f"micro-batch {i} is not one of the {self.kept} kept ones (budget max_bytes)")
+        self._held[i] = sig
+        self.peak_bytes = max(self.peak_bytes, self.held_bytes)
+
     def get(self, i: int, term: str) -> AlignmentSignals:
         """Targets of micro-batch ``i`` for ``term`` only: kept ones from RAM, others by a fresh teacher forward."""
         if term not in self.terms:

@@ -18,6 +18,7 @@ from verl.utils import tensordict_utils as tu
 from claas_verl.align import (
     AlignmentSignals,
     PooledRows,
+    TeacherTargetStore,
     alignment_losses,
     alignment_signals,
     attention_modules,
@@ -219,7 +220,11 @@ def row_temperatures(data) -> torch.Tensor:
 
 
 def merged_targets(targets, i: int, terms, device) -> AlignmentSignals:
-    """Micro-batch ``i``'s teacher targets of every term in one :class:`AlignmentSignals`, on ``device``."""
+    """Micro-batch ``i``'s teacher targets of every term in one :class:`AlignmentSignals`, on ``device``: a
+    :class:`~claas_verl.align.TeacherTargetStore` gives them in one piece (a streamed micro-batch: ONE teacher forward
+    for every term), anything with ``get(i, term)`` term by term."""
+    if isinstance(targets, TeacherTargetStore):
+        return targets_to(targets[i], device)
     target = AlignmentSignals()
     for term in terms:
         part = targets_to(targets.get(i, term), device)

@@ -28,12 +28,8 @@ from verl.workers.config import ActorConfig
 from verl.workers.engine_workers import ActorRolloutRefWorker, TrainingWorker
 
 from claas_verl.align import (
-    AlignmentSignals,
-    TeacherTargetStore,
-    alignment_signals,
     attention_modules,
     microbatch_weights,
-    target_bytes,
 )
 from claas_verl.align.balance import HostBalancer
 from claas_verl.align.carried import CarriedBalance
@@ -57,6 +53,7 @@ from claas_verl.mopd.trainer.balanced_passes import (  # noqa: F401 (update_row_
     update_row_groups,
 )
 from claas_verl.mopd.trainer.loss import MOPDLoss
+from claas_verl.mopd.trainer.teacher_pass import teacher_targets
 from claas_verl.verl_ext.logits_loss import SLOT_FIELD, gather_response_rows
 
 logger = logging.getLogger(__name__)
@@ -315,9 +312,13 @@ class MOPDWorker(ActorRolloutRefWorker):
             # alignment targets of the last W response tokens (bf16), kept in this process for the colocated
             # student update of the same step (TransferQueue cannot carry [B, T, K]-shaped fields)
             groups = update_row_groups(data, dp_group(self.actor.engine), self._update_partition())
-            self.actor.mopd_targets = self._teacher_targets(self.teachers[name], data,
-                                                            alignment.AuxConfig.from_dict(aux), groups)
-            self.actor.mopd_targets["teacher"] = name  # the key of carried balancing (mopd.signal.balance)
+            cfg = alignment.AuxConfig.from_dict(aux)
+            # passes=shared: the targets' forward also gives Q (verl's separate log-prob pass is not run)
+            held, output = teacher_targets(self.teachers[name], data, cfg, groups,
+                                           with_q=_topk(data) if cfg.passes == "shared" else 0)
+            self.actor.mopd_targets = {**held, "teacher": name}  # the teacher: carried balancing's fallback key
+            if output is not None:
+                return output
         k = _topk(data)
         mask = data["response_mask"] if k else None
         teacher = self.teachers[name]
@@ -329,37 +330,8 @@ class MOPDWorker(ActorRolloutRefWorker):
     def _teacher_targets(self, teacher: TrainingWorker, data, cfg: alignment.AuxConfig,
                          groups: list[list[int]]) -> dict:
         """docs/math.md §B.3-B.5 teacher side: detached bf16 host targets per micro-batch of the update's partition
-        ``groups``, bounded in host RAM.
-
-        The micro-batches whose targets fit in ``cfg.target_budget_gib`` are computed now (one no-grad forward each,
-        under the teacher engine's autocast like its log-prob forward, no logits) and kept; the others are streamed
-        by the student's passes (:class:`TeacherTargetStore`).
-        """
-        micro = micro_batches(data, groups)
-        module = teacher.engine.module
-        layers = alignment.check_layers(cfg, len(attention_modules(module)))
-        device = compute_device()
-        autocast = engine_autocast(teacher.engine, device)
-        mcfg = module.config
-
-        def produce(i: int, terms: tuple[str, ...]) -> AlignmentSignals:
-            with teacher.engine.eval_mode(), torch.no_grad(), autocast:
-                mb = micro[i].to(device)
-                _, sig = alignment_signals(
-                    module, mb.input_ids, mb.attention_mask, mb.regions, position_ids=mb.position_ids,
-                    terms=terms, pooled_layers=layers, hidden_layers=layers, use_cache=False, logits=False,
-                )
-                return targets_to(sig.as_targets(), "cpu")
-
-        sizes = [
-            target_bytes(mb.regions, mb.attention_mask, cfg.terms, pooled_layers=len(layers),
-                         hidden_layers=len(layers), num_heads=mcfg.num_attention_heads,
-                         num_kv_heads=getattr(mcfg, "num_key_value_heads", None) or mcfg.num_attention_heads,
-                         hidden_size=mcfg.hidden_size)
-            for mb in micro
-        ]
-        store = TeacherTargetStore(produce, sizes, cfg.terms, int(cfg.target_budget_gib * 2**30), device=device)
-        return {"fingerprint": alignment.batch_fingerprint(sequences(data)), "groups": groups, "targets": store.fill()}
+        ``groups``, bounded in host RAM (:func:`claas_verl.mopd.trainer.teacher_pass.teacher_targets`)."""
+        return teacher_targets(teacher, data, cfg, groups)[0]
 
     def _update_partition(self) -> dict:
         """The actor's micro-batch settings, as ``TrainingWorker.train_batch`` hands them to its engine."""

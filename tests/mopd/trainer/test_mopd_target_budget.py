@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from test_mopd_balanced_step import _batch, _Engine, _tok_loss
 from transformers import AutoModelForCausalLM
@@ -10,8 +11,9 @@ from claas_verl.mopd.trainer import alignment
 from claas_verl.mopd.trainer.workers import MOPDTrainingWorker, MOPDWorker, update_row_groups
 
 
-def _step(tiny_dir, budget_gib):
-    signal = {"sats": True, "vr": True, "hidden": True, "window": 4, "target_budget_gib": budget_gib}
+def _step(tiny_dir, budget_gib, passes):
+    signal = {"sats": True, "vr": True, "hidden": True, "window": 4, "target_budget_gib": budget_gib,
+              "passes": passes}
     cfg = alignment.aux_config(signal)
     assert alignment.AuxConfig.from_dict(cfg.to_dict()) == cfg
     data = _batch(cfg, seed=1, prompt_lens=(4, 6, 3, 5), response_lens=(7, 5, 9, 8),
@@ -27,14 +29,16 @@ def _step(tiny_dir, budget_gib):
     return store, worker.engine.stepped
 
 
-def test_budget_bounds_resident_targets_and_streaming_gives_the_same_step(tiny_dir):
-    full, g_full = _step(tiny_dir, 1.0)
+@pytest.mark.parametrize("passes", ["shared", "separate"])
+def test_budget_bounds_resident_targets_and_streaming_gives_the_same_step(tiny_dir, passes):
+    full, g_full = _step(tiny_dir, 1.0, passes)
     assert full.kept == 4 and full.teacher_forwards == 4  # everything fits in 1 GiB: one forward per micro-batch
     budget = (full.sizes[0] + full.sizes[1]) / 2**30  # room for the first two of four micro-batches
-    bounded, g_bounded = _step(tiny_dir, budget)
+    bounded, g_bounded = _step(tiny_dir, budget, passes)
     assert bounded.kept == 2 and bounded.held_bytes <= budget * 2**30
     assert bounded.peak_bytes <= budget * 2**30 + max(bounded.sizes[2:])
-    assert bounded.teacher_forwards == 2 + 2 * 3  # the two streamed micro-batches: one forward per term
+    # the two streamed micro-batches: one forward for every term (shared), one per term (separate passes)
+    assert bounded.teacher_forwards == 2 + 2 * (1 if passes == "shared" else 3)
     for a, b in zip(g_full, g_bounded):
         assert (a is None) == (b is None)
         if a is not None:
