@@ -260,6 +260,17 @@ def balance_metrics(losses: dict, info: dict, combine: str) -> dict[str, float]:
     return m
 
 
+def step_inputs(engine, data, cfg: alignment.AuxConfig, groups: list[list[int]]):
+    """``(module, trainable params, alignment micro-batches, their B.7 weights, aligned layers, compute device)`` of
+    one balanced step."""
+    module = engine.module
+    params = [p for p in module.parameters() if p.requires_grad]
+    micro = micro_batches(data, groups)
+    weights = microbatch_weights([mb.n_resp for mb in micro])
+    layers = alignment.check_layers(cfg, len(attention_modules(module)))
+    return module, params, micro, weights, layers, compute_device()
+
+
 def shared_step(engine, data, loss_function, cfg: alignment.AuxConfig, groups, targets, mults) -> tuple[dict, dict]:
     """``mopd.signal.passes: shared``, the floor schedule of the balanced step (docs/performance.md).
 
@@ -281,12 +292,7 @@ def shared_step(engine, data, loss_function, cfg: alignment.AuxConfig, groups, t
         raise ValueError("mopd.signal.passes=shared computes the token loss from the shared forward and needs the "
                          f"MOPD loss (MOPDLoss.shared_token_loss); got {type(loss_function).__name__}. Set "
                          "mopd.signal.passes=separate to run verl's token pass")
-    module = engine.module
-    params = [p for p in module.parameters() if p.requires_grad]
-    micro = micro_batches(data, groups)
-    weights = microbatch_weights([mb.n_resp for mb in micro])
-    layers = alignment.check_layers(cfg, len(attention_modules(module)))
-    device = compute_device()
+    module, params, micro, weights, layers, device = step_inputs(engine, data, cfg, groups)
     autocast = engine_autocast(engine, device)
     resp_len = response_lengths(data)
     temperature = row_temperatures(data)

@@ -27,10 +27,6 @@ from verl.utils.config import omega_conf_to_dataclass
 from verl.workers.config import ActorConfig
 from verl.workers.engine_workers import ActorRolloutRefWorker, TrainingWorker
 
-from claas_verl.align import (
-    attention_modules,
-    microbatch_weights,
-)
 from claas_verl.align.balance import HostBalancer
 from claas_verl.align.carried import CarriedBalance
 from claas_verl.mopd.trainer import alignment
@@ -49,6 +45,7 @@ from claas_verl.mopd.trainer.balanced_passes import (  # noqa: F401 (update_row_
     reduction,
     sequences,
     shared_step,
+    step_inputs,
     targets_to,
     update_row_groups,
 )
@@ -167,12 +164,7 @@ class MOPDTrainingWorker(TrainingWorker):
             return self._finish_step(outputs, metrics)
         engine.optimizer_zero_grad()
         outputs = engine.forward_backward_batch(data, loss_function, forward_only=False)
-        module = engine.module
-        params = [p for p in module.parameters() if p.requires_grad]
-        micro = micro_batches(data, groups)
-        weights = microbatch_weights([mb.n_resp for mb in micro])
-        layers = alignment.check_layers(cfg, len(attention_modules(module)))
-        device = compute_device()
+        module, params, micro, weights, layers, device = step_inputs(engine, data, cfg, groups)
         if mults is not None:
             with params_gathered_through_backward(engine):
                 metrics = self._carried_pass(module, cfg.terms, mults, params, micro, weights, targets, layers,
