@@ -171,10 +171,14 @@ class MOPDLoss(LogitsProcessorLoss):
         self._check_update_config()
         k = _topk(data)
         R = logits.shape[1]
-        index = torch.as_tensor(rows, dtype=torch.long)
-        ids = token_fields.unpack_rows(data[token_fields.TOPK_IDS], k, token_fields.TOPK_IDS)[index, :R]
-        adv = token_fields.unpack_rows(data[token_fields.ADVANTAGES], k, token_fields.ADVANTAGES)[index, :R]
-        mask = padded(data["response_mask"])[index, :R]
+
+        def of_rows(name: str) -> torch.Tensor:  # these rows only: a step's micro-batches must not each unpack all
+            x = data[name]
+            return torch.nested.as_nested_tensor([x.unbind()[r] for r in rows], layout=torch.jagged)
+
+        ids = token_fields.unpack_rows(of_rows(token_fields.TOPK_IDS), k, token_fields.TOPK_IDS)[:, :R]
+        adv = token_fields.unpack_rows(of_rows(token_fields.ADVANTAGES), k, token_fields.ADVANTAGES)[:, :R]
+        mask = padded(of_rows("response_mask"))[:, :R]
         logp = topk_logprobs(logits, ids.to(logits.device).long(), chunk_size=self.chunk_size)
         loss, pg_metrics = self.token_loss(logp, adv.to(logp.device), mask.to(logp.device).bool())
         return loss, Metric.from_dict(pg_metrics, aggregation=AggregationType.MEAN)

@@ -100,24 +100,10 @@ def test_the_teacher_step_computes_rewards_advantages_and_the_logged_kl(monkeypa
 def test_the_std_floor_applies_to_replay_steps_only(monkeypatch, kind):
     # rewards of a student next to its teacher: σ_d is about 0.01, far below a floor of 5, which then divides a
     # replay step's rewards (A = r / 5) and leaves every other kind at the paper's r / σ_d
-    torch.manual_seed(1)
-    S = torch.randn(2, 3, 2).log_softmax(-1)
-    Q = S + 0.01 * torch.randn(2, 3, 2)
-    mask_nested = torch.nested.as_nested_tensor([torch.ones(3, dtype=torch.long)] * 2, layout=torch.jagged)
-    queue = _Queue({token_fields.STUDENT_LP: token_fields.pack_rows(S, mask_nested),
-                    token_fields.TEACHER_LP: token_fields.pack_rows(Q, mask_nested), "response_mask": mask_nested})
-    monkeypatch.setattr(distill_step, "tq", queue)
-    wg = SimpleNamespace(mopd_teacher_forward=lambda b: None)
-    batch = SimpleNamespace(keys=["a", "b"], partition_id="train", extra_info={})
-    step = distill_step.DistillStep(_mopd(replay_std_floor=5.0), _config(), {"logic": 0})
-    metrics = {}
-    step.teacher_advantages(batch, wg, {"kind": kind, "teacher": "student:1", "domain": "logic", "stage": 2,
-                                        "block": 0}, tokenizer=None, metrics=metrics)
+    A, metrics, r = _near_teacher_step(monkeypatch, _mopd(replay_std_floor=5.0), kind)
     mask = torch.ones(2, 3)
-    r = topk_rewards(S, Q, mask)
     sigma = float(r.double().flatten().std())
     assert sigma < 0.05 and metrics["mopd/adv_std"] == pytest.approx(sigma, rel=1e-6)
-    A = token_fields.unpack_rows(queue.put[token_fields.ADVANTAGES], 2)
     if kind == "replay":
         assert metrics["mopd/adv_sigma"] == 5.0
         torch.testing.assert_close(A, r / 5.0, rtol=1e-6, atol=0)
