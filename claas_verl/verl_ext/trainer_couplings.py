@@ -208,8 +208,9 @@ INSTANCE_ATTRIBUTES: tuple[InstanceAttribute, ...] = (
     InstanceAttribute(TRAINER, "PPOTrainer", "_init_dataloader", "self.total_training_steps", ("base",)),
     InstanceAttribute(TRAINER, "PPOTrainer", "_init_dataloader", "self.steps_per_epoch", ("base",)),
     InstanceAttribute(TRAINER, "PPOTrainer", "_consume_sync_metrics", "self._pending_sync_metrics", ("claas", "mopd")),
-    InstanceAttribute(FSDP, "FSDPEngine", "_build_model_optimizer", "self.optimizer", ("mopd",)),
-    InstanceAttribute(FSDP, "FSDPEngine", "_build_model_optimizer", "self.lr_scheduler", ("mopd",)),
+    # mopd: the balanced step's optimizer; claas: a tenant's AdamW state and schedule swapped in and out
+    InstanceAttribute(FSDP, "FSDPEngine", "_build_model_optimizer", "self.optimizer", ("claas", "mopd")),
+    InstanceAttribute(FSDP, "FSDPEngine", "_build_model_optimizer", "self.lr_scheduler", ("claas", "mopd")),
     InstanceAttribute(FSDP, "FSDPEngine", "initialize", "self.checkpoint_manager", ("mopd",)),
     # the student / teacher nn.Module (FSDP2-wrapped): claas's SDPO forwards, mopd's alignment forwards
     InstanceAttribute(FSDP, "FSDPEngine", "_build_model_optimizer", "self.module", ("claas", "mopd")),

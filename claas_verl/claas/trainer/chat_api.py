@@ -39,8 +39,10 @@ class ChatApiWiring:
 
     def start(self, generate, tokenizer, max_model_len: int | None, *, model_path: str, replay_actor: Any,
               policy_version: int, on_accepted: Callable[[list, int], None],
-              extra_stats: Callable[[], dict]) -> None:
-        """Start the chat API on this process, in front of the job's rollout replicas."""
+              extra_stats: Callable[[], dict], tenants: Any = None) -> None:
+        """Start the chat API on this process, in front of the job's rollout replicas; with ``tenants`` (a
+        :class:`~claas_verl.claas.trainer.tenants_side.TenantTraining`), in front of its own multi-LoRA engine, one
+        adapter per tenant (verl's replicas serve one adapter)."""
         from claas_verl.claas.service import ChatService, build_app
         from claas_verl.claas.service.config import check_exposure
         from claas_verl.claas.service.rollout_backend import RolloutBackend
@@ -54,9 +56,16 @@ class ChatApiWiring:
         admin = s.admin_key or os.environ.get("CLAAS_ADMIN_KEY") or self._mint_admin_key()
         cfg = s.service_config(api_keys=keys, admin_key=admin, max_tokens=cap, default_max_tokens=cap)
         check_exposure(s.host, cfg)
-        backend = RolloutBackend(generate, tokenizer, model_name=s.model_name, default_max_tokens=cap,
-                                 max_model_len=max_model_len, eos_token_ids=eos_ids(model_path, tokenizer),
-                                 policy_version=policy_version)
+        if tenants is not None:
+            from claas_verl.claas.service.hf_tenants import TenantHFBackend
+
+            backend = TenantHFBackend(model_path, list(tenants.names), max_loaded_adapters=s.max_loaded_adapters,
+                                      model_name=s.model_name, default_max_tokens=cap, seed=self.claas.seed)
+            tenants.attach_backend(backend)
+        else:
+            backend = RolloutBackend(generate, tokenizer, model_name=s.model_name, default_max_tokens=cap,
+                                     max_model_len=max_model_len, eos_token_ids=eos_ids(model_path, tokenizer),
+                                     policy_version=policy_version)
         self.sink = rs.pausable_sink(ActorSink)(replay_actor, on_accepted=on_accepted)
         teacher = None
         if self.claas.algorithm == "sdpo":
@@ -92,12 +101,14 @@ class ChatApiWiring:
             self.service.backend.publish(version)
 
     def wait_ready(self, replay_actor: Any) -> bool:
-        """Block until the chat API filled the buffer to B_min (True) or a shutdown was asked (False); fails at once
-        if the API thread died."""
+        """Block until the chat API filled the buffer to B_min (with tenants: one tenant's partition to its B_min)
+        (True) or a shutdown was asked (False); fails at once if the API thread died."""
+        tenants = bool(self.claas.service.tenant_names)
         while not self.stop.is_set():
             if self.thread is not None and not self.thread.alive:
                 raise RuntimeError("the chat API thread died; see the log above")
-            if ray.get(replay_actor.wait_ready.remote(1.0)):
+            waiter = replay_actor.wait_any_ready.remote(1.0) if tenants else replay_actor.wait_ready.remote(1.0)
+            if ray.get(waiter):
                 return True
         return False
 
@@ -115,7 +126,8 @@ class ChatApiWiring:
 
     def final_stats(self) -> dict:
         """The API's statistics once the recorder's queued writes reached the buffer."""
-        self.service.recorder.sink.flush(30.0)
+        for ledger in self.service.ledgers.values():  # one per tenant (one in a single-tenant service)
+            ledger.recorder.sink.flush(30.0)
         return self.service.stats()
 
     def close(self) -> None:

@@ -15,7 +15,6 @@ import os
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-import ray
 from omegaconf import OmegaConf
 
 from claas_verl.claas.trainer import resume as rs
@@ -24,6 +23,7 @@ from claas_verl.claas.trainer.checks import select
 from claas_verl.claas.trainer.config import ClaasConfig
 from claas_verl.claas.trainer.records import RunCounters, RunRecords
 from claas_verl.claas.trainer.rollout_side import RolloutSide
+from claas_verl.claas.trainer.tenants_side import buffer_summary, buffer_summary_async
 
 if TYPE_CHECKING:  # the split protocol takes checkpoints through this class: annotation only
     from claas_verl.claas.trainer.splits import SplitProtocol
@@ -56,6 +56,7 @@ class ClaasCheckpoints:
         self.due = False  # verl's loop asked for a checkpoint; taken at the checkpoint point (on_step_end)
         self.in_progress = False
         self.last_step: int | None = None  # step of the latest verl checkpoint this history wrote or loaded
+        self.tenants = None  # a multi-tenant job's TenantTraining (its state is saved with every checkpoint)
 
     @property
     def out_dir(self) -> str:
@@ -66,7 +67,7 @@ class ClaasCheckpoints:
         """Checkpoint N = k: the CLaaS state into ``global_step_N/claas/`` first, then verl's part, whose tracker file
         (``latest_checkpointed_iteration.txt``, written last) commits it. See the invariant in resume.py."""
         self.due = False
-        k = int(ray.get(side.replay_actor.update_count.remote()))
+        k = int(buffer_summary(side.replay_actor, side.tenants)["k"])  # with tenants: summed over partitions
         if k != self.counters.updates:
             raise RuntimeError(f"checkpoint point broken: the buffer's k={k} but {self.counters.updates} updates "
                                "were done")
@@ -105,7 +106,7 @@ class ClaasCheckpoints:
         async def capture() -> rs.ClaasState:
             buffer_file = rs.new_buffer_file()
             await side.replay_actor.save.remote(os.path.join(claas_dir, buffer_file))
-            summary = await side.replay_actor.summary.remote()
+            summary = await buffer_summary_async(side.replay_actor, side.tenants)
             if summary["k"] != k:
                 raise RuntimeError(f"the buffer's k moved from {k} to {summary['k']} during the checkpoint")
             ema = side.ema.state_dict() if side.ema is not None else None
@@ -119,7 +120,8 @@ class ClaasCheckpoints:
                 buffer={"file": buffer_file, **summary}, matrix=[list(r) for r in splits.matrix],
                 split_records=list(splits.split_records), ema=ema, producer=prod["stats"],
                 icl_memory=side.icl_memory.state_dict() if side.icl_memory is not None else None,
-                service=self.chat.stats(), sdpo_teacher=teacher, resumes=list(self.resumes))
+                service=self.chat.stats(), sdpo_teacher=teacher, resumes=list(self.resumes),
+                tenants=None if self.tenants is None else self.tenants.save(claas_dir))
             rs.save_state(claas_dir, state)
             # Written while commits are paused: commits traced before it are in this snapshot, those after are not.
             self.records.trace({"event": "claas_state", "global_steps": k, "buffer_size": summary["size"]})

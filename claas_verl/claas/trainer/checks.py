@@ -69,6 +69,12 @@ def check_claas_config(config: Any, claas: ClaasConfig) -> None:
         need(int(select(config, "actor_rollout_ref.model.lora_rank", 0)) > 0, "actor_rollout_ref.model.lora_rank",
              "the SDPO EMA teacher is kept over the LoRA adapter (docs/math.md §A.3.3); set a LoRA rank > 0")
         need(not bool(select(config, "critic.enable", False)), "critic.enable", "SDPO trains no critic; set it false")
+    if claas.service.tenant_names:
+        need(serves_lora_adapter(config), "actor_rollout_ref.model.lora_rank",
+             "claas.service.tenants trains one LoRA adapter per tenant over shared base weights; set a LoRA rank "
+             "> 0 with actor_rollout_ref.model.lora.merge=false")
+        need(not bool(select(config, "critic.enable", False)), "critic.enable",
+             "a multi-tenant job trains no critic (one per tenant is not built); set it false")
 
 
 def check_schedule_without_step_count(config: Any) -> None:

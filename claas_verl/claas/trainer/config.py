@@ -95,6 +95,10 @@ class ProducerConfig:
             raise ValueError(f"claas.producer.max_new_tokens must be >= 1, got {self.max_new_tokens}")
 
 
+TENANT_ALGORITHMS = ("reinforce_pp", "sdpo")
+"""Algorithms a multi-tenant job trains (each tenant: its adapter, AdamW state, schedule, EMA statistics, SDPO EMA
+teacher); PPO would need a critic per tenant."""
+
 JOB_SET_SERVICE_FIELDS = ("record", "default_scenario_id", "adapter_root", "default_max_tokens")
 """The :class:`ServiceConfig` fields a job fixes itself: it records every turn under scenario 0, loads no adapter over
 HTTP (its own trainer publishes the versions), and answers requests without ``max_tokens`` with ``max_tokens``."""
@@ -115,6 +119,17 @@ class ServiceSection(ServiceConfig):
     header_timeout_s: float = knob(10.0, "request headers must be complete within it (else the connection closes)")
     proxy_headers: bool = knob(False, "behind a TLS reverse proxy: trust X-Forwarded-* from forwarded_allow_ips")
     forwarded_allow_ips: str = knob("127.0.0.1", "addresses whose X-Forwarded-* headers are trusted")
+    max_loaded_adapters: int = knob(4, "with tenants: adapters the serving engine holds at once (a tenant beyond "
+                                    "them is reloaded from its file on its next request)")
+    probe_tokens: int = knob(8, "with tenants: tokens of the fixed probe scored by the serving engine and the "
+                             "trainer after each reload (docs/service.md, verified serving)")
+    max_probe_failures: int = knob(3, "with tenants: probe mismatches (all tenants together) before the job stops; "
+                                   "each mismatch keeps the tenant on its previous version")
+
+    @property
+    def tenant_names(self) -> tuple[str, ...]:
+        """The configured tenants (empty: one implicit tenant, the single-adapter job)."""
+        return () if self.directory.implicit else tuple(self.directory.names)
 
     def __post_init__(self):
         # no API-key requirement here: the keys may come from $CLAAS_API_KEY when the job starts (check_exposure)
@@ -131,11 +146,10 @@ class ServiceSection(ServiceConfig):
                 raise ValueError(f"claas.service.{name} is set by the job itself (see JOB_SET_SERVICE_FIELDS); "
                                  f"remove it from the recipe")
         check_service_fields(self, "claas.service.")
-        if not self.directory.implicit:
-            raise ValueError("claas.service.tenants: a training job does not yet train one adapter per tenant (its "
-                             "trainer updates one adapter from one buffer); serve tenants with the standalone "
-                             "service (ChatService with a TenantHFBackend and a partitioned replay buffer), or "
-                             "remove claas.service.tenants")
+        for name in ("max_loaded_adapters", "probe_tokens", "max_probe_failures"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"claas.service.{name} must be an int >= 1, got {value!r}")
 
     def service_config(self, **job: Any) -> ServiceConfig:
         """The standalone :class:`ServiceConfig` of this section, with the values the job resolves at start
@@ -274,12 +288,26 @@ class ClaasConfig:
         if not self.producer.enabled and not self.service.enabled:
             raise ValueError("claas.producer.enabled=false needs claas.service.enabled=true: with neither the "
                              "scenario producers nor the chat API nothing would ever reach the buffer")
+        if self.service.tenant_names and (self.producer.enabled or not self.service.enabled):
+            raise ValueError("claas.service.tenants trains one adapter per tenant from the chat API's feedback: set "
+                             "claas.service.enabled=true and claas.producer.enabled=false (the scenario producers "
+                             "belong to no tenant)")
+        if self.service.tenant_names and self.algorithm not in TENANT_ALGORITHMS:
+            raise ValueError(f"claas.service.tenants with claas.algorithm={self.algorithm}: per-tenant updates run "
+                             f"{' or '.join(TENANT_ALGORITHMS)} (a per-tenant PPO critic is not built); choose one "
+                             "of them or remove claas.service.tenants")
         if self.service.enabled and self.algorithm == "no_update":
             raise ValueError("claas.service.enabled with claas.algorithm=no_update: the chat API's feedback would "
                              "never update anything; use reinforce_pp, ppo or sdpo behind the API")
         from claas_verl.claas.replay.buffer import validate_replay_sizes
 
         validate_replay_sizes(self.m, self.b_min, self.b_max)
+        for name in self.service.tenant_names:  # each tenant's update draws claas.m entries of its own partition
+            t = self.service.directory[name]
+            try:
+                validate_replay_sizes(self.m, t.b_min, t.b_max)
+            except ValueError as exc:
+                raise ValueError(f"claas.service.tenants.{name}: {exc} (claas.m={self.m} entries per update)") from None
 
     def unreachable_b_min(self, entries_per_split: int) -> str | None:
         """A warning when ``b_min`` exceeds the entries one split can produce (docs/math.md §A.1.8: with ``B_min=100``

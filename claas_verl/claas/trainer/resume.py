@@ -157,6 +157,7 @@ class ClaasState:
     icl_memory: dict | None = None
     service: dict | None = None  # the chat API's counters at the checkpoint (turns pending feedback are not kept)
     sdpo_teacher: list | None = None  # teacher files, one per training rank
+    tenants: dict | None = None  # a multi-tenant job: TenantTraining.save (scheduler, versions, served, EMA)
     resumes: list = field(default_factory=list)  # earlier resumes of this run's history (what each discarded)
     format: int = STATE_FORMAT
 
@@ -322,6 +323,7 @@ def pausable_sink(sink_cls: type) -> type:
             self._gate = threading.Lock()  # one pause at a time
             self._queue_lock = threading.Lock()
             self._queued: list | None = None  # a list while paused
+            self._children: list = []  # the per-tenant sinks for_tenant made
 
         def submit(self, entries: list) -> concurrent.futures.Future:
             with self._queue_lock:
@@ -339,8 +341,23 @@ def pausable_sink(sink_cls: type) -> type:
                 sent.add_done_callback(lambda s, f=fut: f.set_exception(s.exception()) if s.exception() is not None
                                        else f.set_result(s.result()))
 
+        def for_tenant(self, tenant: str):
+            """A pausable sink into ``tenant``'s partition, paused with this one (a multi-tenant chat API writes
+            through one per tenant)."""
+            child = super().for_tenant(tenant)
+            self._children.append(child)
+            return child
+
         @contextlib.contextmanager
         def paused(self, timeout_s: float = 60.0):
+            with contextlib.ExitStack() as stack:
+                for child in self._children:
+                    stack.enter_context(child.paused(timeout_s))
+                with self._paused_self(timeout_s):
+                    yield
+
+        @contextlib.contextmanager
+        def _paused_self(self, timeout_s: float):
             with self._gate:
                 with self._queue_lock:
                     self._queued = []

@@ -19,6 +19,7 @@ from claas_verl.claas.trainer import resume as rs
 from claas_verl.claas.trainer.checks import select
 from claas_verl.claas.trainer.config import ClaasConfig
 from claas_verl.claas.trainer.producer import BackgroundLoop, ChatRenderer, RolloutProducer
+from claas_verl.claas.trainer.tenants_side import buffer_summary
 
 logger = logging.getLogger(__name__)
 
@@ -77,20 +78,25 @@ class RolloutSide:
 
         # Entries arrive by reference (the producer puts each batch's tokens into the object store). The producer
         # runs in this process, which outlives the actor (max_restarts=0), so the buffers need no adoption copy.
-        self.replay_actor = make_replay_actor(c.b_max, c.b_min, c.a_max, seed=c.seed, entry_unit=c.entry_unit,
-                                              max_restarts=0, adopt=False)
+        # with tenants: one partition per tenant (its own B_min, B_max, A_max and age clock; claas.* are the defaults)
+        self.tenants = c.service.tenant_names
+        partitions = c.service.directory.replay_partitions(
+            {"b_min": c.b_min, "b_max": c.b_max, "a_max": c.a_max}) if self.tenants else None
+        self.replay_actor = make_replay_actor(None if partitions else c.b_max, None if partitions else c.b_min,
+                                              None if partitions else c.a_max, seed=c.seed, entry_unit=c.entry_unit,
+                                              max_restarts=0, adopt=False, partitions=partitions)
         sampler.bind(self.replay_actor, data_source=f"claas/{c.env.name}", sdpo=c.algorithm == "sdpo")
         r = resume
         if r is not None:
             ray.get(self.replay_actor.load.remote(os.path.join(resume_dir, r.buffer["file"])))
-            got = ray.get(self.replay_actor.summary.remote())
+            got = buffer_summary(self.replay_actor, self.tenants)
             if got["k"] != r.global_steps or got["uids"] != r.buffer["uids"]:
                 raise rs.ResumeMismatch(f"{resume_dir}: the buffer snapshot (k={got['k']}, {got['size']} "
                                         f"entries) is not the one state.json records (k={r.buffer['k']}, "
                                         f"{r.buffer['size']} entries)")
 
         self.ema: RewardEma | None = None
-        if config.algorithm.adv_estimator == "claas_rpp_ema":
+        if config.algorithm.adv_estimator == "claas_rpp_ema" and not self.tenants:  # tenants: TenantEmas
             self.ema = RewardEma(c.rpp)
             if r is not None:
                 if r.ema is None:

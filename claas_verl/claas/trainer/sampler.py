@@ -42,6 +42,10 @@ class ClaasReplaySampler:
         self.replay = None
         self.data_source = "claas"
         self.sdpo = False
+        # a multi-tenant job: the tenant whose update this is (its partition is drawn from) and the version its
+        # served adapter had before the update (the lag base); set by the trainer before each step
+        self.tenant: str | None = None
+        self.tenant_version: int = 0
         self.last_sample: list[dict] = []  # (uid, P, reward, seq, scenario[, sd]) of the latest draw (traces, tests)
 
     def bind(self, replay_actor: Any, data_source: str = "claas", sdpo: bool = False) -> None:
@@ -63,7 +67,8 @@ class ClaasReplaySampler:
         if self.replay is None:
             raise RuntimeError("ClaasReplaySampler.sample before bind(replay_actor): the CLaaS trainer binds it")
         # EntryRefs: the rows are fetched from the object store here, not through the actor
-        entries = fetch_entries(ray.get(self.replay.sample_when_ready.remote(int(batch_size))))
+        tenant_kw = {} if self.tenant is None else {"tenant": self.tenant}
+        entries = fetch_entries(ray.get(self.replay.sample_when_ready.remote(int(batch_size), **tenant_kw)))
         keys = [replay_key() for _ in entries]
         fields = list_of_dict_to_tensordict([entry_fields(e, self.data_source, sdpo=self.sdpo) for e in entries])
         tags = [entry_tag(e) for e in entries]
@@ -72,8 +77,10 @@ class ClaasReplaySampler:
                              "scenario": int(e.scenario_id),
                              # SDPO: whether the entry has a teacher context (sd_mask = 1)
                              **({"sd": bool(e.metadata.get(TEACHER_IDS_KEY))} if self.sdpo else {})} for e in entries]
-        # Policy-version lag of the sampled entries: updates done before this one minus the serving version.
-        lag = np.array([(global_steps - 1) - int(e.P) for e in entries], dtype=float)
+        # Policy-version lag of the sampled entries: updates done before this one minus the serving version (with
+        # tenants: the tenant's own version before this update; P counts the tenant's versions)
+        base = (global_steps - 1) if self.tenant is None else self.tenant_version
+        lag = np.array([base - int(e.P) for e in entries], dtype=float)
         metrics = {
             "claas/sample/version_lag_mean": float(lag.mean()),
             "claas/sample/version_lag_max": float(lag.max()),

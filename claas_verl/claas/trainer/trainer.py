@@ -68,6 +68,7 @@ from claas_verl.claas.trainer.records import RunCounters, RunRecords, served_wei
 from claas_verl.claas.trainer.rollout_side import RolloutSide
 from claas_verl.claas.trainer.sampler import ClaasReplaySampler
 from claas_verl.claas.trainer.splits import SplitProtocol
+from claas_verl.claas.trainer.tenants_side import TenantTraining
 from claas_verl.utils.progress import Progress
 from claas_verl.verl_ext.trainer_base import (
     VerlSeams,
@@ -102,6 +103,7 @@ class ClaasTrainer(VerlSeams, PPOTrainer):
         self.ckpt = ClaasCheckpoints(config, self.claas, self.records, self.counters, self.chat,
                                      save_verl=self._save_verl_checkpoint, save_teacher=self._save_sdpo_teacher)
         self.side: RolloutSide | None = None  # built in on_init_end, once the replicas serve version 0
+        self.tenants: TenantTraining | None = None  # claas.service.tenants: one adapter per tenant (tenants_side)
         self.splits: SplitProtocol | None = None
         # The stream, not a step count, ends the run: verl's bar would count to the 10**9 placeholder, so it is
         # hidden and this line reports updates (with an ETA only when claas.max_updates caps them).
@@ -122,7 +124,12 @@ class ClaasTrainer(VerlSeams, PPOTrainer):
 
         super()._init_resource_pool_mgr()
         check_placement(self.resource_pool_manager)  # an unplaceable pool would wait forever in verl
-        if self.sdpo:
+        if self.claas.service.tenant_names:
+            from claas_verl.claas.trainer.tenant_worker import ClaasSdpoTenantsWorker, ClaasTenantsWorker
+
+            # per-tenant adapter, optimizer state, schedule (and SDPO teacher) swapped around each update
+            swap_actor_worker(self, ClaasSdpoTenantsWorker if self.sdpo else ClaasTenantsWorker)
+        elif self.sdpo:
             from claas_verl.claas.trainer.sdpo_worker import ClaasSdpoWorker
 
             swap_actor_worker(self, ClaasSdpoWorker)  # the SDPO update (EMA teacher, re-prompted teacher pass)
@@ -152,6 +159,17 @@ class ClaasTrainer(VerlSeams, PPOTrainer):
                                        llm_server_manager=self.llm_server_manager, sampler=self.sampler,
                                        resume=ckpt.resume, resume_dir=ckpt.resume_dir, warn=self.records.warn)
         side.producer.on_commit = lambda record: self.records.trace({"event": "commit", **record})
+        if self.claas.service.tenant_names:
+            self.tenants = TenantTraining(
+                self.claas, vc.actor_worker_group(self), side.replay_actor, self.sampler, out_dir,
+                reinforce_ema=self.config.algorithm.adv_estimator == "claas_rpp_ema", trace=self.records.trace)
+            self.tenants.setup(self.tokenizer)
+            if ckpt.resume is not None:
+                if ckpt.resume.tenants is None:
+                    raise ValueError(f"{ckpt.resume_dir}: the checkpoint holds no tenant state (it was written "
+                                     "by a single-tenant job)")
+                self.tenants.restore(ckpt.resume_dir, ckpt.resume.tenants)
+            ckpt.tenants = self.tenants
         self.splits = SplitProtocol(self.claas, side, self.chat, self.records, self.counters, out_dir, ckpt)
         os.makedirs(out_dir, exist_ok=True)
         record = ckpt.restore_run_state(side, self.splits) if ckpt.resume is not None else None
@@ -159,10 +177,12 @@ class ClaasTrainer(VerlSeams, PPOTrainer):
             self.chat.start(side.generate, self.tokenizer, side.max_model_len,
                             model_path=self.config.actor_rollout_ref.model.path, replay_actor=side.replay_actor,
                             policy_version=self.global_steps, on_accepted=self._on_chat_accepted,
-                            extra_stats=self._chat_extra_stats)
+                            extra_stats=self._chat_extra_stats, tenants=self.tenants)
         self.records.trace({"event": "start", "claas": OmegaConf.to_container(self.config.claas, resolve=True),
                             "split_ids": side.stream.ids(), "warnings": self.records.warnings})
         if record is not None:
+            if self.tenants is not None:  # what every tenant resumed at, before any update of this job
+                record["tenants"] = self.tenants.stats()
             self.records.trace(record)
 
     # ------------------------------------------------------------------ verl hooks: the loop
@@ -173,6 +193,8 @@ class ClaasTrainer(VerlSeams, PPOTrainer):
     def prepare_step(self) -> dict:
         """Replaces the dataloader pull: snapshot b, v for ``claas_rpp_ema`` (read when this minibatch is built)."""
         out = {"claas/wait_buffer_s": self.counters.last_wait_s, "claas/split": self.splits.idx + 1}
+        if self.tenants is not None:  # the update's tenant, swapped in; its EMA statistics bound
+            out.update(self.tenants.begin())
         if self.side.ema is not None:
             out.update(self.side.ema.snapshot_for_step())
         return out
@@ -191,14 +213,20 @@ class ClaasTrainer(VerlSeams, PPOTrainer):
         c.updates += 1
         c.last_update_unix = time.time()
         replay = self.side.replay_actor
-        with marked_timer("claas_on_update", self.timing_raw, color="red"):
-            size_before = ray.get(replay.size.remote())
-            evicted = ray.get(replay.on_update.remote())  # k += 1 first: a pushed version is never ahead of k
-        with marked_timer("update_weights", self.timing_raw, color="red"):
-            self.checkpoint_manager.update_weights(self.global_steps)
-        # update_weights returned: version k is on every replica the API routes to; only now announce it
-        self.chat.publish(self.global_steps)
-        probe = served_weights_probe(self.llm_server_manager) if self.claas.trace_served_weights else {}
+        if self.tenants is not None:
+            size_before = ray.get(replay.size.remote(tenant=self.tenants.current))
+            with marked_timer("claas_tenant_update", self.timing_raw, color="red"):
+                probe = {"tenant_update": self.tenants.end()}  # swap out, count, verified reload
+            evicted = probe["tenant_update"]["evicted_age"]
+        else:
+            with marked_timer("claas_on_update", self.timing_raw, color="red"):
+                size_before = ray.get(replay.size.remote())
+                evicted = ray.get(replay.on_update.remote())  # k += 1 first: a pushed version is never ahead of k
+            with marked_timer("update_weights", self.timing_raw, color="red"):
+                self.checkpoint_manager.update_weights(self.global_steps)
+            # update_weights returned: version k is on every replica the API routes to; only now announce it
+            self.chat.publish(self.global_steps)
+            probe = served_weights_probe(self.llm_server_manager) if self.claas.trace_served_weights else {}
         if self.sdpo:
             probe["sdpo"] = vc.actor_worker_group(self).claas_sdpo_probe()[0]  # rank 0's EMA bookkeeping
         self.records.trace({"event": "update", "update": c.updates, "global_steps": self.global_steps,
@@ -267,18 +295,29 @@ class ClaasTrainer(VerlSeams, PPOTrainer):
         an SDPO text-only entry carries no reward of the user's (stored as 0, marked) and is skipped. The trace's commit
         line lets a resume count the entries accepted after its checkpoint."""
         self.records.trace({"event": "commit", "scenario": None, "accepted": accepted})
-        if self.side.ema is None:
+        emas = self.tenants.ema if self.tenants is not None else self.side.ema
+        if emas is None:
             return
         if accepted != len(entries):
             raise RuntimeError(f"the buffer accepted {accepted} of {len(entries)} entries of one chat write; "
                                "the chat API writes one entry per call")
-        self.side.ema.update_many(e.reward for e in entries if not e.metadata.get(TEXT_ONLY_KEY))
+        rewards = [e.reward for e in entries if not e.metadata.get(TEXT_ONLY_KEY)]
+        if self.tenants is not None:  # each tenant's statistics see its own rewards only
+            for e in entries:
+                if not e.metadata.get(TEXT_ONLY_KEY):
+                    emas.update_many(e.metadata["tenant"], [e.reward])
+            return
+        emas.update_many(rewards)
 
     def _chat_extra_stats(self) -> dict:
         out = {"buffer": self.side.buffer_stats(), "updates": self.counters.updates, "resumes": self.ckpt.resumes,
                "last_update_unix": self.counters.last_update_unix}
         if self.side.ema is not None:
             out["ema"] = self.side.ema.state_dict()
+        if self.tenants is not None:
+            out["tenant_training"] = self.tenants.stats()
+            if self.tenants.ema is not None:
+                out["ema"] = self.tenants.ema.state_dict()
         return out
 
     # ------------------------------------------------------------------ end-of-run records

@@ -24,6 +24,9 @@ Private names (each listed in :data:`COUPLINGS`; ``tests/claas/trainer/test_claa
 * ``BaseEngine.optimizer_step``: shadowed by an instance attribute during one update, to record whether the
   step was applied (finite gradient norm) and to skip it when the minibatch carries no SDPO signal.
 * ``BaseEngine.eval_mode`` and the FSDP engine's ``module`` attribute: the no-grad pre/teacher forwards.
+* the FSDP engine's ``optimizer`` and ``lr_scheduler`` attributes (``claas.service.tenants``): each tenant's AdamW
+  state and learning-rate schedule are swapped in before its update and out after it
+  (:mod:`claas_verl.claas.trainer.tenant_worker`), as are its LoRA shards in ``module``.
 * the non-tensor batch key ``distillation_use_topk``: makes verl's FSDP engine call the installed loss as a
   logits processor ``fn(student_logits=[1, N, V], data=micro_batch)`` (``prepare_model_outputs``); with
   ``distillation_only`` it computes no sampled-token log-probs of its own (no in-place flash-attn

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from claas_verl.claas.replay import ReplayEntry
-from claas_verl.claas.tenants.adapters import TenantAdapterStore, adapter_digest, lora_parameters
+from claas_verl.claas.tenants.adapters import TenantAdapterStore, lora_digest, lora_parameters
 from claas_verl.claas.tenants.config import TenantDirectory
 from claas_verl.claas.tenants.scheduler import TenantScheduler
 from claas_verl.claas.tenants.verify import ReloadProbe, VerifiedServing, probe_ids, probe_token_logprobs
@@ -159,6 +159,6 @@ def test_tenants_train_serve_verified_and_resume_exactly_after_a_crash(ray_sessi
     resumed = Run(tiny, str(tmp_path / "replay.pkl"), ckpt, scheduler_state)
     assert _drive(resumed, 6, 10) == _drive(run, 6, 10)
     assert resumed.state() == run.state()
-    assert adapter_digest(resumed.store["carol"].adapter) == initial[1]
+    assert lora_digest(resumed.store["carol"].adapter) == initial[1]
     for r in (run, resumed):
         ray.kill(r.actor)
