@@ -23,18 +23,20 @@ from claas_verl.claas.service.streaming import IncrementalDetokenizer, StreamSta
 _LAZY = {
     "HFBackend": "claas_verl.claas.service.hf_backend",
     "OpenAIBackend": "claas_verl.claas.service.openai_backend",
+    "TenantHFBackend": "claas_verl.claas.service.hf_tenants",
+    "TenantOpenAIBackend": "claas_verl.claas.service.openai_tenants",
     "ServiceThread": "claas_verl.claas.service.server",
     "ClaasServiceClient": "claas_verl.claas.service.client",
     "ClaasServiceError": "claas_verl.claas.service.client",
 }
 
 __all__ = [
-    "COUNTERS", "TRAINING_SAMPLING", "ActorSink", "AdapterLease", "AdapterSwitch", "BackendError", "ChatBackend",
-    "ChatService", "ClaasServiceClient", "ClaasServiceError", "Generation", "GradeRequest", "HFBackend",
-    "IncrementalDetokenizer", "LoRAReloadError", "LocalBufferSink", "OpenAIBackend", "SamplingParams", "Served",
-    "ServiceConfig", "ServiceThread", "StreamStart", "TokenDelta", "TrajectoryRecorder", "TurnRecord",
-    "VLLMLoRAClient", "behaviour_logprob", "build_app", "make_sink", "normalize_grade", "scenario_key_to_id",
-    "training_violations", "verifier_grader",
+    "ActorSink", "AdapterLease", "AdapterSwitch", "BackendError", "COUNTERS", "ChatBackend", "ChatService",
+    "ClaasServiceClient", "ClaasServiceError", "Generation", "GradeRequest", "HFBackend", "IncrementalDetokenizer",
+    "LoRAReloadError", "LocalBufferSink", "OpenAIBackend", "SamplingParams", "Served", "ServiceConfig",
+    "ServiceThread", "StreamStart", "TRAINING_SAMPLING", "TenantHFBackend", "TenantOpenAIBackend", "TokenDelta",
+    "TrajectoryRecorder", "TurnRecord", "VLLMLoRAClient", "behaviour_logprob", "build_app", "make_sink",
+    "normalize_grade", "scenario_key_to_id", "training_violations", "verifier_grader",
 ]
 
 

@@ -107,43 +107,55 @@ class OpenAIBackend(ChatBackend):
 
     async def generate(self, messages, params: SamplingParams, chat_template_kwargs=None) -> Generation:
         with self._switch.acquire() as lease:
-            body = self._request_body(lease.name, messages, params, chat_template_kwargs)
-            try:
-                resp = await self._http.post("/v1/chat/completions", json=body)
-            except Exception as exc:  # httpx errors: connection refused, timeout
-                raise BackendError(f"inference server {self.base_url} unreachable: {exc!r}") from exc
-            if resp.status_code == 400:
-                raise ValueError(f"the inference server refused the request: {resp.text[:500]}")
-            if resp.status_code >= 400:
-                raise BackendError(f"inference server answered HTTP {resp.status_code}: {resp.text[:500]}")
-            return await asyncio.to_thread(self._parse, resp.json(), lease.name, lease.version, messages,
-                                           chat_template_kwargs)
+            return await self._post_chat(lease.name, lease.name, lease.version, messages, params,
+                                         chat_template_kwargs)
 
     async def stream(self, messages, params: SamplingParams, chat_template_kwargs=None):
+        with self._switch.acquire() as lease:  # held until the stream ends or is closed: the adapter stays loaded
+            async for item in self._stream_chat(lease.name, lease.name, lease.version, messages, params,
+                                                chat_template_kwargs):
+                yield item
+
+    async def _post_chat(self, model: str, served_name: str, version: int, messages, params: SamplingParams,
+                         chat_template_kwargs) -> Generation:
+        """One chat on the server's ``model`` (the adapter leased for it); the result names ``served_name``."""
+        body = self._request_body(model, messages, params, chat_template_kwargs)
+        try:
+            resp = await self._http.post("/v1/chat/completions", json=body)
+        except Exception as exc:  # httpx errors: connection refused, timeout
+            raise BackendError(f"inference server {self.base_url} unreachable: {exc!r}") from exc
+        if resp.status_code == 400:
+            raise ValueError(f"the inference server refused the request: {resp.text[:500]}")
+        if resp.status_code >= 400:
+            raise BackendError(f"inference server answered HTTP {resp.status_code}: {resp.text[:500]}")
+        return await asyncio.to_thread(self._parse, resp.json(), served_name, version, messages,
+                                       chat_template_kwargs)
+
+    async def _stream_chat(self, model: str, served_name: str, version: int, messages, params: SamplingParams,
+                           chat_template_kwargs):
         import httpx
 
-        with self._switch.acquire() as lease:  # held until the stream ends or is closed: the adapter stays loaded
-            body = self._request_body(lease.name, messages, params, chat_template_kwargs)
-            body["stream"] = True
-            try:
-                async with self._http.stream("POST", "/v1/chat/completions", json=body) as resp:
-                    if resp.status_code >= 400:
-                        text = (await resp.aread()).decode(errors="replace")[:500]
-                        if resp.status_code == 400:
-                            raise ValueError(f"the inference server refused the request: {text}")
-                        raise BackendError(f"inference server answered HTTP {resp.status_code}: {text}")
-                    yield StreamStart(policy_version=lease.version, model=lease.name)
-                    acc = _StreamAccumulator()
-                    async for line in resp.aiter_lines():
-                        delta = acc.add_line(line)
-                        if delta is not None:
-                            yield delta
-                        if acc.done:
-                            break
-            except httpx.HTTPError as exc:  # connection refused / reset, timeout
-                raise BackendError(f"inference server {self.base_url} failed mid-request: {exc!r}") from exc
-            yield await asyncio.to_thread(self._parse, acc.response(), lease.name, lease.version, messages,
-                                          chat_template_kwargs)
+        body = self._request_body(model, messages, params, chat_template_kwargs)
+        body["stream"] = True
+        try:
+            async with self._http.stream("POST", "/v1/chat/completions", json=body) as resp:
+                if resp.status_code >= 400:
+                    text = (await resp.aread()).decode(errors="replace")[:500]
+                    if resp.status_code == 400:
+                        raise ValueError(f"the inference server refused the request: {text}")
+                    raise BackendError(f"inference server answered HTTP {resp.status_code}: {text}")
+                yield StreamStart(policy_version=version, model=served_name)
+                acc = _StreamAccumulator()
+                async for line in resp.aiter_lines():
+                    delta = acc.add_line(line)
+                    if delta is not None:
+                        yield delta
+                    if acc.done:
+                        break
+        except httpx.HTTPError as exc:  # connection refused / reset, timeout
+            raise BackendError(f"inference server {self.base_url} failed mid-request: {exc!r}") from exc
+        yield await asyncio.to_thread(self._parse, acc.response(), served_name, version, messages,
+                                      chat_template_kwargs)
 
     async def load_adapter(self, path, version=None) -> int:
         return await asyncio.to_thread(self._load_adapter_sync, str(path), version)

@@ -56,7 +56,14 @@ class ChatApiWiring:
         admin = s.admin_key or os.environ.get("CLAAS_ADMIN_KEY") or self._mint_admin_key()
         cfg = s.service_config(api_keys=keys, admin_key=admin, max_tokens=cap, default_max_tokens=cap)
         check_exposure(s.host, cfg)
-        if tenants is not None:
+        if tenants is not None and s.tenant_engine_url:
+            from claas_verl.claas.service.openai_tenants import TenantOpenAIBackend
+
+            backend = TenantOpenAIBackend(s.tenant_engine_url, s.tenant_engine_model or model_path, list(tenants.names),
+                                          max_loaded_adapters=s.max_loaded_adapters, tokenizer=tokenizer,
+                                          default_max_tokens=cap, api_key=os.environ.get("CLAAS_VLLM_API_KEY"))
+            tenants.attach_backend(backend)
+        elif tenants is not None:
             from claas_verl.claas.service.hf_tenants import TenantHFBackend
 
             backend = TenantHFBackend(model_path, list(tenants.names), max_loaded_adapters=s.max_loaded_adapters,

@@ -121,6 +121,12 @@ class ServiceSection(ServiceConfig):
     forwarded_allow_ips: str = knob("127.0.0.1", "addresses whose X-Forwarded-* headers are trusted")
     max_loaded_adapters: int = knob(4, "with tenants: adapters the serving engine holds at once (a tenant beyond "
                                     "them is reloaded from its file on its next request)")
+    tenant_engine_url: str | None = knob(None, "with tenants: a vLLM OpenAI server (http://host:port, started with "
+                                         "--enable-lora, --max-cpu-loras >= max_loaded_adapters, the run directory "
+                                         "readable) that serves the tenants' adapters; null: the chat API's own "
+                                         "transformers engine in the driver (CPU)")
+    tenant_engine_model: str | None = knob(None, "with tenant_engine_url: the name that server serves the base "
+                                           "model under (null: actor_rollout_ref.model.path)")
     probe_tokens: int = knob(8, "with tenants: tokens of the fixed probe scored by the serving engine and the "
                              "trainer after each reload (docs/service.md, verified serving)")
     max_probe_failures: int = knob(3, "with tenants: probe mismatches (all tenants together) before the job stops; "
