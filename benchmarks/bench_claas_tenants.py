@@ -17,7 +17,7 @@ comparison is the cost of the tenant bookkeeping and the adapter switches, not o
 
     python benchmarks/bench_claas_tenants.py [--clients 4] [--requests 8] [--tokens 16]
 
-The training side (one trainer job updating each tenant's adapter) is not wired; this measures serving only.
+This measures serving only; the training job's side is benchmarks/bench_claas_tenants_training.py.
 """
 
 from __future__ import annotations

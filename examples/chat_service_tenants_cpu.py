@@ -11,8 +11,8 @@ What it shows (docs/service.md, Tenants):
 4. The admin key publishes a (random) adapter to alice and to bob, one tenant at a time; carol, who gives no
    feedback, stays at version 0 (the base model). With room for one adapter at a time, bob's evicts alice's, which
    is loaded again for her next request (never answered by the base model).
-The trainer side (one CLaaS job updating each tenant's adapter) is not wired yet: the adapters here stand in for
-the versions it would publish.
+The adapters here are random stand-ins loaded by the admin key; a training job (``--config-name
+claas/service_tenants``, examples/tenants_job_client.py) publishes each tenant's trained versions itself.
 """
 
 from __future__ import annotations

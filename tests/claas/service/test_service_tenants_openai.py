@@ -127,18 +127,22 @@ def test_tenants_on_real_vllm(vllm_server, tiny, tmp_path, hf_fp32):
     from transformers import AutoTokenizer
 
     ids = probe_ids(AutoTokenizer.from_pretrained(str(tiny.student)), 8)
-    try:
-        for t in KEYS:
-            trained = probe_token_logprobs(models[t], ids)
-            probe = ReloadProbe(ids, lambda served, tr=trained: max(abs(s - x) for s, x in zip(served, tr)) < 1e-3)
-            assert asyncio.run(backend.load_adapter(str(tmp_path / t), tenant=t, probe=probe)) == 1
-        assert sorted(backend.cache.loaded()) == ["b@v1", "c@v1"]
-        for t in ("a", "b", "c"):  # a's adapter was unloaded for c's: loaded again before a's request
-            gen = asyncio.run(backend.generate([{"role": "user", "content": "hi"}], SamplingParams(max_tokens=6),
-                                               tenant=t))
-            assert gen.policy_version == 1 and gen.model == f"claas-{t}-v1"
-            assert max(abs(a - b) for a, b in zip(backend.score_probe(ids, t),
-                                                  probe_token_logprobs(models[t], ids))) < 1e-3
-        assert backend.cache.counts["reloads"] >= 1
-    finally:
-        asyncio.run(backend.aclose())
+
+    async def run():  # one event loop: the backend's HTTP client belongs to it
+        try:
+            for t in KEYS:
+                trained = probe_token_logprobs(models[t], ids)
+                probe = ReloadProbe(ids, lambda s, tr=trained: max(abs(a - b) for a, b in zip(s, tr)) < 1e-3)
+                assert await backend.load_adapter(str(tmp_path / t), tenant=t, probe=probe) == 1
+            assert sorted(backend.cache.loaded()) == ["b@v1", "c@v1"]
+            for t in ("a", "b", "c"):  # a's adapter was unloaded for c's: loaded again before a's request
+                gen = await backend.generate([{"role": "user", "content": "hi"}], SamplingParams(max_tokens=6),
+                                             tenant=t)
+                assert gen.policy_version == 1 and gen.model == f"claas-{t}-v1"
+                served = await asyncio.to_thread(backend.score_probe, ids, t)
+                assert max(abs(a - b) for a, b in zip(served, probe_token_logprobs(models[t], ids))) < 1e-3
+            assert backend.cache.counts["reloads"] >= 1
+        finally:
+            await backend.aclose()
+
+    asyncio.run(run())
