@@ -266,6 +266,12 @@ class ClaasConfig:
     trace: bool = knob(True, "write claas_trace.jsonl (one line per update) next to the checkpoints")
     trace_served_weights: bool = knob(False, "diagnostic, a full weight transfer per update: after each push, "
                                       "fingerprint every replica's served weights into the trace")
+    weight_sync_probe_tokens: int = knob(8, "after every adapter push the rollout replicas and the trainer score a "
+                                         "fixed probe of this many tokens (claas_verl/verl_ext/weight_probe.py); 0: "
+                                         "off. A tenants job verifies each tenant's reload instead")
+    weight_sync_max_abs_diff: float | None = knob(0.5, "the job stops (ServedWeightsMismatch) when a replica's probe "
+                                                  "log-probs differ from the trainer's by more (nats, max or mean); "
+                                                  "null: only logged")
     env: EnvConfig = knob(help="the scenario environment", factory=EnvConfig)
     stream: StreamConfig = knob(help="the split stream", factory=StreamConfig)
     producer: ProducerConfig = knob(help="the rollout producers", factory=ProducerConfig)
@@ -289,6 +295,13 @@ class ClaasConfig:
                              "turn; use entry_unit=step")
         if self.a_max < 0:
             raise ValueError(f"claas.a_max must be >= 0, got {self.a_max}")
+        if isinstance(self.weight_sync_probe_tokens, bool) or self.weight_sync_probe_tokens < 0:
+            raise ValueError(f"claas.weight_sync_probe_tokens must be an int >= 0 (0 turns the check off), got "
+                             f"{self.weight_sync_probe_tokens!r}")
+        tol = self.weight_sync_max_abs_diff
+        if tol is not None and (isinstance(tol, bool) or not 0 < float(tol) < float("inf")):
+            raise ValueError(f"claas.weight_sync_max_abs_diff={tol!r}: give the largest accepted served-vs-trained "
+                             "log-prob difference in nats (> 0), or null to only log it")
         if self.max_updates is not None and self.max_updates < 1:
             raise ValueError(f"claas.max_updates must be null or >= 1, got {self.max_updates}")
         if not self.producer.enabled and not self.service.enabled:

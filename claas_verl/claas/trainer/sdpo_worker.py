@@ -43,6 +43,7 @@ from verl.workers.engine_workers import ActorRolloutRefWorker, TrainingWorker
 
 from claas_verl.claas.trainer import verl_couplings as vc
 from claas_verl.claas.trainer.tq_fields import HAS_FEEDBACK_FIELD, TEACHER_PROMPT_FIELD
+from claas_verl.claas.trainer.worker import ClaasProbeMixin
 from claas_verl.distill import topk_logprobs
 from claas_verl.losses.sdpo import EmaTeacher, sdpo_loss
 from claas_verl.losses.seq_is import seq_is_clipped_loss
@@ -297,7 +298,7 @@ def _lora_sum(tensors) -> float:
     return total
 
 
-class ClaasSdpoWorker(ActorRolloutRefWorker):
+class ClaasSdpoWorker(ClaasProbeMixin, ActorRolloutRefWorker):
     """verl's hybrid actor/rollout worker whose actor runs the SDPO update (registered methods below)."""
 
     actor_worker_cls = ClaasSdpoTrainingWorker

@@ -31,7 +31,6 @@ import tempfile
 
 import torch
 from verl.single_controller.base.decorator import Dispatch, register
-from verl.workers.engine_workers import ActorRolloutRefWorker
 
 from claas_verl.claas.tenants.adapters import (
     TenantAdapterStore,
@@ -41,6 +40,7 @@ from claas_verl.claas.tenants.adapters import (
     to_host,
 )
 from claas_verl.claas.trainer.sdpo_worker import ClaasSdpoWorker
+from claas_verl.claas.trainer.worker import ClaasWorker
 
 EMA_KEY = "sdpo_ema"  # TenantAdapter.extra key of a tenant's SDPO EMA teacher state
 
@@ -147,13 +147,11 @@ class ClaasTenantsWorkerMixin:
     def claas_tenant_probe(self, ids: list[int]) -> list[float]:
         """The resident tenant's teacher-forced log-probs of the serving probe ``ids`` (verified serving: the
         trainer's side of the comparison); a forward on every rank (FSDP gathers the layers)."""
-        from claas_verl.claas.tenants.verify import probe_token_logprobs
+        from claas_verl.verl_ext.weight_probe import engine_prefix_logprobs
 
         if self._slots().resident is None:
             raise RuntimeError("no tenant is resident: score the probe between swap_in and swap_out")
-        engine = self.actor.engine
-        with engine.eval_mode():
-            return probe_token_logprobs(engine.module, ids)
+        return engine_prefix_logprobs(self.actor.engine, ids, [ids[1:]])[0]
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def claas_tenant_swap_out(self) -> tuple[int, str]:
@@ -170,7 +168,7 @@ class ClaasTenantsWorkerMixin:
         return {t: slots.store.version(t) for t in slots.store.tenants}
 
 
-class ClaasTenantsWorker(ClaasTenantsWorkerMixin, ActorRolloutRefWorker):
+class ClaasTenantsWorker(ClaasTenantsWorkerMixin, ClaasWorker):
     """verl's hybrid actor/rollout worker with per-tenant training state (REINFORCE++)."""
 
 

@@ -105,6 +105,13 @@ class ClaasTrainer(VerlSeams, PPOTrainer):
         self.side: RolloutSide | None = None  # built in on_init_end, once the replicas serve version 0
         self.tenants: TenantTraining | None = None  # claas.service.tenants: one adapter per tenant (tenants_side)
         self.splits: SplitProtocol | None = None
+        # after every push (single adapter) the replicas and the trainer score a fixed probe; tenants: verified reloads
+        self.weight_probe = None
+        if self.claas.trains and self.claas.weight_sync_probe_tokens and not self.claas.service.tenant_names:
+            from claas_verl.verl_ext.weight_probe import WeightSyncProbe
+
+            self.weight_probe = WeightSyncProbe(self.claas.weight_sync_probe_tokens,
+                                                self.claas.weight_sync_max_abs_diff, system="claas")
         # The stream, not a step count, ends the run: verl's bar would count to the 10**9 placeholder, so it is
         # hidden and this line reports updates (with an ETA only when claas.max_updates caps them).
         self.progress: Progress | None = None
@@ -133,6 +140,10 @@ class ClaasTrainer(VerlSeams, PPOTrainer):
             from claas_verl.claas.trainer.sdpo_worker import ClaasSdpoWorker
 
             swap_actor_worker(self, ClaasSdpoWorker)  # the SDPO update (EMA teacher, re-prompted teacher pass)
+        elif self.claas.trains:
+            from claas_verl.claas.trainer.worker import ClaasWorker
+
+            swap_actor_worker(self, ClaasWorker)  # the trainer's side of the weight-sync probe
 
     def _init_dataloader(self):
         """No prompt dataset: scenarios come from the environment's stream (docs/math.md §A.1.3); the stream, not
@@ -150,6 +161,8 @@ class ClaasTrainer(VerlSeams, PPOTrainer):
                 logger.info("SDPO EMA teacher restored (%s EMA steps)", self.ckpt.teacher_ema_steps)
         # Serve the initial weights (version 0) before any rollout, as verl's sync trainer does.
         self.checkpoint_manager.update_weights(self.global_steps)
+        if self.weight_probe is not None:
+            self._probe_weight_sync()  # the baseline the first push's change is measured against
         self._set_up_run()
 
     def _set_up_run(self) -> None:
@@ -224,9 +237,14 @@ class ClaasTrainer(VerlSeams, PPOTrainer):
                 evicted = ray.get(replay.on_update.remote())  # k += 1 first: a pushed version is never ahead of k
             with marked_timer("update_weights", self.timing_raw, color="red"):
                 self.checkpoint_manager.update_weights(self.global_steps)
+            probe = {}
+            if self.weight_probe is not None:  # the replicas serve what was trained, or the job stops here
+                with marked_timer("weight_sync_probe", self.timing_raw, color="red"):
+                    probe["weight_sync"] = self._probe_weight_sync()
             # update_weights returned: version k is on every replica the API routes to; only now announce it
             self.chat.publish(self.global_steps)
-            probe = served_weights_probe(self.llm_server_manager) if self.claas.trace_served_weights else {}
+            if self.claas.trace_served_weights:
+                probe.update(served_weights_probe(self.llm_server_manager))
         if self.sdpo:
             probe["sdpo"] = vc.actor_worker_group(self).claas_sdpo_probe()[0]  # rank 0's EMA bookkeeping
         self.records.trace({"event": "update", "update": c.updates, "global_steps": self.global_steps,
@@ -245,7 +263,8 @@ class ClaasTrainer(VerlSeams, PPOTrainer):
             self.ckpt.at_shutdown(self.side, self.splits)
         self.progress.update(**where, buffer=size_before)
         # verl merges these into this step's metrics (_consume_sync_metrics)
-        self._pending_sync_metrics = {"claas/evicted_age": evicted, "claas/buffer_size": size_before}
+        self._pending_sync_metrics = {"claas/evicted_age": evicted, "claas/buffer_size": size_before,
+                                      **probe.get("weight_sync", {})}
 
     def fit(self, agent_loop_manager=None):
         """verl's loop (unchanged), then the run's records; producers are stopped whatever happens."""
@@ -260,6 +279,11 @@ class ClaasTrainer(VerlSeams, PPOTrainer):
             self.chat.close()
             if self.side is not None:
                 self.side.close()
+
+    def _probe_weight_sync(self) -> dict[str, float]:
+        wg = vc.actor_worker_group(self)
+        return self.weight_probe.measure(self.tokenizer, self.checkpoint_manager.replicas,
+                                         lambda ids, targets: wg.claas_probe_logprobs(ids, targets)[0])
 
     # ------------------------------------------------------------------ verl hooks: checkpoints (VerlSeams)
     def checkpoint_now(self) -> bool:

@@ -26,6 +26,7 @@ from claas_verl.align import (
     microbatch_weights,
 )
 from claas_verl.mopd.trainer import alignment
+from claas_verl.verl_ext.engine_device import compute_device, engine_autocast
 
 
 def pass_order(cfg: alignment.AuxConfig) -> tuple[tuple[str, ...], str | None]:
@@ -69,26 +70,6 @@ def update_row_groups(data, dp_group=None, settings: dict | None = None) -> list
 def dp_group(engine):
     get = getattr(engine, "get_data_parallel_group", None)
     return get() if get is not None else None
-
-
-def compute_device() -> torch.device:
-    """The device verl's engines compute on in this process (where ``FSDPEngine.forward_step`` puts each
-    micro-batch), from verl's platform helpers. Never the device of a module's parameters: forward-only FSDP2
-    engines (teachers, like verl's reference model) keep their weights offloaded to the host and gather each
-    layer onto the accelerator for its forward."""
-    from verl.utils.device import get_device_id, get_device_name
-
-    index = get_device_id()
-    return torch.device(index) if isinstance(index, str) else torch.device(get_device_name(), index)
-
-
-def engine_autocast(engine, device):
-    """The autocast verl's engine wraps its forward in (bf16 under bf16 mixed precision; none for fp32), for the
-    engine's compute ``device`` (:func:`compute_device`)."""
-    dtype = getattr(engine, "_autocast_dtype", None)
-    if dtype is None or dtype == torch.float32:
-        return contextlib.nullcontext()
-    return torch.autocast(device_type=torch.device(device).type, dtype=dtype)
 
 
 def sequences(data) -> list[torch.Tensor]:

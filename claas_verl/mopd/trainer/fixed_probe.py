@@ -23,7 +23,8 @@ import torch
 from verl.single_controller.base.decorator import Dispatch, register
 
 from claas_verl.mopd.trainer import verl_couplings as vc
-from claas_verl.mopd.trainer.workers import MOPDWorker, compute_device, engine_autocast
+from claas_verl.mopd.trainer.workers import MOPDWorker
+from claas_verl.verl_ext.engine_device import compute_device, engine_autocast
 
 
 def full_kl_sum(student_logits: torch.Tensor, ref_logits: torch.Tensor) -> torch.Tensor:

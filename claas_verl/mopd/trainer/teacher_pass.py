@@ -25,14 +25,13 @@ from claas_verl.distill import teacher_logprobs_at
 from claas_verl.mopd.trainer import alignment
 from claas_verl.mopd.trainer import fields as token_fields
 from claas_verl.mopd.trainer.balanced_passes import (
-    compute_device,
-    engine_autocast,
     micro_batches,
     response_lengths,
     row_temperatures,
     sequences,
     targets_to,
 )
+from claas_verl.verl_ext.engine_device import compute_device, engine_autocast
 
 
 def teacher_targets(teacher, data, cfg: alignment.AuxConfig, groups: list[list[int]], with_q: int = 0):

@@ -27,7 +27,7 @@ rest is one component per job, each holding its state: :mod:`~claas_verl.mopd.tr
 student and teacher forwards, rewards, advantages, the update's batch), :mod:`~claas_verl.mopd.trainer.blocks`
 (per-domain prompts, a step's block), :mod:`~claas_verl.mopd.trainer.teachers` (the teachers the workers hold),
 :mod:`~claas_verl.mopd.trainer.snapshots` (M_j, resume state and its reconciliation),
-:mod:`~claas_verl.mopd.trainer.forgetting` (the held-out evaluation), :mod:`~claas_verl.mopd.trainer.weight_probe`
+:mod:`~claas_verl.mopd.trainer.forgetting` (the held-out evaluation), :mod:`~claas_verl.verl_ext.weight_probe`
 (did the weight sync arrive), :mod:`~claas_verl.mopd.trainer.step_probe` (``mopd.probe``: the fixed probe's KL to
 M_{k-1} and the update norm per step; worker side :mod:`~claas_verl.mopd.trainer.fixed_probe`); the run's files
 are written by :mod:`~claas_verl.mopd.trainer.audit_trail`, :mod:`~claas_verl.mopd.trainer.resume_state` and
@@ -53,9 +53,9 @@ from claas_verl.mopd.trainer.snapshots import CARRIED_STATE_KEY, StageSnapshots
 from claas_verl.mopd.trainer.stage_progress import StageProgress
 from claas_verl.mopd.trainer.step_probe import StepProbe
 from claas_verl.mopd.trainer.teachers import StageTeachers
-from claas_verl.mopd.trainer.weight_probe import WeightSyncProbe
 from claas_verl.schedule import build_plan
 from claas_verl.verl_ext.trainer_base import VerlSeams, swap_actor_worker
+from claas_verl.verl_ext.weight_probe import WeightSyncProbe
 
 logger = logging.getLogger(__name__)
 logger.setLevel(os.getenv("VERL_LOGGING_LEVEL", "INFO"))
@@ -179,7 +179,9 @@ class MOPDTrainer(VerlSeams, PPOTrainerSync):
         self.forgetting.stage_end(self.current_step()["stage"], self.global_steps)
 
     def _probe_weight_sync(self) -> dict[str, float]:
-        return self.probe.measure(self.tokenizer, self.checkpoint_manager.replicas, self.actor_rollout_wg)
+        wg = self.actor_rollout_wg
+        return self.probe.measure(self.tokenizer, self.checkpoint_manager.replicas,
+                                  lambda ids, targets: wg.mopd_probe_logprobs(ids, targets)[0])
 
     # ================================================================= the step's math (distill_step)
     def _compute_old_log_prob(self, batch, metrics: dict):

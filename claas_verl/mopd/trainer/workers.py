@@ -20,7 +20,6 @@ from __future__ import annotations
 import functools
 import logging
 
-import torch
 from verl.single_controller.base.decorator import Dispatch, make_nd_compute_dataproto_dispatch_fn, register
 from verl.utils import tensordict_utils as tu
 from verl.utils.config import omega_conf_to_dataclass
@@ -32,13 +31,11 @@ from claas_verl.align.carried import CarriedBalance
 from claas_verl.mopd.trainer import alignment
 from claas_verl.mopd.trainer import fields as token_fields
 from claas_verl.mopd.trainer import verl_couplings as vc
-from claas_verl.mopd.trainer.balanced_passes import (  # noqa: F401 (update_row_groups, compute_device, engine_autocast: used by other modules through this one)
+from claas_verl.mopd.trainer.balanced_passes import (  # noqa: F401 (update_row_groups: used by other modules through this one)
     alignment_pass,
     balance_metrics,
     carried_pass,
-    compute_device,
     dp_group,
-    engine_autocast,
     micro_batches,
     params_gathered_through_backward,
     pass_order,
@@ -51,6 +48,7 @@ from claas_verl.mopd.trainer.balanced_passes import (  # noqa: F401 (update_row_
 )
 from claas_verl.mopd.trainer.loss import MOPDLoss
 from claas_verl.mopd.trainer.teacher_pass import teacher_targets
+from claas_verl.verl_ext.engine_device import engine_autocast
 from claas_verl.verl_ext.logits_loss import SLOT_FIELD, gather_response_rows
 
 logger = logging.getLogger(__name__)
@@ -351,13 +349,8 @@ class MOPDWorker(ActorRolloutRefWorker):
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def mopd_probe_logprobs(self, ids: list[int], targets: list[list[int]]) -> list[list[float]]:
-        """The student's log-probabilities ``log p(targets[r][j] | ids[:j+1])`` from one no-grad forward of ``ids``
-        (every rank runs it: FSDP gathers each layer across the ranks), under the engine's autocast as in its
-        log-prob forward (:mod:`claas_verl.mopd.trainer.weight_probe`)."""
-        engine = self.actor.engine
-        device = compute_device()
-        with engine.eval_mode(), torch.no_grad(), engine_autocast(engine, device):
-            logits = engine.module(input_ids=torch.tensor([ids], device=device), use_cache=False).logits
-        logp = torch.log_softmax(logits[0, : len(ids) - 1].float(), dim=-1).cpu()
-        positions = torch.arange(len(ids) - 1)
-        return [logp[positions, torch.tensor(t)].tolist() for t in targets]
+        """The student's log-probabilities ``log p(targets[r][j] | ids[:j+1])``
+        (:func:`claas_verl.verl_ext.weight_probe.engine_prefix_logprobs`)."""
+        from claas_verl.verl_ext.weight_probe import engine_prefix_logprobs
+
+        return engine_prefix_logprobs(self.actor.engine, ids, targets)

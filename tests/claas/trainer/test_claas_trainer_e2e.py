@@ -8,7 +8,8 @@ the run's own records (``claas_trace.jsonl``, ``continual_metrics.json``, split 
 - no entry was used in more than A_max + 1 updates (buffer statistics) and no sampled entry was older
   than A_max updates;
 - after every update the rollout server serves a new policy: its version increments and the served
-  weights' fingerprint changes, and the push carried only LoRA adapter tensors (``lora.merge=false``);
+  weights' fingerprint changes, and the push carried only LoRA adapter tensors (``lora.merge=false``); the
+  weight-sync probe finds the served log-probs equal to the trainer's and moved since the previous push;
 - a checkpoint per split and the M[j, k] metrics (JSON, CSV, PNG) were written;
 - the crashing grader produced reward None steps, which were dropped, and the run finished;
 - with ``trainer.logger=[console,wandb,tensorboard]`` the step metrics, verl's per-phase timings and throughput
@@ -94,6 +95,12 @@ def test_tiny_reinforce_pp_stream_end_to_end(tiny_model_dir, tmp_path, tracking_
     prints = [u["served_fingerprint_0"] for u in updates]
     assert all(b > a for a, b in zip(versions, versions[1:])), versions
     assert len(set(prints)) == len(prints), "the rollout server kept serving the same weights after an update"
+    # The weight-sync probe after every push: the replica serves exactly what the trainer holds (fp32 on both
+    # sides: rounding only), and its greedy log-probs moved since the previous push (the new adapter arrived).
+    for u in updates:
+        sync = u["weight_sync"]
+        assert sync["rollout/weight_sync_max_abs_logprob_diff"] < 1e-4, sync
+        assert sync["rollout/weight_sync_max_abs_logprob_change"] > 0, sync
     # lora.merge=false: after the first sync every push carries ONLY the LoRA adapter (+ peft_config).
     for u in updates:
         names = u["served_last_push_names_0"]
@@ -128,6 +135,6 @@ def test_tiny_reinforce_pp_stream_end_to_end(tiny_model_dir, tmp_path, tracking_
 
     # trainer.logger=[console,wandb,tensorboard]: the step metrics reach wandb (offline) and tensorboard
     logged = {"claas/split", "claas/wait_buffer_s", "claas/buffer_size", "timing_s/gen", "timing_s/update_actor",
-              "timing_s/update_weights", "perf/throughput"}
+              "timing_s/update_weights", "perf/throughput", "rollout/weight_sync_max_abs_logprob_diff"}
     for keys in (tracking_logs.wandb_keys(), tracking_logs.tensorboard_keys()):
         assert logged <= keys and any(k.startswith("actor/") for k in keys), sorted(keys)

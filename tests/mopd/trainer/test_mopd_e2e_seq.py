@@ -19,7 +19,7 @@ import re
 
 import torch
 
-from claas_verl.mopd.trainer.weight_probe import CHANGE_KEY, DIFF_KEY
+from claas_verl.verl_ext.weight_probe import CHANGE_KEY, DIFF_KEY
 
 
 def test_tiny_seq_runs_the_plan_end_to_end(tiny_dir, mopd_run, mopd_plan, fast, tracking_logs):

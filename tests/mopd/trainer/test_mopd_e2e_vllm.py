@@ -13,7 +13,7 @@ import re
 
 import pytest
 
-from claas_verl.mopd.trainer.weight_probe import CHANGE_KEY, DIFF_KEY
+from claas_verl.verl_ext.weight_probe import CHANGE_KEY, DIFF_KEY
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 # one token's log-prob, vLLM's float32 CPU kernels vs an HF forward (as tests/claas/service/test_service_vllm.py)

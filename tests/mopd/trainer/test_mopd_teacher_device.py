@@ -15,7 +15,8 @@ from transformers import AutoModelForCausalLM
 
 from claas_verl.align import alignment_signals
 from claas_verl.mopd.trainer import alignment
-from claas_verl.mopd.trainer.workers import MOPDWorker, compute_device, update_row_groups
+from claas_verl.mopd.trainer.workers import MOPDWorker, update_row_groups
+from claas_verl.verl_ext.engine_device import compute_device
 
 
 class _WeightsRestElsewhere(nn.Module):

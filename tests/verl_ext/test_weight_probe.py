@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import pytest
 
-from claas_verl.mopd.trainer.weight_probe import CHANGE_KEY, DIFF_KEY, probe_ids, probe_metrics
+from claas_verl.verl_ext.weight_probe import CHANGE_KEY, DIFF_KEY, probe_ids, probe_metrics
 
 
-def test_probe_is_fixed_and_as_long_as_asked(tiny_dir):
+def test_probe_is_fixed_and_as_long_as_asked(tiny):
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(tiny_dir / "student")
+    tok = AutoTokenizer.from_pretrained(str(tiny.student))
     ids = probe_ids(tok, 8)
     assert len(ids) == 9 and ids == probe_ids(tok, 8)
     with pytest.raises(ValueError, match="weight_sync_probe_tokens=0"):
@@ -28,7 +28,7 @@ def test_metrics_compare_served_with_trained_and_with_the_previous_sync():
 
 
 def test_a_negative_probe_length_names_the_key_and_zero_turns_the_probe_off():
-    from claas_verl.mopd.trainer.weight_probe import WeightSyncProbe
+    from claas_verl.verl_ext.weight_probe import WeightSyncProbe
 
     with pytest.raises(ValueError, match=r"mopd.weight_sync_probe_tokens=-1: .*0 turns the weight-sync check off"):
         WeightSyncProbe(-1)
@@ -40,7 +40,7 @@ def test_a_served_probe_that_is_not_the_trained_one_stops_the_job(caplog):
     import logging
 
     from claas_verl.metrics.served_check import ServedWeightsMismatch
-    from claas_verl.mopd.trainer.weight_probe import WeightSyncProbe
+    from claas_verl.verl_ext.weight_probe import WeightSyncProbe
 
     served = [([3, 4], [-1.0, -2.0]), ([3, 5], [-1.0, -2.5])]
     probe = WeightSyncProbe(8, 0.5)
@@ -52,3 +52,8 @@ def test_a_served_probe_that_is_not_the_trained_one_stops_the_job(caplog):
             probe.check(served, [[-1.0, -2.0], [-1.0, -1.8]])
     assert "do not match the trained ones" in caplog.text
     WeightSyncProbe(8, None).check(served, [[0.0, 0.0], [0.0, 0.0]])  # null: the metrics are only logged
+    # the CLaaS trainer's probe names its own section
+    with pytest.raises(ServedWeightsMismatch, match=r"claas weight sync"):
+        WeightSyncProbe(8, 0.5, system="claas").check(served, [[-1.0, -2.0], [-1.0, -1.8]])
+    with pytest.raises(ValueError, match=r"claas.weight_sync_probe_tokens=-2"):
+        WeightSyncProbe(-2, system="claas")
