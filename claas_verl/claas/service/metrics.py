@@ -18,6 +18,10 @@ Series::
     claas_tenant_turns_total{tenant, outcome}  turns by tenant (drops and refusals included, by their counter name)
     claas_tenant_pending_turns{tenant}         a tenant's turns awaiting feedback
     claas_tenant_policy_version{tenant}        the version a tenant's new requests are served with
+    claas_tenant_updates_total{tenant}         a tenants job: updates granted to the tenant
+    claas_tenant_trained_version{tenant}       a tenants job: the tenant's newest trained version
+    claas_tenant_probe_failures_total{tenant}  a tenants job: reloads whose serving probe did not match (the alarm)
+    claas_tenant_waiting_updates{tenant}       a tenants job: updates of others since the tenant became ready
 """
 
 from __future__ import annotations
@@ -110,5 +114,22 @@ class _Collector:
             yield t_turns
             yield t_pending
             yield t_version
+        training = snap.get("tenant_training")
+        if training:
+            per = training["tenants"]
+            series = (
+                (CounterMetricFamily, "claas_tenant_updates", "Updates granted to a tenant", "granted"),
+                (GaugeMetricFamily, "claas_tenant_trained_version", "A tenant's newest trained version",
+                 "trained_version"),
+                (CounterMetricFamily, "claas_tenant_probe_failures", "Reloads of a tenant whose serving probe did "
+                 "not match the trainer's forward (the tenant kept its previous version)", "probe_failures"),
+                (GaugeMetricFamily, "claas_tenant_waiting_updates", "Updates of other tenants since the tenant "
+                 "became ready (0: not waiting)", "waiting"),
+            )
+            for family, name, doc, key in series:
+                metric = family(name, doc, labels=["tenant"])
+                for tenant, view in per.items():
+                    metric.add_metric([tenant], float(view[key] or 0))
+                yield metric
         if snap.get("updates") is not None:
             yield CounterMetricFamily("claas_updates", "Trainer updates", value=float(snap["updates"]))

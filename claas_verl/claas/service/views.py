@@ -100,4 +100,5 @@ def metrics_snapshot(service) -> dict:
             "buffer_share_held": held if any(led.buffer_share.enabled for led in service.ledgers.values()) else None,
             "pending_now": rec["pending_now"], "pending_bytes": rec["pending_bytes"],
             "policy_version": service.backend.policy_version, "buffer": buffer, "updates": extra.get("updates"),
-            "last_update_unix": extra.get("last_update_unix"), "tenants": tenants}
+            "last_update_unix": extra.get("last_update_unix"), "tenants": tenants,
+            "tenant_training": extra.get("tenant_training")}

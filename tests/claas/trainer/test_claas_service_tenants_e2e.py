@@ -109,6 +109,11 @@ def test_tenants_train_apart_serve_verified_versions_and_resume_exactly(tenants_
         initial = _stats(http)["tenants"]["carol"]["trained_sha256"]
         i = _train_until(info, http, proc, 2, seen)
         before = _quiesce(http)
+        metrics = http.get("/metrics", headers={"Authorization": f"Bearer {ADMIN}"}).text
+        for tenant in KEYS:  # the alarm series and the per-tenant training counts
+            assert f'claas_tenant_probe_failures_total{{tenant="{tenant}"}} 0.0' in metrics
+            assert (f'claas_tenant_updates_total{{tenant="{tenant}"}} '
+                    f'{float(before["tenants"][tenant]["granted"])}') in metrics
         replies = [_chat(info, http, t, 999, feedback=False) for t in KEYS]
     finally:
         if proc.poll() is None:

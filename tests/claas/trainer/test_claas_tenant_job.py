@@ -140,3 +140,16 @@ def test_the_buffer_summary_of_a_partitioned_actor_adds_the_tenants_clocks(ray_s
     assert (got["k"], got["size"]) == (4, 3)
     assert got["uids"] == ["a0", "a1", "b0"] and got["tenants"]["alice"]["k"] == 3
     ray.kill(actor)
+
+
+def test_metrics_export_each_tenants_updates_version_wait_and_probe_alarm():
+    from claas_verl.claas.service.metrics import ServiceMetrics
+
+    training = {"bound": 1, "probe_failures_total": 2, "tenants": {
+        "alice": {"granted": 5, "trained_version": 5, "probe_failures": 2, "waiting": None},
+        "bob": {"granted": 3, "trained_version": 3, "probe_failures": 0, "waiting": 1}}}
+    text = ServiceMetrics(lambda: {"counts": {}, "tenant_training": training}).render()[0].decode()
+    for line in ('claas_tenant_updates_total{tenant="alice"} 5.0', 'claas_tenant_trained_version{tenant="bob"} 3.0',
+                 'claas_tenant_probe_failures_total{tenant="alice"} 2.0',
+                 'claas_tenant_waiting_updates{tenant="bob"} 1.0', 'claas_tenant_waiting_updates{tenant="alice"} 0.0'):
+        assert line in text, line
