@@ -68,7 +68,8 @@ class Engine:
         import torch
 
         from claas_verl.distill import topk_distill_loss
-        from claas_verl.mopd.trainer.balanced_passes import engine_autocast, micro_batches, update_row_groups
+        from claas_verl.mopd.trainer.balanced_passes import micro_batches, update_row_groups
+        from claas_verl.verl_ext.engine_device import engine_autocast
 
         device = _device()
         micro = micro_batches(data, update_row_groups(data))

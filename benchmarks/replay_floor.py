@@ -329,7 +329,8 @@ def check_replay_ratios(sizes, reps: int | None = None) -> dict:
     from claas_verl.mopd.trainer import alignment
     from claas_verl.mopd.trainer import fields as token_fields
     from claas_verl.mopd.trainer.teacher_pass import teacher_targets
-    from claas_verl.mopd.trainer.workers import MOPDTrainingWorker, engine_autocast, update_row_groups
+    from claas_verl.mopd.trainer.workers import MOPDTrainingWorker, update_row_groups
+    from claas_verl.verl_ext.engine_device import engine_autocast
 
     shape, device = sizes.qwen3_tied, ga._device()
     signal = {"sats": True, "vr": True, "hidden": True, "ratio": 1.0, "window": sizes.window}
