@@ -23,12 +23,12 @@ import contextlib
 import os
 import warnings
 
-from claas_verl.claas.service.backend import AdapterRejected, next_version
+from claas_verl.claas.service.backend import next_version
 from claas_verl.claas.service.hf_backend import HFBackend
-from claas_verl.claas.tenants.serving import BASE, TenantAdapterCache
+from claas_verl.claas.tenants.serving import BASE, TenantAdapterCache, TenantServedView
 
 
-class TenantHFBackend(HFBackend):
+class TenantHFBackend(TenantServedView, HFBackend):
     """:class:`HFBackend` with one adapter lineage per tenant.
 
     Args:
@@ -45,31 +45,15 @@ class TenantHFBackend(HFBackend):
         self._peft_names: dict[str, str] = {}  # cache name -> PEFT adapter name (PEFT names cannot hold '.')
         self._next_peft = 0
         self.cache = TenantAdapterCache(tenants, max_loaded_adapters, self._load_named, self._unload_named)
-        self._digests: dict[tuple[str, int], str] = {}  # (tenant, version) -> adapter digest, every version served
+        self._tenant_digests: dict[tuple[str, int], str] = {}  # (tenant, version) -> digest, every version served
 
-    # ------------------------------------------------------------------ what is served
+    # ------------------------------------------------------------------ what is served (and TenantServedView)
     @property
     def served_model(self) -> str:
         return self.model_name
 
-    @property
-    def policy_version(self) -> int:
-        """The newest version served to any tenant (per tenant: :meth:`served_version`)."""
-        return max(self.cache.served(t)[1] for t in self.cache.tenants)
-
-    def served_version(self, tenant: str) -> int:
-        return self.cache.served(tenant)[1]
-
-    def adapter_sha256(self, tenant: str | None, version: int) -> str | None:
-        """The digest of the adapter ``tenant`` was served at ``version`` (None: version 0, the base model)."""
-        return self._digests.get((tenant, int(version)))
-
     def tenant_model_name(self, tenant: str, version: int) -> str:
         return self.model_name if version == 0 else f"{self.model_name}-{tenant}-v{version}"
-
-    def model_names(self) -> list[str]:
-        return sorted({self.model_name, *(self.tenant_model_name(t, self.served_version(t))
-                                          for t in self.cache.tenants)})
 
     # ------------------------------------------------------------------ reloads
     async def load_adapter(self, path, version=None, probe=None, tenant: str | None = None) -> int:
@@ -90,7 +74,7 @@ class TenantHFBackend(HFBackend):
                 name = self.cache.stage(tenant, new, path)
                 if probe is not None:
                     self._verify_staged_locked(tenant, new, name, probe)
-                self._digests[(tenant, new)] = digest
+                self._tenant_digests[(tenant, new)] = digest
                 self.cache.commit(tenant, new)
                 return new
 
@@ -99,16 +83,11 @@ class TenantHFBackend(HFBackend):
     def _verify_staged_locked(self, tenant: str, version: int, name: str, probe) -> None:
         from claas_verl.claas.tenants.verify import probe_token_logprobs
 
-        try:
+        def score(ids: list[int]) -> list[float]:
             self.model.set_adapter(self._peft_names[name])
-            accepted = probe.accept(probe_token_logprobs(self.model, probe.ids))
-        except BaseException:
-            self.cache.discard(tenant, version)
-            raise
-        if not accepted:
-            self.cache.discard(tenant, version)
-            raise AdapterRejected(f"tenant {tenant!r}: the adapter loaded as v{version} failed the serving probe; "
-                                  f"still serving v{self.served_version(tenant)}")
+            return probe_token_logprobs(self.model, ids)
+
+        self._verify_staged(tenant, version, probe, score)
 
     def score_probe(self, ids: list[int], tenant: str) -> list[float]:
         """``tenant``'s served log-probs of the probe tokens (teacher-forced), as a request of it would see them."""

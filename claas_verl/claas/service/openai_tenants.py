@@ -21,13 +21,13 @@ from __future__ import annotations
 import asyncio
 import threading
 
-from claas_verl.claas.service.backend import AdapterRejected, BackendError, next_version
+from claas_verl.claas.service.backend import BackendError, next_version
 from claas_verl.claas.service.openai_backend import OpenAIBackend, _file_digest
 from claas_verl.claas.service.sampling import SamplingParams
-from claas_verl.claas.tenants.serving import BASE, TenantAdapterCache
+from claas_verl.claas.tenants.serving import BASE, TenantAdapterCache, TenantServedView
 
 
-class TenantOpenAIBackend(OpenAIBackend):
+class TenantOpenAIBackend(TenantServedView, OpenAIBackend):
     """:class:`OpenAIBackend` with one adapter lineage per tenant (see the module docstring).
 
     Args:
@@ -45,28 +45,13 @@ class TenantOpenAIBackend(OpenAIBackend):
         self.cache = TenantAdapterCache(tenants, max_loaded_adapters, self._load_named, self._unload_named)
         self._tenant_digests: dict[tuple[str, int], str] = {}
 
-    # ------------------------------------------------------------------ what is served
+    # ------------------------------------------------------------------ what is served (and TenantServedView)
     @property
     def served_model(self) -> str:
         return self.base_model
 
-    @property
-    def policy_version(self) -> int:
-        """The newest version served to any tenant (per tenant: :meth:`served_version`)."""
-        return max(self.cache.served(t)[1] for t in self.cache.tenants)
-
-    def served_version(self, tenant: str) -> int:
-        return self.cache.served(tenant)[1]
-
-    def adapter_sha256(self, tenant: str | None, version: int) -> str | None:
-        return self._tenant_digests.get((tenant, int(version)))
-
     def tenant_model_name(self, tenant: str, version: int) -> str:
         return self.base_model if version == 0 else self._vllm_name(f"{tenant}@v{int(version)}")
-
-    def model_names(self) -> list[str]:
-        return sorted({self.base_model, *(self.tenant_model_name(t, self.served_version(t))
-                                          for t in self.cache.tenants)})
 
     # ------------------------------------------------------------------ requests
     async def generate(self, messages, params: SamplingParams, chat_template_kwargs=None, tenant: str | None = None):
@@ -102,15 +87,7 @@ class TenantOpenAIBackend(OpenAIBackend):
             new = next_version(self.served_version(tenant), version)
             name = self.cache.stage(tenant, new, path)
             if probe is not None:
-                try:
-                    accepted = probe.accept(self._score_locked(self._vllm_name(name), probe.ids))
-                except BaseException:
-                    self.cache.discard(tenant, new)
-                    raise
-                if not accepted:
-                    self.cache.discard(tenant, new)
-                    raise AdapterRejected(f"tenant {tenant!r}: the adapter loaded as v{new} failed the serving "
-                                          f"probe; still serving v{self.served_version(tenant)}")
+                self._verify_staged(tenant, new, probe, lambda ids: self._score_locked(self._vllm_name(name), ids))
             if digest is not None:
                 self._tenant_digests[(tenant, new)] = digest
             self.cache.commit(tenant, new)

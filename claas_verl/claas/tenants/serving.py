@@ -137,3 +137,40 @@ class TenantAdapterCache:
     def stats(self) -> dict:
         return {"tenants": {t: {"adapter": self.served(t)[0], "version": self.served(t)[1]} for t in self.tenants},
                 "loaded": self.loaded(), "capacity": self.capacity, **self.counts}
+
+
+class TenantServedView:
+    """What a multi-tenant backend reports about its tenants' served adapters (mixed in before the backend class):
+    needs ``self.cache`` (a :class:`TenantAdapterCache`), ``self._tenant_digests`` (``(tenant, version) ->
+    digest`` of every version served), ``served_model`` (the base model's name) and ``tenant_model_name``."""
+
+    @property
+    def policy_version(self) -> int:
+        """The newest version served to any tenant (per tenant: :meth:`served_version`)."""
+        return max(self.cache.served(t)[1] for t in self.cache.tenants)
+
+    def served_version(self, tenant: str) -> int:
+        return self.cache.served(tenant)[1]
+
+    def adapter_sha256(self, tenant: str | None, version: int) -> str | None:
+        """The digest of the adapter ``tenant`` was served at ``version`` (None: version 0, the base model)."""
+        return self._tenant_digests.get((tenant, int(version)))
+
+    def model_names(self) -> list[str]:
+        return sorted({self.served_model, *(self.tenant_model_name(t, self.served_version(t))
+                                            for t in self.cache.tenants)})
+
+    def _verify_staged(self, tenant: str, version: int, probe, score: Callable[[list[int]], list[float]]) -> None:
+        """Serve-or-drop of a staged version: ``score(probe.ids)`` is the engine's log-probs with it; a probe that
+        does not accept them (or fails) drops the version (``AdapterRejected``); the tenant keeps its previous one."""
+        from claas_verl.claas.service.backend import AdapterRejected
+
+        try:
+            accepted = probe.accept(score(probe.ids))
+        except BaseException:
+            self.cache.discard(tenant, version)
+            raise
+        if not accepted:
+            self.cache.discard(tenant, version)
+            raise AdapterRejected(f"tenant {tenant!r}: the adapter loaded as v{version} failed the serving probe; "
+                                  f"still serving v{self.served_version(tenant)}")

@@ -86,6 +86,20 @@ def _train_until(info, http, proc, version: int, seen: list, start: int = 0, tim
     return i
 
 
+def _restart(tmp: Path, run_dir: Path, env: dict, name: str):
+    """The same job again on its run directory (``trainer.resume_mode=auto``): (process, log, service info,
+    client); the process is killed if its chat API does not come up."""
+    log = tmp / f"{name}.log"
+    (run_dir / "service.json").unlink()
+    proc = start_job([*CMD, "trainer.resume_mode=auto"], env, log)
+    try:
+        info = wait_api(proc, run_dir, log)
+    except BaseException:
+        os.killpg(proc.pid, signal.SIGKILL)
+        raise
+    return proc, log, info, httpx.Client(base_url=info["url"], timeout=120)
+
+
 @pytest.fixture(scope="module")
 def tenants_job(tmp_path_factory):
     from claas_verl.tiny import ensure_tiny
@@ -142,12 +156,8 @@ def test_tenants_train_apart_serve_verified_versions_and_resume_exactly(tenants_
     assert before["probe_failures_total"] == 0 and t["carol"]["granted"] == 0
 
     # a graceful stop resumes every tenant exactly, and the job trains on
-    log = tmp / "job2.log"
-    (run_dir / "service.json").unlink()
-    proc = start_job([*CMD, "trainer.resume_mode=auto"], env, log)
+    proc, log, info, http = _restart(tmp, run_dir, env, "job2")
     try:
-        info = wait_api(proc, run_dir, log)
-        http = httpx.Client(base_url=info["url"], timeout=120)
         resumed = _resumed(run_dir)
         for tenant in KEYS:
             for key in ("trained_version", "trained_sha256", "served_version", "served_sha256", "granted"):
@@ -164,12 +174,8 @@ def test_tenants_train_apart_serve_verified_versions_and_resume_exactly(tenants_
     # the killed job's work after its last checkpoint is lost; every tenant resumes as that checkpoint recorded
     step = int((run_dir / "latest_checkpointed_iteration.txt").read_text())
     saved = json.loads((run_dir / f"global_step_{step}" / "claas" / "state.json").read_text())["tenants"]
-    log = tmp / "job3.log"
-    (run_dir / "service.json").unlink()
-    proc = start_job([*CMD, "trainer.resume_mode=auto"], env, log)
+    proc, log, info, http = _restart(tmp, run_dir, env, "job3")
     try:
-        info = wait_api(proc, run_dir, log)
-        http = httpx.Client(base_url=info["url"], timeout=120)
         after = _resumed(run_dir)
         for tenant in KEYS:
             assert [after[tenant]["trained_version"], after[tenant]["trained_sha256"]] == saved["trained"][tenant]

@@ -1,12 +1,13 @@
 """Per-tenant training state on two FSDP2 ranks (gloo): interleaved tenants train exactly as each alone.
 
-Two processes shard one PEFT LoRA model with ``fully_shard`` and run :class:`TenantSlots` over a stand-in of verl's
-engine (its ``module``, ``optimizer`` and ``lr_scheduler``, which is all the slots touch) with an SDPO
-:class:`EmaTeacher`. Tenants ``a`` and ``b`` are updated in the order ``a b a a b`` (``c`` never), each update on the
-rank's half of that tenant's batch, then a warm-up learning-rate schedule step and an EMA step, as verl's update and
-the SDPO worker do. Each tenant must end bit for bit where a job training it alone ends (adapter, EMA teacher, a
-schedule counted in its own updates), ``c`` must keep its initial bytes, the exported PEFT directory must hash to
-the version's digest and load in PEFT, and a per-rank checkpoint must resume the interleaving identically.
+Two processes shard the tiny student with a PEFT LoRA (``fully_shard`` per decoder layer and the root, as verl
+does) and run :class:`TenantSlots` over a stand-in of verl's engine (its ``module``, ``optimizer`` and
+``lr_scheduler``, which is all the slots touch) with an SDPO :class:`EmaTeacher`. Tenants ``a`` and ``b`` are
+updated in the order ``a b a a b`` (``c`` never), each update on the rank's half of that tenant's batch, then a
+warm-up learning-rate schedule step and an EMA step, as verl's update and the SDPO worker do. Each tenant must end
+bit for bit where a job training it alone ends (adapter, EMA teacher, a schedule counted in its own updates), ``c``
+must keep its initial bytes, the exported PEFT directory must hash to the version's digest and load in PEFT, and a
+per-rank checkpoint must resume the interleaving identically.
 """
 
 from __future__ import annotations
@@ -25,34 +26,32 @@ MORE = ["b", "a"]
 TIMEOUT_S = 300
 
 
-class Tiny(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.fc1, self.fc2 = torch.nn.Linear(8, 16), torch.nn.Linear(16, 4)
-
-    def forward(self, x):
-        return self.fc2(torch.tanh(self.fc1(x)))
-
-
-def _model():
+def _model(student: str):
+    """The tiny student with a PEFT LoRA (r 4 on q/v, B random so every parameter has a gradient)."""
     from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
 
     torch.manual_seed(0)
-    model = get_peft_model(Tiny(), LoraConfig(r=4, lora_alpha=8, target_modules=["fc1", "fc2"]))
-    with torch.no_grad():  # PEFT starts B at zero; a random B gives every parameter a gradient
+    base = AutoModelForCausalLM.from_pretrained(student, dtype=torch.float32)
+    model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+    with torch.no_grad():
         for n, p in model.named_parameters():
             if "lora_B" in n:
                 p.normal_(0, 0.1)
     return model
 
 
-def _engine(sharded: bool):
+def _engine(student: str, sharded: bool):
+    """A stand-in of verl's FSDP engine: its ``module`` (FSDP2 over each decoder layer and the root, as verl
+    wraps it), ``optimizer`` and ``lr_scheduler``; and an SDPO EMA teacher over the LoRA."""
     from torch.distributed.fsdp import fully_shard
 
     from claas_verl.losses.sdpo import EmaTeacher
 
-    model = _model()
+    model = _model(student)
     if sharded:
+        for layer in model.base_model.model.model.layers:
+            fully_shard(layer)
         fully_shard(model)
     opt = torch.optim.AdamW(lora_parameters(model).values(), lr=1e-2)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 10))  # warm-up: the count matters
@@ -60,10 +59,11 @@ def _engine(sharded: bool):
 
 
 def _update(engine, ema, tenant: str, step: int, rank: int) -> None:
+    """One update of ``tenant`` on this rank's half of its batch (4 sequences of 12 random tokens)."""
     g = torch.Generator().manual_seed(1000 * ord(tenant) + step)
-    x, y = torch.randn(10, 8, generator=g), torch.randn(10, 4, generator=g)
+    ids = torch.randint(3, 200, (4, 12), generator=g)[2 * rank:2 * rank + 2]
     engine.optimizer.zero_grad()
-    torch.nn.functional.mse_loss(engine.module(x[5 * rank:5 * rank + 5]), y[5 * rank:5 * rank + 5]).backward()
+    engine.module(input_ids=ids, labels=ids).loss.backward()
     engine.optimizer.step()
     engine.lr_scheduler.step()
     ema.update(engine.module)
@@ -73,7 +73,7 @@ def _full_ema(ema) -> dict:
     return {n: (t.full_tensor() if hasattr(t, "full_tensor") else t).clone() for n, t in sorted(ema.params.items())}
 
 
-def _rank_main(rank: int, init_file: str, out_dir: str):
+def _rank_main(rank: int, init_file: str, out_dir: str, student: str):
     torch.set_num_threads(1)
     import torch.distributed as dist
 
@@ -83,14 +83,14 @@ def _rank_main(rank: int, init_file: str, out_dir: str):
     try:
         out = {"alone": {}}
         for tenant in ("a", "b"):  # each tenant trained alone, on the same batches (indices of SCHEDULE + MORE)
-            engine, ema = _engine(sharded=True)
+            engine, ema = _engine(student, sharded=True)
             for i, t in enumerate(SCHEDULE + MORE):
                 if t == tenant:
                     _update(engine, ema, t, i, rank)
             out["alone"][tenant] = {"adapter": full_adapter(lora_parameters(engine.module)), "ema": _full_ema(ema),
                                     "lr": engine.optimizer.param_groups[0]["lr"]}
 
-        engine, ema = _engine(sharded=True)
+        engine, ema = _engine(student, sharded=True)
         slots = TenantSlots(["a", "b", "c"], engine, ema)
         out["initial"] = slots.store.version("c")
         for i, t in enumerate(SCHEDULE):
@@ -104,7 +104,7 @@ def _rank_main(rank: int, init_file: str, out_dir: str):
         slots.save(os.path.join(out_dir, "ckpt"))
 
         # resume into a fresh engine whose own adapter was perturbed: everything comes from the checkpoint
-        engine2, ema2 = _engine(sharded=True)
+        engine2, ema2 = _engine(student, sharded=True)
         with torch.no_grad():
             for p in lora_parameters(engine2.module).values():
                 p.to_local().uniform_(-1, 1)
@@ -129,12 +129,12 @@ def _rank_main(rank: int, init_file: str, out_dir: str):
 
 
 @pytest.fixture(scope="module")
-def ranks(tmp_path_factory):
+def ranks(tmp_path_factory, tiny):
     import torch.multiprocessing as mp
 
     tmp = tmp_path_factory.mktemp("tenant_worker")
-    ctx = mp.start_processes(_rank_main, args=(str(tmp / "pg"), str(tmp)), nprocs=2, join=False,
-                             start_method="spawn")
+    ctx = mp.start_processes(_rank_main, args=(str(tmp / "pg"), str(tmp), str(tiny.student)), nprocs=2,
+                             join=False, start_method="spawn")
     deadline = time.monotonic() + TIMEOUT_S
     while not ctx.join(timeout=5):
         if time.monotonic() > deadline:
@@ -164,14 +164,15 @@ def test_a_per_rank_checkpoint_resumes_every_tenant_exactly(ranks):
     assert sorted(os.listdir(tmp / "ckpt")) == ["rank_0", "rank_1"]  # each rank saved its own shards
 
 
-def test_the_exported_adapter_is_the_served_version_and_loads_in_peft(ranks):
+def test_the_exported_adapter_is_the_served_version_and_loads_in_peft(ranks, tiny):
     from peft import PeftModel
+    from transformers import AutoModelForCausalLM
 
     tmp, (r0, r1) = ranks
     assert r0["exported"] == str(tmp / "export_b") and r1["exported"] is None  # rank 0 writes it
     assert adapter_file_digest(tmp / "export_b") == r0["after_schedule"]["b"][1]
-    torch.manual_seed(0)
-    loaded = PeftModel.from_pretrained(Tiny(), str(tmp / "export_b"))
+    base = AutoModelForCausalLM.from_pretrained(str(tiny.student), dtype=torch.float32)
+    loaded = PeftModel.from_pretrained(base, str(tmp / "export_b"))
     exported = {n: p.detach() for n, p in loaded.named_parameters() if "lora_" in n}
-    assert set(exported) == set(lora_parameters(_model()))  # the module's names: PEFT found every tensor
+    assert set(exported) == set(lora_parameters(_model(str(tiny.student))))  # PEFT found every tensor
     assert lora_digest(exported) == r0["after_schedule"]["b"][1]
