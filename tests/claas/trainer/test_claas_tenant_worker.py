@@ -41,14 +41,14 @@ def _model(student: str):
     return model
 
 
-def _engine(student: str, sharded: bool):
+def _engine(student: str, sharded: bool, device: str = "cpu"):
     """A stand-in of verl's FSDP engine: its ``module`` (FSDP2 over each decoder layer and the root, as verl
     wraps it), ``optimizer`` and ``lr_scheduler``; and an SDPO EMA teacher over the LoRA."""
     from torch.distributed.fsdp import fully_shard
 
     from claas_verl.losses.sdpo import EmaTeacher
 
-    model = _model(student)
+    model = _model(student).to(device)
     if sharded:
         for layer in model.base_model.model.model.layers:
             fully_shard(layer)
@@ -58,10 +58,10 @@ def _engine(student: str, sharded: bool):
     return SimpleNamespace(module=model, optimizer=opt, lr_scheduler=sched), EmaTeacher(model, tau=0.5)
 
 
-def _update(engine, ema, tenant: str, step: int, rank: int) -> None:
+def _update(engine, ema, tenant: str, step: int, rank: int, device: str = "cpu") -> None:
     """One update of ``tenant`` on this rank's half of its batch (4 sequences of 12 random tokens)."""
     g = torch.Generator().manual_seed(1000 * ord(tenant) + step)
-    ids = torch.randint(3, 200, (4, 12), generator=g)[2 * rank:2 * rank + 2]
+    ids = torch.randint(3, 200, (4, 12), generator=g)[2 * rank:2 * rank + 2].to(device)
     engine.optimizer.zero_grad()
     engine.module(input_ids=ids, labels=ids).loss.backward()
     engine.optimizer.step()
@@ -176,3 +176,39 @@ def test_the_exported_adapter_is_the_served_version_and_loads_in_peft(ranks, tin
     exported = {n: p.detach() for n, p in loaded.named_parameters() if "lora_" in n}
     assert set(exported) == set(lora_parameters(_model(str(tiny.student))))  # PEFT found every tensor
     assert lora_digest(exported) == r0["after_schedule"]["b"][1]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_interleaved_tenants_on_cuda_equal_each_alone(tiny, tmp_path):
+    """The same swap on one CUDA device under FSDP2 (nccl): the moments rebuilt on the GPU, AdamW's ``step`` where
+    AdamW keeps it; each tenant ends where it ends alone (to 1e-6: cuBLAS reductions need not be bit-stable)."""
+    import torch.distributed as dist
+
+    from claas_verl.claas.trainer.tenant_worker import TenantSlots
+
+    student = str(tiny.student)
+    dist.init_process_group("nccl", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
+    try:
+        alone = {}
+        for tenant in ("a", "b"):
+            engine, ema = _engine(student, sharded=True, device="cuda")
+            for i, t in enumerate(SCHEDULE):
+                if t == tenant:
+                    _update(engine, ema, t, i, 0, device="cuda")
+            alone[tenant] = full_adapter(lora_parameters(engine.module))
+        engine, ema = _engine(student, sharded=True, device="cuda")
+        slots = TenantSlots(["a", "b"], engine, ema)
+        for i, t in enumerate(SCHEDULE):
+            slots.swap_in(t)
+            _update(engine, ema, t, i, 0, device="cuda")
+            slots.swap_out()
+            assert not engine.optimizer.state
+        for tenant in ("a", "b"):
+            slots.swap_in(tenant)
+            mixed = full_adapter(lora_parameters(engine.module))
+            slots.swap_out()
+            for n in alone[tenant]:
+                torch.testing.assert_close(mixed[n], alone[tenant][n], rtol=1e-6, atol=1e-7)
+    finally:
+        dist.destroy_process_group()
