@@ -240,16 +240,18 @@ class TenantAdapterStore:
         self.resident = tenant
 
     def swap_out(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                 lr_scheduler=None) -> tuple[int, str]:
+                 lr_scheduler=None, digest: str | None = None) -> tuple[int, str]:
         """Copy the resident tenant's adapter, optimizer state and schedule back to host memory and clear the
         optimizer state (no tenant's moments stay on the device); a changed adapter becomes its next version.
-        Returns ``(version, digest)``."""
+        ``digest``: the :func:`lora_digest` of the module's adapter as it is now, when the caller already gathered
+        it (else it is gathered and hashed here). Returns ``(version, digest)``."""
         tenant = self.resident
         if tenant is None:
             raise RuntimeError("no tenant is resident: swap_in first")
         state = self._state[tenant]
         params = lora_parameters(module)
-        digest = lora_digest(full_adapter(params))
+        if digest is None:
+            digest = lora_digest(full_adapter(params))
         state.optimizer = optimizer_to_host(optimizer, lr_scheduler)
         optimizer.state.clear()
         if digest != state.digest:

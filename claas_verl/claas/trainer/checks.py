@@ -75,6 +75,10 @@ def check_claas_config(config: Any, claas: ClaasConfig) -> None:
              "> 0 with actor_rollout_ref.model.lora.merge=false")
         need(not bool(select(config, "critic.enable", False)), "critic.enable",
              "a multi-tenant job trains no critic (one per tenant is not built); set it false")
+        need(select(config, "actor_rollout_ref.model.lora_adapter_path") is None,
+             "actor_rollout_ref.model.lora_adapter_path",
+             "every tenant's version 0 is served as the base model (a fresh LoRA has B = 0); a job whose tenants "
+             "start from a pre-trained adapter is not supported: remove it")
 
 
 def check_schedule_without_step_count(config: Any) -> None:

@@ -78,13 +78,11 @@ class RolloutSide:
 
         # Entries arrive by reference (the producer puts each batch's tokens into the object store). The producer
         # runs in this process, which outlives the actor (max_restarts=0), so the buffers need no adoption copy.
-        # with tenants: one partition per tenant (its own B_min, B_max, A_max and age clock; claas.* are the defaults)
+        # with tenants: one partition per tenant, with the tenant's own B_min, B_max, A_max and age clock
         self.tenants = c.service.tenant_names
-        partitions = c.service.directory.replay_partitions(
-            {"b_min": c.b_min, "b_max": c.b_max, "a_max": c.a_max}) if self.tenants else None
-        self.replay_actor = make_replay_actor(None if partitions else c.b_max, None if partitions else c.b_min,
-                                              None if partitions else c.a_max, seed=c.seed, entry_unit=c.entry_unit,
-                                              max_restarts=0, adopt=False, partitions=partitions)
+        common = {"seed": c.seed, "entry_unit": c.entry_unit, "max_restarts": 0, "adopt": False}
+        self.replay_actor = (make_replay_actor(partitions=c.service.directory.replay_partitions(), **common)
+                             if self.tenants else make_replay_actor(c.b_max, c.b_min, c.a_max, **common))
         sampler.bind(self.replay_actor, data_source=f"claas/{c.env.name}", sdpo=c.algorithm == "sdpo")
         r = resume
         if r is not None:

@@ -35,6 +35,7 @@ from verl.single_controller.base.decorator import Dispatch, register
 from claas_verl.claas.tenants.adapters import (
     TenantAdapterStore,
     full_adapter,
+    lora_digest,
     lora_parameters,
     saved_name,
     to_host,
@@ -60,6 +61,7 @@ class TenantSlots:
         self.store = TenantAdapterStore(tenants, lora_parameters(module), engine.optimizer,
                                         getattr(engine, "lr_scheduler", None))
         self._ema_initial = None if ema is None else {**to_host(ema.state_dict()), "num_updates": 0}
+        self._exported_digest: str | None = None  # the resident adapter's digest, from its export (one gather)
 
     @property
     def resident(self) -> str | None:
@@ -67,6 +69,7 @@ class TenantSlots:
 
     def swap_in(self, tenant: str) -> None:
         e = self.engine
+        self._exported_digest = None
         self.store.swap_in(tenant, e.module, e.optimizer, getattr(e, "lr_scheduler", None))
         if self.ema is not None:
             state = self.store[tenant].extra.get(EMA_KEY, self._ema_initial)
@@ -77,7 +80,8 @@ class TenantSlots:
         tenant, e = self.store.resident, self.engine
         if tenant is not None and self.ema is not None:
             self.store[tenant].extra[EMA_KEY] = to_host(self.ema.state_dict())
-        return self.store.swap_out(e.module, e.optimizer, getattr(e, "lr_scheduler", None))
+        digest, self._exported_digest = self._exported_digest, None
+        return self.store.swap_out(e.module, e.optimizer, getattr(e, "lr_scheduler", None), digest=digest)
 
     def export(self, path: str) -> str | None:
         """Write the resident tenant's whole adapter as a PEFT adapter directory at ``path`` (rank 0; every rank
@@ -87,6 +91,8 @@ class TenantSlots:
             raise RuntimeError("no tenant is resident: export the adapter between swap_in and swap_out")
         module = self.engine.module
         tensors = full_adapter(lora_parameters(module))  # a collective under FSDP2: on every rank
+        # swap_out names the version by this digest (the adapter does not change before it): no second gather
+        self._exported_digest = lora_digest(tensors)
         if _rank() != 0:
             return None
         from safetensors.torch import save_file

@@ -117,10 +117,10 @@ class TenantTraining:
     ``sampler``: the job's :class:`~claas_verl.claas.trainer.sampler.ClaasReplaySampler`."""
 
     def __init__(self, claas: Any, worker_group: Any, replay_actor: Any, sampler: Any, out_dir: str, *,
-                 reinforce_ema: bool, trace):
+                 reinforce_ema: bool):
         s = claas.service
         self.names = s.tenant_names
-        self.wg, self.replay, self.sampler, self.trace = worker_group, replay_actor, sampler, trace
+        self.wg, self.replay, self.sampler = worker_group, replay_actor, sampler
         self.adapters_dir = os.path.join(out_dir, ADAPTERS_DIR)
         self.scheduler = TenantScheduler(self.names)
         self.ema = TenantEmas(claas.rpp, self.names) if reinforce_ema else None
@@ -155,8 +155,16 @@ class TenantTraining:
         self.verified.load_state_dict(state["verified"])
         if self.ema is not None:
             self.ema.load_state_dict(state["ema"])
-        self.served_paths = {t: (None if rel is None else os.path.join(root, rel))
-                             for t, rel in state["served"].items()}
+        # served again from the run's own adapter directory, not from the checkpoint folder, which verl's checkpoint
+        # retention may delete while the tenant is still served (an evicted adapter is reloaded from its path)
+        self.served_paths = dict.fromkeys(self.names)
+        for t, rel in state["served"].items():
+            if rel is not None:
+                target = os.path.join(self.adapters_dir, t, os.path.basename(rel))
+                if os.path.exists(target):
+                    shutil.rmtree(target)
+                shutil.copytree(os.path.join(root, rel), target)
+                self.served_paths[t] = target
 
     def attach_backend(self, backend) -> None:
         """The chat API's engine; on a resume every tenant's served version is loaded into it again (the adapter
@@ -188,7 +196,7 @@ class TenantTraining:
         self.sampler.tenant = tenant
         self.sampler.tenant_version = self.verified.served(tenant)[0]
         out = {"claas/tenant": self.names.index(tenant),
-               "claas/tenant_wait": self.scheduler.worst_wait[tenant]}
+               "claas/tenant_worst_wait": self.scheduler.worst_wait[tenant]}
         if self.ema is not None:
             out.update(self.ema.snapshot_for_step(tenant))
         return out
@@ -233,7 +241,7 @@ class TenantTraining:
             logger.warning("%s", exc)
             return False
         self.served_paths[tenant] = path
-        if previous is not None and os.path.dirname(previous) == os.path.dirname(path):
+        if previous is not None:
             self._drop_older_than(tenant, previous)
         return True
 

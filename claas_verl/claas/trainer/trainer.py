@@ -175,7 +175,7 @@ class ClaasTrainer(VerlSeams, PPOTrainer):
         if self.claas.service.tenant_names:
             self.tenants = TenantTraining(
                 self.claas, vc.actor_worker_group(self), side.replay_actor, self.sampler, out_dir,
-                reinforce_ema=self.config.algorithm.adv_estimator == "claas_rpp_ema", trace=self.records.trace)
+                reinforce_ema=self.config.algorithm.adv_estimator == "claas_rpp_ema")
             self.tenants.setup(self.tokenizer)
             if ckpt.resume is not None:
                 if ckpt.resume.tenants is None:
@@ -325,13 +325,12 @@ class ClaasTrainer(VerlSeams, PPOTrainer):
         if accepted != len(entries):
             raise RuntimeError(f"the buffer accepted {accepted} of {len(entries)} entries of one chat write; "
                                "the chat API writes one entry per call")
-        rewards = [e.reward for e in entries if not e.metadata.get(TEXT_ONLY_KEY)]
-        if self.tenants is not None:  # each tenant's statistics see its own rewards only
-            for e in entries:
-                if not e.metadata.get(TEXT_ONLY_KEY):
-                    emas.update_many(e.metadata["tenant"], [e.reward])
+        rewarded = [e for e in entries if not e.metadata.get(TEXT_ONLY_KEY)]
+        if self.tenants is None:
+            emas.update_many(e.reward for e in rewarded)
             return
-        emas.update_many(rewards)
+        for e in rewarded:  # each tenant's statistics see its own rewards only
+            emas.update_many(e.metadata["tenant"], [e.reward])
 
     def _chat_extra_stats(self) -> dict:
         out = {"buffer": self.side.buffer_stats(), "updates": self.counters.updates, "resumes": self.ckpt.resumes,

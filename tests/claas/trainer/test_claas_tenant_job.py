@@ -54,7 +54,7 @@ def test_what_a_tenants_job_cannot_do_is_refused_by_key(override, match):
         ClaasConfig.from_config(compose_recipe("service_tenants scale=tiny", [override]).claas)
 
 
-def test_a_tenants_job_needs_a_lora_adapter_and_no_critic(tiny_tenants):
+def test_a_tenants_job_needs_a_fresh_lora_adapter_and_no_critic(tiny_tenants):
     cfg, claas = tiny_tenants
     no_lora = cfg.copy()
     with open_dict(no_lora):
@@ -66,6 +66,11 @@ def test_a_tenants_job_needs_a_lora_adapter_and_no_critic(tiny_tenants):
         critic.critic.enable = True
     with pytest.raises(ValueError, match="a multi-tenant job trains no critic"):
         check_claas_config(critic, claas)
+    pretrained = cfg.copy()
+    with open_dict(pretrained):
+        pretrained.actor_rollout_ref.model.lora_adapter_path = "/ckpt/adapter"
+    with pytest.raises(ValueError, match=r"lora_adapter_path='/ckpt/adapter': every tenant's version 0"):
+        check_claas_config(pretrained, claas)
 
 
 def test_each_tenants_ema_sees_only_its_rewards_and_is_bound_for_its_update():
