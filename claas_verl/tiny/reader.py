@@ -15,7 +15,11 @@ scenario, every family of ``ALL_FAMILIES`` equally, in three equal thirds:
    turn (even scenarios) or as ICL's feedback block (odd ones) → a passing reply.
 
 A conversation's later turns see the reply it continued with (the passing one where there is one). Each third is
-cycled up to the largest third's size, so every batch draws from the three equally in expectation.
+cycled up to the largest third's size, so every batch draws from the three equally in expectation. That is version
+1's design (plan step 1, the shipped bundle); version 2 (:data:`DESIGNS`, plan step 1c) builds from the stream's two
+rule families only and gives a rule-only example a passing target with probability 0.4 only, else the turn's first
+sampled reply, so that the feedback context is trained toward more compliance than the rule-only one (and it
+alternates the two feedback forms by pairs of scenarios, so that each rule has both).
 
 Layout of OUT_DIR: ``student/`` (the HF model and tokenizer; the CLaaS tiny recipes read ``$CLAAS_TINY_DIR/student``,
 so ``CLAAS_TINY_DIR=OUT_DIR`` runs them on it) and ``manifest.json`` (version, seed, the fine-tune, the data counts,
@@ -42,13 +46,12 @@ from pathlib import Path
 
 from claas_verl.tiny.shipped import BundlePaths, bundle_dir, put_in_place, shipped
 
-READER_VERSION = "1"
+READER_VERSION = "1"  # the shipped bundle's design (below); a design is a version of the bundle
 DEFAULT_READER_DIR = "/tmp/claas_verl_tiny_reader"
 ENV_READER_DIR = "CLAAS_TINY_READER_DIR"
 READER_MANIFEST_MARKER = "instruction_reading"  # a key only the reader bundle's manifest has
 LOG = "[tiny reader]"
 BUILD_SEED_BASE = 1000  # build-time scenario seeds 1000 + i; the stream's generator seed is 0
-SCENARIOS_PER_FAMILY = 32
 SAMPLES_PER_TURN = 8
 # Constant learning rate, gradient norm clipped at 1. Batches of 8: ICL's feedback block makes a third of the examples
 # ~900 tokens long, and a batch of 32 took 8.8 s a step on the shared 2-core machine.
@@ -60,6 +63,38 @@ READER_SFT_STEPS: int | None = None
 SHIPPED_SFT_STEPS = READER_SFT_STEPS if READER_SFT_STEPS is not None else max(STEPS_GRID)
 
 
+@dataclass(frozen=True)
+class ReaderDesign:
+    """What one version of the bundle is built from (plan steps 1 and 1c).
+
+    ``families``: the rule families of the build scenarios (None: every family of ``ALL_FAMILIES``), scenario ``i``
+    of family ``families[i % len(families)]``; ``scenarios_per_family``; ``rule_pass_share``: the chance (a seeded
+    draw per example) that a rule-only example's target is a passing reply, else the turn's first sampled reply,
+    passing or not. 1.0 trains the rule-only and the feedback contexts toward the same answer; below 1 the rule-only
+    context is trained toward partial compliance (≈ share + (1 − share)·s⁰) and the feedback context toward full.
+    ``form_stride``: scenario ``i``'s feedback examples take ICL's form iff ``i // form_stride`` is odd, else SDPO's
+    re-prompt (with two families alternating, stride 2 gives each family both forms; stride 1 would give one family
+    only SDPO's and the other only ICL's)."""
+
+    families: tuple[str, ...] | None
+    scenarios_per_family: int
+    rule_pass_share: float
+    form_stride: int
+
+
+DESIGNS = {
+    "1": ReaderDesign(None, 32, 1.0, 1),  # step 1: every family, every rule-only target passes
+    "2": ReaderDesign(("capital_start", "end_punctuation"), 144, 0.4, 2),  # step 1c: the stream's rules only
+}
+
+
+def design_of(version: str) -> ReaderDesign:
+    if version not in DESIGNS:
+        raise ValueError(f"reader version {version!r} is not one of {sorted(DESIGNS)} (claas_verl/tiny/reader.py "
+                         "DESIGNS)")
+    return DESIGNS[version]
+
+
 def default_reader_dir() -> Path:
     return bundle_dir(ENV_READER_DIR, DEFAULT_READER_DIR)
 
@@ -69,19 +104,19 @@ class ReaderPaths(BundlePaths):
     """The reader bundle's files (its manifest and student; nothing more)."""
 
 
-def is_current(out_dir: str | os.PathLike, seed: int = 0) -> bool:
+def is_current(out_dir: str | os.PathLike, seed: int = 0, version: str = READER_VERSION) -> bool:
     try:
         m = json.loads(ReaderPaths(Path(out_dir)).manifest.read_text())
     except (OSError, ValueError):
         return False
-    return (m.get("version") == READER_VERSION and m.get("seed") == seed and READER_MANIFEST_MARKER in m
+    return (m.get("version") == version and m.get("seed") == seed and READER_MANIFEST_MARKER in m
             and (ReaderPaths(Path(out_dir)).student / "model.safetensors").is_file())
 
 
 def ensure_reader(directory: str | os.PathLike | None = None, seed: int = 0, build: bool = False,
-                  sft_steps: int | None = None) -> ReaderPaths:
+                  sft_steps: int | None = None, version: str = READER_VERSION) -> ReaderPaths:
     """The reader bundle at ``directory`` (default ``$CLAAS_TINY_READER_DIR`` or /tmp/claas_verl_tiny_reader),
-    made first if missing or stale: unpacked from the repository's shipped copy of this version and seed, its
+    made first if missing or stale: unpacked from the repository's shipped copy of ``version`` and seed, its
     fingerprint checked (a mismatch raises ``ValueError``), or built with ``build=True`` (``sft_steps`` steps,
     default :data:`SHIPPED_SFT_STEPS`). File-locked, made in a temporary sibling renamed into place; a directory
     there that is not a reader bundle is refused (``FileExistsError``), never replaced."""
@@ -89,46 +124,58 @@ def ensure_reader(directory: str | os.PathLike | None = None, seed: int = 0, bui
 
     from claas_verl.tiny.build import refuse_foreign_dir
 
+    design_of(version)
     out_dir = Path(directory if directory is not None else default_reader_dir()).resolve()
-    if is_current(out_dir, seed) and not build:
+    if is_current(out_dir, seed, version) and not build:
         return ReaderPaths(out_dir)
     refuse_foreign_dir(out_dir, "reader", READER_MANIFEST_MARKER, ENV_READER_DIR)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     with FileLock(str(out_dir) + ".lock", timeout=3600):
-        if is_current(out_dir, seed) and not build:
+        if is_current(out_dir, seed, version) and not build:
             return ReaderPaths(out_dir)
         refuse_foreign_dir(out_dir, "reader", READER_MANIFEST_MARKER, ENV_READER_DIR)
-        ship = None if build else shipped("reader", READER_VERSION, seed)
+        ship = None if build else shipped("reader", version, seed)
         if ship is None and not build:
             raise FileNotFoundError(
-                f"no shipped reader bundle reader_v{READER_VERSION}_seed{seed} in benchmarks/bundles/ (or "
+                f"no shipped reader bundle reader_v{version}_seed{seed} in benchmarks/bundles/ (or "
                 "$CLAAS_VERL_BUNDLES): build it with `python -m claas_verl.tiny reader DIR --build --sft-steps N`")
         steps = sft_steps if sft_steps is not None else SHIPPED_SFT_STEPS
-        put_in_place(out_dir, ship, lambda tmp: build_reader(tmp, seed, steps), LOG)
+        put_in_place(out_dir, ship, lambda tmp: build_reader(tmp, seed, steps, version=version), LOG)
     return ReaderPaths(out_dir)
 
 
 # ----------------------------------------------------------------------------- build data
 
 
-def build_scenarios(seed: int, per_family: int | None = None):
+def build_scenarios(seed: int, per_family: int | None = None, version: str = READER_VERSION):
     """One-rule scenarios at generator seeds ``1000 + i`` (``i``: scenario number; its family
-    ``ALL_FAMILIES[i % 9]``), with the stream's number of turns. ``seed`` (the build seed) shifts nothing: the
-    scenarios are the plan's, the build seed changes the sampling and the fine-tune."""
+    ``families[i % len(families)]`` of the version's design), with the stream's number of turns. ``seed`` (the
+    build seed) shifts nothing: the scenarios are the plan's, the build seed changes the sampling and the
+    fine-tune."""
     from claas_verl.claas.envs.rule_following import ALL_FAMILIES, make_rule_scenario
     from claas_verl.tiny.reader_measure import TURNS
 
     del seed
-    n = (SCENARIOS_PER_FAMILY if per_family is None else per_family) * len(ALL_FAMILIES)
-    return [make_rule_scenario(BUILD_SEED_BASE + i, 0, TURNS, 1, 1, (ALL_FAMILIES[i % len(ALL_FAMILIES)],))
+    design = design_of(version)
+    families = design.families or ALL_FAMILIES
+    n = (design.scenarios_per_family if per_family is None else per_family) * len(families)
+    return [make_rule_scenario(BUILD_SEED_BASE + i, 0, TURNS, 1, 1, (families[i % len(families)],))
             for i in range(n)]
 
 
-def sft_thirds(sampler, scenarios, seed: int) -> dict[str, list[tuple[list[int], list[int]]]]:
-    """The three thirds of the module docstring as ``(prompt ids, reply ids)`` examples."""
+def sft_thirds(sampler, scenarios, seed: int, rule_pass_share: float = 1.0, form_stride: int = 1
+               ) -> dict[str, list[tuple[list[int], list[int]]]]:
+    """The three thirds of the module docstring as ``(prompt ids, reply ids)`` examples; a rule-only example's
+    target is the passing reply with probability ``rule_pass_share``, else the turn's first sampled reply; the
+    feedback examples of scenario ``i`` take ICL's form iff ``i // form_stride`` is odd (:class:`ReaderDesign`)."""
+    import random
+
     from claas_verl.tiny.reader_measure import TURNS, feedback_contexts, grade, rollouts, without_rule
+    from claas_verl.utils.prompt_rows import stable_seed
 
     count = lambda s: len(sampler.tok.encode(s, add_special_tokens=False))  # noqa: E731
+    # Its own generator: at share 1.0 no draw is made and design 1's examples are those it was built from
+    share_rng = random.Random(stable_seed("claas_reader.rule_target", seed))
     thirds: dict[str, list] = {"rule": [], "no_rule": [], "feedback": []}
     for conv in rollouts(sampler, scenarios, [without_rule(sc) for sc in scenarios], 1, ("build", seed, "base")):
         thirds["no_rule"] += [(sampler.prompt_ids(s.messages), s.ids) for s in conv]
@@ -141,12 +188,15 @@ def sft_thirds(sampler, scenarios, seed: int) -> dict[str, list[tuple[list[int],
             good = next((s for s in steps if s.passed), None)
             bad = next((s for s in steps if not s.passed), None)
             history[i].append((good or steps[0]).text)
+            if rule_pass_share < 1.0 and share_rng.random() >= rule_pass_share:
+                thirds["rule"].append((sampler.prompt_ids(msgs[i]), steps[0].ids))
+            elif good is not None:
+                thirds["rule"].append((sampler.prompt_ids(msgs[i]), good.ids))
             if good is None:
                 continue
-            thirds["rule"].append((sampler.prompt_ids(msgs[i]), good.ids))
             if bad is not None:
                 teacher, icl = feedback_contexts(bad, (bad.text, bad.feedback), count)
-                thirds["feedback"].append((sampler.prompt_ids(icl if i % 2 else teacher), good.ids))
+                thirds["feedback"].append((sampler.prompt_ids(icl if (i // form_stride) % 2 else teacher), good.ids))
     return thirds
 
 
@@ -200,8 +250,9 @@ class _OneThread:
         torch.use_deterministic_algorithms(self.det)
 
 
-def _start(seed: int, workdir: Path):
-    """(pre-SFT model, tokenizer, tiny bundle fingerprint, the thirds) for a build or a grid."""
+def _start(seed: int, workdir: Path, version: str = READER_VERSION):
+    """(pre-SFT model, tokenizer, tiny bundle fingerprint, the thirds of ``version``'s design) for a build or a
+    grid."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from claas_verl.tiny.build import make_tiny
@@ -215,7 +266,9 @@ def _start(seed: int, workdir: Path):
         tok = AutoTokenizer.from_pretrained(tiny.student)
         model = AutoModelForCausalLM.from_pretrained(tiny.student).eval()
     print(f"{LOG} sampling the fine-tune's conversations from the tiny student", file=sys.stderr, flush=True)
-    thirds = sft_thirds(Sampler(model, tok), build_scenarios(seed), seed)
+    design = design_of(version)
+    thirds = sft_thirds(Sampler(model, tok), build_scenarios(seed, version=version), seed, design.rule_pass_share,
+                        design.form_stride)
     return model, tok, bundle_fingerprint(tiny.root), thirds
 
 
@@ -224,18 +277,24 @@ def _data_counts(thirds: dict[str, list]) -> dict[str, int]:
 
 
 def write_manifest(paths: ReaderPaths, seed: int, sft_steps: int, base_fp: str, thirds: dict[str, list] | None,
-                   after: dict | None, before: dict | None, seconds: float, examples: dict | None = None) -> dict:
+                   after: dict | None, before: dict | None, seconds: float, examples: dict | None = None,
+                   version: str = READER_VERSION) -> dict:
     """The bundle's manifest (module docstring); ``after`` / ``before``: :func:`reader_measure.measure` of the
     fine-tuned and of the pre-SFT student on the same families (None: not measured)."""
     from claas_verl.tiny.reader_measure import merged_table, reading_gates
 
+    design = design_of(version)
+    n_scenarios = len(build_scenarios(seed, version=version))
     manifest = {
-        "version": READER_VERSION,
+        "version": version,
         "seed": seed,
         "base": {"kind": "tiny", "version": "3", "fingerprint": base_fp},
         "sft": {**SFT, "steps": sft_steps, "constant_lr": True, "clip_grad_norm": 1.0,
-                "scenario_seeds": f"{BUILD_SEED_BASE}..{BUILD_SEED_BASE + len(build_scenarios(seed)) - 1}",
-                "scenarios_per_family": SCENARIOS_PER_FAMILY, "samples_per_turn": SAMPLES_PER_TURN,
+                "scenario_seeds": f"{BUILD_SEED_BASE}..{BUILD_SEED_BASE + n_scenarios - 1}",
+                "scenarios_per_family": design.scenarios_per_family, "samples_per_turn": SAMPLES_PER_TURN,
+                # version 1's manifest (and so its recorded fingerprint) predates these two keys
+                **({"families": list(design.families or ()), "rule_pass_share": design.rule_pass_share,
+                    "form_stride": design.form_stride} if version != "1" else {}),
                 "examples": examples if examples is not None else _data_counts(thirds)},
         "paths": {"student": "student"},
         "build_seconds": round(seconds, 1),
@@ -251,7 +310,7 @@ def write_manifest(paths: ReaderPaths, seed: int, sft_steps: int, base_fp: str, 
     return manifest
 
 
-def build_reader(root: Path, seed: int, sft_steps: int, measure: bool = True) -> None:
+def build_reader(root: Path, seed: int, sft_steps: int, measure: bool = True, version: str = READER_VERSION) -> None:
     """The bundle into the new folder ``root``: the fine-tuned student and the manifest (module docstring)."""
     import tempfile
 
@@ -265,16 +324,16 @@ def build_reader(root: Path, seed: int, sft_steps: int, measure: bool = True) ->
     t0 = time.time()
     root.mkdir(parents=True)
     paths = ReaderPaths(root)
-    print(f"{LOG} building the reader bundle into {root} (seed {seed}, {sft_steps} SFT steps)", file=sys.stderr,
-          flush=True)
+    print(f"{LOG} building the reader bundle v{version} into {root} (seed {seed}, {sft_steps} SFT steps)",
+          file=sys.stderr, flush=True)
     with _OneThread(), tempfile.TemporaryDirectory(prefix="claas_reader_") as work:
-        model, tok, base_fp, thirds = _start(seed, Path(work))
+        model, tok, base_fp, thirds = _start(seed, Path(work), version)
         before = measure_model(model, tok, ("measure", seed), label=f"{LOG} pre-SFT") if measure else None
         sft_checkpoints(model, sft_mix(thirds), [sft_steps], stable_seed("claas_reader.sft", seed),
                         stop_and_pad_ids(tok)[1], lambda n: None)
         save_model(model, tok, paths.student)
         after = measure_model(model, tok, ("measure", seed), label=f"{LOG} reader") if measure else None
-    write_manifest(paths, seed, sft_steps, base_fp, thirds, after, before, time.time() - t0)
+    write_manifest(paths, seed, sft_steps, base_fp, thirds, after, before, time.time() - t0, version=version)
 
 
 def complete_manifest(paths: ReaderPaths, pre=None, tok=None) -> dict:
@@ -315,7 +374,7 @@ def complete_manifest(paths: ReaderPaths, pre=None, tok=None) -> dict:
     sft = m["sft"]
     return write_manifest(paths, m["seed"], sft["steps"], m["base"]["fingerprint"], None,
                           {f: after[f] for f in order}, {f: before[f] for f in order}, m["build_seconds"],
-                          examples=sft["examples"])
+                          examples=sft["examples"], version=m["version"])
 
 
 def protocol() -> dict:
@@ -327,7 +386,8 @@ def protocol() -> dict:
             "gated_families": list(rm.STREAM_FAMILIES), "interval": "two-proportion Wald 95%"}
 
 
-def measure_grid(out_dir: Path, seed: int = 0, grid: Sequence[int] = STEPS_GRID, stop_at_choice: bool = True) -> dict:
+def measure_grid(out_dir: Path, seed: int = 0, grid: Sequence[int] = STEPS_GRID, stop_at_choice: bool = True,
+                 version: str = READER_VERSION) -> dict:
     """The plan's choice of N: one fine-tune to ``max(grid)``; at every N of ``grid`` the bundle of that N in
     ``out_dir/N<n>`` (its manifest measured on the gated families ``STREAM_FAMILIES``, all the rule reads); the
     smallest N that meets every gate is ``chosen`` (None if none), and the shipped one (``shipped``: the chosen N,
@@ -345,11 +405,11 @@ def measure_grid(out_dir: Path, seed: int = 0, grid: Sequence[int] = STEPS_GRID,
     t0 = time.time()
     out_dir.mkdir(parents=True, exist_ok=True)
     out_json = out_dir / "grid.json"
-    result: dict = {"seed": seed, "grid": list(grid), "sft": SFT, "protocol": protocol(), "tables": {},
-                    "gates": {}, "chosen": None}
+    result: dict = {"seed": seed, "version": version, "design": vars(design_of(version)), "grid": list(grid),
+                    "sft": SFT, "protocol": protocol(), "tables": {}, "gates": {}, "chosen": None}
     key = ("measure", seed)
     with _OneThread(), tempfile.TemporaryDirectory(prefix="claas_reader_") as work:
-        model, tok, base_fp, thirds = _start(seed, Path(work))
+        model, tok, base_fp, thirds = _start(seed, Path(work), version)
         pre = copy.deepcopy(model)
         result["base_fingerprint"], result["examples"] = base_fp, _data_counts(thirds)
         before = measure(pre, tok, key, STREAM_FAMILIES, label=f"{LOG} pre-SFT")
@@ -359,7 +419,7 @@ def measure_grid(out_dir: Path, seed: int = 0, grid: Sequence[int] = STEPS_GRID,
             paths = ReaderPaths(out_dir / f"N{n}")
             shutil.rmtree(paths.root, ignore_errors=True)
             save_model(model, tok, paths.student)
-            write_manifest(paths, seed, n, base_fp, thirds, after, before, time.time() - t0)
+            write_manifest(paths, seed, n, base_fp, thirds, after, before, time.time() - t0, version=version)
             table = merged_table(after, before)
             result["tables"][str(n)], result["gates"][str(n)] = table, reading_gates(table)
             out_json.write_text(json.dumps(result, indent=1, sort_keys=True) + "\n")  # each N as soon as measured

@@ -13,6 +13,9 @@ def add_reader_parser(sub) -> None:
     reader.add_argument("out_dir", nargs="?", default=None,
                         help="default: $CLAAS_TINY_READER_DIR or /tmp/claas_verl_tiny_reader")
     reader.add_argument("--seed", type=int, default=0, help="build seed (sampling, fine-tune); default 0")
+    reader.add_argument("--version", default=None,
+                        help="the bundle's design (claas_verl/tiny/reader.py DESIGNS): 1 (plan step 1, the shipped "
+                             "bundle; default) or 2 (plan step 1c: the stream's rules, partial rule-only targets)")
     reader.add_argument("--sft-steps", type=int, default=None,
                         help="fine-tune steps N (with --build; default: the shipped bundle's N)")
     reader.add_argument("--build", action="store_true",
@@ -34,6 +37,7 @@ def add_reader_parser(sub) -> None:
 
 def run_reader(args, cpu_model: str) -> int:
     from claas_verl.tiny.reader import (
+        DESIGNS,
         READER_VERSION,
         STEPS_GRID,
         ReaderPaths,
@@ -43,6 +47,10 @@ def run_reader(args, cpu_model: str) -> int:
     )
 
     t0 = time.time()
+    version = args.version or READER_VERSION
+    if version not in DESIGNS:
+        print(f"error: --version must be one of {sorted(DESIGNS)}, got {args.version!r}", file=sys.stderr)
+        return 2
     if args.complete:
         m = complete_manifest(ReaderPaths(Path(args.out_dir)))
         print(f"measured every family of {args.out_dir} in {time.time() - t0:.1f}s: {sorted(m['instruction_reading'])}")
@@ -57,9 +65,9 @@ def run_reader(args, cpu_model: str) -> int:
         if min(grid) < 1:
             print(f"error: --grid-steps must all be >= 1, got {args.grid_steps!r}", file=sys.stderr)
             return 2
-        result = measure_grid(Path(args.grid), seed=args.seed, grid=grid)
+        result = measure_grid(Path(args.grid), seed=args.seed, grid=grid, version=version)
         print(f"grid measured in {time.time() - t0:.1f}s into {args.grid}; chosen N: {result['chosen']} (ship it "
-              f"with `python -m claas_verl.tiny reader {args.grid}/N{result['chosen']} --ship`)")
+              f"with `python -m claas_verl.tiny reader {args.grid}/N{result['chosen']} --version {version} --ship`)")
         return 0
     if args.grid_steps and not args.grid:
         print("error: --grid-steps sets the N of a --grid measurement; add --grid GRID_DIR", file=sys.stderr)
@@ -69,7 +77,8 @@ def run_reader(args, cpu_model: str) -> int:
               "unpacked)", file=sys.stderr)
         return 2
     try:
-        paths = ensure_reader(args.out_dir, seed=args.seed, build=args.build, sft_steps=args.sft_steps)
+        paths = ensure_reader(args.out_dir, seed=args.seed, build=args.build, sft_steps=args.sft_steps,
+                              version=version)
     except (FileExistsError, FileNotFoundError, ValueError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
@@ -79,8 +88,9 @@ def run_reader(args, cpu_model: str) -> int:
 
         from claas_verl.tiny.shipped import pack_bundle
 
-        archive, record = pack_bundle(paths.root, "reader", READER_VERSION, args.seed,
-                                      f"python -m claas_verl.tiny reader DIR --build --seed {args.seed} "
+        archive, record = pack_bundle(paths.root, "reader", version, args.seed,
+                                      f"python -m claas_verl.tiny reader DIR --build --version {version} "
+                                      f"--seed {args.seed} "
                                       f"--sft-steps {m['sft']['steps']} on {platform.machine()} ({cpu_model}), "
                                       f"{time.strftime('%Y-%m-%d')}")
         print(f"packed {archive} and {record}")

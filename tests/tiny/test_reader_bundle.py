@@ -158,3 +158,73 @@ def test_the_cli_checks_grid_steps(capsys):
     assert "--grid-steps takes comma-separated integers" in capsys.readouterr().err
     assert main(["reader", "--grid", "/tmp/claas_reader_never_made", "--grid-steps", "0,1600"]) == 2
     assert "--grid-steps must all be >= 1" in capsys.readouterr().err
+
+
+def test_design_2_builds_from_the_streams_two_rules_alternating_and_design_1_from_every_family():
+    from claas_verl.claas.envs.rule_following import ALL_FAMILIES
+
+    v2 = reader.build_scenarios(0, version="2")
+    fams = lambda scs: [tuple(sc.meta["families"]) for sc in scs]  # noqa: E731
+    assert len(v2) == 2 * 144 and set(fams(v2)) == {("capital_start",), ("end_punctuation",)}
+    assert fams(v2[:4]) == [("capital_start",), ("end_punctuation",)] * 2
+    v1 = reader.build_scenarios(0)
+    assert len(v1) == 32 * len(ALL_FAMILIES) and fams(v1[:9]) == [(f,) for f in ALL_FAMILIES]
+    with pytest.raises(ValueError, match="reader version '9' is not one of"):
+        reader.build_scenarios(0, version="9")
+
+
+def test_a_rule_only_example_targets_the_passing_reply_with_the_designs_share(bundle):
+    """Scripted replies (the first of every turn fails both stream rules, the second passes both) through the real
+    tokenizer and chat template: at share 1.0 every rule-only target is the passing reply; at 0.4 the failing one
+    exactly where the build's seeded draw is ≥ 0.4; the feedback third does not depend on the share, and its form
+    (SDPO's re-prompt or ICL's block) follows the design's stride."""
+    import random
+
+    from transformers import AutoTokenizer
+
+    from claas_verl.tiny.reader_measure import Sampler, feedback_contexts, grade
+    from claas_verl.utils.prompt_rows import stable_seed
+
+    class ScriptedSampler(Sampler):
+        def sample(self, prompts, key, k=1):
+            texts = ["no", "Done, here it is."] * k
+            return [[(t, self.tok.encode(t, add_special_tokens=False)) for t in texts[:k]] for _ in prompts]
+
+    tok = AutoTokenizer.from_pretrained(bundle.student)
+    sampler = ScriptedSampler(None, tok)
+    fail, ok = (tok.encode(t, add_special_tokens=False) for t in ("no", "Done, here it is."))
+    scenarios = reader.build_scenarios(0, per_family=3, version="2")
+    full = reader.sft_thirds(sampler, scenarios, seed=5, rule_pass_share=1.0)
+    part = reader.sft_thirds(sampler, scenarios, seed=5, rule_pass_share=0.4)
+    n = len(scenarios) * 4  # turns
+    assert [t for _, t in full["rule"]] == [ok] * n
+    rng = random.Random(stable_seed("claas_reader.rule_target", 5))
+    expected = [fail if rng.random() >= 0.4 else ok for _ in range(n)]
+    assert [t for _, t in part["rule"]] == expected and 0 < expected.count(fail) < n
+    assert [p for p, _ in part["rule"]] == [p for p, _ in full["rule"]]
+    assert part["feedback"] == full["feedback"] and len(full["feedback"]) == n
+    assert part["no_rule"] == full["no_rule"]
+    # the feedback form of each scenario's first turn: stride 1 alternates scenario by scenario (so with two rules
+    # alternating, each rule would get one form only), stride 2 by pairs: each rule gets both
+    strided = reader.sft_thirds(sampler, scenarios, seed=5, rule_pass_share=0.4, form_stride=2)
+    count = lambda s: len(tok.encode(s, add_special_tokens=False))  # noqa: E731
+
+    def forms(thirds):
+        out = []
+        for i, sc in enumerate(scenarios):
+            msgs = sc.messages(0, [])
+            bad = grade(sc, 0, msgs, ("no", fail))
+            teacher, icl = feedback_contexts(bad, ("no", bad.feedback), count)
+            prompt = thirds["feedback"][i][0]  # turn 0's examples come first, in scenario order
+            by_prompt = {tuple(sampler.prompt_ids(teacher)): "sdpo", tuple(sampler.prompt_ids(icl)): "icl"}
+            out.append(by_prompt[tuple(prompt)])
+        return out
+
+    assert forms(full) == ["sdpo", "icl"] * 3 and forms(strided) == ["sdpo", "sdpo", "icl", "icl", "sdpo", "sdpo"]
+
+
+def test_the_cli_refuses_an_unknown_version(capsys):
+    from claas_verl.tiny.__main__ import main
+
+    assert main(["reader", "--grid", "/tmp/claas_reader_never_made", "--version", "7"]) == 2
+    assert "--version must be one of ['1', '2']" in capsys.readouterr().err
