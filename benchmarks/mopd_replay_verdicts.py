@@ -1,0 +1,186 @@
+"""The statistics of the MOPD replay plan (``benchmarks/plans/mopd_replay.md``), read from committed results.
+
+Every comparison is paired by seed, arm − reference, mean ± 95% t half-width
+(:func:`claas_verl.metrics.benchmark.mean_half_width`), per domain order and pooled over the orders, and read by the
+plan's rule: interval above 0 → "more", below 0 → "less", containing 0 → "no difference detected at ± hw". Runs
+whose smallest stage gain is below the plan's 0.15 ("learns") are named.
+
+    # trainer: each recipe against Seq, per order directory and pooled
+    python benchmarks/mopd_replay_verdicts.py trainer benchmarks/results/i56_e1_lr1e-3_o1 \\
+        benchmarks/results/i56_e1_lr1e-3_o2
+    # stage proxy: one arm's JSON against its reference's, files <arm>_lr<lr>_n<n>_o<order>_s<seed>.json
+    python benchmarks/mopd_replay_verdicts.py proxy benchmarks/results/i56_proxy/e2 --arm e2 --reference paper
+
+``proxy`` also prints the plan's E2 figure: the ratio arm / reference of the gradient norm (before clipping) of the
+first replay step of each stage ≥ 2, its median over stages and seeds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import statistics
+import sys
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+from claas_verl.metrics.benchmark import mean_half_width  # noqa: E402  (pure python)
+
+LEARNS = 0.15  # the plan's "learns": every stage ends at least this far above π0 on its own domain
+METRICS = ("forgetting", "final_avg")
+PROXY_NAME = re.compile(r"(?P<arm>.+)_lr(?P<lr>[^_]+)_n(?P<n>\d+)_o(?P<order>\d+)_s(?P<seed>\d+)\.json$")
+
+
+def reading(mean: float | None, hw: float | None) -> str:
+    """The plan's reading rule for one paired interval."""
+    if mean is None or hw is None:
+        return "no interval"
+    if mean - hw > 0:
+        return "more"
+    if mean + hw < 0:
+        return "less"
+    return f"no difference detected at ± {hw:.3f}"
+
+
+def paired(arm: Mapping[int, float], ref: Mapping[int, float]) -> dict:
+    """Seed-by-seed ``arm − ref`` over the seeds both have: ``{"seeds", "mean", "hw", "higher", "reading"}``."""
+    seeds = sorted(set(arm) & set(ref))
+    diffs = [arm[s] - ref[s] for s in seeds]
+    mean, hw = mean_half_width(diffs)
+    return {"seeds": seeds, "mean": mean, "hw": hw, "higher": sum(d > 0 for d in diffs), "reading": reading(mean, hw)}
+
+
+def _line(label: str, p: Mapping) -> str:
+    if p["mean"] is None:
+        return f"  {label}: no common seeds"
+    hw = "" if p["hw"] is None else f" ± {p['hw']:.3f}"
+    return (f"  {label}: {p['mean']:+.3f}{hw} (n = {len(p['seeds'])}, higher on {p['higher']}); {p['reading']}")
+
+
+# ------------------------------------------------------------------------------------------------------- trainer
+def trainer_runs(directory: Path) -> list[dict]:
+    path = directory / "results.json"
+    if not path.is_file():
+        raise SystemExit(f"error: {path} is missing: give a benchmark result directory (benchmarks/continual.py --out)")
+    return [r for r in json.loads(path.read_text())["runs"] if r.get("kind", "mopd") == "mopd"]
+
+
+def trainer_verdicts(dirs: Sequence[Path], reference: str) -> dict:
+    """``{recipe: {metric: {"orders": {dir name: paired}, "pooled": paired}}, "not_learning": [...]}``: every recipe of
+    the directories against ``reference``; seeds of different directories are kept apart in the pooled pairing."""
+    by_dir = {d.name: trainer_runs(d) for d in dirs}
+    recipes = sorted({r["recipe"] for runs in by_dir.values() for r in runs} - {reference})
+    out: dict = {"reference": reference, "not_learning": [], "comparisons": {}}
+    for name, runs in by_dir.items():
+        out["not_learning"] += [f"{name}: {r['recipe']} seed {r['seed']} (smallest stage gain "
+                                f"{r['min_stage_gain']:.3f})" for r in runs if r["min_stage_gain"] < LEARNS]
+    for recipe in recipes:
+        row = {}
+        for metric in METRICS:
+            per = {}
+            pooled_arm, pooled_ref = {}, {}
+            for name, runs in by_dir.items():
+                arm = {int(r["seed"]): r[metric] for r in runs if r["recipe"] == recipe}
+                ref = {int(r["seed"]): r[metric] for r in runs if r["recipe"] == reference}
+                per[name] = paired(arm, ref)
+                pooled_arm.update({(name, s): v for s, v in arm.items()})
+                pooled_ref.update({(name, s): v for s, v in ref.items()})
+            row[metric] = {"orders": per, "pooled": paired(pooled_arm, pooled_ref)}
+        out["comparisons"][recipe] = row
+    return out
+
+
+# --------------------------------------------------------------------------------------------------------- proxy
+def proxy_runs(directory: Path, arm: str) -> dict[tuple[int, int], dict]:
+    """``{(order, seed): run JSON}`` of ``arm``'s files in ``directory``."""
+    runs = {}
+    for path in sorted(directory.glob(f"{arm}_lr*.json")):
+        m = PROXY_NAME.match(path.name)
+        if m and m["arm"] == arm:
+            runs[(int(m["order"]), int(m["seed"]))] = json.loads(path.read_text())
+    return runs
+
+
+def first_replay_grad_norms(run: Mapping) -> dict[int, float]:
+    """``{stage: actor/grad_norm of the stage's first replay step}`` (stages with replay only)."""
+    out: dict[int, float] = {}
+    for step in run["steps"]:
+        if step["kind"] == "replay" and step["stage"] not in out:
+            out[step["stage"]] = float(step["metrics"]["actor/grad_norm"])
+    return out
+
+
+def proxy_verdicts(directory: Path, arm: str, reference: str) -> dict:
+    a, r = proxy_runs(directory, arm), proxy_runs(directory, reference)
+    if not a or not r:
+        raise SystemExit(f"error: no {arm if not a else reference}_lr*.json in {directory}")
+    out: dict = {"arm": arm, "reference": reference, "not_learning": [], "comparisons": {}}
+    for name, runs in ((arm, a), (reference, r)):
+        out["not_learning"] += [f"{name} order {o} seed {s} (smallest stage gain {gain:.3f})"
+                                for (o, s), run in runs.items()
+                                if (gain := run["metrics"]["min_stage_gain"]) < LEARNS]
+    orders = sorted({o for o, _ in a} | {o for o, _ in r})
+
+    def values(runs: dict, metric: str, order: int) -> dict[int, float]:
+        return {s: run["metrics"][metric] for (o, s), run in runs.items() if o == order}
+
+    for metric in METRICS:
+        per = {f"order {o}": paired(values(a, metric, o), values(r, metric, o)) for o in orders}
+        pooled = paired({k: run["metrics"][metric] for k, run in a.items()},
+                        {k: run["metrics"][metric] for k, run in r.items()})
+        out["comparisons"][metric] = {"orders": per, "pooled": pooled}
+    ratios = []
+    for key in sorted(set(a) & set(r)):
+        ga, gr = first_replay_grad_norms(a[key]), first_replay_grad_norms(r[key])
+        ratios += [ga[st] / gr[st] for st in sorted(set(ga) & set(gr)) if gr[st] > 0]
+    out["first_replay_grad_norm_ratio"] = {"median": statistics.median(ratios) if ratios else None, "n": len(ratios)}
+    return out
+
+
+def _print(result: Mapping, title: str) -> None:
+    print(title)
+    for name, rows in result["comparisons"].items():
+        for metric, row in rows.items():
+            print(f"{name}, {metric}")
+            for label, p in row["orders"].items():
+                print(_line(label, p))
+            print(_line("pooled", row["pooled"]))
+    ratio = result.get("first_replay_grad_norm_ratio")
+    if ratio is not None:
+        med = "n/a" if ratio["median"] is None else f"{ratio['median']:.3f}"
+        print(f"first replay step's gradient norm, {result['arm']} / {result['reference']}: median {med} "
+              f"over {ratio['n']} (stage, seed) pairs")
+    print("runs that do not learn: " + ("; ".join(result["not_learning"]) or "none"))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = ap.add_subparsers(dest="kind", required=True)
+    t = sub.add_parser("trainer", help="benchmark result directories (one per domain order)")
+    t.add_argument("dirs", nargs="+", type=Path)
+    t.add_argument("--reference", default="mopd/gym_seq")
+    p = sub.add_parser("proxy", help="a directory of stage-proxy JSON files")
+    p.add_argument("dir", type=Path)
+    p.add_argument("--arm", required=True)
+    p.add_argument("--reference", required=True)
+    ap.add_argument("--json", type=Path, default=None, help="also write the verdicts as JSON here")
+    args = ap.parse_args(argv)
+    if args.kind == "trainer":
+        result = trainer_verdicts(args.dirs, args.reference)
+        _print(result, f"paired with {args.reference}, per directory and pooled")
+    else:
+        result = proxy_verdicts(args.dir, args.arm, args.reference)
+        _print({**result, "comparisons": {f"{args.arm} − {args.reference}": result["comparisons"]}},
+               f"stage proxy, {args.arm} − {args.reference}, per order and pooled")
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=1, sort_keys=True, default=str) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
