@@ -95,8 +95,11 @@ def design_of(version: str) -> ReaderDesign:
     return DESIGNS[version]
 
 
-def default_reader_dir() -> Path:
-    return bundle_dir(ENV_READER_DIR, DEFAULT_READER_DIR)
+def default_reader_dir(version: str = READER_VERSION) -> Path:
+    """``$CLAAS_TINY_READER_DIR`` or /tmp/claas_verl_tiny_reader for the shipped version; other versions beside it
+    with a ``_v<version>`` suffix, so that two versions never replace each other."""
+    root = bundle_dir(ENV_READER_DIR, DEFAULT_READER_DIR)
+    return root if version == READER_VERSION else root.with_name(f"{root.name}_v{version}")
 
 
 @dataclass(frozen=True)
@@ -115,7 +118,7 @@ def is_current(out_dir: str | os.PathLike, seed: int = 0, version: str = READER_
 
 def ensure_reader(directory: str | os.PathLike | None = None, seed: int = 0, build: bool = False,
                   sft_steps: int | None = None, version: str = READER_VERSION) -> ReaderPaths:
-    """The reader bundle at ``directory`` (default ``$CLAAS_TINY_READER_DIR`` or /tmp/claas_verl_tiny_reader),
+    """The reader bundle at ``directory`` (default :func:`default_reader_dir` of ``version``),
     made first if missing or stale: unpacked from the repository's shipped copy of ``version`` and seed, its
     fingerprint checked (a mismatch raises ``ValueError``), or built with ``build=True`` (``sft_steps`` steps,
     default :data:`SHIPPED_SFT_STEPS`). File-locked, made in a temporary sibling renamed into place; a directory
@@ -125,7 +128,7 @@ def ensure_reader(directory: str | os.PathLike | None = None, seed: int = 0, bui
     from claas_verl.tiny.build import refuse_foreign_dir
 
     design_of(version)
-    out_dir = Path(directory if directory is not None else default_reader_dir()).resolve()
+    out_dir = Path(directory if directory is not None else default_reader_dir(version)).resolve()
     if is_current(out_dir, seed, version) and not build:
         return ReaderPaths(out_dir)
     refuse_foreign_dir(out_dir, "reader", READER_MANIFEST_MARKER, ENV_READER_DIR)

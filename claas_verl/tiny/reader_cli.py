@@ -66,8 +66,13 @@ def run_reader(args, cpu_model: str) -> int:
             print(f"error: --grid-steps must all be >= 1, got {args.grid_steps!r}", file=sys.stderr)
             return 2
         result = measure_grid(Path(args.grid), seed=args.seed, grid=grid, version=version)
-        print(f"grid measured in {time.time() - t0:.1f}s into {args.grid}; chosen N: {result['chosen']} (ship it "
-              f"with `python -m claas_verl.tiny reader {args.grid}/N{result['chosen']} --version {version} --ship`)")
+        if result["chosen"] is None:
+            print(f"grid measured in {time.time() - t0:.1f}s into {args.grid}: no N meets every gate (grid.json "
+                  f"says which failed); the longest fine-tune is {args.grid}/N{result['shipped']}")
+        else:
+            print(f"grid measured in {time.time() - t0:.1f}s into {args.grid}; chosen N: {result['chosen']} (ship it "
+                  f"with `python -m claas_verl.tiny reader {args.grid}/N{result['chosen']} --version {version} "
+                  "--ship`)")
         return 0
     if args.grid_steps and not args.grid:
         print("error: --grid-steps sets the N of a --grid measurement; add --grid GRID_DIR", file=sys.stderr)

@@ -228,3 +228,22 @@ def test_the_cli_refuses_an_unknown_version(capsys):
 
     assert main(["reader", "--grid", "/tmp/claas_reader_never_made", "--version", "7"]) == 2
     assert "--version must be one of ['1', '2']" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("chosen,says", [(None, "no N meets every gate (grid.json says which failed); the longest "
+                                                "fine-tune is GRID/N3200"),
+                                         (800, "chosen N: 800 (ship it with `python -m claas_verl.tiny reader "
+                                               "GRID/N800 --version 2 --ship`)")])
+def test_the_grid_cli_names_the_bundle_to_ship_or_says_none_met_the_gates(chosen, says, monkeypatch, capsys):
+    from claas_verl.tiny.__main__ import main
+
+    seen = {}
+
+    def grid(out_dir, seed, grid, version):
+        seen.update(seed=seed, grid=grid, version=version)
+        return {"chosen": chosen, "shipped": chosen or 3200}
+
+    monkeypatch.setattr(reader, "measure_grid", grid)  # what is measured is tested above; here only what is said
+    assert main(["reader", "--grid", "GRID", "--grid-steps", "800,3200", "--version", "2"]) == 0
+    assert seen == {"seed": 0, "grid": (800, 3200), "version": "2"}
+    assert says in capsys.readouterr().out
