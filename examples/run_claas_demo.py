@@ -5,7 +5,9 @@
 Builds the offline tiny model if needed, runs ``python -m claas_verl.main_claas`` (verl + Ray on CPU; the
 built-in rule-following environment, 2 splits), then prints the continual metrics of docs/math.md §A.4 — the matrix
 M[j, k] (checkpoint after split j evaluated on split k), forward transfer, forgetting, final performance —
-and the replay buffer's statistics, and says where the heatmap PNG is. Other recipes: ``claas/ppo``,
+and the replay buffer's statistics, and says where the heatmap PNG is; then the benchmark's committed comparison of
+the five methods (REINFORCE++, PPO, SDPO, ICL, no update) on the compatible rule stream, paired with no update, and
+where its heatmaps are. Other recipes: ``claas/ppo``,
 ``claas/sdpo``, ``claas/icl`` (``--scale tiny``, the default, runs them on the tiny CPU model). Extra ``key=value``
 arguments are Hydra overrides. The demo starts afresh
 every time (``trainer.resume_mode=disable``; the recipes themselves resume a killed run: pass
@@ -22,6 +24,33 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+# The committed five-method run of the continual benchmark (docs/benchmark.md, "A stream of compatible rules")
+COMMITTED = REPO / "benchmarks" / "results" / "continual_claas_compatible"
+LABELS = {"claas/tiny_reinforce_pp": "REINFORCE++", "claas/tiny_ppo": "PPO", "claas/tiny_sdpo": "SDPO",
+          "claas/tiny_icl": "ICL", "claas/tiny_no_update": "no update"}
+
+
+def _pm(pair, signed: bool = False) -> str:
+    mean, hw = pair
+    return "n/a" if mean is None else f"{mean:{'+' if signed else ''}.3f}" + ("" if hw is None else f" ± {hw:.3f}")
+
+
+def committed_comparison(directory: Path = COMMITTED) -> list[str]:
+    """The committed comparison as printable lines: per method final and forgetting (mean ± 95% half-width over its
+    seeds) and final paired with the no-update baseline seed by seed, as the benchmark computed them."""
+    results = json.loads((directory / "results.json").read_text())
+    summary, paired = results["summary"], results["claas_paired"]
+    base = paired["baseline"]
+    seeds = summary[base]["seeds"]
+    lines = [f"committed comparison, compatible rule stream, seeds {seeds[0]}-{seeds[-1]} ({directory}):",
+             f"  {'method':<12} {'final':>15} {'forgetting':>15} {'final − ' + LABELS.get(base, base):>22}"]
+    for recipe, row in summary.items():
+        diff = "baseline" if recipe == base else _pm(paired["differences"][recipe]["final_avg"], signed=True)
+        lines.append(f"  {LABELS.get(recipe, recipe):<12} {_pm(row['final_avg']):>15} {_pm(row['forgetting']):>15} "
+                     f"{diff:>22}")
+    lines.append(f"  M[j, k] heatmaps: {directory}/claas_M_*.png. The tiny model does not read feedback, so the CLaaS "
+                 "paper's comparisons that need one are not testable at this scale (docs/benchmark.md).")
+    return lines
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -59,7 +88,8 @@ def main(argv: list[str] | None = None) -> int:
     keep = ("inserted", "dropped_none", "evicted_fifo", "evicted_age", "sampled", "update_count", "max_uses")
     print("     replay buffer: " + ", ".join(f"{k}={stats[k]}" for k in keep if k in stats))
     print(f"\nwritten: {metrics_path}, {metrics_path.with_name('continual_matrix.csv')}, "
-          f"{metrics_path.with_name('continual_matrix.png')} (heatmap)")
+          f"{metrics_path.with_name('continual_matrix.png')} (heatmap)\n")
+    print("\n".join(committed_comparison()))
     return 0
 
 
