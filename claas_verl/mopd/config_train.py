@@ -2,7 +2,7 @@
 docs/math.md §B.1), their defaults, help text and validation (pure python: the config layer).
 
 :class:`TrainConfig` reads every key of ``mopd.train``. The trainer uses ``topk``, ``teacher_dtype``,
-``fresh_optimizer_per_stage``, ``replay_std_floor``, the replay arms (``replay_weight``,
+``fresh_optimizer_per_stage``, ``replay_std_floor`` and ``std_floor_kinds``, the replay arms (``replay_weight``,
 ``replay_optimizer``, ``replay_responses_per_prompt``) and the lengths itself; the others are verl's settings under a
 MOPD name, and ``recipes/mopd/verl/*.yaml`` derive verl's keys from them by interpolation, in that one place
 (:data:`VERL_KEYS` lists each derived key; :func:`check_verl_keys` refuses a composed config where a verl key was
@@ -62,6 +62,24 @@ def check_replay_std_floor(value) -> float:
         raise ValueError(f"mopd.train.replay_std_floor={value!r}: the least σ a replay step's rewards are divided "
                          f"by, a finite number >= 0 ({TRAIN_YAML} sets 0.0, the paper's σ_d)")
     return float(value)
+
+
+# Plan step kinds the σ floor may apply to (claas_verl.schedule.plan.KINDS; not imported: this layer is pure python)
+FLOOR_STEP_KINDS = ("new", "replay", "recovery", "joint")
+
+
+def check_std_floor_kinds(value) -> tuple[str, ...]:
+    """``mopd.train.std_floor_kinds``: a non-empty list of distinct plan step kinds."""
+    kinds = [value] if isinstance(value, str) else value
+    try:
+        kinds = tuple(kinds)
+    except TypeError:
+        kinds = ()
+    if not kinds or any(k not in FLOOR_STEP_KINDS for k in kinds) or len(set(kinds)) != len(kinds):
+        raise ValueError(f"mopd.train.std_floor_kinds={value!r}: the plan step kinds whose rewards are divided by "
+                         f"max(σ_d, replay_std_floor), a non-empty list of distinct kinds from "
+                         f"{list(FLOOR_STEP_KINDS)} ({TRAIN_YAML} sets [replay])")
+    return kinds
 
 
 def check_replay_weight(value) -> float:
@@ -138,6 +156,9 @@ class TrainConfig:
     topk: int = knob(16, "κ: the student's top-κ candidates of eqs. (4)-(5)")
     replay_std_floor: float = knob(0.0, "replay steps divide their rewards by max(σ_d, floor) (docs/math.md "
                                    "§B.2.2); 0: σ_d, the paper; > 0 is a deviation")
+    std_floor_kinds: tuple[str, ...] = knob(("replay",), "the plan step kinds replay_std_floor applies to: replay "
+                                            "(default); recovery and new add the other steps that can start next "
+                                            "to their teacher (docs/math.md §B.2.2)")
     replay_responses_per_prompt: int | None = knob(None, "sampled responses per prompt on replay steps only (null: "
                                                    "responses_per_prompt, the paper; else a multiple of it)")
     replay_weight: float = knob(1.0, "replay steps' advantages are multiplied by this constant after σ_d (1: the "
@@ -186,6 +207,7 @@ class TrainConfig:
             entropy_coeff=_number(get("entropy_coeff"), "train.entropy_coeff", -math.inf),
             topk=check_int(get("topk"), "train.topk", 1, "κ, the student's top-k candidates of eqs. (4)-(5)"),
             replay_std_floor=check_replay_std_floor(get("replay_std_floor")),
+            std_floor_kinds=check_std_floor_kinds(get("std_floor_kinds")),
             replay_responses_per_prompt=check_replay_responses(get("replay_responses_per_prompt"), responses),
             replay_weight=check_replay_weight(get("replay_weight")),
             replay_optimizer=replay_optimizer,

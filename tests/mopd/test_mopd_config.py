@@ -85,6 +85,10 @@ def test_every_mopd_recipe_builds_the_schema(composed):
     ("train__max_response_length", 0, r"mopd.train.max_response_length=0"),
     ("train__replay_std_floor", -0.5, r"mopd.train.replay_std_floor=-0.5: the least σ .*sets 0.0"),
     ("train__replay_std_floor", "high", r"mopd.train.replay_std_floor='high'"),
+    ("train__std_floor_kinds", [], r"mopd.train.std_floor_kinds=\[\]: the plan step kinds .*sets \[replay\]"),
+    ("train__std_floor_kinds", ["replay", "warmup"], r"mopd.train.std_floor_kinds=\['replay', 'warmup'\]: .*'new', "
+                                                     r"'replay', 'recovery', 'joint'"),
+    ("train__std_floor_kinds", ["replay", "replay"], r"a non-empty list of distinct kinds"),
     ("train__replay_weight", 0, r"mopd.train.replay_weight=0: the constant .* > 0 .*sets 1.0, the paper"),
     ("train__replay_weight", float("inf"), r"mopd.train.replay_weight=inf"),
     ("train__replay_optimizer", "own", r"mopd.train.replay_optimizer='own': choose one of \['shared', 'separate'\]"),
@@ -116,6 +120,7 @@ def test_a_bad_value_names_its_key(composed, key, value, message):
     ("train__fresh_optimizer_per_stage", "recipes/mopd/train/paper.yaml"),
     ("train__replay_std_floor", "recipes/mopd/train/paper.yaml"),
     ("train__replay_weight", "recipes/mopd/train/paper.yaml"),
+    ("train__std_floor_kinds", "recipes/mopd/train/paper.yaml"),
     ("train__replay_optimizer", "recipes/mopd/train/paper.yaml"),
     ("probe__seed", "recipes/mopd/common/base.yaml"),
     ("signal__target_budget_gib", "recipes/mopd/signal/kl.yaml"),

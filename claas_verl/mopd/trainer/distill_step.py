@@ -60,6 +60,7 @@ class DistillStep:
         check_verl_config(mopd, config)
         self.topk = mopd.train.topk
         self.replay_std_floor = mopd.train.replay_std_floor
+        self.std_floor_kinds = mopd.train.std_floor_kinds
         # the replay arms of benchmarks/plans/mopd_replay.md (defaults: the paper's replay)
         self.replay_weight = mopd.train.replay_weight
         self.replay_optimizer = mopd.train.replay_optimizer
@@ -139,7 +140,7 @@ class DistillStep:
         r = topk_rewards(Sx, Q, mask)
         # one domain per step (B.2.2): every response of the block belongs to the step's domain
         dom = torch.full((r.shape[0],), self.domain_index[step["domain"]], dtype=torch.long)
-        floor = self.replay_std_floor if step["kind"] == "replay" else 0.0
+        floor = self.replay_std_floor if step["kind"] in self.std_floor_kinds else 0.0
         A, stds = domain_advantages_and_stds(r, mask, dom, sync=False, std_floor=floor)  # σ_d once per step
         A = replay_weighted(A, step["kind"], self.replay_weight)
         stats = stds[self.domain_index[step["domain"]]]
@@ -152,7 +153,7 @@ class DistillStep:
         metrics.update({
             "mopd/kl_topk": float(topk_weighted_kl(Sx, Q, mask)),
             "mopd/kl_binned": float(topk_binned_kl(Sx, Q, mask)),
-            "mopd/adv_sigma": stats["scale"],  # the σ divided by: σ_d, or the floor of a replay step
+            "mopd/adv_sigma": stats["scale"],  # the σ divided by: σ_d, or the floor (std_floor_kinds)
             "mopd/adv_std": stats["std"],
             "mopd/reward_count": stats["count"],
             "mopd/stage": step["stage"],

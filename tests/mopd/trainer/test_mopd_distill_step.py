@@ -96,15 +96,17 @@ def test_the_teacher_step_computes_rewards_advantages_and_the_logged_kl(monkeypa
     assert (metrics["mopd/stage"], metrics["mopd/block"], metrics["mopd/reward_count"]) == (2, 0, 10)
 
 
+@pytest.mark.parametrize("kinds", [("replay",), ("replay", "recovery"), ("new",)])
 @pytest.mark.parametrize("kind", ["new", "replay", "recovery"])
-def test_the_std_floor_applies_to_replay_steps_only(monkeypatch, kind):
-    # rewards of a student next to its teacher: σ_d is about 0.01, far below a floor of 5, which then divides a
-    # replay step's rewards (A = r / 5) and leaves every other kind at the paper's r / σ_d
-    A, metrics, r = _near_teacher_step(monkeypatch, _mopd(replay_std_floor=5.0), kind)
+def test_the_std_floor_applies_to_the_step_kinds_it_names(monkeypatch, kind, kinds):
+    # rewards of a student next to its teacher: σ_d is about 0.01, far below a floor of 5, which then divides the
+    # rewards of a step of a kind in std_floor_kinds (A = r / 5; by default replay only) and leaves every other
+    # kind at the paper's r / σ_d
+    A, metrics, r = _near_teacher_step(monkeypatch, _mopd(replay_std_floor=5.0, std_floor_kinds=kinds), kind)
     mask = torch.ones(2, 3)
     sigma = float(r.double().flatten().std())
     assert sigma < 0.05 and metrics["mopd/adv_std"] == pytest.approx(sigma, rel=1e-6)
-    if kind == "replay":
+    if kind in kinds:
         assert metrics["mopd/adv_sigma"] == 5.0
         torch.testing.assert_close(A, r / 5.0, rtol=1e-6, atol=0)
     else:
