@@ -184,3 +184,10 @@ def test_the_replay_arms_are_read_and_a_separate_state_needs_fresh_stages(compos
     assert (paper.train.replay_weight, paper.train.replay_optimizer, paper.train.replay_responses_per_prompt) == (
         1.0, "shared", None)
     assert paper.schedule.replay.cycle == "forward" and not paper.probe.enabled
+
+
+def test_the_floor_step_kinds_are_the_plans_step_kinds():
+    from claas_verl.mopd.config_train import FLOOR_STEP_KINDS
+    from claas_verl.schedule.plan import KINDS
+
+    assert FLOOR_STEP_KINDS == KINDS  # the config layer keeps its own copy (no schedule import there)
