@@ -13,6 +13,16 @@ whose smallest stage gain is below the plan's 0.15 ("learns") are named.
 
 ``proxy`` also prints the plan's E2 figure: the ratio arm / reference of the gradient norm (before clipping) of the
 first replay step of each stage ≥ 2, its median over stages and seeds.
+
+    # per-step attribution (the plan's E5 reading): where a stage's rise of the first domain's probe KL happens
+    python benchmarks/mopd_replay_verdicts.py attribution benchmarks/results/i56_e1_lr1e-3_o1 --stage 3
+
+``attribution`` reads the runs' committed step logs (``steps/<run>.jsonl.gz``, ``mopd.probe.enabled=true``): after
+every step of stage s the probe KL of domain d to M_{s−1}, which is 0 before the stage's first step (the student
+is M_{s−1} then). Its rise over the stage is split into the sum of its step-to-step changes over replay steps and
+over new-domain steps, per run, then mean ± 95% half-width over each recipe's seeds. A step's change is what the
+probe saw after that step's update; AdamW's momentum carries part of each update into the next steps, so a change
+is not attributed to a cause by this split.
 """
 
 from __future__ import annotations
@@ -142,6 +152,71 @@ def proxy_verdicts(directory: Path, arm: str, reference: str) -> dict:
     return out
 
 
+# --------------------------------------------------------------------------------------------------- attribution
+def read_step_log(path: Path) -> list[dict]:
+    import gzip
+
+    with gzip.open(path, "rt") as fh:
+        return [json.loads(line) for line in fh if line.strip()]
+
+
+def probe_rise_by_kind(steps: Sequence[Mapping], stage: int, domain: str) -> dict[str, float]:
+    """``{kind: Σ of the step-to-step changes of mopd/probe_kl/<domain> over the stage's steps of that kind}`` and
+    ``"total"`` (the value after the stage's last step; the value before its first step is 0)."""
+    key = f"mopd/probe_kl/{domain}"
+    rows = [st for st in steps if st["stage"] == stage]
+    if not rows or any(key not in st["metrics"] for st in rows):
+        raise ValueError(f"stage {stage} has no {key} after every step: was mopd.probe.enabled=true?")
+    out: dict[str, float] = {}
+    before = 0.0
+    for st in rows:
+        after = float(st["metrics"][key])
+        out[st["kind"]] = out.get(st["kind"], 0.0) + after - before
+        before = after
+    out["total"] = before
+    return out
+
+
+def attribution(dirs: Sequence[Path], stage: int, domain_index: int = 0) -> dict:
+    """Per recipe, over its runs in ``dirs``: the stage's probe-KL rise of the ``domain_index``-th domain of each
+    run's order, split by step kind (:func:`probe_rise_by_kind`), as ``{part: [mean, hw]}`` and per run."""
+    per_recipe: dict[str, list[dict]] = {}
+    for d in dirs:
+        for run in trainer_runs(d):
+            if not run.get("step_log"):
+                raise SystemExit(f"error: {d.name}: {run['recipe']} seed {run['seed']} has no step log (run the "
+                                 "benchmark with --keep-step-logs)")
+            domain = run["order"][domain_index]
+            rise = probe_rise_by_kind(read_step_log(d / run["step_log"]), stage, domain)
+            per_recipe.setdefault(run["recipe"], []).append({"dir": d.name, "seed": run["seed"], "domain": domain,
+                                                             **rise})
+    out = {}
+    for recipe, rows in per_recipe.items():
+        parts = sorted({k for r in rows for k in r} - {"dir", "seed", "domain"})
+        out[recipe] = {"runs": rows, **{p: mean_half_width([r.get(p, 0.0) for r in rows]) for p in parts}}
+    return {"stage": stage, "domain_index": domain_index, "recipes": out}
+
+
+def attribution_paired(result: Mapping, reference: str) -> dict:
+    """``{recipe: {part: paired}}``: each recipe's new-domain part and total minus ``reference``'s, run by run
+    (a run is its directory and seed)."""
+    rows = result["recipes"]
+    if reference not in rows:
+        raise SystemExit(f"error: no {reference} runs to pair with (recipes: {sorted(rows)})")
+    by_run = lambda recipe, part: {(r["dir"], r["seed"]): r.get(part, 0.0) for r in rows[recipe]["runs"]}  # noqa: E731
+    return {recipe: {part: paired(by_run(recipe, part), by_run(reference, part)) for part in ("new", "total")}
+            for recipe in rows if recipe != reference}
+
+
+def _print_attribution(result: Mapping) -> None:
+    print(f"stage {result['stage']}: rise of the probe KL of each run's domain #{result['domain_index'] + 1} to the "
+          "stage's starting model, split by step kind (mean ± 95% half-width over runs)")
+    for recipe, row in result["recipes"].items():
+        parts = [p for p in row if p != "runs"]
+        print(f"  {recipe} ({len(row['runs'])} runs): " + ", ".join(
+            f"{p} {row[p][0]:+.3f}" + ("" if row[p][1] is None else f" ± {row[p][1]:.3f}") for p in parts))
+
+
 def _print(result: Mapping, title: str) -> None:
     print(title)
     for name, rows in result["comparisons"].items():
@@ -168,9 +243,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("dir", type=Path)
     p.add_argument("--arm", required=True)
     p.add_argument("--reference", required=True)
+    at = sub.add_parser("attribution", help="a stage's probe-KL rise split by step kind, from the step logs")
+    at.add_argument("dirs", nargs="+", type=Path)
+    at.add_argument("--stage", type=int, default=3)
+    at.add_argument("--domain-index", type=int, default=0, help="0: each run's first domain (default)")
+    at.add_argument("--reference", default="mopd/gym_seq",
+                    help="also pair each recipe's new-domain part and total with this recipe's, run by run")
     ap.add_argument("--json", type=Path, default=None, help="also write the verdicts as JSON here")
     args = ap.parse_args(argv)
-    if args.kind == "trainer":
+    if args.kind == "attribution":
+        result = attribution(args.dirs, args.stage, args.domain_index)
+        _print_attribution(result)
+        if args.reference in result["recipes"]:
+            result["paired"] = attribution_paired(result, args.reference)
+            for recipe, parts in result["paired"].items():
+                for part, p in parts.items():
+                    print(_line(f"{recipe} − {args.reference}, {part}", p))
+    elif args.kind == "trainer":
         result = trainer_verdicts(args.dirs, args.reference)
         _print(result, f"paired with {args.reference}, per directory and pooled")
     else:

@@ -91,3 +91,52 @@ def test_the_cli_prints_the_verdicts_and_refuses_a_missing_directory(tmp_path, c
     assert saved["comparisons"][rep]["forgetting"]["pooled"]["reading"] == "less"
     with pytest.raises(SystemExit, match="results.json is missing"):
         verdicts.main(["trainer", str(tmp_path / "nowhere")])
+
+
+def _step_log(directory: Path, name: str, rows: list[tuple[int, str, float]]) -> str:
+    import gzip
+
+    path = directory / "steps" / f"{name}.jsonl.gz"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with gzip.open(path, "wt") as fh:
+        for stage, kind, kl in rows:
+            fh.write(json.dumps({"stage": stage, "kind": kind, "metrics": {"mopd/probe_kl/a": kl}}) + "\n")
+    return str(path.relative_to(directory))
+
+
+def test_attribution_splits_a_stages_probe_rise_into_its_step_kinds_by_hand(tmp_path):
+    d = tmp_path / "o1"
+    d.mkdir()
+    # stage 2 of run 1: 0 → 0.3 (new) → 0.1 (replay) → 0.5 (new) → 0.4 (replay): new +0.7, replay −0.3, total 0.4
+    log1 = _step_log(d, "r1", [(1, "new", 2.0), (2, "new", 0.3), (2, "replay", 0.1), (2, "new", 0.5),
+                               (2, "replay", 0.4), (3, "new", 9.0)])
+    # run 2: new +0.2, replay 0, total 0.2
+    log2 = _step_log(d, "r2", [(2, "new", 0.1), (2, "replay", 0.1), (2, "new", 0.2)])
+    runs = [dict(_run("mopd/gym_replay_kl", s, 0.1), order=["a", "b"], step_log=log) for s, log in ((1, log1),
+                                                                                                  (2, log2))]
+    (d / "results.json").write_text(json.dumps({"runs": runs}))
+    out = verdicts.attribution([d], stage=2)["recipes"]["mopd/gym_replay_kl"]
+    assert [(r["new"], r["replay"], r["total"]) for r in out["runs"]] == [
+        pytest.approx((0.7, -0.3, 0.4)), pytest.approx((0.2, 0.0, 0.2))]
+    assert out["new"][0] == pytest.approx(0.45) and out["total"][0] == pytest.approx(0.3)
+    # totals 0.4 and 0.2: s = 0.1·√2, half-width t_{0.975, 1} · s / √2 = 12.7062 · 0.1
+    assert out["total"][1] == pytest.approx(12.706204736174698 * 0.1)
+    with pytest.raises(ValueError, match="no mopd/probe_kl/b after every step"):
+        verdicts.probe_rise_by_kind(verdicts.read_step_log(d / log1), 2, "b")
+
+
+def test_attribution_pairs_each_recipes_new_domain_part_with_the_reference_run_by_run(tmp_path):
+    d = tmp_path / "o1"
+    d.mkdir()
+    runs = []
+    for seed, (seq_kl, rep_new, rep_replay) in enumerate([(0.2, 0.5, -0.1), (0.3, 0.5, 0.0), (0.1, 0.4, -0.2)]):
+        runs.append(dict(_run("mopd/gym_seq", seed, 0.1), order=["a"],
+                         step_log=_step_log(d, f"seq{seed}", [(2, "new", seq_kl)])))
+        rows = [(2, "new", rep_new), (2, "replay", rep_new + rep_replay)]
+        runs.append(dict(_run("mopd/gym_replay_kl", seed, 0.1), order=["a"], step_log=_step_log(d, f"rep{seed}", rows)))
+    (d / "results.json").write_text(json.dumps({"runs": runs}))
+    pairs = verdicts.attribution_paired(verdicts.attribution([d], stage=2), "mopd/gym_seq")["mopd/gym_replay_kl"]
+    assert pairs["new"]["mean"] == pytest.approx((0.3 + 0.2 + 0.3) / 3) and pairs["new"]["higher"] == 3
+    assert pairs["total"]["mean"] == pytest.approx((0.2 + 0.2 + 0.1) / 3)
+    with pytest.raises(SystemExit, match="no mopd/other runs to pair with"):
+        verdicts.attribution_paired(verdicts.attribution([d], stage=2), "mopd/other")
