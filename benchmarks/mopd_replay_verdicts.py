@@ -16,6 +16,8 @@ first replay step of each stage ≥ 2, its median over stages and seeds.
 
     # per-step attribution (the plan's E5 reading): where a stage's rise of the first domain's probe KL happens
     python benchmarks/mopd_replay_verdicts.py attribution benchmarks/results/i56_e1_lr1e-3_o1 --stage 3
+    python benchmarks/mopd_replay_verdicts.py attribution benchmarks/results/i56_proxy/e2 --proxy-arms paper,e2 \
+        --reference paper
 
 ``attribution`` reads the runs' committed step logs (``steps/<run>.jsonl.gz``, ``mopd.probe.enabled=true``): after
 every step of stage s the probe KL of domain d to M_{s−1}, which is 0 before the stage's first step (the student
@@ -197,6 +199,24 @@ def attribution(dirs: Sequence[Path], stage: int, domain_index: int = 0) -> dict
     return {"stage": stage, "domain_index": domain_index, "recipes": out}
 
 
+def proxy_attribution(directory: Path, arms: Sequence[str], stage: int, domain_index: int = 0) -> dict:
+    """:func:`attribution` for stage-proxy JSON files (``<arm>_lr…_o<order>_s<seed>.json``, which carry the same
+    per-step records); each arm is a "recipe", each (order, seed) a run."""
+    per_arm: dict[str, dict] = {}
+    for arm in arms:
+        runs = proxy_runs(directory, arm)
+        if not runs:
+            raise SystemExit(f"error: no {arm}_lr*.json in {directory}")
+        rows = []
+        for (order, seed), run in sorted(runs.items()):
+            domain = run["order"][domain_index]
+            rows.append({"dir": f"order {order}", "seed": seed, "domain": domain,
+                         **probe_rise_by_kind(run["steps"], stage, domain)})
+        parts = sorted({k for r in rows for k in r} - {"dir", "seed", "domain"})
+        per_arm[arm] = {"runs": rows, **{p: mean_half_width([r.get(p, 0.0) for r in rows]) for p in parts}}
+    return {"stage": stage, "domain_index": domain_index, "recipes": per_arm}
+
+
 def attribution_paired(result: Mapping, reference: str) -> dict:
     """``{recipe: {part: paired}}``: each recipe's new-domain part and total minus ``reference``'s, run by run
     (a run is its directory and seed)."""
@@ -245,6 +265,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--reference", required=True)
     at = sub.add_parser("attribution", help="a stage's probe-KL rise split by step kind, from the step logs")
     at.add_argument("dirs", nargs="+", type=Path)
+    at.add_argument("--proxy-arms", default=None, metavar="A,B,...",
+                    help="read stage-proxy JSON files of these arms in the one directory given, not trainer results")
     at.add_argument("--stage", type=int, default=3)
     at.add_argument("--domain-index", type=int, default=0, help="0: each run's first domain (default)")
     at.add_argument("--reference", default="mopd/gym_seq",
@@ -252,7 +274,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--json", type=Path, default=None, help="also write the verdicts as JSON here")
     args = ap.parse_args(argv)
     if args.kind == "attribution":
-        result = attribution(args.dirs, args.stage, args.domain_index)
+        if args.proxy_arms:
+            if len(args.dirs) != 1:
+                raise SystemExit("error: --proxy-arms reads one directory of stage-proxy JSON files")
+            result = proxy_attribution(args.dirs[0], args.proxy_arms.split(","), args.stage, args.domain_index)
+        else:
+            result = attribution(args.dirs, args.stage, args.domain_index)
         _print_attribution(result)
         if args.reference in result["recipes"]:
             result["paired"] = attribution_paired(result, args.reference)

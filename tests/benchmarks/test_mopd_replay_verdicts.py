@@ -140,3 +140,17 @@ def test_attribution_pairs_each_recipes_new_domain_part_with_the_reference_run_b
     assert pairs["total"]["mean"] == pytest.approx((0.2 + 0.2 + 0.1) / 3)
     with pytest.raises(SystemExit, match="no mopd/other runs to pair with"):
         verdicts.attribution_paired(verdicts.attribution([d], stage=2), "mopd/other")
+
+
+def test_proxy_attribution_reads_the_proxys_step_records(tmp_path):
+    for arm, replay_kl in (("paper", 0.1), ("e2", 0.3)):
+        for order in (1, 2):
+            steps = [{"stage": 2, "kind": "new", "metrics": {"mopd/probe_kl/a": 0.5}},
+                     {"stage": 2, "kind": "replay", "metrics": {"mopd/probe_kl/a": replay_kl}}]
+            run = {"order": ["a", "b"], "steps": steps, "metrics": {}}
+            (tmp_path / f"{arm}_lr1e-3_n12_o{order}_s10.json").write_text(json.dumps(run))
+    out = verdicts.proxy_attribution(tmp_path, ["paper", "e2"], stage=2)
+    assert out["recipes"]["paper"]["replay"][0] == pytest.approx(-0.4) and out["recipes"]["e2"]["total"][0] == 0.3
+    pairs = verdicts.attribution_paired(out, "paper")["e2"]
+    assert pairs["total"]["seeds"] == [("order 1", 10), ("order 2", 10)]
+    assert pairs["total"]["mean"] == pytest.approx(0.2)
