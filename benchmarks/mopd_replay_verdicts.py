@@ -83,8 +83,9 @@ def trainer_runs(directory: Path) -> list[dict]:
 
 
 def trainer_verdicts(dirs: Sequence[Path], reference: str) -> dict:
-    """``{recipe: {metric: {"orders": {dir name: paired}, "pooled": paired}}, "not_learning": [...]}``: every recipe of
-    the directories against ``reference``; seeds of different directories are kept apart in the pooled pairing."""
+    """``{"reference", "not_learning": [...], "comparisons": {recipe: {metric: {"orders": {dir name: paired},
+    "pooled": paired}}}}``: every recipe of the directories against ``reference``; seeds of different directories
+    are kept apart in the pooled pairing."""
     by_dir = {d.name: trainer_runs(d) for d in dirs}
     recipes = sorted({r["recipe"] for runs in by_dir.values() for r in runs} - {reference})
     out: dict = {"reference": reference, "not_learning": [], "comparisons": {}}
@@ -192,11 +193,14 @@ def attribution(dirs: Sequence[Path], stage: int, domain_index: int = 0) -> dict
             rise = probe_rise_by_kind(read_step_log(d / run["step_log"]), stage, domain)
             per_recipe.setdefault(run["recipe"], []).append({"dir": d.name, "seed": run["seed"], "domain": domain,
                                                              **rise})
-    out = {}
-    for recipe, rows in per_recipe.items():
-        parts = sorted({k for r in rows for k in r} - {"dir", "seed", "domain"})
-        out[recipe] = {"runs": rows, **{p: mean_half_width([r.get(p, 0.0) for r in rows]) for p in parts}}
-    return {"stage": stage, "domain_index": domain_index, "recipes": out}
+    return {"stage": stage, "domain_index": domain_index,
+            "recipes": {recipe: _rise_summary(rows) for recipe, rows in per_recipe.items()}}
+
+
+def _rise_summary(rows: list[dict]) -> dict:
+    """``{"runs": rows, part: [mean, hw] for each step kind and "total"}`` (a run without a kind counts 0 there)."""
+    parts = sorted({k for r in rows for k in r} - {"dir", "seed", "domain"})
+    return {"runs": rows, **{p: mean_half_width([r.get(p, 0.0) for r in rows]) for p in parts}}
 
 
 def proxy_attribution(directory: Path, arms: Sequence[str], stage: int, domain_index: int = 0) -> dict:
@@ -212,8 +216,7 @@ def proxy_attribution(directory: Path, arms: Sequence[str], stage: int, domain_i
             domain = run["order"][domain_index]
             rows.append({"dir": f"order {order}", "seed": seed, "domain": domain,
                          **probe_rise_by_kind(run["steps"], stage, domain)})
-        parts = sorted({k for r in rows for k in r} - {"dir", "seed", "domain"})
-        per_arm[arm] = {"runs": rows, **{p: mean_half_width([r.get(p, 0.0) for r in rows]) for p in parts}}
+        per_arm[arm] = _rise_summary(rows)
     return {"stage": stage, "domain_index": domain_index, "recipes": per_arm}
 
 

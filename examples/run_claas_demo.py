@@ -26,8 +26,6 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 # The committed five-method run of the continual benchmark (docs/benchmark.md, "A stream of compatible rules")
 COMMITTED = REPO / "benchmarks" / "results" / "continual_claas_compatible"
-LABELS = {"claas/tiny_reinforce_pp": "REINFORCE++", "claas/tiny_ppo": "PPO", "claas/tiny_sdpo": "SDPO",
-          "claas/tiny_icl": "ICL", "claas/tiny_no_update": "no update"}
 
 
 def _pm(pair, signed: bool = False) -> str:
@@ -38,15 +36,19 @@ def _pm(pair, signed: bool = False) -> str:
 def committed_comparison(directory: Path = COMMITTED) -> list[str]:
     """The committed comparison as printable lines: per method final and forgetting (mean ± 95% half-width over its
     seeds) and final paired with the no-update baseline seed by seed, as the benchmark computed them."""
+    if str(REPO) not in sys.path:
+        sys.path.insert(0, str(REPO))
+    from benchmarks.continual_claas import label  # the benchmark's method names
+
     results = json.loads((directory / "results.json").read_text())
     summary, paired = results["summary"], results["claas_paired"]
     base = paired["baseline"]
     seeds = summary[base]["seeds"]
     lines = [f"committed comparison, compatible rule stream, seeds {seeds[0]}-{seeds[-1]} ({directory}):",
-             f"  {'method':<12} {'final':>15} {'forgetting':>15} {'final − ' + LABELS.get(base, base):>22}"]
+             f"  {'method':<12} {'final':>15} {'forgetting':>15} {'final − ' + label(base):>22}"]
     for recipe, row in summary.items():
         diff = "baseline" if recipe == base else _pm(paired["differences"][recipe]["final_avg"], signed=True)
-        lines.append(f"  {LABELS.get(recipe, recipe):<12} {_pm(row['final_avg']):>15} {_pm(row['forgetting']):>15} "
+        lines.append(f"  {label(recipe):<12} {_pm(row['final_avg']):>15} {_pm(row['forgetting']):>15} "
                      f"{diff:>22}")
     lines.append(f"  M[j, k] heatmaps: {directory}/claas_M_*.png. The tiny model does not read feedback, so the CLaaS "
                  "paper's comparisons that need one are not testable at this scale (docs/benchmark.md).")

@@ -44,6 +44,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from claas_verl.tiny.reader_measure import STREAM_FAMILIES
 from claas_verl.tiny.shipped import BundlePaths, bundle_dir, put_in_place, shipped
 
 READER_VERSION = "1"  # the shipped bundle's design (below); a design is a version of the bundle
@@ -84,7 +85,7 @@ class ReaderDesign:
 
 DESIGNS = {
     "1": ReaderDesign(None, 32, 1.0, 1),  # step 1: every family, every rule-only target passes
-    "2": ReaderDesign(("capital_start", "end_punctuation"), 144, 0.4, 2),  # step 1c: the stream's rules only
+    "2": ReaderDesign(STREAM_FAMILIES, 144, 0.4, 2),  # step 1c: the stream's rules only
 }
 
 
@@ -141,7 +142,8 @@ def ensure_reader(directory: str | os.PathLike | None = None, seed: int = 0, bui
         if ship is None and not build:
             raise FileNotFoundError(
                 f"no shipped reader bundle reader_v{version}_seed{seed} in benchmarks/bundles/ (or "
-                "$CLAAS_VERL_BUNDLES): build it with `python -m claas_verl.tiny reader DIR --build --sft-steps N`")
+                "$CLAAS_VERL_BUNDLES): build it with "
+                f"`python -m claas_verl.tiny reader DIR --build --version {version} --sft-steps N`")
         steps = sft_steps if sft_steps is not None else SHIPPED_SFT_STEPS
         put_in_place(out_dir, ship, lambda tmp: build_reader(tmp, seed, steps, version=version), LOG)
     return ReaderPaths(out_dir)

@@ -247,3 +247,12 @@ def test_the_grid_cli_names_the_bundle_to_ship_or_says_none_met_the_gates(chosen
     assert main(["reader", "--grid", "GRID", "--grid-steps", "800,3200", "--version", "2"]) == 0
     assert seen == {"seed": 0, "grid": (800, 3200), "version": "2"}
     assert says in capsys.readouterr().out
+
+
+def test_a_version_that_is_not_shipped_is_refused_with_its_build_command(tmp_path, monkeypatch):
+    monkeypatch.setenv(BUNDLES_DIR_ENV, str(tmp_path / "no_bundles"))
+    monkeypatch.setenv(reader.ENV_READER_DIR, str(tmp_path / "reader"))
+    assert reader.default_reader_dir("2") == tmp_path / "reader_v2"  # versions never share a directory
+    with pytest.raises(FileNotFoundError, match=r"reader_v2_seed0 .*reader DIR --build --version 2 --sft-steps N"):
+        reader.ensure_reader(version="2")
+    assert not (tmp_path / "reader_v2").exists()
