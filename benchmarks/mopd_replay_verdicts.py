@@ -10,8 +10,15 @@ whose smallest stage gain is below the plan's 0.15 ("learns") are named.
         benchmarks/results/i56_e1_lr1e-3_o2
     # stage proxy: one arm's JSON against its reference's, files <arm>_lr<lr>_n<n>_o<order>_s<seed>.json
     python benchmarks/mopd_replay_verdicts.py proxy benchmarks/results/i56_proxy/e2 --arm e2 --reference paper
+    # any two series, across directories and kinds of run, or a difference of differences of four
+    python benchmarks/mopd_replay_verdicts.py contrast \
+        --arm trainer:mopd/gym_replay_kl@benchmarks/results/i56_e2_o1,benchmarks/results/i56_e2_o2 \
+        --reference trainer:mopd/gym_replay_kl@benchmarks/results/i56_e1_lr1e-3_o1,benchmarks/results/i56_e1_lr1e-3_o2
+    python benchmarks/mopd_replay_verdicts.py contrast --arm proxy:DIR/paper@3e-4 --reference proxy:DIR/seq@3e-4 \
+        --base-arm proxy:DIR/paper@1e-3 --base-reference proxy:DIR/seq@1e-3
 
-``proxy`` also prints the plan's E2 figure: the ratio arm / reference of the gradient norm (before clipping) of the
+A series is paired by (domain order, seed): a trainer run with a proxy run never pairs. ``proxy`` and ``contrast``
+also print the plan's E2 figure: the ratio arm / reference of the gradient norm (before clipping) of the
 first replay step of each stage ≥ 2, its median over stages and seeds.
 
     # per-step attribution (the plan's E5 reading): where a stage's rise of the first domain's probe KL happens
@@ -59,12 +66,17 @@ def reading(mean: float | None, hw: float | None) -> str:
     return f"no difference detected at ± {hw:.3f}"
 
 
-def paired(arm: Mapping[int, float], ref: Mapping[int, float]) -> dict:
-    """Seed-by-seed ``arm − ref`` over the seeds both have: ``{"seeds", "mean", "hw", "higher", "reading"}``."""
-    seeds = sorted(set(arm) & set(ref))
-    diffs = [arm[s] - ref[s] for s in seeds]
-    mean, hw = mean_half_width(diffs)
-    return {"seeds": seeds, "mean": mean, "hw": hw, "higher": sum(d > 0 for d in diffs), "reading": reading(mean, hw)}
+def summarise(diffs: Mapping) -> dict:
+    """``{"seeds", "mean", "hw", "higher", "reading"}`` of per-pair differences keyed by seed (or (order, seed))."""
+    seeds = sorted(diffs)
+    values = [diffs[s] for s in seeds]
+    mean, hw = mean_half_width(values)
+    return {"seeds": seeds, "mean": mean, "hw": hw, "higher": sum(d > 0 for d in values), "reading": reading(mean, hw)}
+
+
+def paired(arm: Mapping, ref: Mapping) -> dict:
+    """Seed-by-seed ``arm − ref`` over the seeds both have (:func:`summarise`)."""
+    return summarise({s: arm[s] - ref[s] for s in set(arm) & set(ref)})
 
 
 def _line(label: str, p: Mapping) -> str:
@@ -108,51 +120,133 @@ def trainer_verdicts(dirs: Sequence[Path], reference: str) -> dict:
     return out
 
 
-# --------------------------------------------------------------------------------------------------------- proxy
-def proxy_runs(directory: Path, arm: str) -> dict[tuple[int, int], dict]:
-    """``{(order, seed): run JSON}`` of ``arm``'s files in ``directory``."""
-    runs = {}
+# ----------------------------------------------------------------------------------------------- paired series
+# A series is one arm's runs, {(domain order, seed): {"kind", "metrics", "steps": list | Path | None, "bundle"}},
+# from stage-proxy JSON files or from trainer result directories; contrasts pair series key by key.
+Series = dict
+
+
+def _order_label(run: Mapping, fallback: str) -> str:
+    return "→".join(run["order"]) if run.get("order") else fallback
+
+
+def proxy_runs(directory: Path, arm: str, lr: str | None = None) -> dict[tuple[int, int], dict]:
+    """``{(order, seed): run JSON}`` of ``arm``'s files in ``directory`` (at ``lr`` when given). A directory that
+    holds the arm at several (lr, steps) settings needs ``lr``: seeds of different settings are never paired."""
+    runs, settings = {}, {}
     for path in sorted(directory.glob(f"{arm}_lr*.json")):
         m = PROXY_NAME.match(path.name)
-        if m and m["arm"] == arm:
+        if m and m["arm"] == arm and (lr is None or m["lr"] == lr):
+            settings.setdefault((m["lr"], m["n"]), []).append(path.name)
             runs[(int(m["order"]), int(m["seed"]))] = json.loads(path.read_text())
+    if len(settings) > 1:
+        found = ", ".join(f"lr {a} with {b} steps" for a, b in sorted(settings))
+        raise SystemExit(f"error: {directory} holds {arm} at {found}: name one with --lr (proxy) or {arm}@LR "
+                         "(contrast)")
     return runs
 
 
-def first_replay_grad_norms(run: Mapping) -> dict[int, float]:
+def proxy_series(directory: Path, arm: str, lr: str | None = None) -> Series:
+    return {(_order_label(run, f"order {o}"), s): {"kind": "proxy", "metrics": run["metrics"],
+                                                   "steps": run.get("steps"), "bundle": None}
+            for (o, s), run in proxy_runs(directory, arm, lr).items()}
+
+
+def trainer_series(dirs: Sequence[Path], recipe: str) -> Series:
+    """``recipe``'s runs in the result directories; its step log is read only when a statistic needs it."""
+    out: Series = {}
+    for d in dirs:
+        for run in trainer_runs(d):
+            if run["recipe"] != recipe:
+                continue
+            key = (_order_label(run, d.name), int(run["seed"]))
+            if key in out:
+                raise SystemExit(f"error: {recipe} seed {key[1]} in order {key[0]} appears twice in "
+                                 f"{', '.join(map(str, dirs))}: give each order's directory once")
+            out[key] = {"kind": "trainer", "metrics": {m: run[m] for m in (*METRICS, "min_stage_gain")},
+                        "steps": (d / run["step_log"]) if run.get("step_log") else None,
+                        "bundle": run.get("bundle_fingerprint")}
+    return out
+
+
+def parse_series(spec: str) -> tuple[str, Series]:
+    """``proxy:DIR/ARM[@LR]`` or ``trainer:RECIPE@DIR[,DIR...]`` → (label, series)."""
+    kind, _, rest = spec.partition(":")
+    if kind == "proxy" and rest:
+        path, _, lr = rest.partition("@")
+        series = proxy_series(Path(path).parent, Path(path).name, lr or None)
+    elif kind == "trainer" and "@" in rest:
+        recipe, _, dirs = rest.partition("@")
+        series = trainer_series([Path(d) for d in dirs.split(",")], recipe)
+    else:
+        raise SystemExit(f"error: {spec!r}: a series is proxy:DIR/ARM[@LR] (stage-proxy JSON files ARM_lrLR_…) or "
+                         "trainer:RECIPE@DIR[,DIR...] (benchmark result directories, one per domain order)")
+    if not series:
+        raise SystemExit(f"error: {spec!r} names no runs")
+    return spec, series
+
+
+def _steps(entry: Mapping) -> list[dict] | None:
+    steps = entry["steps"]
+    return read_step_log(steps) if isinstance(steps, Path) else steps
+
+
+def first_replay_grad_norms(steps: Sequence[Mapping]) -> dict[int, float]:
     """``{stage: actor/grad_norm of the stage's first replay step}`` (stages with replay only)."""
     out: dict[int, float] = {}
-    for step in run["steps"]:
+    for step in steps:
         if step["kind"] == "replay" and step["stage"] not in out:
             out[step["stage"]] = float(step["metrics"]["actor/grad_norm"])
     return out
 
 
-def proxy_verdicts(directory: Path, arm: str, reference: str) -> dict:
-    a, r = proxy_runs(directory, arm), proxy_runs(directory, reference)
-    if not a or not r:
-        raise SystemExit(f"error: no {arm if not a else reference}_lr*.json in {directory}")
-    out: dict = {"arm": arm, "reference": reference, "not_learning": [], "comparisons": {}}
-    for name, runs in ((arm, a), (reference, r)):
-        out["not_learning"] += [f"{name} order {o} seed {s} (smallest stage gain {gain:.3f})"
-                                for (o, s), run in runs.items()
-                                if (gain := run["metrics"]["min_stage_gain"]) < LEARNS]
-    orders = sorted({o for o, _ in a} | {o for o, _ in r})
+def contrast(series: Mapping[str, Series], arm: str, reference: str, base_arm: str | None = None,
+             base_reference: str | None = None) -> dict:
+    """``arm − reference``, or the difference of differences ``(arm − reference) − (base_arm − base_reference)``,
+    pair by pair over the (domain order, seed) keys every named series has; per order and pooled, with the
+    "learns" check of every run used and, for a plain contrast whose runs carry step records, E2's ratio of the
+    first replay steps' gradient norms (arm / reference, median over stages and pairs)."""
+    names = [n for n in (arm, reference, base_arm, base_reference) if n is not None]
+    if (base_arm is None) != (base_reference is None):
+        raise SystemExit("error: a difference of differences needs both --base-arm and --base-reference")
+    kinds = {entry["kind"] for n in names for entry in series[n].values()}
+    if len(kinds) > 1:
+        raise SystemExit(f"error: {', '.join(names)} mix stage-proxy and trainer runs, which are never paired")
+    keys = sorted(set.intersection(*(set(series[n]) for n in names)))
+    if not keys:
+        raise SystemExit(f"error: {', '.join(names)} have no (domain order, seed) in common")
+    for key in keys:
+        bundles = {series[n][key]["bundle"] for n in names} - {None}
+        if len(bundles) > 1:
+            raise SystemExit(f"error: order {key[0]} seed {key[1]} was run on different bundles {sorted(bundles)}")
+    out: dict = {"arm": arm, "reference": reference, "base_arm": base_arm, "base_reference": base_reference,
+                 "not_learning": [f"{n}: order {o} seed {s} (smallest stage gain {g:.3f})" for n in names
+                                  for (o, s) in keys if (g := series[n][(o, s)]["metrics"]["min_stage_gain"]) < LEARNS],
+                 "comparisons": {}}
 
-    def values(runs: dict, metric: str, order: int) -> dict[int, float]:
-        return {s: run["metrics"][metric] for (o, s), run in runs.items() if o == order}
+    def value(name: str, key, metric: str) -> float:
+        return float(series[name][key]["metrics"][metric])
 
     for metric in METRICS:
-        per = {f"order {o}": paired(values(a, metric, o), values(r, metric, o)) for o in orders}
-        pooled = paired({k: run["metrics"][metric] for k, run in a.items()},
-                        {k: run["metrics"][metric] for k, run in r.items()})
-        out["comparisons"][metric] = {"orders": per, "pooled": pooled}
-    ratios = []
-    for key in sorted(set(a) & set(r)):
-        ga, gr = first_replay_grad_norms(a[key]), first_replay_grad_norms(r[key])
-        ratios += [ga[st] / gr[st] for st in sorted(set(ga) & set(gr)) if gr[st] > 0]
+        diffs = {k: value(arm, k, metric) - value(reference, k, metric) for k in keys}
+        if base_arm is not None:
+            diffs = {k: d - (value(base_arm, k, metric) - value(base_reference, k, metric)) for k, d in diffs.items()}
+        per = {o: summarise({s: d for (oo, s), d in diffs.items() if oo == o}) for o in sorted({o for o, _ in keys})}
+        out["comparisons"][metric] = {"orders": per, "pooled": summarise(diffs)}
+    ratios: list[float] = []
+    if base_arm is None and all(series[n][k]["steps"] is not None for n in (arm, reference) for k in keys):
+        for key in keys:
+            ga, gr = (first_replay_grad_norms(_steps(series[n][key])) for n in (arm, reference))
+            ratios += [ga[st] / gr[st] for st in sorted(set(ga) & set(gr)) if gr[st] > 0]
     out["first_replay_grad_norm_ratio"] = {"median": statistics.median(ratios) if ratios else None, "n": len(ratios)}
     return out
+
+
+def proxy_verdicts(directory: Path, arm: str, reference: str, lr: str | None = None) -> dict:
+    a, r = proxy_series(directory, arm, lr), proxy_series(directory, reference, lr)
+    if not a or not r:
+        raise SystemExit(f"error: no {arm if not a else reference}_lr*.json in {directory}")
+    return contrast({arm: a, reference: r}, arm, reference)
 
 
 # --------------------------------------------------------------------------------------------------- attribution
@@ -203,12 +297,13 @@ def _rise_summary(rows: list[dict]) -> dict:
     return {"runs": rows, **{p: mean_half_width([r.get(p, 0.0) for r in rows]) for p in parts}}
 
 
-def proxy_attribution(directory: Path, arms: Sequence[str], stage: int, domain_index: int = 0) -> dict:
+def proxy_attribution(directory: Path, arms: Sequence[str], stage: int, domain_index: int = 0,
+                      lr: str | None = None) -> dict:
     """:func:`attribution` for stage-proxy JSON files (``<arm>_lr…_o<order>_s<seed>.json``, which carry the same
     per-step records); each arm is a "recipe", each (order, seed) a run."""
     per_arm: dict[str, dict] = {}
     for arm in arms:
-        runs = proxy_runs(directory, arm)
+        runs = proxy_runs(directory, arm, lr)
         if not runs:
             raise SystemExit(f"error: no {arm}_lr*.json in {directory}")
         rows = []
@@ -249,7 +344,7 @@ def _print(result: Mapping, title: str) -> None:
                 print(_line(label, p))
             print(_line("pooled", row["pooled"]))
     ratio = result.get("first_replay_grad_norm_ratio")
-    if ratio is not None:
+    if ratio is not None and ratio["n"]:
         med = "n/a" if ratio["median"] is None else f"{ratio['median']:.3f}"
         print(f"first replay step's gradient norm, {result['arm']} / {result['reference']}: median {med} "
               f"over {ratio['n']} (stage, seed) pairs")
@@ -266,10 +361,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("dir", type=Path)
     p.add_argument("--arm", required=True)
     p.add_argument("--reference", required=True)
+    p.add_argument("--lr", default=None, help="the files' lr as written in their names (1e-3); needed where the "
+                   "directory holds the arms at several")
+    c = sub.add_parser("contrast", help="any two series, or a difference of differences of four",
+                       description="SERIES is proxy:DIR/ARM[@LR] (stage-proxy JSON files) or "
+                       "trainer:RECIPE@DIR[,DIR...] (benchmark result directories, one per domain order). Pairs by "
+                       "(domain order, seed).")
+    for flag in ("--arm", "--reference"):
+        c.add_argument(flag, required=True, metavar="SERIES")
+    for flag in ("--base-arm", "--base-reference"):
+        c.add_argument(flag, default=None, metavar="SERIES",
+                       help="with both: (arm − reference) − (base-arm − base-reference), pair by pair")
     at = sub.add_parser("attribution", help="a stage's probe-KL rise split by step kind, from the step logs")
     at.add_argument("dirs", nargs="+", type=Path)
     at.add_argument("--proxy-arms", default=None, metavar="A,B,...",
                     help="read stage-proxy JSON files of these arms in the one directory given, not trainer results")
+    at.add_argument("--lr", default=None, help="with --proxy-arms: the files' lr, where the directory holds several")
     at.add_argument("--stage", type=int, default=3)
     at.add_argument("--domain-index", type=int, default=0, help="0: each run's first domain (default)")
     at.add_argument("--reference", default="mopd/gym_seq",
@@ -280,7 +387,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.proxy_arms:
             if len(args.dirs) != 1:
                 raise SystemExit("error: --proxy-arms reads one directory of stage-proxy JSON files")
-            result = proxy_attribution(args.dirs[0], args.proxy_arms.split(","), args.stage, args.domain_index)
+            result = proxy_attribution(args.dirs[0], args.proxy_arms.split(","), args.stage, args.domain_index,
+                                       args.lr)
         else:
             result = attribution(args.dirs, args.stage, args.domain_index)
         _print_attribution(result)
@@ -292,8 +400,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     elif args.kind == "trainer":
         result = trainer_verdicts(args.dirs, args.reference)
         _print(result, f"paired with {args.reference}, per directory and pooled")
+    elif args.kind == "contrast":
+        series = dict(parse_series(spec) for spec in (args.arm, args.reference, args.base_arm, args.base_reference)
+                      if spec is not None)
+        result = contrast(series, args.arm, args.reference, args.base_arm, args.base_reference)
+        title = f"({args.arm}) − ({args.reference})"
+        if args.base_arm is not None:
+            title = f"[{title}] − [({args.base_arm}) − ({args.base_reference})]"
+        _print({**result, "comparisons": {title: result["comparisons"]}}, f"{title}, per order and pooled")
     else:
-        result = proxy_verdicts(args.dir, args.arm, args.reference)
+        result = proxy_verdicts(args.dir, args.arm, args.reference, args.lr)
         _print({**result, "comparisons": {f"{args.arm} − {args.reference}": result["comparisons"]}},
                f"stage proxy, {args.arm} − {args.reference}, per order and pooled")
     if args.json:

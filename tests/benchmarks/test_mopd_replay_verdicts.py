@@ -154,3 +154,74 @@ def test_proxy_attribution_reads_the_proxys_step_records(tmp_path):
     pairs = verdicts.attribution_paired(out, "paper")["e2"]
     assert pairs["total"]["seeds"] == [("order 1", 10), ("order 2", 10)]
     assert pairs["total"]["mean"] == pytest.approx(0.2)
+
+
+def test_a_proxy_directory_with_several_learning_rates_needs_one_named(tmp_path):
+    for seed, (f_1e3, f_3e4) in enumerate([(0.3, 0.1), (0.4, 0.2)], start=10):
+        _proxy(tmp_path, "paper", 1, seed, f_1e3, {2: 1.0})
+        run = {"metrics": {"forgetting": f_3e4, "final_avg": 0.5, "min_stage_gain": 0.4}, "steps": []}
+        (tmp_path / f"paper_lr3e-4_n40_o1_s{seed}.json").write_text(json.dumps(run))
+    with pytest.raises(SystemExit, match=r"lr 1e-3 with 12 steps, lr 3e-4 with 40 steps: name one with --lr"):
+        verdicts.proxy_runs(tmp_path, "paper")
+    assert {k: r["metrics"]["forgetting"] for k, r in verdicts.proxy_runs(tmp_path, "paper", "3e-4").items()} == {
+        (1, 10): 0.1, (1, 11): 0.2}
+
+
+def test_contrast_takes_a_difference_of_differences_pair_by_pair(tmp_path):
+    # (paper − seq) at 3e-4 minus (paper − seq) at 1e-3, seeds 10-12, order 1: by hand 0.05, −0.02, 0.03
+    values = {("paper", "3e-4"): (0.30, 0.20, 0.25), ("seq", "3e-4"): (0.20, 0.20, 0.20),
+              ("paper", "1e-3"): (0.40, 0.30, 0.30), ("seq", "1e-3"): (0.35, 0.28, 0.28)}
+    for (arm, lr), fs in values.items():
+        for seed, f in zip((10, 11, 12), fs):
+            run = {"order": ["a", "b"], "metrics": {"forgetting": f, "final_avg": 0.5, "min_stage_gain": 0.4}}
+            (tmp_path / f"{arm}_lr{lr}_n12_o1_s{seed}.json").write_text(json.dumps(run))
+    spec = lambda arm, lr: f"proxy:{tmp_path}/{arm}@{lr}"  # noqa: E731
+    series = dict(verdicts.parse_series(spec(a, lr)) for a, lr in values)
+    out = verdicts.contrast(series, spec("paper", "3e-4"), spec("seq", "3e-4"), spec("paper", "1e-3"),
+                            spec("seq", "1e-3"))
+    f = out["comparisons"]["forgetting"]
+    assert f["pooled"]["seeds"] == [("a→b", 10), ("a→b", 11), ("a→b", 12)]
+    assert f["pooled"]["mean"] == pytest.approx(0.02) and f["pooled"]["higher"] == 2
+    assert f["orders"]["a→b"]["hw"] == pytest.approx(T_975_2 * math.sqrt(0.0013) / math.sqrt(3))  # s² = 0.0013
+    assert out["first_replay_grad_norm_ratio"] == {"median": None, "n": 0}  # not a plain contrast
+    with pytest.raises(SystemExit, match="needs both --base-arm and --base-reference"):
+        verdicts.contrast(series, spec("paper", "3e-4"), spec("seq", "3e-4"), spec("paper", "1e-3"))
+    with pytest.raises(SystemExit, match="a series is proxy:DIR/ARM"):
+        verdicts.parse_series(f"{tmp_path}/paper")
+
+
+def test_contrast_pairs_one_recipe_across_result_directories_and_reads_the_step_logs(tmp_path, capsys):
+    import gzip
+
+    def directory(name: str, order: list[str], runs: list[tuple[int, float, float, str]]) -> Path:
+        d = tmp_path / name
+        (d / "steps").mkdir(parents=True)
+        rows = []
+        for seed, forgetting, grad, bundle in runs:
+            log = f"steps/s{seed}.jsonl.gz"
+            with gzip.open(d / log, "wt") as fh:
+                for stage, g in ((1, 99.0), (2, grad), (2, 7.0)):  # stage 1 has no replay; the 2nd replay is ignored
+                    fh.write(json.dumps({"stage": stage, "kind": "new" if stage == 1 else "replay",
+                                         "metrics": {"actor/grad_norm": g}}) + "\n")
+            rows.append(dict(_run("mopd/gym_replay_kl", seed, forgetting), order=order, step_log=log,
+                             bundle_fingerprint=bundle))
+        (d / "results.json").write_text(json.dumps({"runs": rows}))
+        return d
+
+    # E2-like: the arm's directories hold the same recipe as the reference's; order 2's reference comes first
+    arm = [directory("e2_o1", ["x", "y"], [(31, 0.10, 4.0, "b"), (32, 0.20, 6.0, "b")]),
+           directory("e2_o2", ["y", "x"], [(31, 0.30, 5.0, "b")])]
+    ref = [directory("e1_o2", ["y", "x"], [(31, 0.50, 10.0, "b")]),
+           directory("e1_o1", ["x", "y"], [(31, 0.15, 8.0, "b"), (32, 0.10, 12.0, "b")])]
+    spec = lambda dirs: "trainer:mopd/gym_replay_kl@" + ",".join(map(str, dirs))  # noqa: E731
+    assert verdicts.main(["contrast", "--arm", spec(arm), "--reference", spec(ref)]) == 0
+    text = capsys.readouterr().out
+    # x→y: −0.05, +0.10; y→x: −0.20; ratios 4/8, 6/12, 5/10 = 0.5
+    assert "x→y: +0.025" in text and "y→x: -0.200" in text and "pooled: -0.050" in text
+    assert "median 0.500 over 3 (stage, seed) pairs" in text
+    other_bundle = [directory("e1b_o1", ["x", "y"], [(31, 0.15, 8.0, "c")])]
+    with pytest.raises(SystemExit, match=r"different bundles \['b', 'c'\]"):
+        verdicts.main(["contrast", "--arm", spec(arm), "--reference", spec(other_bundle)])
+    _proxy(tmp_path, "paper", 1, 31, 0.2, {2: 1.0})
+    with pytest.raises(SystemExit, match="mix stage-proxy and trainer runs"):
+        verdicts.main(["contrast", "--arm", spec(arm), "--reference", f"proxy:{tmp_path}/paper"])
