@@ -48,6 +48,20 @@ def _is_real(x: Any) -> bool:
     return t is not bool and isinstance(x, (int, float, np.integer, np.floating)) and not isinstance(x, np.bool_)
 
 
+def _check_shared_fields(entry: ReplayEntry | ScenarioEntry) -> None:
+    """The fields a step entry and a scenario entry have in common: feedback, domain, metadata, P, seq."""
+    if entry.feedback is not None and not isinstance(entry.feedback, str):
+        raise ValueError(f"feedback must be a str or None, got {type(entry.feedback).__name__}")
+    if entry.domain is not None and not isinstance(entry.domain, str):
+        raise ValueError(f"domain must be a str or None, got {type(entry.domain).__name__}")
+    if not isinstance(entry.metadata, dict):
+        raise ValueError(f"metadata must be a dict, got {type(entry.metadata).__name__}")
+    if entry.P is not None and (not _is_int(entry.P) or entry.P < 0):
+        raise ValueError(f"P (policy version) must be None or an int >= 0, got {entry.P!r}")
+    if entry.seq is not None and (not _is_int(entry.seq) or entry.seq < 0):
+        raise ValueError(f"seq must be None or an int >= 0 (it is set by the buffer), got {entry.seq!r}")
+
+
 def as_token_array(values: Any, field_name: str) -> np.ndarray:
     """Convert token ids to a read-only 1-D ``int32`` array, or raise ``ValueError`` naming ``field_name``.
 
@@ -163,16 +177,7 @@ class ReplayEntry:
             )
         if self.reward is not None and (not _is_real(self.reward) or not math.isfinite(self.reward)):
             raise ValueError(f"reward must be a finite float or None (grader error), got {self.reward!r}")
-        if self.feedback is not None and not isinstance(self.feedback, str):
-            raise ValueError(f"feedback must be a str or None, got {type(self.feedback).__name__}")
-        if self.domain is not None and not isinstance(self.domain, str):
-            raise ValueError(f"domain must be a str or None, got {type(self.domain).__name__}")
-        if not isinstance(self.metadata, dict):
-            raise ValueError(f"metadata must be a dict, got {type(self.metadata).__name__}")
-        if self.P is not None and (not _is_int(self.P) or self.P < 0):
-            raise ValueError(f"P (policy version) must be None or an int >= 0, got {self.P!r}")
-        if self.seq is not None and (not _is_int(self.seq) or self.seq < 0):
-            raise ValueError(f"seq must be None or an int >= 0 (it is set by the buffer), got {self.seq!r}")
+        _check_shared_fields(self)
 
     @classmethod
     def from_validated(cls, **fields: Any) -> ReplayEntry:
@@ -275,16 +280,7 @@ class ScenarioEntry:
         step_idx = [s.step_idx for s in self.steps]
         if all(i is not None for i in step_idx) and any(b <= a for a, b in zip(step_idx, step_idx[1:])):
             raise ValueError(f"steps must be in increasing step_idx order, got {step_idx}")
-        if self.feedback is not None and not isinstance(self.feedback, str):
-            raise ValueError(f"feedback must be a str or None, got {type(self.feedback).__name__}")
-        if self.domain is not None and not isinstance(self.domain, str):
-            raise ValueError(f"domain must be a str or None, got {type(self.domain).__name__}")
-        if not isinstance(self.metadata, dict):
-            raise ValueError(f"metadata must be a dict, got {type(self.metadata).__name__}")
-        if self.P is not None and (not _is_int(self.P) or self.P < 0):
-            raise ValueError(f"P (policy version) must be None or an int >= 0, got {self.P!r}")
-        if self.seq is not None and (not _is_int(self.seq) or self.seq < 0):
-            raise ValueError(f"seq must be None or an int >= 0 (it is set by the buffer), got {self.seq!r}")
+        _check_shared_fields(self)
         self.reward = aggregate_scenario_reward([s.reward for s in self.steps], self.reward_agg)
 
     def resolve_version(self, current_k: int) -> int:
