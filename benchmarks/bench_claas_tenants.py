@@ -35,13 +35,9 @@ USER = [{"role": "user", "content": "Tell me about the sea."}]
 
 
 def make_adapter(student, out: str, seed: int) -> str:
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
+    from claas_verl.tiny.adapters import random_lora_adapter
 
-    torch.manual_seed(seed)
-    base = AutoModelForCausalLM.from_pretrained(str(student), dtype=torch.float32)
-    get_peft_model(base, LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"],
-                                    init_lora_weights=False)).save_pretrained(out)
+    random_lora_adapter(student, out, seed=seed, rank=8)
     return out
 
 

@@ -28,18 +28,7 @@ from claas_verl.claas.service import ChatService, ClaasServiceClient, HFBackend,
 from claas_verl.claas.service.server import ServiceThread
 from claas_verl.claas.service.templating import user_context
 from claas_verl.tiny import ensure_tiny
-
-
-def random_adapter(student, out_dir: str) -> str:
-    """A LoRA adapter with random weights, standing in for one the trainer would publish after an update."""
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
-
-    torch.manual_seed(0)
-    base = AutoModelForCausalLM.from_pretrained(str(student), dtype=torch.float32)
-    cfg = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
-    get_peft_model(base, cfg).save_pretrained(out_dir)
-    return out_dir
+from claas_verl.tiny.adapters import random_lora_adapter
 
 
 def main() -> None:
@@ -92,7 +81,8 @@ def main() -> None:
         print("3) the trainer publishes update 1: buffer.on_update(), then hot-reload the adapter as version 1")
         ray.get(actor.on_update.remote())
         with tempfile.TemporaryDirectory(dir=adapters) as tmp:
-            print("  ", client.load_adapter(random_adapter(tiny.student, tmp), policy_version=1))
+            random_lora_adapter(tiny.student, tmp)  # stands in for an adapter the trainer publishes after an update
+            print("  ", client.load_adapter(tmp, policy_version=1))
         play(args.scenarios)
 
         service.recorder.sink.flush(60)

@@ -29,21 +29,10 @@ from claas_verl.claas.service import ChatService, ServiceConfig, build_app
 from claas_verl.claas.service.hf_tenants import TenantHFBackend
 from claas_verl.claas.service.server import ServiceThread
 from claas_verl.tiny import ensure_tiny
+from claas_verl.tiny.adapters import random_lora_adapter
 
 ADMIN = "sk-admin-demo"
 KEYS = {"alice": "sk-alice-demo", "bob": "sk-bob-demo", "carol": "sk-carol-demo"}
-
-
-def random_adapter(student, out_dir: str, seed: int) -> str:
-    """A LoRA adapter with random weights, standing in for a version the trainer would publish."""
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
-
-    torch.manual_seed(seed)
-    base = AutoModelForCausalLM.from_pretrained(str(student), dtype=torch.float32)
-    cfg = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
-    get_peft_model(base, cfg).save_pretrained(out_dir)
-    return out_dir
 
 
 def main() -> None:
@@ -74,7 +63,8 @@ def main() -> None:
                           headers={"Authorization": f"Bearer {KEYS[tenant]}"}).status_code
 
     def publish(tenant: str, seed: int) -> None:
-        path = random_adapter(tiny.student, f"{tmp}/{tenant}-{seed}", seed)
+        path = f"{tmp}/{tenant}-{seed}"
+        random_lora_adapter(tiny.student, path, seed=seed)  # stands in for a version the trainer publishes
         r = httpx.post(f"{server.url}/v1/claas/load_adapter", json={"lora_path": path, "tenant": tenant},
                        headers={"Authorization": f"Bearer {ADMIN}"}, timeout=120).json()
         print(f"published {tenant} v{r['policy_version']} (sha256 {r['adapter_sha256'][:16]})")

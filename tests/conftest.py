@@ -74,12 +74,11 @@ def random_lora(tiny):
     projections, saved with peft at ``out_dir`` and returned loaded on a float32 student."""
 
     def make(out, seed: int):
-        from peft import LoraConfig, PeftModel, get_peft_model
+        from peft import PeftModel
 
-        torch.manual_seed(seed)
-        model = get_peft_model(_hf_fp32(tiny.student), LoraConfig(r=8, lora_alpha=16, init_lora_weights=False,
-                                                                  target_modules=["q_proj", "v_proj"]))
-        model.save_pretrained(str(out))
+        from claas_verl.tiny.adapters import random_lora_adapter
+
+        random_lora_adapter(tiny.student, out, seed=seed, rank=8)
         return PeftModel.from_pretrained(_hf_fp32(tiny.student), str(out)).eval()
 
     return make

@@ -6,12 +6,13 @@ from __future__ import annotations
 import httpx
 import pytest
 import torch
-from peft import LoraConfig, PeftModel, get_peft_model
+from peft import PeftModel
 from service_helpers import ADMIN, USER, big_buffer, recompute_logprob, running_service
 from transformers import AutoModelForCausalLM
 
 from claas_verl.claas.service import ClaasServiceClient, HFBackend
 from claas_verl.tiny import ensure_tiny
+from claas_verl.tiny.adapters import random_lora_adapter
 
 torch.set_num_threads(1)
 
@@ -21,15 +22,8 @@ def _load_base(path):
 
 
 def _make_adapter(student, out_dir, seed: int) -> str:
-    """A peft LoRA adapter with random A and B (init_lora_weights=False), so it changes the policy."""
-    torch.manual_seed(seed)
-    cfg = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
-    model = get_peft_model(_load_base(student), cfg)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "lora_B" in name:
-                p.mul_(20.0)  # a visible change of the logits, far above the 1e-4 comparison tolerance
-    model.save_pretrained(str(out_dir))
+    # lora_B ×20: a visible change of the logits, far above the 1e-4 comparison tolerance
+    random_lora_adapter(student, out_dir, seed=seed, b_scale=20.0)
     return str(out_dir)
 
 

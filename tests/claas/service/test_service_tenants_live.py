@@ -13,23 +13,14 @@ from tenant_helpers import BOB, TENANTS, TenantScripted, auth, chat, feedback, p
 from claas_verl.claas.replay import ReplayBufferActor
 from claas_verl.claas.service.sinks import ActorSink, make_sink
 from claas_verl.claas.tenants.adapters import adapter_file_digest
+from claas_verl.tiny.adapters import random_lora_adapter
 
 KEYS = {"a": "sk-a", "b": "sk-b", "c": "sk-c"}
 
 
 def _adapter(tiny, out, seed):
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
-
-    torch.manual_seed(seed)
-    model = get_peft_model(AutoModelForCausalLM.from_pretrained(str(tiny.student), dtype=torch.float32),
-                           LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False))
-    with torch.no_grad():
-        for n, p in model.named_parameters():
-            if "lora_B" in n:
-                p.mul_(20.0)  # far from the base model, so a reply of the base model cannot pass for the adapter's
-    model.save_pretrained(str(out))
-    return model.eval()
+    # far from the base model (lora_B ×20), so a reply of the base model cannot pass for the adapter's
+    return random_lora_adapter(tiny.student, out, seed=seed, b_scale=20.0)
 
 
 def test_each_tenant_is_served_its_own_adapter_and_an_evicted_one_comes_back(tiny, tmp_path):

@@ -105,23 +105,12 @@ def test_tenants_on_real_vllm(vllm_server, tiny, tmp_path, hf_fp32):
     demand, every reply on its tenant's adapter, and the probe scored by vLLM equal to a PEFT forward."""
     import asyncio
 
-    import torch
-    from peft import LoraConfig, get_peft_model
-
     from claas_verl.claas.service.sampling import SamplingParams
     from claas_verl.claas.tenants.verify import probe_ids, probe_token_logprobs
+    from claas_verl.tiny.adapters import random_lora_adapter
 
-    models = {}
-    for seed, t in enumerate(KEYS, 1):
-        torch.manual_seed(seed)
-        m = get_peft_model(hf_fp32(tiny.student), LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
-                                                 init_lora_weights=False))
-        with torch.no_grad():
-            for n, p in m.named_parameters():
-                if "lora_B" in n:
-                    p.mul_(20.0)
-        m.save_pretrained(str(tmp_path / t))
-        models[t] = m.eval()
+    models = {t: random_lora_adapter(tiny.student, tmp_path / t, seed=seed, b_scale=20.0)
+              for seed, t in enumerate(KEYS, 1)}
     backend = TenantOpenAIBackend(vllm_server.url, "tiny", list(KEYS), max_loaded_adapters=2,
                                   default_max_tokens=6, api_key=vllm_server.api_key)
     from transformers import AutoTokenizer

@@ -5,21 +5,14 @@ from __future__ import annotations
 
 import torch
 
+from claas_verl.tiny.adapters import random_lora_adapter
+
 
 def far_adapter(tiny, out, seed: int):
     """``(adapter dir, the PEFT model of that saved adapter)``: r 4 on q/v, lora_B scaled ×20 (far from the base)."""
-    from peft import LoraConfig, PeftModel, get_peft_model
+    from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    def base():
-        return AutoModelForCausalLM.from_pretrained(str(tiny.student), dtype=torch.float32).eval()
-
-    torch.manual_seed(seed)
-    model = get_peft_model(base(), LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
-                                              init_lora_weights=False))
-    with torch.no_grad():
-        for n, p in model.named_parameters():
-            if "lora_B" in n:
-                p.mul_(20.0)
-    model.save_pretrained(str(out))
-    return str(out), PeftModel.from_pretrained(base(), str(out)).eval()
+    random_lora_adapter(tiny.student, out, seed=seed, b_scale=20.0)
+    base = AutoModelForCausalLM.from_pretrained(str(tiny.student), dtype=torch.float32).eval()
+    return str(out), PeftModel.from_pretrained(base, str(out)).eval()
