@@ -95,28 +95,21 @@ def trainer_runs(directory: Path) -> list[dict]:
 
 
 def trainer_verdicts(dirs: Sequence[Path], reference: str) -> dict:
-    """``{"reference", "not_learning": [...], "comparisons": {recipe: {metric: {"orders": {dir name: paired},
-    "pooled": paired}}}}``: every recipe of the directories against ``reference``; seeds of different directories
-    are kept apart in the pooled pairing."""
+    """``{"reference", "not_learning": [...], "comparisons": {recipe: {metric: {"orders": {order: paired},
+    "pooled": paired}}}}``: every recipe of the directories against ``reference``, each a :func:`contrast` of two
+    trainer series (so pairs are (domain order, seed), as everywhere else); "not_learning" lists every run of the
+    directories, paired or not."""
     by_dir = {d.name: trainer_runs(d) for d in dirs}
     recipes = sorted({r["recipe"] for runs in by_dir.values() for r in runs} - {reference})
+    ref = trainer_series(dirs, reference)
     out: dict = {"reference": reference, "not_learning": [], "comparisons": {}}
     for name, runs in by_dir.items():
         out["not_learning"] += [f"{name}: {r['recipe']} seed {r['seed']} (smallest stage gain "
                                 f"{r['min_stage_gain']:.3f})" for r in runs if r["min_stage_gain"] < LEARNS]
     for recipe in recipes:
-        row = {}
-        for metric in METRICS:
-            per = {}
-            pooled_arm, pooled_ref = {}, {}
-            for name, runs in by_dir.items():
-                arm = {int(r["seed"]): r[metric] for r in runs if r["recipe"] == recipe}
-                ref = {int(r["seed"]): r[metric] for r in runs if r["recipe"] == reference}
-                per[name] = paired(arm, ref)
-                pooled_arm.update({(name, s): v for s, v in arm.items()})
-                pooled_ref.update({(name, s): v for s, v in ref.items()})
-            row[metric] = {"orders": per, "pooled": paired(pooled_arm, pooled_ref)}
-        out["comparisons"][recipe] = row
+        pair = contrast({recipe: trainer_series(dirs, recipe), reference: ref}, recipe, reference,
+                        grad_norm_ratio=False)
+        out["comparisons"][recipe] = pair["comparisons"]
     return out
 
 
@@ -201,11 +194,12 @@ def first_replay_grad_norms(steps: Sequence[Mapping]) -> dict[int, float]:
 
 
 def contrast(series: Mapping[str, Series], arm: str, reference: str, base_arm: str | None = None,
-             base_reference: str | None = None) -> dict:
+             base_reference: str | None = None, *, grad_norm_ratio: bool = True) -> dict:
     """``arm − reference``, or the difference of differences ``(arm − reference) − (base_arm − base_reference)``,
     pair by pair over the (domain order, seed) keys every named series has; per order and pooled, with the
     "learns" check of every run used and, for a plain contrast whose runs carry step records, E2's ratio of the
-    first replay steps' gradient norms (arm / reference, median over stages and pairs)."""
+    first replay steps' gradient norms (arm / reference, median over stages and pairs; ``grad_norm_ratio=False``
+    skips it and the step logs it reads)."""
     names = [n for n in (arm, reference, base_arm, base_reference) if n is not None]
     if (base_arm is None) != (base_reference is None):
         raise SystemExit("error: a difference of differences needs both --base-arm and --base-reference")
@@ -234,7 +228,8 @@ def contrast(series: Mapping[str, Series], arm: str, reference: str, base_arm: s
         per = {o: summarise({s: d for (oo, s), d in diffs.items() if oo == o}) for o in sorted({o for o, _ in keys})}
         out["comparisons"][metric] = {"orders": per, "pooled": summarise(diffs)}
     ratios: list[float] = []
-    if base_arm is None and all(series[n][k]["steps"] is not None for n in (arm, reference) for k in keys):
+    with_steps = all(series[n][k]["steps"] is not None for n in (arm, reference) for k in keys)
+    if grad_norm_ratio and base_arm is None and with_steps:
         for key in keys:
             ga, gr = (first_replay_grad_norms(_steps(series[n][key])) for n in (arm, reference))
             ratios += [ga[st] / gr[st] for st in sorted(set(ga) & set(gr)) if gr[st] > 0]
@@ -399,7 +394,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     print(_line(f"{recipe} − {args.reference}, {part}", p))
     elif args.kind == "trainer":
         result = trainer_verdicts(args.dirs, args.reference)
-        _print(result, f"paired with {args.reference}, per directory and pooled")
+        _print(result, f"paired with {args.reference}, per domain order and pooled")
     elif args.kind == "contrast":
         series = dict(parse_series(spec) for spec in (args.arm, args.reference, args.base_arm, args.base_reference)
                       if spec is not None)
