@@ -225,3 +225,15 @@ def test_contrast_pairs_one_recipe_across_result_directories_and_reads_the_step_
     _proxy(tmp_path, "paper", 1, 31, 0.2, {2: 1.0})
     with pytest.raises(SystemExit, match="mix stage-proxy and trainer runs"):
         verdicts.main(["contrast", "--arm", spec(arm), "--reference", f"proxy:{tmp_path}/paper"])
+
+
+def test_trainer_labels_each_order_by_its_domains_and_refuses_a_directory_given_twice(tmp_path):
+    seq, rep = "mopd/gym_seq", "mopd/gym_replay_kl"
+    runs = [dict(_run(seq, s, 0.2), order=["x", "y"]) for s in (1, 2)]
+    runs += [dict(_run(rep, s, f), order=["x", "y"]) for s, f in ((1, 0.3), (2, 0.25))]
+    o1 = _results(tmp_path / "anything", runs)
+    f = verdicts.trainer_verdicts([o1], seq)["comparisons"][rep]["forgetting"]
+    assert list(f["orders"]) == ["x→y"] and f["pooled"]["mean"] == pytest.approx(0.075)
+    assert f["pooled"]["seeds"] == [("x→y", 1), ("x→y", 2)]
+    with pytest.raises(SystemExit, match="seed 1 in order x→y appears twice"):
+        verdicts.trainer_verdicts([o1, o1], seq)
