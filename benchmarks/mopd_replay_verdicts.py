@@ -1,6 +1,8 @@
 """The statistics of the MOPD replay plan (``benchmarks/plans/mopd_replay.md``), read from committed results.
 
-Every comparison is paired by seed, arm − reference, mean ± 95% t half-width
+Compared: forgetting and final average, and the plan's secondary metrics wherever every run carries them (the first
+domain's accuracy after stages 2 and 3; trainer runs: its top-κ KL to its expert after stage 3). Every comparison
+is paired by seed, arm − reference, mean ± 95% t half-width
 (:func:`claas_verl.metrics.benchmark.mean_half_width`), per domain order and pooled over the orders, and read by the
 plan's rule: interval above 0 → "more", below 0 → "less", containing 0 → "no difference detected at ± hw". Runs
 whose smallest stage gain is below the plan's 0.15 ("learns") are named.
@@ -52,6 +54,9 @@ from claas_verl.metrics.benchmark import mean_half_width  # noqa: E402  (pure py
 
 LEARNS = 0.15  # the plan's "learns": every stage ends at least this far above π0 on its own domain
 METRICS = ("forgetting", "final_avg")
+# the plan's secondary metrics that the run records carry: the first domain's accuracy after stages 2 and 3, and
+# (trainer only) its top-κ KL to its expert after stage 3; compared wherever every run of a contrast has them
+SECONDARY = ("first_after_2", "first_after_3", "first_kl_to_expert_3")
 PROXY_NAME = re.compile(r"(?P<arm>.+)_lr(?P<lr>[^_]+)_n(?P<n>\d+)_o(?P<order>\d+)_s(?P<seed>\d+)\.json$")
 
 
@@ -123,6 +128,20 @@ def _order_label(run: Mapping, fallback: str) -> str:
     return "→".join(run["order"]) if run.get("order") else fallback
 
 
+def secondary_metrics(run: Mapping) -> dict[str, float]:
+    """:data:`SECONDARY` of one run record (proxy JSON or trainer ``results.json`` row), those it can give."""
+    order, scores, kl = run.get("order"), run.get("stage_scores") or {}, run.get("kl_to_expert") or {}
+    if not order:
+        return {}
+    first, out = order[0], {}
+    for stage in (2, 3):
+        if first in scores.get(str(stage), {}):
+            out[f"first_after_{stage}"] = float(scores[str(stage)][first])
+    if first in kl.get("3", {}):
+        out["first_kl_to_expert_3"] = float(kl["3"][first])
+    return out
+
+
 def proxy_runs(directory: Path, arm: str, lr: str | None = None) -> dict[tuple[int, int], dict]:
     """``{(order, seed): run JSON}`` of ``arm``'s files in ``directory`` (at ``lr`` when given). A directory that
     holds the arm at several (lr, steps) settings needs ``lr``: seeds of different settings are never paired."""
@@ -140,7 +159,8 @@ def proxy_runs(directory: Path, arm: str, lr: str | None = None) -> dict[tuple[i
 
 
 def proxy_series(directory: Path, arm: str, lr: str | None = None) -> Series:
-    return {(_order_label(run, f"order {o}"), s): {"kind": "proxy", "metrics": run["metrics"],
+    return {(_order_label(run, f"order {o}"), s): {"kind": "proxy",
+                                                   "metrics": {**run["metrics"], **secondary_metrics(run)},
                                                    "steps": run.get("steps"), "bundle": None}
             for (o, s), run in proxy_runs(directory, arm, lr).items()}
 
@@ -156,7 +176,8 @@ def trainer_series(dirs: Sequence[Path], recipe: str) -> Series:
             if key in out:
                 raise SystemExit(f"error: {recipe} seed {key[1]} in order {key[0]} appears twice in "
                                  f"{', '.join(map(str, dirs))}: give each order's directory once")
-            out[key] = {"kind": "trainer", "metrics": {m: run[m] for m in (*METRICS, "min_stage_gain")},
+            out[key] = {"kind": "trainer",
+                        "metrics": {**{m: run[m] for m in (*METRICS, "min_stage_gain")}, **secondary_metrics(run)},
                         "steps": (d / run["step_log"]) if run.get("step_log") else None,
                         "bundle": run.get("bundle_fingerprint")}
     return out
@@ -221,7 +242,8 @@ def contrast(series: Mapping[str, Series], arm: str, reference: str, base_arm: s
     def value(name: str, key, metric: str) -> float:
         return float(series[name][key]["metrics"][metric])
 
-    for metric in METRICS:
+    carried = [m for m in SECONDARY if all(m in series[n][k]["metrics"] for n in names for k in keys)]
+    for metric in (*METRICS, *carried):
         diffs = {k: value(arm, k, metric) - value(reference, k, metric) for k in keys}
         if base_arm is not None:
             diffs = {k: d - (value(base_arm, k, metric) - value(base_reference, k, metric)) for k, d in diffs.items()}

@@ -237,3 +237,28 @@ def test_trainer_labels_each_order_by_its_domains_and_refuses_a_directory_given_
     assert f["pooled"]["seeds"] == [("x→y", 1), ("x→y", 2)]
     with pytest.raises(SystemExit, match="seed 1 in order x→y appears twice"):
         verdicts.trainer_verdicts([o1, o1], seq)
+
+
+def test_the_plans_secondary_metrics_are_compared_where_every_run_carries_them(tmp_path):
+    seq, rep = "mopd/gym_seq", "mopd/gym_replay_kl"
+
+    def run(recipe: str, seed: int, after2: float, after3: float, kl3: float) -> dict:
+        return dict(_run(recipe, seed, 0.1), order=["x", "y", "z"],
+                    stage_scores={"1": {"x": 0.9}, "2": {"x": after2, "y": 0.8},
+                                  "3": {"x": after3, "y": 0.7, "z": 0.6}},
+                    kl_to_expert={"3": {"x": kl3, "y": 0.1, "z": 0.1}})
+
+    o1 = _results(tmp_path / "o1", [run(seq, 1, 0.5, 0.4, 0.3), run(seq, 2, 0.6, 0.5, 0.2),
+                                    run(rep, 1, 0.7, 0.45, 0.1), run(rep, 2, 0.7, 0.65, 0.1)])
+    row = verdicts.trainer_verdicts([o1], seq)["comparisons"][rep]
+    assert row["first_after_2"]["pooled"]["mean"] == pytest.approx(0.15)   # 0.2, 0.1
+    assert row["first_after_3"]["pooled"]["mean"] == pytest.approx(0.1)    # 0.05, 0.15
+    assert row["first_kl_to_expert_3"]["pooled"]["mean"] == pytest.approx(-0.15)  # −0.2, −0.1
+    # a proxy record has stage scores but no KL to the expert: only what every run carries is compared
+    for arm, after3 in (("paper", 0.3), ("seq", 0.5)):
+        rec = {"order": ["x", "y", "z"], "stage_scores": {"2": {"x": 0.6}, "3": {"x": after3}},
+               "metrics": {"forgetting": 0.1, "final_avg": 0.5, "min_stage_gain": 0.4}}
+        (tmp_path / f"{arm}_lr1e-3_n12_o1_s10.json").write_text(json.dumps(rec))
+    out = verdicts.proxy_verdicts(tmp_path, "paper", "seq")["comparisons"]
+    assert set(out) == {"forgetting", "final_avg", "first_after_2", "first_after_3"}
+    assert out["first_after_3"]["pooled"]["mean"] == pytest.approx(-0.2)
