@@ -104,15 +104,13 @@ def trainer_verdicts(dirs: Sequence[Path], reference: str) -> dict:
     "pooled": paired}}}}``: every recipe of the directories against ``reference``, each a :func:`contrast` of two
     trainer series (so pairs are (domain order, seed), as everywhere else); "not_learning" lists every run of the
     directories, paired or not."""
-    by_dir = {d.name: trainer_runs(d) for d in dirs}
-    recipes = sorted({r["recipe"] for runs in by_dir.values() for r in runs} - {reference})
-    ref = trainer_series(dirs, reference)
-    out: dict = {"reference": reference, "not_learning": [], "comparisons": {}}
-    for name, runs in by_dir.items():
-        out["not_learning"] += [f"{name}: {r['recipe']} seed {r['seed']} (smallest stage gain "
-                                f"{r['min_stage_gain']:.3f})" for r in runs if r["min_stage_gain"] < LEARNS]
-    for recipe in recipes:
-        pair = contrast({recipe: trainer_series(dirs, recipe), reference: ref}, recipe, reference,
+    series = trainer_series_by_recipe(dirs)
+    not_learning = [f"order {o}: {recipe} seed {seed} (smallest stage gain {g:.3f})"
+                    for recipe, runs in sorted(series.items()) for (o, seed), run in sorted(runs.items())
+                    if (g := run["metrics"]["min_stage_gain"]) < LEARNS]
+    out: dict = {"reference": reference, "not_learning": not_learning, "comparisons": {}}
+    for recipe in sorted(set(series) - {reference}):
+        pair = contrast({recipe: series[recipe], reference: series.get(reference, {})}, recipe, reference,
                         grad_norm_ratio=False)
         out["comparisons"][recipe] = pair["comparisons"]
     return out
@@ -165,21 +163,21 @@ def proxy_series(directory: Path, arm: str, lr: str | None = None) -> Series:
             for (o, s), run in proxy_runs(directory, arm, lr).items()}
 
 
-def trainer_series(dirs: Sequence[Path], recipe: str) -> Series:
-    """``recipe``'s runs in the result directories; its step log is read only when a statistic needs it."""
-    out: Series = {}
+def trainer_series_by_recipe(dirs: Sequence[Path]) -> dict[str, Series]:
+    """``{recipe: series}`` of every run in the result directories, each ``results.json`` read once; a step log is
+    read only when a statistic needs it."""
+    out: dict[str, Series] = {}
     for d in dirs:
         for run in trainer_runs(d):
-            if run["recipe"] != recipe:
-                continue
+            series = out.setdefault(run["recipe"], {})
             key = (_order_label(run, d.name), int(run["seed"]))
-            if key in out:
-                raise SystemExit(f"error: {recipe} seed {key[1]} in order {key[0]} appears twice in "
+            if key in series:
+                raise SystemExit(f"error: {run['recipe']} seed {key[1]} in order {key[0]} appears twice in "
                                  f"{', '.join(map(str, dirs))}: give each order's directory once")
-            out[key] = {"kind": "trainer",
-                        "metrics": {**{m: run[m] for m in (*METRICS, "min_stage_gain")}, **secondary_metrics(run)},
-                        "steps": (d / run["step_log"]) if run.get("step_log") else None,
-                        "bundle": run.get("bundle_fingerprint")}
+            series[key] = {"kind": "trainer",
+                           "metrics": {**{m: run[m] for m in (*METRICS, "min_stage_gain")}, **secondary_metrics(run)},
+                           "steps": (d / run["step_log"]) if run.get("step_log") else None,
+                           "bundle": run.get("bundle_fingerprint")}
     return out
 
 
@@ -191,7 +189,7 @@ def parse_series(spec: str) -> tuple[str, Series]:
         series = proxy_series(Path(path).parent, Path(path).name, lr or None)
     elif kind == "trainer" and "@" in rest:
         recipe, _, dirs = rest.partition("@")
-        series = trainer_series([Path(d) for d in dirs.split(",")], recipe)
+        series = trainer_series_by_recipe([Path(d) for d in dirs.split(",")]).get(recipe, {})
     else:
         raise SystemExit(f"error: {spec!r}: a series is proxy:DIR/ARM[@LR] (stage-proxy JSON files ARM_lrLR_…) or "
                          "trainer:RECIPE@DIR[,DIR...] (benchmark result directories, one per domain order)")

@@ -53,7 +53,7 @@ def test_trainer_pairs_by_seed_within_each_order_and_pools_the_orders_apart(tmp_
     pooled = f["pooled"]
     assert len(pooled["seeds"]) == 6  # seed s of each order is its own pair
     assert pooled["mean"] == pytest.approx((0.6 + 0.36) / 6) and pooled["reading"] == "more"
-    assert out["not_learning"] == ["o2: mopd/gym_replay_kl seed 2 (smallest stage gain 0.100)"]
+    assert out["not_learning"] == ["order o2: mopd/gym_replay_kl seed 2 (smallest stage gain 0.100)"]
 
 
 def _proxy(directory: Path, arm: str, order: int, seed: int, forgetting: float, grad_norms: dict[int, float]) -> None:
