@@ -1,0 +1,144 @@
+#!/usr/bin/env bash
+# The runs of benchmarks/plans/mopd_replay.md (#56), as the plan's "Commands" section spells them, resumable.
+#
+#   bash benchmarks/mopd_replay_queue.sh PART...     # parts run one after the other (amendment 5: one job at a time)
+#   bash benchmarks/mopd_replay_queue.sh copy        # copy what finished into benchmarks/results/ (then commit)
+#
+# Parts: proxy-check, trainer-e2-o2, proxy-e1-3e-4, proxy-mech, trainer-e1-3e-4, proxy-e1-1e-4 (and trainer-e2-o1,
+# trainer-e1-1e-3, proxy-e1-1e-3, proxy-e2 for a rerun from scratch). Work goes to $I56_DIR (default
+# /tmp/claas_verl_i56). A run already committed under benchmarks/results/ is not run again: a trainer directory starts
+# from the committed results.json (continual.py resumes from it, bundle fingerprint checked), a proxy run is skipped
+# when its JSON exists in a committed folder (`i56_proxy/*/`) or in the work folder. The stage proxy runs $I56_PROXY_JOBS processes
+# at once (default 2, one thread each; every step seeds its own samples, so only the wall time depends on it).
+set -euo pipefail
+cd "${I56_REPO:-$(dirname "$0")/..}"
+PY=${PYTHON:-$PWD/.venv/bin/python}
+DIR=${I56_DIR:-/tmp/claas_verl_i56}
+PROXY_JOBS=${I56_PROXY_JOBS:-2}
+RES=benchmarks/results
+SEEDS_TRAINER=31,32,33,34,35,36,37,38,39
+SEEDS_PROXY="10 11 12 13 14 15 16 17 18"
+O2_TRAINER="mopd.order=[palin,reverse,spell]"
+O2_PROXY="--order palin,reverse,spell"
+mkdir -p "$DIR"
+
+# trainer DIR_NAME COMMITTED_NAME RECIPES OVERRIDES...: one continual.py benchmark, resumed from the committed records
+trainer() {
+  local name=$1 committed=$2 recipes=$3; shift 3
+  local out=$DIR/$name
+  if [[ ! -f $out/results.json && -f $RES/$committed/results.json ]]; then
+    mkdir -p "$out" && cp -r "$RES/$committed/." "$out/"
+  fi
+  PATH="$(dirname "$PY"):$PATH" "$PY" benchmarks/continual.py --recipes "$recipes" --seeds $SEEDS_TRAINER --jobs 2 \
+    --keep-step-logs --out "$out" mopd.probe.enabled=true "$@"
+}
+
+# proxy_line SUBDIR ARM LR N ORDER SEED FLAGS...: one queue line "out-json flags" unless the run exists
+proxy_line() {
+  local sub=$1 arm=$2 lr=$3 n=$4 o=$5 s=$6; shift 6
+  local name=${arm}_lr${lr}_n${n}_o${o}_s${s}
+  # a committed run counts wherever it sits (the paper's replay at 1e-3 is E2's reference, in e2/)
+  compgen -G "$RES/i56_proxy/*/$name.json" > /dev/null && return 0
+  [[ -f $DIR/proxy/$sub/$name.json ]] && return 0
+  local order=""; [[ $o == 2 ]] && order=$O2_PROXY
+  echo "$DIR/proxy/$sub/$name --seed $s --lr $lr --steps $n $order $*"
+}
+
+# proxy_arm SUBDIR ARM LR N FLAGS...: the arm on seeds 10-18 in both orders
+proxy_arm() {
+  local sub=$1 arm=$2 lr=$3 n=$4; shift 4
+  for o in 1 2; do for s in $SEEDS_PROXY; do proxy_line "$sub" "$arm" "$lr" "$n" "$o" "$s" "$@"; done; done
+}
+
+run_proxy_queue() {  # stdin: queue lines; each run writes NAME.json and NAME.log (I56_DRY=1: print the lines)
+  if [[ ${I56_DRY:-0} == 1 ]]; then cat; return; fi
+  mkdir -p "$DIR/proxy"/{e1,e2,mech}
+  xargs -P "$PROXY_JOBS" -L 1 bash -c \
+    'out=$0; "'"$PY"'" benchmarks/mopd_stage_proxy.py --json "$out.json.part" "$@" > "$out.log" 2>&1 \
+       && mv "$out.json.part" "$out.json" || echo "FAILED: $out (see $out.log)" >&2'
+}
+
+proxy_e1() {  # LR N: Seq, the paper's replay, floor
+  proxy_arm e1 seq "$1" "$2"
+  proxy_arm e1 paper "$1" "$2" --replay-every 3
+  proxy_arm e1 floor "$1" "$2" --replay-every 3 --replay-std-floor 0.3
+}
+
+proxy_mech() {  # E3a, E3b, E4 (c = ĉ and 0.3), E5 at lr 1e-3, n = 12
+  proxy_arm mech seq_b0 1e-3 12 --beta1 0
+  proxy_arm mech paper_b0 1e-3 12 --beta1 0 --replay-every 3
+  proxy_arm mech e3b 1e-3 12 --replay-every 3 --replay-optimizer separate
+  proxy_arm mech e4c0.196 1e-3 12 --replay-every 3 --replay-weight 0.196
+  proxy_arm mech e4c0.3 1e-3 12 --replay-every 3 --replay-weight 0.3
+  proxy_arm mech e5 1e-3 12 --replay-every 3 --replay-cycle reversed
+}
+
+LR3E4=(mopd.train.lr=3e-4 mopd.domains.reverse.num_blocks=40 mopd.domains.spell.num_blocks=40
+       mopd.domains.palin.num_blocks=40)
+ALL3=mopd/gym_seq,mopd/gym_replay_kl,mopd/gym_replay_kl_floor
+
+copy_results() {
+  local name
+  for name in e1_lr1e-3_o1 e1_lr1e-3_o2 e2_o1 e2_o2 e1_lr3e-4_o1 e1_lr3e-4_o2; do
+    [[ -f $DIR/$name/results.json ]] || continue
+    mkdir -p "$RES/i56_$name/steps"
+    cp "$DIR/$name"/{results.json,report.md,reference_scores.json} "$RES/i56_$name/"
+    cp "$DIR/$name"/steps/*.jsonl.gz "$RES/i56_$name/steps/" 2>/dev/null || true
+  done
+  for sub in e1 e2 mech; do
+    compgen -G "$DIR/proxy/$sub/*.json" > /dev/null || continue
+    mkdir -p "$RES/i56_proxy/$sub"
+    for f in "$DIR/proxy/$sub"/*.json; do cp "$f" "${f%.json}.log" "$RES/i56_proxy/$sub/"; done
+  done
+}
+
+# proxy_check: run one committed proxy run again here and compare it with its record (is this machine's arithmetic the
+# one the committed runs were made with? A difference does not void a pairing, it is reported next to it)
+proxy_check() {
+  local name=paper_lr1e-3_n12_o1_s10 out=$DIR/proxy/check
+  mkdir -p "$out"
+  "$PY" benchmarks/mopd_stage_proxy.py --json "$out/$name.json" --seed 10 --lr 1e-3 --steps 12 --replay-every 3 \
+    > "$out/$name.log" 2>&1
+  "$PY" - "$RES/i56_proxy/e2/$name.json" "$out/$name.json" <<'PYEOF'
+import json, sys
+a, b = (json.load(open(p)) for p in sys.argv[1:])
+steps = list(zip(a["steps"], b["steps"]))
+first = next((i for i, (x, y) in enumerate(steps) if x["metrics"] != y["metrics"]), None)
+print(f"proxy check: {sys.argv[1]} (committed) against {sys.argv[2]} (here)")
+if first is None:
+    print("  every step's metrics identical")
+else:
+    x, y = steps[first][0]["metrics"], steps[first][1]["metrics"]
+    rel = max(abs(x[k] - y[k]) / max(abs(x[k]), 1e-12) for k in x if k in y)
+    print(f"  first step whose metrics differ: {first} (largest relative difference {rel:.1e})")
+for key in ("stage_scores", "metrics"):
+    print(f"  {key}: committed {a[key]}\n  {' ' * len(key)}  here      {b[key]}")
+PYEOF
+}
+
+main() {
+for part in "$@"; do
+  echo "== $(date -u +%H:%M) $part"
+  case $part in
+    trainer-e1-1e-3) trainer e1_lr1e-3_o1 i56_e1_lr1e-3_o1 $ALL3
+                     trainer e1_lr1e-3_o2 i56_e1_lr1e-3_o2 $ALL3 "$O2_TRAINER" ;;
+    trainer-e2-o1) trainer e2_o1 i56_e2_o1 mopd/gym_replay_kl mopd.train.replay_responses_per_prompt=16 ;;
+    trainer-e2-o2) trainer e2_o2 i56_e2_o2 mopd/gym_replay_kl mopd.train.replay_responses_per_prompt=16 \
+                     "$O2_TRAINER" ;;
+    trainer-e1-3e-4) trainer e1_lr3e-4_o1 i56_e1_lr3e-4_o1 $ALL3 "${LR3E4[@]}"
+                     trainer e1_lr3e-4_o2 i56_e1_lr3e-4_o2 $ALL3 "${LR3E4[@]}" "$O2_TRAINER" ;;
+    proxy-e1-1e-3) proxy_e1 1e-3 12 | run_proxy_queue ;;
+    proxy-e1-3e-4) proxy_e1 3e-4 40 | run_proxy_queue ;;
+    proxy-e1-1e-4) proxy_e1 1e-4 120 | run_proxy_queue ;;
+    proxy-e2) { proxy_arm e2 paper 1e-3 12 --replay-every 3
+                proxy_arm e2 e2 1e-3 12 --replay-every 3 --replay-replies 16; } | run_proxy_queue ;;
+    proxy-mech) proxy_mech | run_proxy_queue ;;
+    proxy-check) proxy_check ;;
+    copy) copy_results ;;
+    *) echo "unknown part '$part': see the header of $0" >&2; exit 2 ;;
+  esac
+done
+}
+
+# main is parsed whole before it runs, so editing this file while a queue runs cannot change that queue
+main "$@"; exit $?

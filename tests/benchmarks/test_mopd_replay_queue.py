@@ -1,0 +1,58 @@
+"""benchmarks/mopd_replay_queue.sh: the replay plan's runs as the plan spells them, committed runs skipped.
+
+Only the queue's dry run (``I56_DRY=1``) runs here: it lists the stage-proxy runs a part would start."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+SCRIPT = REPO / "benchmarks" / "mopd_replay_queue.sh"
+
+
+def _dry(part: str, work: Path) -> subprocess.CompletedProcess:
+    env = {"PATH": "/usr/bin:/bin", "I56_DRY": "1", "I56_DIR": str(work)}
+    return subprocess.run(["bash", str(SCRIPT), part], capture_output=True, text=True, env=env, timeout=60)
+
+
+def _queue(part: str, work: Path) -> list[str]:
+    done = _dry(part, work)
+    assert done.returncode == 0, done.stderr
+    return [line for line in done.stdout.splitlines() if not line.startswith("== ")]
+
+
+def test_committed_parts_queue_nothing(tmp_path):
+    """Every committed proxy record is found under the name the queue gives it, so a rerun starts none of them."""
+    assert _queue("proxy-e1-1e-3", tmp_path) == []
+    assert _queue("proxy-e2", tmp_path) == []
+
+
+def test_mechanism_arms_follow_the_plan(tmp_path):
+    lines = _queue("proxy-mech", tmp_path)
+    assert len(lines) == 6 * 2 * 9  # six arms, two orders, seeds 10-18
+    for arm, flags in {"seq_b0": "--beta1 0", "paper_b0": "--beta1 0 --replay-every 3",
+                       "e3b": "--replay-every 3 --replay-optimizer separate",
+                       "e4c0.196": "--replay-every 3 --replay-weight 0.196",
+                       "e4c0.3": "--replay-every 3 --replay-weight 0.3",
+                       "e5": "--replay-every 3 --replay-cycle reversed"}.items():
+        runs = [line for line in lines if f"/mech/{arm}_lr1e-3_n12_" in line]
+        assert len(runs) == 18, arm
+        assert all(line.split(" --steps 12", 1)[1].split() == ([] if "_o1_" in line else
+                                                               ["--order", "palin,reverse,spell"]) + flags.split()
+                   for line in runs), arm
+        assert sorted(int(line.split("--seed ")[1].split()[0]) for line in runs) == sorted(list(range(10, 19)) * 2)
+
+
+def test_a_finished_run_in_the_work_folder_is_skipped(tmp_path):
+    (tmp_path / "proxy" / "mech").mkdir(parents=True)
+    (tmp_path / "proxy" / "mech" / "e5_lr1e-3_n12_o2_s13.json").write_text("{}")
+    lines = _queue("proxy-mech", tmp_path)
+    assert len(lines) == 107
+    assert not any("/e5_lr1e-3_n12_o2_s13 " in line for line in lines)
+
+
+def test_an_unknown_part_is_refused(tmp_path):
+    done = _dry("proxy-e9", tmp_path)
+    assert done.returncode == 2
+    assert "unknown part 'proxy-e9'" in done.stderr
