@@ -53,6 +53,7 @@ sys.path.insert(0, str(REPO))
 from benchmarks.bench_jobs import job_env, run_job, stopping_jobs_on_signals, tagged  # noqa: E402
 from benchmarks.continual_methods import QUICK_MOPD_OVERRIDES, SPELLINGS, config_name, method_overrides  # noqa: E402
 from benchmarks.continual_report import _fmt, aggregate, stored_references, summarize, write_report  # noqa: E402
+from benchmarks.host import host_signature  # noqa: E402
 from claas_verl.metrics import benchmark as stats  # noqa: E402  (pure python)
 
 MOPD_FULL = ("mopd/gym_seq", "mopd/gym_replay_kl", "mopd/gym_replay_kl_floor", "mopd/gym_replay_kl_experts",
@@ -201,7 +202,7 @@ def _score_run(recipe: str, seed: int, out: Path, quick: bool, extra: list[str],
             "stage_scores": stage_scores, "kl_to_expert": full_kl, **metrics, "eval": protocol,
             "eval_version": EVAL_VERSION, "overrides": run_extra(quick, extra), "bundle_fingerprint": bundle,
             "trainer_stage_scores": trainer_scores, "run_dir": str(runs / name),
-            "seconds": round(seconds, 1)}
+            "seconds": round(seconds, 1), "host": host_signature()}
 
 
 def recipe_stages(recipe: str, overrides: list[str]) -> dict:

@@ -58,6 +58,7 @@ if str(REPO) not in sys.path:
 
 from benchmarks.bench_jobs import job_env, run_job, tagged  # noqa: E402
 from benchmarks.continual_methods import config_name, method_overrides  # noqa: E402
+from benchmarks.host import host_signature  # noqa: E402
 from claas_verl.metrics.benchmark import mean_half_width, paired_differences, summarize  # noqa: E402  (pure python)
 
 K = 5
@@ -185,7 +186,7 @@ def record_from_run_dir(recipe: str, seed: int, run_dir: Path, seconds: float) -
         "updates": int(rec.get("updates", 0)),
         "rollout_mean_reward": producer.get("mean_reward"),
         "warnings": rec.get("warnings", []),
-        "run_dir": str(run_dir), "seconds": round(float(seconds), 1),
+        "run_dir": str(run_dir), "seconds": round(float(seconds), 1), "host": host_signature(),
     }
 
 

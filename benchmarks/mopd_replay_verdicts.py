@@ -108,16 +108,19 @@ def trainer_verdicts(dirs: Sequence[Path], reference: str) -> dict:
     not_learning = [f"order {o}: {recipe} seed {seed} (smallest stage gain {g:.3f})"
                     for recipe, runs in sorted(series.items()) for (o, seed), run in sorted(runs.items())
                     if (g := run["metrics"]["min_stage_gain"]) < LEARNS]
-    out: dict = {"reference": reference, "not_learning": not_learning, "comparisons": {}}
+    out: dict = {"reference": reference, "not_learning": not_learning, "comparisons": {},
+                 "machines": {"one": 0, "across": 0, "unrecorded": 0}}
     for recipe in sorted(set(series) - {reference}):
         pair = contrast({recipe: series[recipe], reference: series.get(reference, {})}, recipe, reference,
                         grad_norm_ratio=False)
         out["comparisons"][recipe] = pair["comparisons"]
+        out["machines"] = {k: n + pair["machines"][k] for k, n in out["machines"].items()}
     return out
 
 
 # ----------------------------------------------------------------------------------------------- paired series
-# A series is one arm's runs, {(domain order, seed): {"kind", "metrics", "steps": list | Path | None, "bundle"}},
+# A series is one arm's runs, {(domain order, seed): {"kind", "metrics", "steps": list | Path | None, "bundle",
+# "host": the machine (benchmarks/host.py) or None where the record predates it},
 # from stage-proxy JSON files or from trainer result directories; contrasts pair series key by key.
 Series = dict
 
@@ -159,7 +162,8 @@ def proxy_runs(directory: Path, arm: str, lr: str | None = None) -> dict[tuple[i
 def proxy_series(directory: Path, arm: str, lr: str | None = None) -> Series:
     return {(_order_label(run, f"order {o}"), s): {"kind": "proxy",
                                                    "metrics": {**run["metrics"], **secondary_metrics(run)},
-                                                   "steps": run.get("steps"), "bundle": None}
+                                                   "steps": run.get("steps"), "bundle": None,
+                                                   "host": run.get("host")}
             for (o, s), run in proxy_runs(directory, arm, lr).items()}
 
 
@@ -177,7 +181,7 @@ def trainer_series_by_recipe(dirs: Sequence[Path]) -> dict[str, Series]:
             series[key] = {"kind": "trainer",
                            "metrics": {**{m: run[m] for m in (*METRICS, "min_stage_gain")}, **secondary_metrics(run)},
                            "steps": (d / run["step_log"]) if run.get("step_log") else None,
-                           "bundle": run.get("bundle_fingerprint")}
+                           "bundle": run.get("bundle_fingerprint"), "host": run.get("host")}
     return out
 
 
@@ -254,6 +258,19 @@ def contrast(series: Mapping[str, Series], arm: str, reference: str, base_arm: s
             ga, gr = (first_replay_grad_norms(_steps(series[n][key])) for n in (arm, reference))
             ratios += [ga[st] / gr[st] for st in sorted(set(ga) & set(gr)) if gr[st] > 0]
     out["first_replay_grad_norm_ratio"] = {"median": statistics.median(ratios) if ratios else None, "n": len(ratios)}
+    out["machines"] = pair_machines([[series[n][k].get("host") for n in names] for k in keys])
+    return out
+
+
+def pair_machines(pairs: Sequence[Sequence[Mapping | None]]) -> dict[str, int]:
+    """How many pairs were made on one recorded machine, across recorded machines, or with a run whose record
+    names none (made before records carried ``host``). The arithmetic, and with it a seed's outcome after its first
+    stage, differs between machines (benchmarks/host.py), so a pair across machines shares less than one made on
+    one machine."""
+    out = {"one": 0, "across": 0, "unrecorded": 0}
+    for hosts in pairs:
+        out["unrecorded" if any(h is None for h in hosts) else
+            "one" if all(h == hosts[0] for h in hosts) else "across"] += 1
     return out
 
 
@@ -364,6 +381,9 @@ def _print(result: Mapping, title: str) -> None:
         print(f"first replay step's gradient norm, {result['arm']} / {result['reference']}: median {med} "
               f"over {ratio['n']} (stage, seed) pairs")
     print("runs that do not learn: " + ("; ".join(result["not_learning"]) or "none"))
+    if (machines := result.get("machines")) is not None:
+        print(f"pairs by machine: {machines['one']} made on one machine, {machines['across']} across machines, "
+              f"{machines['unrecorded']} with a run whose record names no machine")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

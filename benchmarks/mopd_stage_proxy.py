@@ -44,6 +44,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.host import host_signature  # noqa: E402
 from benchmarks.mopd_proxy_steps import (  # noqa: E402
     PROBE_PROMPTS,
     PROBE_REPLIES,
@@ -276,7 +277,7 @@ def run_json(settings: dict, order: list[str], table: list[dict], own_expert: di
     metrics = run_metrics(stage_scores, order, base=base, experts={"own": own_expert})
     return {"settings": settings, "order": list(order), "table": table, "expert_own_domain": own_expert,
             "stage_scores": stage_scores, "metrics": metrics, "stage_train_seconds": stage_seconds,
-            "seconds": round(seconds, 1), "steps": records}
+            "seconds": round(seconds, 1), "host": host_signature(), "steps": records}
 
 
 def majority_answer_score(root: Path, domain: str) -> tuple[str, float]:

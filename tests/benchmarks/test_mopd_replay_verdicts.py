@@ -262,3 +262,21 @@ def test_the_plans_secondary_metrics_are_compared_where_every_run_carries_them(t
     out = verdicts.proxy_verdicts(tmp_path, "paper", "seq")["comparisons"]
     assert set(out) == {"forgetting", "final_avg", "first_after_2", "first_after_3"}
     assert out["first_after_3"]["pooled"]["mean"] == pytest.approx(-0.2)
+
+
+def test_pairs_are_counted_by_the_machines_their_runs_were_made_on(tmp_path, capsys):
+    a = {"cpu": "A", "cpu_capability": "AVX2", "torch": "2.13.0"}
+    b = {**a, "cpu_capability": "AVX512"}  # same CPU name, other kernels: another machine's arithmetic
+    hosts = {10: (a, a), 11: (a, b), 12: (None, a), 13: (b, b)}
+    for seed, (arm_host, ref_host) in hosts.items():
+        for arm, host, f in (("e5", arm_host, 0.1), ("paper", ref_host, 0.2)):
+            _proxy(tmp_path, arm, 1, seed, f, {2: 1.0})
+            path = tmp_path / f"{arm}_lr1e-3_n12_o1_s{seed}.json"
+            run = json.loads(path.read_text())
+            if host is not None:
+                run["host"] = host
+            path.write_text(json.dumps(run))
+    assert verdicts.proxy_verdicts(tmp_path, "e5", "paper")["machines"] == {"one": 2, "across": 1, "unrecorded": 1}
+    assert verdicts.main(["proxy", str(tmp_path), "--arm", "e5", "--reference", "paper"]) == 0
+    assert ("pairs by machine: 2 made on one machine, 1 across machines, 1 with a run whose record names no machine"
+            in capsys.readouterr().out)
