@@ -40,8 +40,10 @@ proxy_line() {
   # a committed run counts wherever it sits (the paper's replay at 1e-3 is E2's reference, in e2/)
   compgen -G "$RES/i56_proxy/*/$name.json" > /dev/null && return 0
   [[ -f $DIR/proxy/$sub/$name.json ]] && return 0
-  local order=""; [[ $o == 2 ]] && order=$O2_PROXY
-  echo "$DIR/proxy/$sub/$name --seed $s --lr $lr --steps $n $order $*"
+  local line=("$DIR/proxy/$sub/$name" --seed "$s" --lr "$lr" --steps "$n")
+  [[ $o == 2 ]] && line+=($O2_PROXY)
+  # no trailing blank: `xargs -L 1` would join the next line to this one
+  echo "${line[*]} $*" | sed 's/ *$//'
 }
 
 # proxy_arm SUBDIR ARM LR N FLAGS...: the arm on seeds 10-18 in both orders

@@ -44,6 +44,15 @@ def test_mechanism_arms_follow_the_plan(tmp_path):
         assert sorted(int(line.split("--seed ")[1].split()[0]) for line in runs) == sorted(list(range(10, 19)) * 2)
 
 
+def test_every_queue_line_is_one_run_for_xargs(tmp_path):
+    """``xargs -L 1`` joins a line that ends in a blank to the next one: Seq's lines (no flags after the order) did,
+    and three runs went to one proxy process, which refused them."""
+    lines = _queue("proxy-e1-1e-4", tmp_path)
+    assert len(lines) == 54 and all(line == line.rstrip() for line in lines)
+    seq = [line for line in lines if "/e1/seq_" in line]
+    assert seq[0].endswith("--steps 120") and seq[-1].endswith("--steps 120 --order palin,reverse,spell")
+
+
 def test_a_finished_run_in_the_work_folder_is_skipped(tmp_path):
     (tmp_path / "proxy" / "mech").mkdir(parents=True)
     (tmp_path / "proxy" / "mech" / "e5_lr1e-3_n12_o2_s13.json").write_text("{}")
