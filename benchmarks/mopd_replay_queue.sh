@@ -66,13 +66,13 @@ proxy_e1() {  # LR N: Seq, the paper's replay, floor
   proxy_arm e1 floor "$1" "$2" --replay-every 3 --replay-std-floor 0.3
 }
 
-proxy_mech() {  # E3a, E3b, E4 (c = ĉ and 0.3), E5 at lr 1e-3, n = 12
+proxy_mech() {  # E3a, E3b, E4 (c = ĉ), E5, E4 (c = 0.3) at lr 1e-3, n = 12; arm by arm, so a cut leaves whole arms
   proxy_arm mech seq_b0 1e-3 12 --beta1 0
   proxy_arm mech paper_b0 1e-3 12 --beta1 0 --replay-every 3
   proxy_arm mech e3b 1e-3 12 --replay-every 3 --replay-optimizer separate
   proxy_arm mech e4c0.196 1e-3 12 --replay-every 3 --replay-weight 0.196
-  proxy_arm mech e4c0.3 1e-3 12 --replay-every 3 --replay-weight 0.3
   proxy_arm mech e5 1e-3 12 --replay-every 3 --replay-cycle reversed
+  proxy_arm mech e4c0.3 1e-3 12 --replay-every 3 --replay-weight 0.3
 }
 
 LR3E4=(mopd.train.lr=3e-4 mopd.domains.reverse.num_blocks=40 mopd.domains.spell.num_blocks=40
