@@ -172,6 +172,7 @@ def test_record_from_a_run_directory(tmp_path):
     assert rec["stage_scores"][2]["split_4"] == pytest.approx(0.4)  # checkpoint 2 (row 1) on split 4 (column 3)
     assert rec["reward_curve"] == [[1, 0.5], [2, 1.0]]
     assert (rec["updates"], rec["rollout_mean_reward"], rec["seconds"], rec["seed"]) == (2, 0.25, 12.3, 7)
+    assert rec["host"] == claas_bench.host_signature()  # the machine, since runs differ between machines
     # a run over another K is refused with the cause
     write_continual_metrics(tmp_path, [[0.5, 0.5], [0.5, 0.5]])
     with pytest.raises(RuntimeError, match="expected 5x5"):

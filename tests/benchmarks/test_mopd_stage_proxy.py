@@ -14,6 +14,7 @@ sys.path.insert(0, str(REPO))
 
 from proxy_fixtures import ROWS, tiny_model  # noqa: E402
 
+from benchmarks.host import host_signature  # noqa: E402
 from benchmarks.mopd_stage_proxy import majority_answer_score, stage  # noqa: E402
 from claas_verl.mopd.eval.gym_snapshots import response_logits, right_padded  # noqa: E402
 from claas_verl.tiny import gym  # noqa: E402
@@ -198,6 +199,7 @@ def test_the_script_runs_the_stages_of_a_bundle_in_the_order_asked(tmp_path, mon
 
     doc = json.loads(out_json.read_text())
     assert doc["order"] == ["palin", "spell"] and [r["after"] for r in doc["table"]] == ["start", "1:palin", "2:spell"]
+    assert doc["host"] == host_signature()
     assert set(doc["metrics"]) >= {"forgetting", "final_avg", "bwt", "stage_gain", "min_stage_gain"}
     assert doc["stage_scores"] == {"1": {"palin": doc["table"][1]["palin"][0]},
                                    "2": {"palin": doc["table"][2]["palin"][0], "spell": doc["table"][2]["spell"][0]}}
