@@ -4,12 +4,13 @@
 #   bash benchmarks/mopd_replay_queue.sh PART...     # parts run one after the other (amendment 5: one job at a time)
 #   bash benchmarks/mopd_replay_queue.sh copy        # copy what finished into benchmarks/results/ (then commit)
 #
-# Parts: proxy-check, trainer-e2-o2, proxy-e1-3e-4, proxy-mech, trainer-e1-3e-4, proxy-e1-1e-4 (and trainer-e2-o1,
-# trainer-e1-1e-3, proxy-e1-1e-3, proxy-e2 for a rerun from scratch). Work goes to $I56_DIR (default
-# /tmp/claas_verl_i56). A run already committed under benchmarks/results/ is not run again: a trainer directory starts
-# from the committed results.json (continual.py resumes from it, bundle fingerprint checked), a proxy run is skipped
-# when its JSON exists in a committed folder (`i56_proxy/*/`) or in the work folder. The stage proxy runs $I56_PROXY_JOBS processes
-# at once (default 2, one thread each; every step seeds its own samples, so only the wall time depends on it).
+# Parts: proxy-check (one committed proxy run made again here and compared), trainer-e2-o2, proxy-e1-3e-4,
+# proxy-mech, trainer-e1-3e-4, proxy-e1-1e-4; complete ones (trainer-e1-1e-3, trainer-e2-o1, proxy-e1-1e-3, proxy-e2)
+# find every run committed. Work goes to $I56_DIR (default /tmp/claas_verl_i56). A run committed under
+# benchmarks/results/ is not run again: a trainer directory starts from the committed results.json (continual.py
+# resumes from it, bundle fingerprint checked); a proxy run is skipped when its JSON exists in a committed folder
+# (`i56_proxy/*/`) or in the work folder. The stage proxy runs $I56_PROXY_JOBS processes at once (default 2, one
+# thread each; every step seeds its own samples, so only the wall time depends on it).
 set -euo pipefail
 cd "${I56_REPO:-$(dirname "$0")/..}"
 PY=${PYTHON:-$PWD/.venv/bin/python}
