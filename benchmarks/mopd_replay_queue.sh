@@ -16,7 +16,7 @@ cd "${I56_REPO:-$(dirname "$0")/..}"
 PY=${PYTHON:-$PWD/.venv/bin/python}
 DIR=${I56_DIR:-/tmp/claas_verl_i56}
 PROXY_JOBS=${I56_PROXY_JOBS:-2}
-RES=benchmarks/results
+RES=${I56_RESULTS:-benchmarks/results}  # the committed records
 SEEDS_TRAINER=31,32,33,34,35,36,37,38,39
 SEEDS_PROXY="10 11 12 13 14 15 16 17 18"
 O2_TRAINER="mopd.order=[palin,reverse,spell]"

@@ -11,13 +11,16 @@ REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "benchmarks" / "mopd_replay_queue.sh"
 
 
-def _dry(part: str, work: Path) -> subprocess.CompletedProcess:
+def _dry(part: str, work: Path, committed: Path | None = None) -> subprocess.CompletedProcess:
+    """The queue's dry run of ``part``; ``committed`` stands in for benchmarks/results/ (default: the real one)."""
     env = {"PATH": "/usr/bin:/bin", "I56_DRY": "1", "I56_DIR": str(work)}
+    if committed is not None:
+        env["I56_RESULTS"] = str(committed)
     return subprocess.run(["bash", str(SCRIPT), part], capture_output=True, text=True, env=env, timeout=60)
 
 
-def _queue(part: str, work: Path) -> list[str]:
-    done = _dry(part, work)
+def _queue(part: str, work: Path, committed: Path | None = None) -> list[str]:
+    done = _dry(part, work, committed)
     assert done.returncode == 0, done.stderr
     return [line for line in done.stdout.splitlines() if not line.startswith("== ")]
 
@@ -29,7 +32,7 @@ def test_committed_parts_queue_nothing(tmp_path):
 
 
 def test_mechanism_arms_follow_the_plan(tmp_path):
-    lines = _queue("proxy-mech", tmp_path)
+    lines = _queue("proxy-mech", tmp_path / "work", committed=tmp_path / "none")
     assert len(lines) == 6 * 2 * 9  # six arms, two orders, seeds 10-18
     for arm, flags in {"seq_b0": "--beta1 0", "paper_b0": "--beta1 0 --replay-every 3",
                        "e3b": "--replay-every 3 --replay-optimizer separate",
@@ -47,7 +50,7 @@ def test_mechanism_arms_follow_the_plan(tmp_path):
 def test_every_queue_line_is_one_run_for_xargs(tmp_path):
     """``xargs -L 1`` joins a line that ends in a blank to the next one: Seq's lines (no flags after the order) did,
     and three runs went to one proxy process, which refused them."""
-    lines = _queue("proxy-e1-1e-4", tmp_path)
+    lines = _queue("proxy-e1-1e-4", tmp_path / "work", committed=tmp_path / "none")
     assert len(lines) == 54 and all(line == line.rstrip() for line in lines)
     seq = [line for line in lines if "/e1/seq_" in line]
     assert seq[0].endswith("--steps 120") and seq[-1].endswith("--steps 120 --order palin,reverse,spell")
@@ -56,9 +59,12 @@ def test_every_queue_line_is_one_run_for_xargs(tmp_path):
 def test_a_finished_run_in_the_work_folder_is_skipped(tmp_path):
     (tmp_path / "proxy" / "mech").mkdir(parents=True)
     (tmp_path / "proxy" / "mech" / "e5_lr1e-3_n12_o2_s13.json").write_text("{}")
-    lines = _queue("proxy-mech", tmp_path)
-    assert len(lines) == 107
-    assert not any("/e5_lr1e-3_n12_o2_s13 " in line for line in lines)
+    committed = tmp_path / "committed" / "i56_proxy" / "mech"
+    committed.mkdir(parents=True)
+    (committed / "e3b_lr1e-3_n12_o1_s10.json").write_text("{}")
+    lines = _queue("proxy-mech", tmp_path, committed=tmp_path / "committed")
+    assert len(lines) == 106
+    assert not any("/e5_lr1e-3_n12_o2_s13 " in line or "/e3b_lr1e-3_n12_o1_s10 " in line for line in lines)
 
 
 def test_an_unknown_part_is_refused(tmp_path):
