@@ -29,6 +29,7 @@ def test_committed_parts_queue_nothing(tmp_path):
     """Every committed proxy record is found under the name the queue gives it, so a rerun starts none of them."""
     assert _queue("proxy-e1-1e-3", tmp_path) == []
     assert _queue("proxy-e2", tmp_path) == []
+    assert _queue("proxy-e1-3e-4", tmp_path) == []
 
 
 def test_mechanism_arms_follow_the_plan(tmp_path):
