@@ -5,7 +5,7 @@
 #   bash benchmarks/mopd_replay_queue.sh copy        # copy what finished into benchmarks/results/ (then commit)
 #
 # Parts: proxy-check (one committed proxy run made again here and compared), trainer-e2-o2, proxy-e1-3e-4,
-# proxy-mech, trainer-e1-3e-4, proxy-e1-1e-4; complete ones (trainer-e1-1e-3, trainer-e2-o1, proxy-e1-1e-3, proxy-e2)
+# proxy-mech, proxy-machine (amendment 7), trainer-e1-3e-4, proxy-e1-1e-4; complete ones (trainer-e1-1e-3, trainer-e2-o1, proxy-e1-1e-3, proxy-e2)
 # find every run committed. Work goes to $I56_DIR (default /tmp/claas_verl_i56). A run committed under
 # benchmarks/results/ is not run again: a trainer directory starts from the committed results.json (continual.py
 # resumes from it, bundle fingerprint checked); a proxy run is skipped when its JSON exists in a committed folder
@@ -55,7 +55,7 @@ proxy_arm() {
 
 run_proxy_queue() {  # stdin: queue lines; each run writes NAME.json and NAME.log (I56_DRY=1: print the lines)
   if [[ ${I56_DRY:-0} == 1 ]]; then cat; return; fi
-  mkdir -p "$DIR/proxy"/{e1,e2,mech}
+  mkdir -p "$DIR/proxy"/{e1,e2,mech,machine}
   xargs -P "$PROXY_JOBS" -L 1 bash -c \
     'out=$0; "'"$PY"'" benchmarks/mopd_stage_proxy.py --json "$out.json.part" "$@" > "$out.log" 2>&1 \
        && mv "$out.json.part" "$out.json" || echo "FAILED: $out (see $out.log)" >&2'
@@ -76,6 +76,11 @@ proxy_mech() {  # E3a, E3b, E4 (c = ĉ), E5, E4 (c = 0.3) at lr 1e-3, n = 12; ar
   proxy_arm mech e4c0.3 1e-3 12 --replay-every 3 --replay-weight 0.3
 }
 
+proxy_machine() {  # amendment 7's control: the lr 1e-3 references made again on this machine, under their own names
+  proxy_arm machine seq_rerun 1e-3 12
+  proxy_arm machine paper_rerun 1e-3 12 --replay-every 3
+}
+
 LR3E4=(mopd.train.lr=3e-4 mopd.domains.reverse.num_blocks=40 mopd.domains.spell.num_blocks=40
        mopd.domains.palin.num_blocks=40)
 ALL3=mopd/gym_seq,mopd/gym_replay_kl,mopd/gym_replay_kl_floor
@@ -88,7 +93,7 @@ copy_results() {
     cp "$DIR/$name"/{results.json,report.md,reference_scores.json} "$RES/i56_$name/"
     cp "$DIR/$name"/steps/*.jsonl.gz "$RES/i56_$name/steps/" 2>/dev/null || true
   done
-  for sub in e1 e2 mech; do
+  for sub in e1 e2 mech machine; do
     compgen -G "$DIR/proxy/$sub/*.json" > /dev/null || continue
     mkdir -p "$RES/i56_proxy/$sub"
     for f in "$DIR/proxy/$sub"/*.json; do cp "$f" "${f%.json}.log" "$RES/i56_proxy/$sub/"; done
@@ -136,6 +141,7 @@ for part in "$@"; do
     proxy-e2) { proxy_arm e2 paper 1e-3 12 --replay-every 3
                 proxy_arm e2 e2 1e-3 12 --replay-every 3 --replay-replies 16; } | run_proxy_queue ;;
     proxy-mech) proxy_mech | run_proxy_queue ;;
+    proxy-machine) proxy_machine | run_proxy_queue ;;
     proxy-check) proxy_check ;;
     copy) copy_results ;;
     *) echo "unknown part '$part': see the header of $0" >&2; exit 2 ;;
