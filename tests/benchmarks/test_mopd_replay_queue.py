@@ -30,6 +30,7 @@ def test_committed_parts_queue_nothing(tmp_path):
     assert _queue("proxy-e1-1e-3", tmp_path) == []
     assert _queue("proxy-e2", tmp_path) == []
     assert _queue("proxy-e1-3e-4", tmp_path) == []
+    assert _queue("proxy-mech", tmp_path) == []
 
 
 def test_mechanism_arms_follow_the_plan(tmp_path):
