@@ -169,8 +169,10 @@ def test_balanced_step_equals_reference_and_logs_the_ratio(tiny_dir, ratio, pass
     for g, p in zip(got, ref_model.parameters()):
         if p.grad is None:
             assert g is None or float(g.abs().max()) == 0.0
-        else:  # fp32, different summation order (the host direction s is accumulated term by term)
-            torch.testing.assert_close(g, p.grad, rtol=1e-4, atol=1e-6 * float(p.grad.abs().max()))
+        else:  # fp32, different summation order (the host direction s is accumulated term by term); the floor
+            # is 1e-5 of the largest entry: 1e-6 held on AVX2 machines and missed by 6% on one entry of 65,536 on an
+            # AVX-512 one, whose kernels sum in other blocks
+            torch.testing.assert_close(g, p.grad, rtol=1e-4, atol=1e-5 * float(p.grad.abs().max()))
 
 
 def test_carried_balance_reuses_the_multipliers_of_the_exact_step(tiny_dir):
