@@ -4,8 +4,10 @@
 #   bash benchmarks/mopd_replay_queue.sh PART...     # parts run one after the other (amendment 5: one job at a time)
 #   bash benchmarks/mopd_replay_queue.sh copy        # copy what finished into benchmarks/results/ (then commit)
 #
-# Parts: proxy-check (one committed proxy run made again here and compared), trainer-e2-o2, proxy-e1-3e-4,
-# proxy-mech, proxy-machine (amendment 7), trainer-e1-3e-4, proxy-e1-1e-4; complete ones (trainer-e1-1e-3, trainer-e2-o1, proxy-e1-1e-3, proxy-e2)
+# Parts: proxy-check and trainer-check (one committed run made again here and compared), trainer-e2-o2,
+# proxy-e1-3e-4, proxy-mech, proxy-machine (amendment 7), trainer-e1-3e-4, trainer-machine (amendment 8),
+# trainer-e3a / -e3b / -e5 (the promoted mechanism arms), proxy-e1-1e-4; complete ones (trainer-e1-1e-3,
+# trainer-e2-o1, proxy-e1-1e-3, proxy-e2)
 # find every run committed. Work goes to $I56_DIR (default /tmp/claas_verl_i56). A run committed under
 # benchmarks/results/ is not run again: a trainer directory starts from the committed results.json (continual.py
 # resumes from it, bundle fingerprint checked); a proxy run is skipped when its JSON exists in a committed folder
@@ -27,6 +29,11 @@ mkdir -p "$DIR"
 trainer() {
   local name=$1 committed=$2 recipes=$3; shift 3
   local out=$DIR/$name
+  if [[ ${I56_DRY:-0} == 1 ]]; then  # the command, one line, committed records not copied
+    echo "continual.py --recipes $recipes --seeds $SEEDS_TRAINER --jobs 2 --keep-step-logs --out $out" \
+      "mopd.probe.enabled=true $*" | sed 's/ *$//'
+    return 0
+  fi
   if [[ ! -f $out/results.json && -f $RES/$committed/results.json ]]; then
     mkdir -p "$out" && cp -r "$RES/$committed/." "$out/"
   fi
@@ -84,15 +91,21 @@ proxy_machine() {  # amendment 7's control: the lr 1e-3 references made again on
 LR3E4=(mopd.train.lr=3e-4 mopd.domains.reverse.num_blocks=40 mopd.domains.spell.num_blocks=40
        mopd.domains.palin.num_blocks=40)
 ALL3=mopd/gym_seq,mopd/gym_replay_kl,mopd/gym_replay_kl_floor
+BETA1_0="mopd.train.betas=[0.0,0.999]"  # E3a: no first moment, AdamW's second moment as the paper's
 
 copy_results() {
   local name
-  for name in e1_lr1e-3_o1 e1_lr1e-3_o2 e2_o1 e2_o2 e1_lr3e-4_o1 e1_lr3e-4_o2; do
+  for name in e1_lr1e-3_o1 e1_lr1e-3_o2 e2_o1 e2_o2 e1_lr3e-4_o1 e1_lr3e-4_o2 {e1rerun,e3a,e3b,e5}_o{1,2}; do
     [[ -f $DIR/$name/results.json ]] || continue
     mkdir -p "$RES/i56_$name/steps"
     cp "$DIR/$name"/{results.json,report.md,reference_scores.json} "$RES/i56_$name/"
     cp "$DIR/$name"/steps/*.jsonl.gz "$RES/i56_$name/steps/" 2>/dev/null || true
   done
+  if [[ -f $DIR/check_trainer/check.txt ]]; then  # amendment 8's check: its run and the comparison
+    mkdir -p "$RES/i56_trainer_check/steps"
+    cp "$DIR/check_trainer"/{results.json,report.md,check.txt} "$RES/i56_trainer_check/"
+    cp "$DIR/check_trainer"/steps/*.jsonl.gz "$RES/i56_trainer_check/steps/"
+  fi
   for sub in e1 e2 mech machine; do
     compgen -G "$DIR/proxy/$sub/*.json" > /dev/null || continue
     mkdir -p "$RES/i56_proxy/$sub"
@@ -124,6 +137,37 @@ for key in ("stage_scores", "metrics"):
 PYEOF
 }
 
+# trainer_check: the same for the trainer (amendment 8): Seq, seed 31, default order, lr 1e-3, against trainer E1's
+# record; every step's metrics and the run's forgetting
+trainer_check() {
+  local out=$DIR/check_trainer committed=$RES/i56_e1_lr1e-3_o1
+  if [[ ${I56_DRY:-0} == 1 ]]; then
+    echo "continual.py --recipes mopd/gym_seq --seeds 31 --jobs 1 --keep-step-logs --out $out mopd.probe.enabled=true"
+    return 0
+  fi
+  PATH="$(dirname "$PY"):$PATH" "$PY" benchmarks/continual.py --recipes mopd/gym_seq --seeds 31 --jobs 1 \
+    --keep-step-logs --out "$out" mopd.probe.enabled=true
+  "$PY" - "$committed" "$out" <<'PYEOF' | tee "$out/check.txt"
+import gzip, json, sys
+from pathlib import Path
+a, b = (Path(p) for p in sys.argv[1:])
+steps = [[json.loads(x) for x in gzip.open(d / "steps" / "mopd_gym_seq_s31.jsonl.gz", "rt")] for d in (a, b)]
+runs = [next(r for r in json.loads((d / "results.json").read_text())["runs"]
+             if r["recipe"] == "mopd/gym_seq" and r["seed"] == 31) for d in (a, b)]
+print(f"trainer check: {a} (committed) against {b} (here), mopd/gym_seq seed 31")
+first = next((i for i, (x, y) in enumerate(zip(*steps)) if x["metrics"] != y["metrics"]), None)
+if first is None:
+    print(f"  every step's metrics identical ({len(steps[0])} and {len(steps[1])} steps)")
+else:
+    x, y = steps[0][first]["metrics"], steps[1][first]["metrics"]
+    rel = max(abs(x[k] - y[k]) / max(abs(x[k]), 1e-12) for k in x if k in y and isinstance(x[k], (int, float)))
+    print(f"  first step whose metrics differ: {first} (largest relative difference {rel:.1e})")
+for key in ("forgetting", "final_avg", "stage_scores"):
+    print(f"  {key}: committed {runs[0][key]}\n  {' ' * len(key)}  here      {runs[1][key]}")
+print(f"  host here: {runs[1].get('host')}")
+PYEOF
+}
+
 main() {
 for part in "$@"; do
   echo "== $(date -u +%H:%M) $part"
@@ -135,6 +179,13 @@ for part in "$@"; do
                      "$O2_TRAINER" ;;
     trainer-e1-3e-4) trainer e1_lr3e-4_o1 i56_e1_lr3e-4_o1 $ALL3 "${LR3E4[@]}"
                      trainer e1_lr3e-4_o2 i56_e1_lr3e-4_o2 $ALL3 "${LR3E4[@]}" "$O2_TRAINER" ;;
+    # the mechanism arms the proxy promoted (plan, "Promotion to the trainer"; amendment 8): lr 1e-3, both orders
+    trainer-e3a) trainer e3a_o1 i56_e3a_o1 mopd/gym_seq,mopd/gym_replay_kl "$BETA1_0"
+                 trainer e3a_o2 i56_e3a_o2 mopd/gym_seq,mopd/gym_replay_kl "$BETA1_0" "$O2_TRAINER" ;;
+    trainer-e3b) trainer e3b_o1 i56_e3b_o1 mopd/gym_replay_kl mopd.train.replay_optimizer=separate
+                 trainer e3b_o2 i56_e3b_o2 mopd/gym_replay_kl mopd.train.replay_optimizer=separate "$O2_TRAINER" ;;
+    trainer-e5) trainer e5_o1 i56_e5_o1 mopd/gym_replay_kl mopd.replay.cycle=reversed
+                trainer e5_o2 i56_e5_o2 mopd/gym_replay_kl mopd.replay.cycle=reversed "$O2_TRAINER" ;;
     proxy-e1-1e-3) proxy_e1 1e-3 12 | run_proxy_queue ;;
     proxy-e1-3e-4) proxy_e1 3e-4 40 | run_proxy_queue ;;
     proxy-e1-1e-4) proxy_e1 1e-4 120 | run_proxy_queue ;;
@@ -143,6 +194,10 @@ for part in "$@"; do
     proxy-mech) proxy_mech | run_proxy_queue ;;
     proxy-machine) proxy_machine | run_proxy_queue ;;
     proxy-check) proxy_check ;;
+    trainer-check) trainer_check ;;
+    # amendment 8's control: trainer E1's Seq and paper's replay at lr 1e-3 made again on this machine
+    trainer-machine) trainer e1rerun_o1 i56_e1rerun_o1 mopd/gym_seq,mopd/gym_replay_kl
+                     trainer e1rerun_o2 i56_e1rerun_o2 mopd/gym_seq,mopd/gym_replay_kl "$O2_TRAINER" ;;
     copy) copy_results ;;
     *) echo "unknown part '$part': see the header of $0" >&2; exit 2 ;;
   esac

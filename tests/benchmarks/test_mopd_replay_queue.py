@@ -5,7 +5,10 @@ Only the queue's dry run (``I56_DRY=1``) runs here: it lists the stage-proxy run
 from __future__ import annotations
 
 import subprocess
+import sys
 from pathlib import Path
+
+from hydra import compose, initialize_config_dir
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "benchmarks" / "mopd_replay_queue.sh"
@@ -73,3 +76,47 @@ def test_an_unknown_part_is_refused(tmp_path):
     done = _dry("proxy-e9", tmp_path)
     assert done.returncode == 2
     assert "unknown part 'proxy-e9'" in done.stderr
+
+
+def test_the_trainer_parts_spell_the_plans_commands(tmp_path):
+    """Trainer parts in the dry run: one continual.py line per directory, the arm's key and the second order's."""
+    o2 = "mopd.order=[palin,reverse,spell]"
+    head = "continual.py --recipes {} --seeds 31,32,33,34,35,36,37,38,39 --jobs 2 --keep-step-logs --out {} " \
+           "mopd.probe.enabled=true"
+    arms = {"trainer-e3a": ("e3a", "mopd/gym_seq,mopd/gym_replay_kl", "mopd.train.betas=[0.0,0.999]"),
+            "trainer-e3b": ("e3b", "mopd/gym_replay_kl", "mopd.train.replay_optimizer=separate"),
+            "trainer-e5": ("e5", "mopd/gym_replay_kl", "mopd.replay.cycle=reversed"),
+            "trainer-machine": ("e1rerun", "mopd/gym_seq,mopd/gym_replay_kl", "")}
+    for part, (name, recipes, key) in arms.items():
+        lines = _queue(part, tmp_path)
+        expected = [" ".join(filter(None, [head.format(recipes, tmp_path / f"{name}_o{o}"), key, extra]))
+                    for o, extra in ((1, ""), (2, o2))]
+        assert lines == expected, part
+
+
+def test_the_trainer_check_is_one_seq_run_at_the_plans_first_rate(tmp_path):
+    assert _queue("trainer-check", tmp_path) == [
+        f"continual.py --recipes mopd/gym_seq --seeds 31 --jobs 1 --keep-step-logs --out {tmp_path / 'check_trainer'}"
+        " mopd.probe.enabled=true"]
+
+
+def test_every_key_a_trainer_part_sets_is_one_the_recipes_accept(tmp_path):
+    """Each part's overrides compose with its recipes, pass the trainer's config checks and build a plan (a misspelt
+    or refused key would otherwise cost hours of queue before the run fails)."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    from continual_methods import config_name, method_overrides  # noqa: PLC0415 - the benchmark's own spelling
+
+    from claas_verl.mopd.config import MopdConfig
+    from claas_verl.mopd.recipe_schedule import plan_from_config
+    from claas_verl.paths import recipes_dir
+
+    with initialize_config_dir(config_dir=str(recipes_dir()), version_base=None):
+        for part in ("trainer-e3a", "trainer-e3b", "trainer-e5", "trainer-e1-3e-4", "trainer-machine"):
+            for line in _queue(part, tmp_path):
+                recipes = line.split("--recipes ")[1].split()[0].split(",")
+                overrides = line.split("mopd.probe.enabled=true")[1].split()
+                for recipe in recipes:
+                    cfg = compose(config_name=config_name(recipe),
+                                  overrides=[*method_overrides(recipe), "mopd.probe.enabled=true", *overrides])
+                    MopdConfig.from_config(cfg)
+                    assert plan_from_config(cfg).steps, (part, recipe)
