@@ -138,7 +138,7 @@ PYEOF
 }
 
 # trainer_check: the same for the trainer (amendment 8): Seq, seed 31, default order, lr 1e-3, against trainer E1's
-# record; every step's metrics and the run's forgetting
+# record; every step's metrics and the run's forgetting (run again, it only compares: continual.py resumes)
 trainer_check() {
   local out=$DIR/check_trainer committed=$RES/i56_e1_lr1e-3_o1
   if [[ ${I56_DRY:-0} == 1 ]]; then
@@ -155,13 +155,17 @@ steps = [[json.loads(x) for x in gzip.open(d / "steps" / "mopd_gym_seq_s31.jsonl
 runs = [next(r for r in json.loads((d / "results.json").read_text())["runs"]
              if r["recipe"] == "mopd/gym_seq" and r["seed"] == 31) for d in (a, b)]
 print(f"trainer check: {a} (committed) against {b} (here), mopd/gym_seq seed 31")
-first = next((i for i, (x, y) in enumerate(zip(*steps)) if x["metrics"] != y["metrics"]), None)
+def learned(metrics):  # what the step computed; wall times and memory differ between any two runs
+    return {k: v for k, v in metrics.items() if not any(t in k for t in ("perf/", "timing"))}
+first = next((i for i, (x, y) in enumerate(zip(*steps)) if learned(x["metrics"]) != learned(y["metrics"])), None)
 if first is None:
     print(f"  every step's metrics identical ({len(steps[0])} and {len(steps[1])} steps)")
 else:
-    x, y = steps[0][first]["metrics"], steps[1][first]["metrics"]
-    rel = max(abs(x[k] - y[k]) / max(abs(x[k]), 1e-12) for k in x if k in y and isinstance(x[k], (int, float)))
-    print(f"  first step whose metrics differ: {first} (largest relative difference {rel:.1e})")
+    x, y = learned(steps[0][first]["metrics"]), learned(steps[1][first]["metrics"])
+    rel = {k: abs(x[k] - y[k]) / max(abs(x[k]), 1e-12) for k in x if k in y and x[k] != y[k]}
+    worst = max(rel, key=rel.get)
+    print(f"  first step whose metrics differ: {first}, on {len(rel)} of {len(x)} metrics (largest relative "
+          f"difference {rel[worst]:.1e}, {worst}; actor/grad_norm {rel.get('actor/grad_norm', 0.0):.1e})")
 for key in ("forgetting", "final_avg", "stage_scores"):
     print(f"  {key}: committed {runs[0][key]}\n  {' ' * len(key)}  here      {runs[1][key]}")
 print(f"  host here: {runs[1].get('host')}")
