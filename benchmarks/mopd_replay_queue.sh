@@ -98,7 +98,10 @@ copy_results() {
   for name in e1_lr1e-3_o1 e1_lr1e-3_o2 e2_o1 e2_o2 e1_lr3e-4_o1 e1_lr3e-4_o2 {e1rerun,e3a,e3b,e5}_o{1,2}; do
     [[ -f $DIR/$name/results.json ]] || continue
     mkdir -p "$RES/i56_$name/steps"
-    cp "$DIR/$name"/{results.json,report.md,reference_scores.json} "$RES/i56_$name/"
+    # an unfinished directory has no report yet (continual.py writes it when every run is done)
+    for f in results.json report.md reference_scores.json; do
+      if [[ -f $DIR/$name/$f ]]; then cp "$DIR/$name/$f" "$RES/i56_$name/"; fi
+    done
     cp "$DIR/$name"/steps/*.jsonl.gz "$RES/i56_$name/steps/" 2>/dev/null || true
   done
   if [[ -f $DIR/check_trainer/check.txt ]]; then  # amendment 8's check: its run and the comparison
